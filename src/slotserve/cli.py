@@ -1,0 +1,161 @@
+"""Command line: ``slotserve serve [MODEL_PATH]`` (SPEC C1, S5).
+
+Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
+``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from slotserve import __version__
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SLOTSERVE_{name}", default)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = _env(name)
+    return default if value is None else int(value)
+
+
+def _env_bool(name: str) -> bool:
+    return (_env(name) or "").lower() in ("1", "true", "yes", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slotserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"slotserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a GGUF model over the OpenAI API")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=_env("MODEL"),
+        help="GGUF file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=_env_int("PORT", 8000))
+    serve.add_argument(
+        "--slots",
+        type=int,
+        default=_env_int("SLOTS", 8),
+        help="sequences decoded together (default 8)",
+    )
+    serve.add_argument(
+        "--ctx-size",
+        type=int,
+        default=_env_int("CTX_SIZE", 0),
+        help="KV cache tokens for all slots together; each slot gets "
+        "ctx-size / slots (default: slots × min(trained context, 4096))",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=_env_int("MAX_QUEUE", 64),
+        help="requests that may wait for a slot before 429 (default 64)",
+    )
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=_env_int("MAX_BATCH_TOKENS", 512),
+        help="tokens in one forward pass (default 512)",
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=_env_int("PREFILL_CHUNK", 512),
+        help="prompt tokens of one sequence per step (default 512)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=_env_int("THREADS", 0),
+        help="CPU threads for llama.cpp (default: all cores)",
+    )
+    serve.add_argument("--flash-attn", action="store_true", default=_env_bool("FLASH_ATTN"))
+    serve.add_argument(
+        "--chat-template",
+        default=_env("CHAT_TEMPLATE"),
+        help="Jinja2 chat template file overriding the model's own",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=_env("SERVED_MODEL_NAME"),
+        help="model id clients use (default: the GGUF file name)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default=_env("LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.engine.config import EngineConfig
+    from slotserve.engine.engine_core import EngineCore
+    from slotserve.model_source import ModelUnavailableError, resolve_model_path
+    from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+    from slotserve.server.app import create_app
+    from slotserve.server.chat_template import ChatTemplate
+    from slotserve.server.serving import ServingContext
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        model_path = resolve_model_path(args.model)
+        config = EngineConfig(
+            num_slots=args.slots,
+            max_batch_tokens=args.max_batch_tokens,
+            prefill_chunk=args.prefill_chunk,
+            max_queue=args.max_queue,
+        )
+    except (ModelUnavailableError, ValueError) as exc:
+        print(f"slotserve: {exc}", file=sys.stderr)
+        return 2
+    runner = LlamaCppRunner(
+        model_path,
+        num_slots=args.slots,
+        ctx_size=args.ctx_size,
+        max_batch_tokens=args.max_batch_tokens,
+        n_threads=args.threads or None,
+        flash_attn=args.flash_attn,
+    )
+    info = runner.model_info
+    source = Path(args.chat_template).read_text() if args.chat_template else info.chat_template
+    template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
+    ctx = ServingContext(
+        engine=AsyncEngine(EngineCore(runner, config)),
+        tokenizer=runner.tokenizer,
+        model_info=info,
+        model_name=args.served_model_name or info.name,
+        chat_template=template,
+    )
+    uvicorn.run(
+        create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

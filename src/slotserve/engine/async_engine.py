@@ -1,0 +1,141 @@
+"""Bridge between asyncio request handlers and the engine thread (SPEC E3, E7).
+
+Handlers call :meth:`AsyncEngine.generate`, an async iterator over :class:`RequestOutput`.
+The engine thread hands each step's outputs to the event loop in one ``call_soon_threadsafe``
+and the loop routes them into per-request ``asyncio.Queue``s. Leaving the iterator early
+(client disconnect, cancellation) aborts the request, which frees its slot in the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def start(self) -> None:
+        """Starts the engine thread; must be called from the event loop that will consume."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self.core.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self.core.runner.close()
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Validates and queues a request; returns the stream of its outputs.
+
+        Raises ``InvalidRequestError`` or ``QueueFullError`` at once. Use the stream as a
+        context manager: leaving it before the request finished aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        request = self.core.make_request(request_id, prompt_token_ids, params)
+        self.core.add_request(request)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its outputs until it finishes (aborts if left early)."""
+        with self.submit(request_id, prompt_token_ids, params) as stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+
+    def detach(self, request_id: str) -> None:
+        """Stops routing outputs of ``request_id`` (its stream was closed)."""
+        self._queues.pop(request_id, None)
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while core.wait_for_work():
+                outputs = core.step()
+                if outputs:
+                    self._deliver(outputs)
+        except Exception as exc:
+            logger.exception("engine loop crashed")
+            self._dead = f"engine loop crashed: {exc}"
+            self._deliver(core.fail_all(self._dead))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(self._route, outputs)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+
+class RequestStream:
+    """Outputs of one request, in step order; the last one has ``finished`` set."""
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        self.finished = output.finished
+        return output
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        """Asks the engine to end the request; its final output still arrives on the stream."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stops listening; aborts the request if it has not finished."""
+        self._engine.detach(self.request_id)
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)

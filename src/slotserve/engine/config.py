@@ -1,0 +1,34 @@
+"""Engine configuration: one frozen, validated dataclass handed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling limits.
+
+    ``max_batch_tokens`` bounds the tokens of one forward pass (decode tokens plus prefill
+    chunks); ``prefill_chunk`` bounds one sequence's share of it. ``max_queue`` bounds requests
+    waiting for a slot; one more is refused at once.
+    """
+
+    num_slots: int = 8
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 512
+    max_queue: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        if self.max_batch_tokens <= self.num_slots:
+            # Every generating slot gets one decode token per step; prefill needs room too.
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must exceed num_slots "
+                f"({self.num_slots})"
+            )
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")

@@ -1,0 +1,316 @@
+"""The step loop's body: ``schedule → runner.execute → update_from_output`` (SPEC E2, E3, E7).
+
+Thread model: :meth:`EngineCore.add_request` and :meth:`EngineCore.abort_request` may be called
+from any thread (they only touch the locked inbox). Everything else runs on the one engine
+thread that calls :meth:`step`, which owns the scheduler, the slots and the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.detokenizer import IncrementalDetokenizer
+from slotserve.engine.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.output_processor import append_token, take_delta
+from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken
+from slotserve.engine.request import Request, Sequence
+from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotSnapshot:
+    index: int
+    state: str
+    request_id: str | None
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Counters since start; written by the engine thread, read (racily, for display) by others."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    execute_seconds: float = 0.0
+    batch_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    queue_wait_seconds: float = 0.0
+    requests_admitted: int = 0
+    slots: tuple[SlotSnapshot, ...] = field(default_factory=tuple)
+    num_waiting: int = 0
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, config: EngineConfig) -> None:
+        info = runner.model_info
+        if info.num_slots < config.num_slots:
+            raise ValueError(f"runner has {info.num_slots} slots, engine wants {config.num_slots}")
+        self.runner = runner
+        self.config = config
+        self.model_info = info
+        self.scheduler = Scheduler(config)
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._work_ready = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._live: dict[str, Request] = {}  # engine thread only
+        self._stopping = False
+        self._publish_snapshot()
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validates a request against the model's limits; raises ``InvalidRequestError``."""
+        info = self.model_info
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+        if any(t < 0 or t >= info.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(
+                f"Prompt token ids must be in [0, {info.vocab_size}).", param="prompt"
+            )
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= info.max_seq_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length per sequence is {info.max_seq_len} tokens, "
+                f"but the prompt has {num_prompt} tokens (one more is needed to generate).",
+                param="messages",
+            )
+        room = info.max_seq_len - num_prompt
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length per sequence is {info.max_seq_len} tokens; "
+                f"the prompt has {num_prompt} tokens and max_tokens asks for {params.max_tokens} "
+                f"(at most {room} fit).",
+                param="max_tokens",
+            )
+        if params.n > self.config.num_slots:
+            raise InvalidRequestError(
+                f"'n' must not exceed the number of slots ({self.config.num_slots}).", param="n"
+            )
+        params.validate_against_vocab(info.vocab_size)
+        if params.structured_output is not None:
+            self.runner.check_structured_output(params.structured_output)
+        request = Request(request_id, list(prompt_token_ids), params)
+        token_bytes = self.runner.tokenizer.token_bytes
+        for index in range(params.n):
+            request.sequences.append(
+                Sequence(
+                    request=request,
+                    index=index,
+                    max_tokens=params.max_tokens or room,
+                    detokenizer=IncrementalDetokenizer(token_bytes, params.stop),
+                    token_ids=list(prompt_token_ids),
+                    num_prompt_tokens=num_prompt,
+                )
+            )
+        return request
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request for admission; raises ``QueueFullError`` at once when full."""
+        with self._lock:
+            free = sum(1 for s in self.stats.slots if s.state == "free")
+            waiting = len(self._inbox) + self.stats.num_waiting
+            if waiting - free >= self.config.max_queue:
+                raise QueueFullError(self.config.max_queue)
+            self._inbox.append(request)
+            self._work_ready.notify()
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._work_ready.notify()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Blocks the engine thread until there is something to do; False when stopping."""
+        with self._lock:
+            while not (self._inbox or self._aborts or self.scheduler.has_work or self._stopping):
+                if not self._work_ready.wait(timeout):
+                    break
+            return not self._stopping
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._work_ready.notify_all()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step and returns what each touched request produced."""
+        started = time.perf_counter()
+        outputs: dict[str, RequestOutput] = {}
+        self._take_inbox(outputs)
+        self._release_drained()
+        self._admit(outputs)
+        chunks = self.scheduler.schedule()
+        if chunks:
+            execute_started = time.perf_counter()
+            try:
+                sampled = self.runner.execute(chunks)
+            except Exception as exc:  # a runner failure fails the requests it was serving
+                logger.exception("runner.execute failed; failing %d sequences", len(chunks))
+                self._fail_chunks(chunks, f"runner failure: {exc}", outputs)
+            else:
+                self.stats.execute_seconds += time.perf_counter() - execute_started
+                self._update_from_output(chunks, sampled, outputs)
+            self.stats.batch_tokens += sum(len(c.token_ids) for c in chunks)
+            self._release_drained()
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - started
+        self._publish_snapshot()
+        return list(outputs.values())
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every live request with an error (used when the loop itself breaks)."""
+        outputs: dict[str, RequestOutput] = {}
+        with self._lock:
+            pending, self._inbox = self._inbox, []
+        for request in [*pending, *self._live.values()]:
+            self._end_request(request, "error", outputs, error=message)
+        self._release_drained()
+        return list(outputs.values())
+
+    def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for request in new:
+            self._live[request.request_id] = request
+            self.scheduler.waiting.append(request)
+        for request_id in aborts:
+            aborted = self._live.get(request_id)
+            if aborted is not None:
+                self.stats.requests_aborted += 1
+                self._end_request(aborted, "abort", outputs)
+
+    def _admit(self, outputs: dict[str, RequestOutput]) -> None:
+        now = time.monotonic()
+        for seq in self.scheduler.admit():
+            request = seq.request
+            if request.admitted_time is None:
+                request.admitted_time = now
+                wait = now - request.arrival_time
+                self.stats.queue_wait_seconds += wait
+                self.stats.requests_admitted += 1
+                logger.debug(
+                    "request %s admitted after %.1f ms queued", request.request_id, wait * 1000
+                )
+            if seq.finish_reason is not None:
+                continue  # a sibling failed to start
+            assert seq.slot is not None
+            params = request.params
+            seed = None if params.seed is None else params.seed + seq.index
+            try:
+                self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
+            except Exception as exc:
+                logger.exception("request %s: runner.add_sequence failed", request.request_id)
+                self._end_request(request, "error", outputs, error=str(exc))
+
+    def _update_from_output(
+        self,
+        chunks: SequenceOf[ScheduledChunk],
+        sampled: dict[int, SampledToken],
+        outputs: dict[str, RequestOutput],
+    ) -> None:
+        eog = self.model_info.eog_token_ids
+        for chunk in chunks:
+            seq = self.scheduler.on_chunk_computed(chunk)
+            if not chunk.sample:
+                continue
+            if seq.num_output_tokens == 0:
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+            append_token(seq, sampled[chunk.slot], eog)
+            self.stats.generated_tokens += 1
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            self._emit(seq, outputs)
+
+    def _emit(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
+        request = seq.request
+        out = outputs.get(request.request_id)
+        if out is None:
+            out = outputs[request.request_id] = RequestOutput(
+                request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
+            )
+        out.deltas.append(take_delta(seq))
+        out.num_output_tokens = request.num_output_tokens
+        if request.finished:
+            out.finished = True
+            self._live.pop(request.request_id, None)
+            self.stats.requests_finished += 1
+
+    def _end_request(
+        self,
+        request: Request,
+        reason: FinishReason,
+        outputs: dict[str, RequestOutput],
+        error: str | None = None,
+    ) -> None:
+        """Finishes every unfinished sequence of ``request`` (abort or error) and emits it."""
+        self.scheduler.remove_waiting(request)
+        self._live.pop(request.request_id, None)
+        for seq in request.sequences:
+            if seq.finish_reason is not None:
+                continue
+            seq.finish_reason = reason
+            if seq.slot is not None:
+                self.scheduler.finish(seq)
+        out = outputs.setdefault(
+            request.request_id,
+            RequestOutput(request.request_id, num_prompt_tokens=len(request.prompt_token_ids)),
+        )
+        out.finished = True
+        out.error = error
+        out.num_output_tokens = request.num_output_tokens
+        if error is not None:
+            self.stats.requests_failed += 1
+
+    def _fail_chunks(
+        self, chunks: SequenceOf[ScheduledChunk], message: str, outputs: dict[str, RequestOutput]
+    ) -> None:
+        for chunk in chunks:
+            seq = self.scheduler.slots.slots[chunk.slot].sequence
+            if seq is not None and seq.finish_reason is None:
+                self._end_request(seq.request, "error", outputs, error=message)
+
+    def _release_drained(self) -> None:
+        for slot in self.scheduler.drained_slots():
+            try:
+                self.runner.remove_sequence(slot.index)
+            finally:
+                self.scheduler.release(slot)
+
+    def _publish_snapshot(self) -> None:
+        snapshot = []
+        for slot in self.scheduler.slots.slots:
+            seq = slot.sequence
+            snapshot.append(
+                SlotSnapshot(
+                    index=slot.index,
+                    state=slot.state.value,
+                    request_id=seq.request.request_id if seq else None,
+                    num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
+                    num_computed_tokens=seq.num_computed_tokens if seq else 0,
+                    num_output_tokens=seq.num_output_tokens if seq else 0,
+                )
+            )
+        self.stats.slots = tuple(snapshot)
+        self.stats.num_waiting = len(self.scheduler.waiting)

@@ -1,0 +1,67 @@
+"""Request and sequence state (SPEC E1, E3).
+
+A request holds ``n`` sequences (one per OpenAI ``choice``); each sequence occupies one slot.
+A sequence never has a "phase": it advances by ``num_computed_tokens`` (tokens whose KV is in
+the cache) catching up with ``num_tokens`` (prompt + generated). While the gap is larger than
+one token it is prefilling; when the last token is computed the runner samples the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from slotserve.engine.detokenizer import IncrementalDetokenizer
+from slotserve.engine.outputs import FinishReason, SampledToken
+from slotserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    """One API call as the engine sees it; immutable after submission but for its sequences."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    admitted_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.sequences) and all(s.finish_reason is not None for s in self.sequences)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of a request's prompt."""
+
+    request: Request
+    index: int
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by output
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    # Since the last emitted delta; the step loop drains these into a SequenceDelta.
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[SampledToken] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -1,0 +1,84 @@
+"""The slot pool and its state machine (SPEC E1).
+
+::
+
+    FREE ──acquire──▶ PREFILLING(chunks_done) ──prompt computed──▶ GENERATING
+      ▲                    │                                          │
+      │                    └──────── finish / cancel / error ─────────┤
+      │                                                               ▼
+      └──────────────────────────── release ◀──────────────────── DRAINING
+
+A slot's index is also the runner's sequence id, so its KV and sampler state belong to the
+sequence that holds it. DRAINING means "finished, KV not yet removed"; the step loop releases
+every draining slot (runner KV freed) before it schedules the next batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from slotserve.engine.request import Sequence
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    PREFILLING = "prefilling"
+    GENERATING = "generating"
+    DRAINING = "draining"
+
+
+_ALLOWED = {
+    SlotState.FREE: {SlotState.PREFILLING},
+    SlotState.PREFILLING: {SlotState.GENERATING, SlotState.DRAINING},
+    SlotState.GENERATING: {SlotState.DRAINING},
+    SlotState.DRAINING: {SlotState.FREE},
+}
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    state: SlotState = SlotState.FREE
+    sequence: Sequence | None = None
+    chunks_done: int = 0
+
+    def move_to(self, state: SlotState) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"slot {self.index}: illegal move {self.state} -> {state}")
+        self.state = state
+
+
+class SlotPool:
+    """Fixed set of slots; hands out the lowest free index so KV streams are reused evenly."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slots = [Slot(i) for i in range(num_slots)]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_free(self) -> int:
+        return sum(1 for s in self.slots if s.state is SlotState.FREE)
+
+    def in_state(self, state: SlotState) -> list[Slot]:
+        return [s for s in self.slots if s.state is state]
+
+    def acquire(self, sequence: Sequence) -> Slot:
+        for slot in self.slots:
+            if slot.state is SlotState.FREE:
+                slot.move_to(SlotState.PREFILLING)
+                slot.sequence = sequence
+                slot.chunks_done = 0
+                sequence.slot = slot.index
+                return slot
+        raise RuntimeError("no free slot")
+
+    def drain(self, slot: Slot) -> None:
+        slot.move_to(SlotState.DRAINING)
+
+    def release(self, slot: Slot) -> None:
+        slot.move_to(SlotState.FREE)
+        slot.sequence = None
+        slot.chunks_done = 0

@@ -1,0 +1,1 @@
+"""HTTP layer: OpenAI-compatible routes over the engine's async bridge."""

@@ -1,0 +1,102 @@
+"""OpenAI-shaped error responses and the handlers that produce them (SPEC S4)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(Exception):
+    def __init__(self, requested: str, served: str) -> None:
+        super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'.")
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop pydantic's union-branch labels ("function-after[...]", "str") from the path.
+    path = ".".join(p for p in loc if not p.startswith(("function-", "tagged-union")))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "The request body is not valid JSON.", None
+    if kind == "extra_forbidden":
+        return f"Unsupported parameter '{path}'.", path or None
+    if kind == "missing":
+        return f"Missing required parameter '{path}'.", path or None
+    return f"Invalid value for '{path}': {first.get('msg', 'invalid')}.", path or None
+
+
+def request_id_of(request: Request) -> str:
+    return str(getattr(request.state, "request_id", "unknown"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_param(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, exc.message, "invalid_request_error", exc.param)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return error_response(
+            429,
+            str(exc),
+            "rate_limit_error",
+            None,
+            "queue_full",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"The engine is not running: {exc}", "service_unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = request_id_of(request)
+        logger.exception("request %s failed", request_id)
+        return error_response(
+            500, f"Internal server error (request id {request_id}).", "internal_server_error"
+        )

@@ -1,0 +1,141 @@
+"""Request bodies of the OpenAI API, as pydantic models (SPEC S1, S4).
+
+Unknown fields are refused (``extra="forbid"``) so that every accepted field is one we
+implement; the error handler turns pydantic's report into a 400 naming the field. Fields that
+OpenAI defines but we cannot honour are declared and refused by ``reject_unsupported``.
+Beyond OpenAI we accept vLLM's common extensions: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from slotserve.engine.errors import InvalidRequestError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM-style extensions.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[int] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    # Declared so the refusal can say why: tool calling is not implemented yet.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def reject_unsupported(self) -> None:
+        if self.tools:
+            raise InvalidRequestError("Tool calling is not supported.", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("Tool calling is not supported.", param="tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError(
+                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+            )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def reject_unsupported(self) -> None:
+        if self.suffix:
+            raise InvalidRequestError(
+                "'suffix' (fill-in-the-middle) is not supported.", param="suffix"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("'best_of' must equal 'n' when given.", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "'echo' with 'logprobs' needs prompt log-probabilities, which are not supported.",
+                param="echo",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+            )

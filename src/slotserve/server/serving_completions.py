@@ -1,0 +1,125 @@
+"""POST /v1/completions (SPEC S1)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.outputs import SequenceDelta
+from slotserve.server.generation import (
+    collect,
+    completion_logprobs,
+    sse,
+    stream_events,
+    submit_prompts,
+    usage,
+)
+from slotserve.server.params import sampling_params_of
+from slotserve.server.protocol import CompletionRequest
+from slotserve.server.serving import ServingContext
+
+MAX_PROMPTS = 64
+
+
+def _prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (a string, strings, token ids, or lists of ids)."""
+    raw = body.prompt
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [[int(x) for x in raw]]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequestError(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+    token_lists, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            token_lists.append(ctx.tokenizer.encode(item, add_special_tokens=True))
+            texts.append(item)
+        else:
+            token_lists.append(list(item))
+            texts.append(
+                "".join(
+                    ctx.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+                    for t in item
+                    if 0 <= t < ctx.model_info.vocab_size
+                )
+            )
+    return token_lists, texts
+
+
+async def create_completion(
+    ctx: ServingContext, body: CompletionRequest, raw: Request, request_id: str
+) -> Response:
+    ctx.check_model(body.model)
+    body.reject_unsupported()
+    prompts, prompt_texts = _prompts(ctx, body)
+    params = sampling_params_of(
+        body, max_tokens=body.max_tokens, logprobs=body.logprobs, structured_output=None
+    )
+    streams = submit_prompts(ctx.engine, request_id, prompts, params)
+    created = int(time.time())
+    base = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    n = body.n
+    echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        offsets = [0] * (len(prompts) * n)
+
+        def render(index: int, d: SequenceDelta) -> str | None:
+            text = echo[index] + d.text
+            echo[index] = ""
+            if not text and d.finish_reason is None and not d.logprobs:
+                return None
+            logprobs = None
+            if d.logprobs:
+                logprobs = completion_logprobs(ctx.tokenizer, d.logprobs, offsets[index])
+            offsets[index] += len(text)
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": d.finish_reason,
+            }
+            return sse({**base, "choices": [choice], **extra})
+
+        usage_event = (
+            (lambda u: sse({**base, "choices": [], "usage": u})) if include_usage else None
+        )
+        return StreamingResponse(
+            stream_events(raw, streams, n, [], render, usage_event),
+            media_type="text/event-stream",
+        )
+    result = await collect(raw, streams, n)
+    if result.disconnected:
+        return Response(status_code=499)
+    choices = []
+    for i, choice in enumerate(result.choices):
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(ctx.tokenizer, choice.logprobs, len(echo[i]))
+        choices.append(
+            {
+                "index": i,
+                "text": echo[i] + "".join(choice.text),
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+        )
+    return JSONResponse(
+        {**base, "choices": choices, "usage": usage(result.prompt_tokens, result.completion_tokens)}
+    )
