@@ -37,17 +37,33 @@ def error_response(
     return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
 
 
+def _input_path(loc: tuple[Any, ...], body: Any) -> str:
+    """The error's location as a path into the client's JSON ("messages.0.content"), without
+    the union-branch labels pydantic puts in it ("user", "str", "list[TextPart]")."""
+    steps = loc[1:] if loc and loc[0] == "body" else loc
+    parts, node = [], body
+    for i, part in enumerate(steps):
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
+            node = node[part]
+        elif not (isinstance(node, dict) and i == len(steps) - 1):
+            continue  # a union label; a dict's last step is a missing field and is kept
+        parts.append(str(part))
+    return ".".join(parts)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request body.", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # Drop pydantic's union-branch labels ("function-after[...]", "str") from the path.
-    path = ".".join(p for p in loc if not p.startswith(("function-", "tagged-union")))
-    kind = first.get("type", "")
-    if kind == "json_invalid":
+    if any(e.get("type") == "json_invalid" for e in errors):
         return "The request body is not valid JSON.", None
+    body = getattr(exc, "body", None)
+    located = [(_input_path(tuple(e.get("loc", ())), body), e) for e in errors]
+    # The deepest location is the most specific one (inside a union, the branch that matched).
+    path, first = max(located, key=lambda item: item[0].count(".") + bool(item[0]))
+    kind = first.get("type", "")
     if kind == "extra_forbidden":
         return f"Unsupported parameter '{path}'.", path or None
     if kind == "missing":

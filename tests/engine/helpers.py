@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.request import Request
+from slotserve.engine.sampling_params import SamplingParams
+from tests.fake_runner import FakeRunner
+
+
+def make_core(runner: FakeRunner | None = None, **config: int) -> tuple[EngineCore, FakeRunner]:
+    runner = runner or FakeRunner()
+    config.setdefault("num_slots", runner.num_slots)
+    return EngineCore(runner, EngineConfig(**config)), runner
+
+
+def submit(core: EngineCore, request_id: str, prompt: str, **params: object) -> Request:
+    request = core.make_request(
+        request_id,
+        list(prompt.encode("utf-8")),
+        SamplingParams(**params),  # type: ignore[arg-type]
+    )
+    core.add_request(request)
+    return request
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
+    """Steps until no work is left; returns every output, grouped by request id."""
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        for output in core.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        if not core.scheduler.has_work and not core._inbox:
+            return outputs
+    raise AssertionError("engine did not finish")
+
+
+def text_of(outputs: list[RequestOutput], index: int = 0) -> str:
+    return "".join(d.text for o in outputs for d in o.deltas if d.index == index)

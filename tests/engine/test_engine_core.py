@@ -1,0 +1,168 @@
+"""The step loop: finishing rules, stop strings, UTF-8, queueing, cancellation, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.slots import SlotState
+from tests.engine.helpers import make_core, run_to_completion, submit, text_of
+from tests.fake_runner import EOS, FakeRunner
+
+
+def test_reply_ends_at_eos_and_counts_it() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"Hello"}))
+    submit(core, "r", "Q", temperature=0)
+    outputs = run_to_completion(core)["r"]
+    assert text_of(outputs) == "Hello"
+    final = outputs[-1]
+    assert final.finished and final.deltas[-1].finish_reason == "stop"
+    assert final.num_output_tokens == 6  # five bytes and EOS
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"Hi"}))
+    submit(core, "r", "Q", temperature=0, ignore_eos=True, max_tokens=5)
+    outputs = run_to_completion(core)["r"]
+    assert outputs[-1].num_output_tokens == 5
+    assert outputs[-1].deltas[-1].finish_reason == "length"
+
+
+def test_stop_token_id_ends_the_sequence_without_text() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"abc;def"}))
+    submit(core, "r", "Q", temperature=0, stop_token_ids=(ord(";"),))
+    outputs = run_to_completion(core)["r"]
+    assert text_of(outputs) == "abc"
+    assert outputs[-1].deltas[-1].stop_reason == ord(";")
+
+
+def test_stop_string_split_across_tokens_is_cut_and_never_streamed() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"Hello STOP world"}))
+    submit(core, "r", "Q", temperature=0, stop=("STOP",))
+    outputs = run_to_completion(core)["r"]
+    deltas = [d.text for o in outputs for d in o.deltas]
+    assert "".join(deltas) == "Hello "
+    assert not any("S" in d for d in deltas), f"part of the stop string leaked: {deltas}"
+    assert outputs[-1].deltas[-1].finish_reason == "stop"
+    assert outputs[-1].deltas[-1].stop_reason == "STOP"
+
+
+def test_text_held_back_for_a_stop_string_is_released_when_it_does_not_match() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"Hello STUFF"}))
+    submit(core, "r", "Q", temperature=0, stop=("STOP",))
+    assert text_of(run_to_completion(core)["r"]) == "Hello STUFF"
+
+
+def test_multibyte_utf8_split_across_tokens_is_never_broken() -> None:
+    reply = "héllo → 😀 done"
+    core, _ = make_core(FakeRunner(replies={"Q": reply.encode("utf-8")}))
+    submit(core, "r", "Q", temperature=0)
+    outputs = run_to_completion(core)["r"]
+    deltas = [d.text for o in outputs for d in o.deltas]
+    assert "".join(deltas) == reply
+    assert all("\ufffd" not in d for d in deltas)
+    # The 4-byte emoji arrives as four tokens; three steps emit nothing.
+    assert deltas.count("") >= 3
+
+
+def test_full_queue_rejects_at_once() -> None:
+    core, _ = make_core(FakeRunner(num_slots=1), max_queue=2)
+    submit(core, "a", "x", max_tokens=3)  # takes the free slot
+    submit(core, "b", "x", max_tokens=3)
+    submit(core, "c", "x", max_tokens=3)
+    with pytest.raises(QueueFullError):
+        submit(core, "d", "x", max_tokens=3)
+    outputs = run_to_completion(core)
+    assert set(outputs) == {"a", "b", "c"}
+
+
+def _slot_states(core: EngineCore) -> list[SlotState]:
+    return [s.state for s in core.scheduler.slots.slots]
+
+
+def test_abort_mid_prefill_frees_the_slot_within_one_step() -> None:
+    core, runner = make_core(max_batch_tokens=9, prefill_chunk=8)
+    submit(core, "long", "p" * 64, max_tokens=4)
+    core.step()
+    assert _slot_states(core)[0] is SlotState.PREFILLING
+    batches_before = len(runner.batches)
+    core.abort_request("long")
+    outputs = core.step()
+    assert _slot_states(core)[0] is SlotState.FREE
+    assert runner.removed == [0] and runner.kv == {}
+    assert len(runner.batches) == batches_before, "no forward work after the abort"
+    assert outputs[0].finished and outputs[0].deltas == []
+
+
+def test_abort_mid_decode_frees_the_slot_within_one_step() -> None:
+    core, runner = make_core()
+    submit(core, "a", "x", max_tokens=100)
+    submit(core, "b", "y", max_tokens=10)
+    for _ in range(3):
+        core.step()
+    core.abort_request("a")
+    core.step()
+    assert _slot_states(core)[0] is SlotState.FREE
+    assert 0 in runner.removed
+    assert [c.slot for c in runner.batches[-1]] == [1], "no forward work for the aborted slot"
+    assert core.stats.requests_aborted == 1
+
+
+def test_abort_of_a_waiting_request_removes_it_from_the_queue() -> None:
+    core, runner = make_core(FakeRunner(num_slots=1))
+    submit(core, "a", "x", max_tokens=10)
+    submit(core, "b", "y", max_tokens=10)
+    core.step()
+    core.abort_request("b")
+    core.step()
+    assert list(core.scheduler.waiting) == []
+    assert runner.added == [0]
+
+
+def test_runner_failure_fails_the_requests_it_served_and_frees_their_slots() -> None:
+    runner = FakeRunner()
+    core, _ = make_core(runner)
+    submit(core, "r", "x", max_tokens=10)
+    runner.fail_on_execute = True
+    outputs = core.step()
+    assert outputs[0].finished and "simulated device failure" in (outputs[0].error or "")
+    assert _slot_states(core) == [SlotState.FREE] * runner.num_slots
+    runner.fail_on_execute = False
+    submit(core, "next", "y", max_tokens=2)
+    assert run_to_completion(core)["next"][-1].num_output_tokens == 2
+
+
+def test_prompt_longer_than_the_context_is_refused() -> None:
+    core, _ = make_core(FakeRunner(max_seq_len=32))
+    with pytest.raises(InvalidRequestError) as err:
+        core.make_request("r", [1] * 32, SamplingParams())
+    assert "32" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:
+        core.make_request("r", [1] * 10, SamplingParams(max_tokens=30))
+    assert err.value.param == "max_tokens"
+
+
+def test_max_tokens_defaults_to_the_room_left_in_the_context() -> None:
+    core, _ = make_core(FakeRunner(max_seq_len=40))
+    submit(core, "r", "x" * 30)
+    final = run_to_completion(core)["r"][-1]
+    assert final.num_output_tokens == 10
+    assert final.deltas[-1].finish_reason == "length"
+
+
+def test_n_sequences_are_independent_choices() -> None:
+    core, runner = make_core()
+    submit(core, "r", "Q", n=3, max_tokens=4, temperature=0)
+    outputs = run_to_completion(core)["r"]
+    assert {d.index for o in outputs for d in o.deltas} == {0, 1, 2}
+    assert outputs[-1].num_output_tokens == 12
+    assert sorted(runner.removed) == [0, 1, 2]
+
+
+def test_eos_is_reported_by_the_model_info_not_hard_coded() -> None:
+    core, _ = make_core(FakeRunner(replies={"Q": b"ab"}))
+    submit(core, "r", "Q", temperature=0, max_tokens=10)
+    outputs = run_to_completion(core)["r"]
+    assert outputs[-1].deltas[-1].token_ids[-1] == EOS

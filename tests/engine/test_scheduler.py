@@ -1,0 +1,69 @@
+"""Batch construction: token budget, chunked prefill, decode-first, slot reuse, admission."""
+
+from __future__ import annotations
+
+from slotserve.engine.slots import SlotState
+from tests.engine.helpers import make_core, run_to_completion, submit
+from tests.fake_runner import FakeRunner
+
+
+def test_long_prompt_is_prefilled_in_chunks_under_the_budget() -> None:
+    core, runner = make_core(max_batch_tokens=16, prefill_chunk=8)
+    submit(core, "long", "x" * 20, max_tokens=2, temperature=0)
+    core.step()
+    core.step()
+    core.step()
+    sizes = [[len(c.token_ids) for c in batch] for batch in runner.batches]
+    assert sizes == [[8], [8], [4]]
+    assert [c.sample for batch in runner.batches for c in batch] == [False, False, True]
+    assert core.scheduler.slots.slots[0].chunks_done == 3
+
+
+def test_every_generating_slot_decodes_every_step_beside_a_long_prefill() -> None:
+    core, runner = make_core(max_batch_tokens=10, prefill_chunk=512)
+    submit(core, "a", "hi", max_tokens=50, temperature=0)
+    submit(core, "b", "yo", max_tokens=50, temperature=0)
+    core.step()  # both prompts prefilled together
+    submit(core, "long", "z" * 40, max_tokens=3, temperature=0)
+    for _ in range(5):
+        core.step()
+    for batch in runner.batches[1:]:
+        decode_slots = [c.slot for c in batch if len(c.token_ids) == 1 and c.sample]
+        assert sorted(decode_slots)[:2] == [0, 1], "running streams must never be skipped"
+        assert sum(len(c.token_ids) for c in batch) <= 10
+    prefill = [len(c.token_ids) for batch in runner.batches[1:] for c in batch if c.slot == 2]
+    assert prefill[:4] == [8, 8, 8, 8]  # budget 10 minus two decode tokens
+
+
+def test_prefill_slots_are_served_oldest_first() -> None:
+    core, runner = make_core(max_batch_tokens=12, prefill_chunk=8)
+    submit(core, "first", "a" * 16, max_tokens=1, temperature=0)
+    submit(core, "second", "b" * 16, max_tokens=1, temperature=0)
+    core.step()
+    assert [(c.slot, len(c.token_ids)) for c in runner.batches[0]] == [(0, 8), (1, 4)]
+
+
+def test_slots_are_reused_after_a_request_finishes() -> None:
+    runner = FakeRunner(num_slots=2)
+    core, _ = make_core(runner)
+    for i in range(5):
+        submit(core, f"r{i}", f"prompt {i}", max_tokens=3, temperature=0)
+    outputs = run_to_completion(core)
+    assert len(outputs) == 5 and all(o[-1].finished for o in outputs.values())
+    assert sorted(runner.added) == [0, 0, 0, 1, 1] or sorted(runner.added).count(0) >= 2
+    assert len(runner.removed) == 5
+    assert all(s.state is SlotState.FREE for s in core.scheduler.slots.slots)
+    assert runner.kv == {}
+
+
+def test_request_with_n_sequences_waits_for_n_free_slots() -> None:
+    runner = FakeRunner(num_slots=3)
+    core, _ = make_core(runner)
+    submit(core, "busy", "q", max_tokens=5, temperature=0)
+    submit(core, "pair", "p", max_tokens=2, temperature=0, n=3)
+    core.step()
+    states = [s.state for s in core.scheduler.slots.slots]
+    assert states.count(SlotState.FREE) == 2, "n=3 must not start with only two free slots"
+    outputs = run_to_completion(core)
+    final = outputs["pair"][-1]
+    assert final.finished and final.num_output_tokens == 6
