@@ -59,6 +59,10 @@ class FakeRunner:
     def tokenizer(self) -> ByteTokenizer:
         return ByteTokenizer()
 
+    @property
+    def forward_seconds(self) -> float:
+        return 0.0
+
     def check_structured_output(self, spec: StructuredOutput) -> None:
         raise InvalidRequestError("no grammar support in the fake runner", "response_format")
 

@@ -86,6 +86,11 @@ class Runner(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
+    @property
+    def forward_seconds(self) -> float:
+        """Total time spent inside the forward pass itself (for the engine-overhead share)."""
+        ...
+
     def check_structured_output(self, spec: StructuredOutput) -> None:
         """Raises ``InvalidRequestError`` if ``spec`` cannot be enforced. Thread-safe."""
         ...

@@ -116,7 +116,7 @@ class LlamaCppRunner:
         self._seq_id_rows = [self._batch.seq_id[i] for i in range(max_batch_tokens)]
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
-        self.decode_seconds = 0.0
+        self._decode_seconds = 0.0
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
         self._info = ModelInfo(
@@ -147,6 +147,10 @@ class LlamaCppRunner:
     @property
     def tokenizer(self) -> LlamaCppTokenizer:
         return self._tokenizer
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._decode_seconds
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         grammar = grammar_for(spec)
@@ -194,7 +198,7 @@ class LlamaCppRunner:
         batch.n_tokens = row
         started = time.perf_counter()
         status = llama.llama_decode(self._ctx, batch)
-        self.decode_seconds += time.perf_counter() - started
+        self._decode_seconds += time.perf_counter() - started
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         return {slot: self._sample(slot, batch_row) for slot, batch_row in sample_rows}

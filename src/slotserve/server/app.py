@@ -103,6 +103,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             "steps": stats.steps,
             "step_seconds": stats.step_seconds,
             "execute_seconds": stats.execute_seconds,
+            "forward_seconds": ctx.engine.core.runner.forward_seconds,
             "generated_tokens": stats.generated_tokens,
             "requests_finished": stats.requests_finished,
             "requests_aborted": stats.requests_aborted,

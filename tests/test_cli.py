@@ -1,0 +1,44 @@
+"""Configuration by flags and SLOTSERVE_* environment variables, and start-up errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slotserve.cli import build_parser
+from slotserve.model_source import ModelUnavailableError, resolve_model_path
+
+
+def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTSERVE_SLOTS", "3")
+    monkeypatch.setenv("SLOTSERVE_PORT", "9999")
+    monkeypatch.setenv("SLOTSERVE_FLASH_ATTN", "true")
+    args = build_parser().parse_args(["serve", "--port", "8001"])
+    assert (args.slots, args.port, args.flash_attn) == (3, 8001, True)
+    assert args.model is None and args.host == "127.0.0.1"
+
+
+def test_missing_model_file_is_a_clear_error() -> None:
+    with pytest.raises(ModelUnavailableError, match="not found"):
+        resolve_model_path("/no/such/model.gguf")
+    result = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", "serve", "/no/such/model.gguf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "Model file not found" in result.stderr
+
+
+def test_bad_engine_limits_are_refused_before_loading() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", "serve", "--slots", "8", "--max-batch-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "max_batch_tokens" in result.stderr
