@@ -30,14 +30,14 @@ PROMPT = "Write a long story about a robot who learns to paint."
 SHORT_PROMPT = "Once upon a time"
 
 
-def raw_decode_rate(model: str, batch: int, tokens: int, threads: int) -> float:
+def raw_decode_rate(model: str, batch: int, tokens: int, threads: int, flash_attn: bool) -> float:
     """Tokens/s of plain batched decoding with llama.cpp (runs in its own process)."""
     import llama_cpp as llama
     import numpy as np
 
-    from slotserve.runners.llama_cpp_runner import _init_backend
+    from slotserve.runners.llama_cpp_runner import init_llama_backend
 
-    _init_backend()  # quiet logging, as in the server
+    init_llama_backend()  # quiet logging, as in the server
     model_params = llama.llama_model_default_params()
     m = llama.llama_model_load_from_file(model.encode(), model_params)
     params = llama.llama_context_default_params()
@@ -46,7 +46,9 @@ def raw_decode_rate(model: str, batch: int, tokens: int, threads: int) -> float:
     params.n_seq_max = batch
     params.kv_unified = False
     params.n_threads = params.n_threads_batch = threads
-    params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.flash_attn_type = (
+        llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
     ctx = llama.llama_init_from_model(m, params)
     vocab = llama.llama_model_get_vocab(m)
     n_vocab = llama.llama_vocab_n_tokens(vocab)
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--chat", action="store_true", help="measure the chat route instead")
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--raw", type=int, help=argparse.SUPPRESS)  # child mode: one raw run
     parser.add_argument("--model", help="GGUF file (default: the embedded model)")
     args = parser.parse_args()
@@ -138,10 +141,11 @@ def main() -> None:
 
     model = str(resolve_model_path(args.model))
     if args.raw is not None:
-        print(raw_decode_rate(model, args.raw, args.tokens, args.threads))
+        print(raw_decode_rate(model, args.raw, args.tokens, args.threads, args.flash_attn))
         return
 
     port = _free_port()
+    attention_flag = "--flash-attn" if args.flash_attn else "--no-flash-attn"
     server = subprocess.Popen(
         [
             sys.executable,
@@ -157,6 +161,7 @@ def main() -> None:
             str(args.threads),
             "--log-level",
             "warning",
+            attention_flag,
         ],
     )
     base_url = f"http://127.0.0.1:{port}"
@@ -188,6 +193,7 @@ def main() -> None:
                             str(args.threads),
                             "--model",
                             model,
+                            attention_flag,
                         ],
                         check=True,
                         capture_output=True,
@@ -215,6 +221,7 @@ def main() -> None:
         "route": "chat" if args.chat else "completions (short prompt)",
         "threads": args.threads,
         "slots": args.slots,
+        "flash_attn": args.flash_attn,
         "share_of_step_time_outside_llama_decode": (step - forward) / step if step else None,
         "by_batch_size": {
             str(b): {

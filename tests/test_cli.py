@@ -14,9 +14,10 @@ from slotserve.model_source import ModelUnavailableError, resolve_model_path
 def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLOTSERVE_SLOTS", "3")
     monkeypatch.setenv("SLOTSERVE_PORT", "9999")
-    monkeypatch.setenv("SLOTSERVE_FLASH_ATTN", "true")
+    monkeypatch.setenv("SLOTSERVE_FLASH_ATTN", "off")
     args = build_parser().parse_args(["serve", "--port", "8001"])
-    assert (args.slots, args.port, args.flash_attn) == (3, 8001, True)
+    assert (args.slots, args.port, args.flash_attn) == (3, 8001, False)
+    assert build_parser().parse_args(["serve", "--flash-attn"]).flash_attn is True
     assert args.model is None and args.host == "127.0.0.1"
 
 

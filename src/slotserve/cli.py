@@ -25,8 +25,9 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _env_bool(name: str) -> bool:
-    return (_env(name) or "").lower() in ("1", "true", "yes", "on")
+def _env_bool(name: str, default: bool) -> bool:
+    value = _env(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_int("THREADS", 0),
         help="CPU threads for llama.cpp (default: all cores)",
     )
-    serve.add_argument("--flash-attn", action="store_true", default=_env_bool("FLASH_ATTN"))
+    serve.add_argument(
+        "--flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("FLASH_ATTN", True),
+        help="flash attention kernels (default on: faster batched decode on CPU)",
+    )
     serve.add_argument(
         "--chat-template",
         default=_env("CHAT_TEMPLATE"),

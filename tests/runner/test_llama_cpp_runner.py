@@ -24,11 +24,14 @@ PROMPTS = [
     "My favourite season is autumn because",
 ]
 NUM_TOKENS = 40
+FLASH_ATTN = True  # the server's default; the reference must use the same attention kernel
 
 
 @pytest.fixture(scope="module")
 def runner(model_path: Path) -> Iterator[LlamaCppRunner]:
-    r = LlamaCppRunner(model_path, num_slots=8, ctx_size=8 * 2048, max_batch_tokens=512)
+    r = LlamaCppRunner(
+        model_path, num_slots=8, ctx_size=8 * 2048, max_batch_tokens=512, flash_attn=FLASH_ATTN
+    )
     yield r
     r.close()
 
@@ -111,7 +114,7 @@ def test_greedy_output_matches_llama_cpp_python_single_sequence(
         n_batch=512,
         n_ubatch=512,
         n_threads=2,
-        flash_attn=False,
+        flash_attn=FLASH_ATTN,
         verbose=False,
     )
     core = EngineCore(runner, EngineConfig(num_slots=8))

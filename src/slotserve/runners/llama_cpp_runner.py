@@ -15,6 +15,7 @@ a prefix between slots copies KV between streams instead of sharing cells (ARCHI
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
@@ -33,15 +35,12 @@ from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 
 logger = logging.getLogger(__name__)
 
-_backend_ready = False
 
-
-def _init_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        llama.llama_log_set(_silence_log, ctypes.c_void_p(0))
-        llama.llama_backend_init()
-        _backend_ready = True
+@functools.cache
+def init_llama_backend() -> None:
+    """Initialises llama.cpp once per process, with its logging routed to ours."""
+    llama.llama_log_set(_silence_log, ctypes.c_void_p(0))
+    llama.llama_backend_init()
 
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
@@ -70,10 +69,10 @@ class LlamaCppRunner:
         ctx_size: int,
         max_batch_tokens: int,
         n_threads: int | None = None,
-        flash_attn: bool = False,
+        flash_attn: bool = True,
         model_name: str | None = None,
     ) -> None:
-        _init_backend()
+        init_llama_backend()
         path = Path(model_path)
         model_params = llama.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -156,8 +155,6 @@ class LlamaCppRunner:
         grammar = grammar_for(spec)
         sampler = llama.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
         if not sampler:
-            from slotserve.engine.errors import InvalidRequestError
-
             raise InvalidRequestError("The grammar could not be parsed.", param="response_format")
         llama.llama_sampler_free(sampler)
 
