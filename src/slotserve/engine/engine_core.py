@@ -256,6 +256,7 @@ class EngineCore:
             out.finished = True
             self._live.pop(request.request_id, None)
             self.stats.requests_finished += 1
+            _log_end(request, "finished")
 
     def _end_request(
         self,
@@ -282,6 +283,7 @@ class EngineCore:
         out.num_output_tokens = request.num_output_tokens
         if error is not None:
             self.stats.requests_failed += 1
+        _log_end(request, "failed" if error is not None else "aborted", error)
 
     def _fail_chunks(
         self, chunks: SequenceOf[ScheduledChunk], message: str, outputs: dict[str, RequestOutput]
@@ -314,3 +316,18 @@ class EngineCore:
             )
         self.stats.slots = tuple(snapshot)
         self.stats.num_waiting = len(self.scheduler.waiting)
+
+
+def _log_end(request: Request, how: str, error: str | None = None) -> None:
+    now = time.monotonic()
+    queued = (request.admitted_time or now) - request.arrival_time
+    logger.info(
+        "request %s %s: %d prompt + %d output tokens, %.0f ms queued, %.0f ms in all%s",
+        request.request_id,
+        how,
+        len(request.prompt_token_ids),
+        request.num_output_tokens,
+        queued * 1000,
+        (now - request.arrival_time) * 1000,
+        f" ({error})" if error else "",
+    )
