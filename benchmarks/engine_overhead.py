@@ -24,64 +24,12 @@ from pathlib import Path
 
 import httpx
 
+from slotserve.bench.ceiling import measure_in_subprocess
+
 PROMPT = "Write a long story about a robot who learns to paint."
 # Completions with a short prompt keep prefill negligible, so the ratio isolates the engine's
 # per-step cost; --chat measures the chat route (template + system prompt: ~40 prompt tokens).
-SHORT_PROMPT = "Once upon a time"
-
-
-def raw_decode_rate(model: str, batch: int, tokens: int, threads: int, flash_attn: bool) -> float:
-    """Tokens/s of plain batched decoding with llama.cpp (runs in its own process)."""
-    import llama_cpp as llama
-    import numpy as np
-
-    from slotserve.runners.llama_cpp_runner import init_llama_backend
-
-    init_llama_backend()  # quiet logging, as in the server
-    model_params = llama.llama_model_default_params()
-    m = llama.llama_model_load_from_file(model.encode(), model_params)
-    params = llama.llama_context_default_params()
-    params.n_ctx = batch * 1024
-    params.n_batch = params.n_ubatch = 512
-    params.n_seq_max = batch
-    params.kv_unified = False
-    params.n_threads = params.n_threads_batch = threads
-    params.flash_attn_type = (
-        llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    )
-    ctx = llama.llama_init_from_model(m, params)
-    vocab = llama.llama_model_get_vocab(m)
-    n_vocab = llama.llama_vocab_n_tokens(vocab)
-    buf = (llama.llama_token * 256)()
-    text = SHORT_PROMPT.encode()
-    n_prompt = llama.llama_tokenize(vocab, text, len(text), buf, 256, True, True)
-    prompt = list(buf[:n_prompt])
-    b = llama.llama_batch_init(512, 0, 1)
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
-            b.seq_id[i][0], b.logits[i] = seq, logits
-        b.n_tokens = len(entries)
-        assert llama.llama_decode(ctx, b) == 0
-
-    def argmax(row: int) -> int:
-        logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
-        return int(logits.argmax())
-
-    last = []
-    for seq in range(batch):
-        decode([(t, p, seq, p == n_prompt - 1) for p, t in enumerate(prompt)])
-        last.append(argmax(n_prompt - 1))
-    started = time.perf_counter()
-    for step in range(tokens):
-        decode([(last[s], n_prompt + step, s, True) for s in range(batch)])
-        last = [argmax(s) for s in range(batch)]
-    elapsed = time.perf_counter() - started
-    llama.llama_batch_free(b)
-    llama.llama_free(ctx)
-    llama.llama_model_free(m)
-    return batch * tokens / elapsed
+SHORT_PROMPT = "Once upon a time"  # the same prompt the raw measurement decodes from
 
 
 async def server_rate(base_url: str, clients: int, tokens: int, chat: bool = False) -> float:
@@ -133,16 +81,12 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--chat", action="store_true", help="measure the chat route instead")
     parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--raw", type=int, help=argparse.SUPPRESS)  # child mode: one raw run
     parser.add_argument("--model", help="GGUF file (default: the embedded model)")
     args = parser.parse_args()
 
     from slotserve.model_source import resolve_model_path
 
     model = str(resolve_model_path(args.model))
-    if args.raw is not None:
-        print(raw_decode_rate(model, args.raw, args.tokens, args.threads, args.flash_attn))
-        return
 
     port = _free_port()
     attention_flag = "--flash-attn" if args.flash_attn else "--no-flash-attn"
@@ -180,25 +124,8 @@ def main() -> None:
         for round_index in range(args.rounds):
             for batch in args.batch_sizes:
                 served = asyncio.run(server_rate(base_url, batch, args.tokens, args.chat))
-                raw = float(
-                    subprocess.run(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--raw",
-                            str(batch),
-                            "--tokens",
-                            str(args.tokens),
-                            "--threads",
-                            str(args.threads),
-                            "--model",
-                            model,
-                            attention_flag,
-                        ],
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                    ).stdout.split()[-1]
+                raw = measure_in_subprocess(
+                    Path(model), batch, args.tokens, args.threads, args.flash_attn
                 )
                 entry = results[batch]
                 entry["server"].append(served)

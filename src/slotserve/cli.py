@@ -1,4 +1,5 @@
-"""Command line: ``slotserve serve [MODEL_PATH]`` (SPEC C1, S5).
+"""Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve bench``, ``slotserve bench sweep``
+(SPEC C1, S5, B1, B2).
 
 Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
 ``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
@@ -103,6 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
     )
+    bench = commands.add_parser(
+        "bench", help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers)"
+    )
+    from slotserve.bench.cli import add_bench_arguments
+
+    add_bench_arguments(bench)
+    return parser
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    from slotserve.bench.sweep import __doc__ as sweep_doc
+    from slotserve.bench.sweep import add_sweep_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="slotserve bench sweep",
+        description=sweep_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_sweep_arguments(parser)
     return parser
 
 
@@ -157,9 +177,18 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "sweep"]:
+        from slotserve.bench.sweep import main_sweep
+
+        return main_sweep(build_sweep_parser().parse_args(argv[2:]))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        from slotserve.bench.cli import main_bench
+
+        return main_bench(args)
     return 2
 
 

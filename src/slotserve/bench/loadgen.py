@@ -1,0 +1,192 @@
+"""Sends a workload to an OpenAI-compatible server and times every streamed chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from slotserve.bench.datasets import Conversation
+from slotserve.bench.metrics import RequestResult
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    base_url: str  # up to and including /v1
+    model: str | None = None
+    endpoint: str = "chat"  # "chat" or "completions"
+    concurrency: int = 1
+    request_rate: float = float("inf")  # requests/s of a Poisson process; inf = all at once
+    duration_s: float | None = None  # keep sending for this long instead of a fixed count
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    seed: int = 0
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+
+def poisson_gaps(rate: float, seed: int) -> Iterator[float]:
+    """Seconds between arrivals of a Poisson process with ``rate`` requests/s (0 gaps: inf)."""
+    rng = random.Random(seed)
+    while True:
+        yield 0.0 if rate == float("inf") else rng.expovariate(rate)
+
+
+async def resolve_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def _body(config: LoadConfig, model: str, conv: Conversation, turn: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": conv.max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    if config.endpoint == "chat":
+        body["messages"] = conv.messages(turn)
+    else:
+        body["prompt"] = conv.prompt(turn)
+    return body
+
+
+async def send_one(
+    client: httpx.AsyncClient, config: LoadConfig, model: str, conv: Conversation, turn: int
+) -> RequestResult:
+    """One streaming request; the result records chunk timings and the server's usage."""
+    result = RequestResult(f"{conv.conversation_id}/{turn}", temperature=config.temperature)
+    route = "/chat/completions" if config.endpoint == "chat" else "/completions"
+    pieces: list[str] = []
+    last = start = time.perf_counter()
+    result.start = start
+    try:
+        async with client.stream("POST", route, json=_body(config, model, conv, turn)) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+                    result.output_tokens = int(chunk["usage"]["completion_tokens"])
+                for choice in chunk.get("choices", []):
+                    piece = _content(choice)
+                    if not piece:
+                        continue
+                    now = time.perf_counter()
+                    if not pieces:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    pieces.append(piece)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.text = "".join(pieces)
+    if not result.output_tokens:
+        # A server without stream_options.include_usage (llama-cpp-python's): one content
+        # chunk per token is the best estimate left; the report counts such requests.
+        result.output_tokens = len(pieces)
+        result.usage_estimated = True
+    result.success = True
+    return result
+
+
+def _content(choice: dict[str, Any]) -> str:
+    if "delta" in choice:
+        return str(choice["delta"].get("content") or "")
+    return str(choice.get("text") or "")
+
+
+async def run_load(
+    config: LoadConfig,
+    conversations: list[Conversation],
+    warmup: int = 0,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Runs the workload; returns the counted results and the measured duration in seconds.
+
+    Conversations start in order, each when a concurrency slot is free and, with a finite
+    ``request_rate``, after a Poisson-distributed gap; a conversation's turns run in sequence.
+    The first ``warmup`` single requests run before the clock starts and are not counted.
+    """
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency + 4)
+    async with httpx.AsyncClient(
+        base_url=config.base_url, timeout=config.timeout_s, limits=limits, headers=headers
+    ) as client:
+        model = config.model or await resolve_model(client)
+        for conv in conversations[:warmup]:
+            probe = Conversation(
+                conv.conversation_id, conv.user_turns[:1], conv.max_tokens, conv.system
+            )
+            await send_one(client, config, model, probe, 0)
+        gate = asyncio.Semaphore(config.concurrency)
+        gaps = poisson_gaps(config.request_rate, config.seed)
+        results: list[RequestResult] = []
+        started = time.perf_counter()
+        deadline = None if config.duration_s is None else started + config.duration_s
+
+        async def converse(conv: Conversation) -> None:
+            async with gate:
+                for turn in range(len(conv.user_turns)):
+                    if deadline is not None and time.perf_counter() >= deadline:
+                        return
+                    result = await send_one(client, config, model, conv, turn)
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(result)
+                    if not result.success:
+                        return
+                    conv.replies.append(result.text)
+
+        def nth(index: int) -> Conversation:
+            """The index-th conversation; past the dataset's end it repeats with a new id."""
+            source = conversations[index % len(conversations)]
+            lap = index // len(conversations)
+            name = source.conversation_id + (f"#{lap}" if lap else "")
+            return Conversation(name, source.user_turns, source.max_tokens, source.system)
+
+        tasks: list[asyncio.Future[None]] = []
+        if deadline is not None and config.request_rate == float("inf"):
+            counter = iter(range(10**9))
+
+            async def worker() -> None:  # duration mode: each worker keeps one slot busy
+                while time.perf_counter() < deadline:
+                    await converse(nth(next(counter)))
+
+            tasks = [asyncio.ensure_future(worker()) for _ in range(config.concurrency)]
+        else:
+            index = 0
+            while index < len(conversations) or deadline is not None:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.ensure_future(converse(nth(index))))
+                index += 1
+                gap = next(gaps)
+                if gap:
+                    await asyncio.sleep(gap)
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    return results, duration

@@ -1,0 +1,102 @@
+"""Per-request measurements and the summary computed from them.
+
+Key names follow ``vllm bench serve`` where the meaning matches, so result files compare.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class RequestResult:
+    """What one request did, as seen by the client."""
+
+    prompt_id: str
+    success: bool = False
+    error: str = ""
+    start: float = 0.0  # perf_counter seconds
+    ttft: float = 0.0  # seconds from send to the first content chunk
+    latency: float = 0.0  # seconds from send to the last byte
+    itl: list[float] = field(default_factory=list)  # gaps between content chunks
+    prompt_tokens: int = 0  # from the server's final usage
+    output_tokens: int = 0
+    text: str = ""
+    temperature: float = 0.0
+    usage_estimated: bool = False  # no usage from the server: tokens counted from chunks
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation (numpy's default method)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _describe(prefix: str, seconds: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1000.0 for s in seconds]
+    out = {
+        f"mean_{prefix}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{prefix}_ms": statistics.median(ms) if ms else 0.0,
+        f"std_{prefix}_ms": statistics.pstdev(ms) if len(ms) > 1 else 0.0,
+    }
+    for q in PERCENTILES:
+        out[f"p{q}_{prefix}_ms"] = percentile(ms, q)
+    return out
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
+    """Throughput and latency figures for the counted requests of one run."""
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    # Time per output token excludes the first token, as vLLM defines it.
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_with_estimated_usage": sum(r.usage_estimated for r in ok),
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": output_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration
+        if duration > 0
+        else 0.0,
+    }
+    summary.update(_describe("ttft", [r.ttft for r in ok]))
+    summary.update(_describe("tpot", tpot))
+    summary.update(_describe("itl", [gap for r in ok for gap in r.itl]))
+    summary.update(_describe("e2el", [r.latency for r in ok]))
+    return summary
+
+
+def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
+    """Greedy requests of different conversations whose outputs came back byte-identical.
+
+    Under greedy sampling two different prompts producing exactly the same (non-trivial) text
+    almost always means one request saw another's state: a batching or KV isolation bug.
+    Turns of one conversation (``prompt_id`` = ``conversation/turn``) share their history, so a
+    model may legitimately repeat itself there; only matches across conversations count.
+    """
+    by_text: dict[str, list[RequestResult]] = {}
+    for r in results:
+        if r.success and r.temperature == 0.0 and len(r.text) >= 16:
+            by_text.setdefault(r.text, []).append(r)
+    failures = []
+    for text, group in by_text.items():
+        prompts = sorted({r.prompt_id for r in group})
+        if len({p.rsplit("/", 1)[0] for p in prompts}) > 1:
+            failures.append({"prompt_ids": prompts, "text": text[:200]})
+    return failures

@@ -1,0 +1,96 @@
+"""One benchmark run: workload in, report dict out (used by ``slotserve bench`` and sweeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from slotserve.bench.datasets import (
+    Conversation,
+    multi_turn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+    sharegpt_dataset,
+)
+from slotserve.bench.loadgen import LoadConfig, run_load
+from slotserve.bench.metrics import RequestResult, isolation_failures, summarize
+from slotserve.bench.report import rss_bytes
+
+DATASETS = ("random", "shared-prefix", "multi-turn", "sharegpt")
+
+
+def build_dataset(
+    name: str,
+    num: int,
+    input_len: int,
+    output_len: int,
+    *,
+    range_ratio: float = 0.0,
+    prefix_len: int = 1000,
+    turns: int = 3,
+    path: Path | None = None,
+    seed: int = 0,
+) -> list[Conversation]:
+    if name == "random":
+        return random_dataset(num, input_len, output_len, range_ratio, seed)
+    if name == "shared-prefix":
+        return shared_prefix_dataset(num, prefix_len, input_len, output_len, seed)
+    if name == "multi-turn":
+        return multi_turn_dataset(num, turns, input_len, output_len, seed)
+    if name == "sharegpt":
+        if path is None:
+            raise ValueError("--dataset sharegpt needs --dataset-path FILE")
+        return sharegpt_dataset(path, num, output_len, seed)
+    raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+
+
+def run_benchmark(
+    config: LoadConfig,
+    conversations: list[Conversation],
+    *,
+    warmup: int = 0,
+    server_pid: int | None = None,
+    show_progress: bool = True,
+    label: str = "",
+) -> dict[str, Any]:
+    """Runs the load and returns the report: config, summary, isolation check, memory."""
+    total = sum(len(c.user_turns) for c in conversations) if config.duration_s is None else None
+    rss_before = rss_bytes(server_pid) if server_pid else None
+    results: list[RequestResult]
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not show_progress,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(label or "requests", total=total)
+        results, duration = asyncio.run(
+            run_load(config, conversations, warmup, on_result=lambda _: progress.advance(task))
+        )
+    rss_after = rss_bytes(server_pid) if server_pid else None
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "label": label,
+        "config": {
+            **asdict(config),
+            "num_conversations": len(conversations),
+            "warmup": warmup,
+            "request_rate": None if config.request_rate == float("inf") else config.request_rate,
+        },
+        "summary": summarize(results, duration),
+        "isolation_failures": isolation_failures(results),
+        "errors": sorted({r.error for r in results if r.error})[:20],
+        "server_memory": {"rss_before_bytes": rss_before, "rss_after_bytes": rss_after},
+        # Per-request samples, for latency distribution plots.
+        "samples": {
+            "ttft_ms": [r.ttft * 1000 for r in results if r.success],
+            "itl_ms": [gap * 1000 for r in results if r.success for gap in r.itl],
+        },
+    }

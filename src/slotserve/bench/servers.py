@@ -1,0 +1,171 @@
+"""Servers started by a sweep: slotserve, llama.cpp's ``llama-server`` and llama-cpp-python's
+server, each on 127.0.0.1 only and always stopped (also on Ctrl-C or an error)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: list[str]
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    spec: ServerSpec
+    pid: int
+
+    @property
+    def api_url(self) -> str:
+        return self.spec.base_url + "/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def slotserve_spec(model: Path, slots: int, threads: int, ctx_per_slot: int) -> ServerSpec:
+    port = free_port()
+    return ServerSpec(
+        "slotserve",
+        [
+            sys.executable,
+            "-m",
+            "slotserve.cli",
+            "serve",
+            str(model),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--slots",
+            str(slots),
+            "--threads",
+            str(threads),
+            "--ctx-size",
+            str(ctx_per_slot * slots),
+            "--max-queue",
+            "1024",
+            "--log-level",
+            "warning",
+        ],
+        port,
+    )
+
+
+def llama_server_spec(
+    binary: Path, model: Path, slots: int, threads: int, ctx_per_slot: int
+) -> ServerSpec:
+    port = free_port()
+    return ServerSpec(
+        "llama-server",
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "-np",
+            str(slots),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(ctx_per_slot * slots),
+            "--log-disable",
+        ],
+        port,
+    )
+
+
+def llama_cpp_python_spec(model: Path, threads: int, ctx: int) -> ServerSpec:
+    """llama-cpp-python's own server: one sequence at a time, whatever the concurrency."""
+    port = free_port()
+    return ServerSpec(
+        "llama-cpp-python",
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--n_threads",
+            str(threads),
+            "--n_ctx",
+            str(ctx),
+        ],
+        port,
+    )
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator[RunningServer]:
+    """Starts the server, waits until ``/v1/models`` answers, and always stops it."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}-{spec.port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            spec.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{spec.name} exited with {process.returncode}; see {log_path}")
+            try:
+                if httpx.get(spec.base_url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{spec.name} did not answer within {timeout_s:.0f} s")
+            time.sleep(0.25)  # start-up poll
+        yield RunningServer(spec, process.pid)
+    finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

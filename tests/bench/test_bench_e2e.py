@@ -1,0 +1,89 @@
+"""`slotserve bench` against a real spawned server, 2 concurrent clients. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ServerProcess
+
+VLLM_KEYS = {
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "mean_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "completed",
+    "failed",
+}
+
+
+def _bench(server: ServerProcess, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slotserve.cli",
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--max-tokens",
+            "12",
+            "--input-len",
+            "8",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--output-json",
+            str(out),
+            "--server-pid",
+            str(server.process.pid),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_bench_run_writes_a_complete_report(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    result = _bench(server, out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert set(summary) >= VLLM_KEYS
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 4 * 12  # from the server's usage, ignore_eos
+    assert report["isolation_failures"] == []
+    assert report["server_memory"]["rss_before_bytes"] > 0
+    assert "output throughput" in result.stdout
+
+
+def test_missed_target_exits_non_zero(server: ServerProcess, tmp_path: Path) -> None:
+    result = _bench(server, tmp_path / "run.json", "--expect-min-output-tps", "1e9")
+    assert result.returncode == 1
+    assert "target missed" in result.stderr
+
+
+def test_multi_turn_chat_and_completions_endpoint(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "turns.json"
+    result = _bench(server, out, "--dataset", "multi-turn", "--turns", "2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["summary"]["completed"] == 8  # 4 chats × 2 turns
+    result = _bench(
+        server, out, "--endpoint", "completions", "--dataset", "shared-prefix", "--prefix-len", "50"
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["summary"]["completed"] == 4

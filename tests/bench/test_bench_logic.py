@@ -1,0 +1,177 @@
+"""Bench logic without a server: percentiles, arrivals, datasets, report schema, targets."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slotserve.bench.datasets import (
+    multi_turn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+    sharegpt_dataset,
+)
+from slotserve.bench.loadgen import poisson_gaps
+from slotserve.bench.metrics import RequestResult, isolation_failures, percentile, summarize
+from slotserve.bench.report import Targets
+
+VLLM_KEYS = {
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "p95_ttft_ms",
+    "p50_itl_ms",
+}
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    assert percentile(values, 90) == pytest.approx(7.6)  # numpy.percentile gives 7.6
+    assert percentile([], 99) == 0.0
+
+
+def test_poisson_gaps_have_the_asked_mean_rate() -> None:
+    gaps = list(itertools.islice(poisson_gaps(4.0, seed=1), 20_000))
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert all(g >= 0 for g in gaps)
+    assert list(itertools.islice(poisson_gaps(float("inf"), 0), 3)) == [0.0, 0.0, 0.0]
+    assert list(itertools.islice(poisson_gaps(2.0, 7), 5)) == list(
+        itertools.islice(poisson_gaps(2.0, 7), 5)
+    )
+
+
+def test_random_dataset_is_distinct_seeded_and_sized() -> None:
+    data = random_dataset(50, input_len=20, output_len=64, range_ratio=0.5, seed=3)
+    prompts = [c.user_turns[0] for c in data]
+    assert len(set(prompts)) == 50
+    assert all(32 <= c.max_tokens <= 96 for c in data)
+    assert all(10 <= len(p.split()) - 5 <= 30 for p in prompts)  # 5 words of instruction
+    again = random_dataset(50, input_len=20, output_len=64, range_ratio=0.5, seed=3)
+    assert [c.user_turns for c in again] == [c.user_turns for c in data]
+    assert random_dataset(5, 20, 64, seed=9)[0].user_turns != data[0].user_turns
+
+
+def test_shared_prefix_dataset_shares_one_system_prompt() -> None:
+    data = shared_prefix_dataset(16, prefix_len=300, input_len=10, output_len=32)
+    systems = {c.system for c in data}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) > 300  # type: ignore[union-attr]
+    assert len({c.user_turns[0] for c in data}) == 16
+    messages = data[0].messages(0)
+    assert [m["role"] for m in messages] == ["system", "user"]
+
+
+def test_multi_turn_conversation_resends_history_with_replies() -> None:
+    conv = multi_turn_dataset(1, turns=3, input_len=5, output_len=8)[0]
+    conv.replies += ["first reply", "second reply"]
+    roles = [m["role"] for m in conv.messages(2)]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]
+    assert conv.messages(2)[1]["content"] == "first reply"
+    assert conv.prompt(1).splitlines()[1] == "first reply"
+
+
+def test_sharegpt_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "sharegpt.json"
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "Hello there"},
+                        {"from": "gpt", "value": "Hi"},
+                    ]
+                },
+                {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+                {"conversations": [{"from": "human", "value": "Second question"}]},
+            ]
+        )
+    )
+    data = sharegpt_dataset(path, num=4, max_tokens=50)
+    assert len(data) == 4
+    assert {c.user_turns[0] for c in data} == {"Hello there", "Second question"}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError):
+        sharegpt_dataset(bad, 1, 10)
+
+
+def _result(pid: str, text: str, ok: bool = True, temperature: float = 0.0) -> RequestResult:
+    return RequestResult(
+        pid,
+        success=ok,
+        start=0.0,
+        ttft=0.1,
+        latency=1.1,
+        itl=[0.05, 0.15],
+        prompt_tokens=10,
+        output_tokens=11,
+        text=text,
+        temperature=temperature,
+    )
+
+
+def test_summary_uses_vllm_key_names_and_counts_failures() -> None:
+    results = [_result("a", "x" * 20), _result("b", "y" * 20), _result("c", "", ok=False)]
+    summary = summarize(results, duration=2.0)
+    assert set(summary) >= VLLM_KEYS
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["output_throughput"] == pytest.approx(11.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(100.0)  # (1.1 - 0.1) / 10 tokens
+    assert summary["p99_itl_ms"] == pytest.approx(150.0)
+    assert summary["median_itl_ms"] == pytest.approx(100.0)
+    json.dumps(summary)
+
+
+def test_isolation_check_flags_identical_greedy_outputs_of_distinct_prompts() -> None:
+    same = "the same answer, long enough"
+    results = [
+        _result("p1", same),
+        _result("p2", same),
+        _result("p3", "different " * 3),
+        _result("p4", same, temperature=0.7),
+    ]
+    failures = isolation_failures(results)
+    assert failures == [{"prompt_ids": ["p1", "p2"], "text": same}]
+    assert isolation_failures([_result("p1", same), _result("p1", same)]) == []
+    # Two turns of one conversation may repeat themselves; two conversations may not.
+    assert isolation_failures([_result("c1/0", same), _result("c1/1", same)]) == []
+    assert len(isolation_failures([_result("c1/0", same), _result("c2/0", same)])) == 1
+
+
+def test_targets_report_every_miss(tmp_path: Path) -> None:
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps({"summary": {"output_throughput": 100.0}}))
+    report: dict[str, Any] = {
+        "summary": summarize([_result("a", "x" * 20)], 1.0),
+        "isolation_failures": [],
+    }
+    assert Targets().missed(report) == []
+    misses = Targets(
+        min_output_tps=50, speedup_baseline=baseline, min_speedup=1.0, max_failed=0
+    ).missed(report)
+    assert len(misses) == 2 and report["speedup_vs_baseline"] == pytest.approx(0.11)
+    report["isolation_failures"] = [{"prompt_ids": ["a", "b"], "text": "t"}]
+    assert any("isolation" in m for m in Targets().missed(report))
