@@ -7,7 +7,8 @@ each; the server's ``usage`` reports the exact token counts used in the results.
 
 Synthetic prompts ask the model to repeat numbered random words: even a small chat model then
 answers each prompt differently, so the isolation check (distinct prompts must not return
-identical greedy text) does not trip over a model's stock reply to nonsense.
+identical greedy text) does not trip over a model's stock reply to nonsense. Random prompts
+start with their number, so they share no prefix a server's prompt cache could reuse.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def random_dataset(
     return [
         Conversation(
             f"random-{i}",
-            [f"{ECHO}{i}: " + _words(rng, _length(rng, input_len, range_ratio))],
+            [f"{i}. {ECHO}" + _words(rng, _length(rng, input_len, range_ratio))],
             _length(rng, output_len, range_ratio),
         )
         for i in range(num)
@@ -99,7 +100,7 @@ def shared_prefix_dataset(
     system = "You are a careful assistant. Reference notes: " + _words(rng, prefix_len)
     return [
         Conversation(
-            f"user-{i}", [f"Question {i}: " + _words(rng, input_len)], output_len, system=system
+            f"user-{i}", [f"{i}. {ECHO}" + _words(rng, input_len)], output_len, system=system
         )
         for i in range(num)
     ]

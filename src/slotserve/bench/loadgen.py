@@ -104,6 +104,9 @@ async def send_one(
         return result
     result.latency = time.perf_counter() - start
     result.text = "".join(pieces)
+    if not pieces and not result.output_tokens:
+        result.error = "the response carried no content"
+        return result
     if not result.output_tokens:
         # A server without stream_options.include_usage (llama-cpp-python's): one content
         # chunk per token is the best estimate left; the report counts such requests.

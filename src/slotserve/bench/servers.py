@@ -122,6 +122,9 @@ def llama_cpp_python_spec(model: Path, threads: int, ctx: int) -> ServerSpec:
             str(threads),
             "--n_ctx",
             str(ctx),
+            # By default a new request interrupts the one streaming; queue them instead.
+            "--interrupt_requests",
+            "False",
         ],
         port,
     )
