@@ -35,6 +35,7 @@ class FakeRunner:
     max_seq_len: int = 256
     replies: dict[str, bytes] = field(default_factory=dict)
     fail_on_execute: bool = False
+    equal_prefill_chunks: bool = False
     batches: list[list[ScheduledChunk]] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
@@ -53,6 +54,7 @@ class FakeRunner:
             bos_token="",
             eos_token="",
             runner="fake",
+            equal_prefill_chunks=self.equal_prefill_chunks,
         )
 
     @property

@@ -67,3 +67,23 @@ def test_request_with_n_sequences_waits_for_n_free_slots() -> None:
     outputs = run_to_completion(core)
     final = outputs["pair"][-1]
     assert final.finished and final.num_output_tokens == 6
+
+
+def test_runner_can_ask_for_equal_prefill_chunks_per_step() -> None:
+    core, runner = make_core(FakeRunner(equal_prefill_chunks=True), max_batch_tokens=64)
+    for name, length in (("a", 10), ("b", 12), ("c", 15)):
+        submit(core, name, "x" * length, max_tokens=20, temperature=0)
+    for _ in range(4):
+        core.step()
+    assert [len(c.token_ids) for c in runner.batches[0]] == [10, 10, 10]
+    # The leftovers (2 and 5 tokens) ride along with decode steps, one length per step.
+    assert [len(c.token_ids) for c in runner.batches[1]] == [1, 2, 2]
+    assert [len(c.token_ids) for c in runner.batches[2]] == [1, 1, 3]
+
+
+def test_equal_chunks_respect_the_budget() -> None:
+    core, runner = make_core(FakeRunner(equal_prefill_chunks=True), max_batch_tokens=12)
+    for name in "abc":
+        submit(core, name, "y" * 40, max_tokens=2, temperature=0)
+    core.step()
+    assert [len(c.token_ids) for c in runner.batches[0]] == [4, 4, 4]

@@ -43,6 +43,7 @@ BAD_CHAT_BODIES: list[tuple[str, Any, str | None]] = [
         "messages.0.content.0.type",
     ),
     ("max_tokens beyond the context", {"messages": MESSAGES, "max_tokens": 10**6}, "max_tokens"),
+    ("messages too long", {"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
     (
         "json_schema without schema",
         {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
@@ -62,7 +63,7 @@ BAD_COMPLETION_BODIES: list[tuple[str, Any, str | None]] = [
     ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("best_of differs from n", {"prompt": "x", "best_of": 3}, "best_of"),
     ("echo with logprobs", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ("prompt too long", {"prompt": "word " * 5000}, "messages"),
+    ("prompt too long", {"prompt": "word " * 5000}, "prompt"),
     ("logprobs too large", {"prompt": "x", "logprobs": 99}, "logprobs"),
 ]
 

@@ -132,7 +132,8 @@ async def run_load(
 
     Conversations start in order, each when a concurrency slot is free and, with a finite
     ``request_rate``, after a Poisson-distributed gap; a conversation's turns run in sequence.
-    The first ``warmup`` single requests run before the clock starts and are not counted.
+    ``warmup`` single requests (the first prompts, with a different opening) run before the
+    clock starts and are not counted.
     """
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency + 4)
@@ -140,9 +141,11 @@ async def run_load(
         base_url=config.base_url, timeout=config.timeout_s, limits=limits, headers=headers
     ) as client:
         model = config.model or await resolve_model(client)
-        for conv in conversations[:warmup]:
+        for k, conv in enumerate(conversations[:warmup]):
+            # A different first word: a server's prompt cache must not get a head start on the
+            # requests that are measured.
             probe = Conversation(
-                conv.conversation_id, conv.user_turns[:1], conv.max_tokens, conv.system
+                f"warmup-{k}", [f"Warm-up {k}: {conv.user_turns[0]}"], conv.max_tokens
             )
             await send_one(client, config, model, probe, 0)
         gate = asyncio.Semaphore(config.concurrency)

@@ -63,7 +63,7 @@ class EngineCore:
         self.runner = runner
         self.config = config
         self.model_info = info
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, equal_prefill_chunks=info.equal_prefill_chunks)
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)
@@ -91,7 +91,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"This model's maximum context length per sequence is {info.max_seq_len} tokens, "
                 f"but the prompt has {num_prompt} tokens (one more is needed to generate).",
-                param="messages",
+                param="prompt",
             )
         room = info.max_seq_len - num_prompt
         if params.max_tokens is not None and params.max_tokens > room:

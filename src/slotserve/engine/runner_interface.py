@@ -43,6 +43,9 @@ class ModelInfo:
     bos_token: str
     eos_token: str
     runner: str
+    # The runner prefers every prefill chunk of a step to have the same length (scheduler
+    # invariant 6); llama.cpp with per-sequence KV streams does.
+    equal_prefill_chunks: bool = False
 
 
 class Tokenizer(Protocol):

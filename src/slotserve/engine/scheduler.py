@@ -11,6 +11,13 @@ Batch-construction invariants:
    ``num_computed_tokens``.
 4. A request with ``n`` sequences is admitted only when ``n`` slots are free (FIFO: a large
    request is not overtaken, so it cannot starve).
+5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
+6. When the runner asks for equal prefill chunks (``ModelInfo.equal_prefill_chunks``), every
+   prefill chunk of a step has the same length: the shortest remaining prompt (capped by
+   ``prefill_chunk`` and the budget). llama.cpp with per-sequence KV streams cuts a batch into
+   sub-batches that take the same number of tokens from each sequence; ragged chunk ends
+   (40, 41, 42 tokens...) would cost one extra weight pass each, while equal chunks leave the
+   few leftover tokens to ride along with later decode steps.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from slotserve.engine.slots import Slot, SlotPool, SlotState
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, equal_prefill_chunks: bool = False) -> None:
         self.config = config
+        self.equal_prefill_chunks = equal_prefill_chunks
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self._prefill_order: list[Slot] = []  # PREFILLING slots, oldest admission first
@@ -51,18 +59,36 @@ class Scheduler:
                 pos = seq.num_computed_tokens
                 chunks.append(ScheduledChunk(slot.index, seq.token_ids[pos : pos + 1], pos, True))
                 budget -= 1
-        for slot in self._prefill_order:
+        for slot, wanted in zip(self._prefill_order, self._prefill_sizes(budget), strict=True):
             if budget <= 0:
                 break
             seq = _sequence(slot)
             start = seq.num_computed_tokens
-            size = min(seq.num_tokens - start, self.config.prefill_chunk, budget)
+            size = min(wanted, budget)
             end = start + size
             chunks.append(
                 ScheduledChunk(slot.index, seq.token_ids[start:end], start, end == seq.num_tokens)
             )
             budget -= size
         return chunks
+
+    def _prefill_sizes(self, budget: int) -> list[int]:
+        """How many prompt tokens each PREFILLING slot would like this step, oldest first."""
+        sizes = [
+            min(
+                _sequence(slot).num_tokens - _sequence(slot).num_computed_tokens,
+                self.config.prefill_chunk,
+            )
+            for slot in self._prefill_order
+        ]
+        if self.equal_prefill_chunks and sizes:
+            # Invariant 6: one chunk length per step, so the runner's equal-length split of
+            # the batch needs no extra sub-batches for ragged chunk ends.
+            share = min(sizes)
+            if share * len(sizes) > budget:
+                share = max(1, budget // len(sizes))
+            sizes = [share] * len(sizes)
+        return sizes
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:
         """Advances the sequence's counter after the forward pass; returns the sequence."""

@@ -128,6 +128,7 @@ class LlamaCppRunner:
             bos_token=self._tokenizer.special_token_text(llama.llama_vocab_bos(self._vocab)),
             eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
             runner="llama.cpp",
+            equal_prefill_chunks=True,
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
@@ -177,7 +178,10 @@ class LlamaCppRunner:
         batch = self._batch
         row = 0
         sample_rows: list[tuple[int, int]] = []  # (slot, batch row)
-        for chunk in chunks:
+        # NOTE: with per-sequence KV streams llama.cpp builds each sub-batch from a run of
+        # consecutive sequence ids, starting at the batch's first unused token: slot order
+        # keeps the number of sub-batches (one weight pass each) down.
+        for chunk in sorted(chunks, key=lambda c: c.slot):
             size = len(chunk.token_ids)
             end = row + size
             if end > self._capacity:

@@ -6,7 +6,7 @@ import json
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.server.protocol import ResponseFormat, _SamplingFields
+from slotserve.server.protocol import ResponseFormat, SamplingFields
 
 
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -38,7 +38,7 @@ def structured_output_of(fmt: ResponseFormat | None) -> StructuredOutput | None:
 
 
 def sampling_params_of(
-    body: _SamplingFields,
+    body: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
     structured_output: StructuredOutput | None,

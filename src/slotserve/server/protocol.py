@@ -65,7 +65,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -88,7 +88,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -115,7 +115,7 @@ class ChatCompletionRequest(_SamplingFields):
             )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SequenceDelta
 from slotserve.server.generation import (
     chat_logprobs,
@@ -48,7 +49,12 @@ async def create_chat_completion(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         structured_output=structured_output_of(body.response_format),
     )
-    streams = submit_prompts(ctx.engine, request_id, [prompt], params)
+    try:
+        streams = submit_prompts(ctx.engine, request_id, [prompt], params)
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":  # the chat request's prompt is its messages
+            exc.param = "messages"
+        raise
     created = int(time.time())
     base = {
         "id": request_id,

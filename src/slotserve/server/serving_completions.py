@@ -46,13 +46,10 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[list[in
             texts.append(item)
         else:
             token_lists.append(list(item))
-            texts.append(
-                "".join(
-                    ctx.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
-                    for t in item
-                    if 0 <= t < ctx.model_info.vocab_size
-                )
+            raw_bytes = b"".join(
+                ctx.tokenizer.token_bytes(t) for t in item if 0 <= t < ctx.model_info.vocab_size
             )
+            texts.append(raw_bytes.decode("utf-8", errors="replace"))
     return token_lists, texts
 
 
