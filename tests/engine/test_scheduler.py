@@ -81,9 +81,15 @@ def test_runner_can_ask_for_equal_prefill_chunks_per_step() -> None:
     assert [len(c.token_ids) for c in runner.batches[2]] == [1, 1, 3]
 
 
-def test_equal_chunks_respect_the_budget() -> None:
-    core, runner = make_core(FakeRunner(equal_prefill_chunks=True), max_batch_tokens=12)
-    for name in "abc":
-        submit(core, name, "y" * 40, max_tokens=2, temperature=0)
+def test_equal_chunks_keep_oldest_first_under_the_budget() -> None:
+    core, runner = make_core(FakeRunner(equal_prefill_chunks=True), max_batch_tokens=50)
+    for name, length in (("a", 30), ("b", 31), ("c", 40)):
+        submit(core, name, "y" * length, max_tokens=2, temperature=0)
     core.step()
-    assert [len(c.token_ids) for c in runner.batches[0]] == [4, 4, 4]
+    # a fits whole; the budget cuts b short, and b is not counted as a whole chunk (trimming
+    # a to b's 20 tokens would only stall a); c waits for the next step.
+    assert [(c.slot, len(c.token_ids)) for c in runner.batches[0]] == [(0, 30), (1, 20)]
+    core.step()
+    # b's 11 leftover tokens are the shortest whole chunk: c (cut by the budget) is trimmed
+    # to it rather than adding a ragged sub-batch.
+    assert [(c.slot, len(c.token_ids)) for c in runner.batches[1]] == [(0, 1), (1, 11), (2, 11)]

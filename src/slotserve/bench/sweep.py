@@ -294,4 +294,4 @@ def _print_table(result: dict[str, Any], console: Console) -> None:
     for line in lines[2:]:
         if line.startswith("|"):
             table.add_row(*[c.strip() for c in line.strip("|").split("|")])
-    console.print(table)
+    Console(width=max(console.width, 200)).print(table)  # eleven columns: never squeeze them

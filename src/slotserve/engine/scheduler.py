@@ -12,12 +12,13 @@ Batch-construction invariants:
 4. A request with ``n`` sequences is admitted only when ``n`` slots are free (FIFO: a large
    request is not overtaken, so it cannot starve).
 5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
-6. When the runner asks for equal prefill chunks (``ModelInfo.equal_prefill_chunks``), every
-   prefill chunk of a step has the same length: the shortest remaining prompt (capped by
-   ``prefill_chunk`` and the budget). llama.cpp with per-sequence KV streams cuts a batch into
-   sub-batches that take the same number of tokens from each sequence; ragged chunk ends
-   (40, 41, 42 tokens...) would cost one extra weight pass each, while equal chunks leave the
-   few leftover tokens to ride along with later decode steps.
+6. When the runner asks for equal prefill chunks (``ModelInfo.equal_prefill_chunks``), the
+   chunks chosen by invariant 2 are trimmed to the shortest whole one (a chunk the budget cut
+   short does not count as whole). llama.cpp with per-sequence KV streams cuts a batch into
+   sub-batches that take the same number of tokens from each sequence; ragged chunk ends (40, 41, 42
+   tokens...) would cost one extra weight pass each, while trimmed chunks leave the few
+   leftover tokens to ride along with later decode steps. Oldest-first order is kept, so a
+   long prompt still finishes before the ones queued behind it start.
 """
 
 from __future__ import annotations
@@ -59,12 +60,11 @@ class Scheduler:
                 pos = seq.num_computed_tokens
                 chunks.append(ScheduledChunk(slot.index, seq.token_ids[pos : pos + 1], pos, True))
                 budget -= 1
-        for slot, wanted in zip(self._prefill_order, self._prefill_sizes(budget), strict=True):
-            if budget <= 0:
+        for slot, size in zip(self._prefill_order, self._prefill_sizes(budget), strict=True):
+            if size == 0:
                 break
             seq = _sequence(slot)
             start = seq.num_computed_tokens
-            size = min(wanted, budget)
             end = start + size
             chunks.append(
                 ScheduledChunk(slot.index, seq.token_ids[start:end], start, end == seq.num_tokens)
@@ -73,21 +73,24 @@ class Scheduler:
         return chunks
 
     def _prefill_sizes(self, budget: int) -> list[int]:
-        """How many prompt tokens each PREFILLING slot would like this step, oldest first."""
-        sizes = [
-            min(
-                _sequence(slot).num_tokens - _sequence(slot).num_computed_tokens,
-                self.config.prefill_chunk,
-            )
-            for slot in self._prefill_order
-        ]
-        if self.equal_prefill_chunks and sizes:
-            # Invariant 6: one chunk length per step, so the runner's equal-length split of
-            # the batch needs no extra sub-batches for ragged chunk ends.
-            share = min(sizes)
-            if share * len(sizes) > budget:
-                share = max(1, budget // len(sizes))
-            sizes = [share] * len(sizes)
+        """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
+        sizes, truncated = [], False
+        for slot in self._prefill_order:
+            seq = _sequence(slot)
+            wanted = min(seq.num_tokens - seq.num_computed_tokens, self.config.prefill_chunk)
+            size = min(wanted, budget)
+            truncated = truncated or size < wanted
+            sizes.append(size)
+            budget -= size
+        if self.equal_prefill_chunks:
+            # Invariant 6: trim ragged chunk ends to the shortest whole chunk. A chunk the
+            # budget cut short does not count as whole (trimming the others to it would stall
+            # them), but is trimmed like the rest.
+            scheduled = [size for size in sizes if size > 0]
+            whole = scheduled[:-1] if truncated else scheduled
+            if len(scheduled) > 1 and whole:
+                shortest = min(whole)
+                sizes = [min(size, shortest) for size in sizes]
         return sizes
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:

@@ -193,7 +193,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 def chat_logprobs(tokenizer: Tokenizer, tokens: list[SampledToken]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # A byte-fallback token carries part of a character: report its own bytes.
+        raw = tokenizer.token_bytes(token_id) or text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     content = []
     for sampled in tokens:
