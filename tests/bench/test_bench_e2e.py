@@ -87,3 +87,12 @@ def test_multi_turn_chat_and_completions_endpoint(server: ServerProcess, tmp_pat
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["summary"]["completed"] == 4
+
+
+def test_poisson_arrivals_for_a_duration(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "poisson.json"
+    result = _bench(server, out, "--duration", "2", "--request-rate", "4")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["request_rate"] == 4.0 and report["config"]["duration_s"] == 2.0
+    assert report["summary"]["completed"] >= 1 and report["summary"]["failed"] == 0

@@ -159,6 +159,8 @@ def test_isolation_check_flags_identical_greedy_outputs_of_distinct_prompts() ->
     # Two turns of one conversation may repeat themselves; two conversations may not.
     assert isolation_failures([_result("c1/0", same), _result("c1/1", same)]) == []
     assert len(isolation_failures([_result("c1/0", same), _result("c2/0", same)])) == 1
+    # A duration run resends the dataset: the repeat of c1 is the same prompt.
+    assert isolation_failures([_result("c1/0", same), _result("c1#1/0", same)]) == []
 
 
 def test_targets_report_every_miss(tmp_path: Path) -> None:

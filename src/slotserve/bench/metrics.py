@@ -88,7 +88,8 @@ def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]
     Under greedy sampling two different prompts producing exactly the same (non-trivial) text
     almost always means one request saw another's state: a batching or KV isolation bug.
     Turns of one conversation (``prompt_id`` = ``conversation/turn``) share their history, so a
-    model may legitimately repeat itself there; only matches across conversations count.
+    model may legitimately repeat itself there; only matches across conversations count. A
+    duration run resends the dataset (``conversation#lap``): a repeat is the same prompt.
     """
     by_text: dict[str, list[RequestResult]] = {}
     for r in results:
@@ -97,6 +98,11 @@ def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]
     failures = []
     for text, group in by_text.items():
         prompts = sorted({r.prompt_id for r in group})
-        if len({p.rsplit("/", 1)[0] for p in prompts}) > 1:
+        if len({_source_conversation(p) for p in prompts}) > 1:
             failures.append({"prompt_ids": prompts, "text": text[:200]})
     return failures
+
+
+def _source_conversation(prompt_id: str) -> str:
+    """``chat-3#2/1`` (turn 1 of the third resend of chat-3) -> ``chat-3``."""
+    return prompt_id.rsplit("/", 1)[0].split("#", 1)[0]

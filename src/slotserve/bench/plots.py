@@ -33,7 +33,7 @@ def throughput_plot(
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("concurrent clients (= slots)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -67,7 +67,7 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     }
     ceiling = {int(k): v for k, v in result.get("raw_decode_tps", {}).items()} or None
     paths = [out_dir / "throughput_vs_concurrency.png", out_dir / "latency_distributions.png"]
-    throughput_plot(table, ceiling, paths[0], f"Output throughput — {result['workload']}")
+    throughput_plot(table, ceiling, paths[0], f"Output throughput\n{result['workload']}")
     concurrency = result["latency_samples_at"]
     latency_plot(
         result["latency_samples"],
