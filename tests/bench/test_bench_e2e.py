@@ -7,22 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench.test_bench_logic import VLLM_KEYS
 from tests.conftest import ServerProcess
-
-VLLM_KEYS = {
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "mean_itl_ms",
-    "p99_itl_ms",
-    "mean_e2el_ms",
-    "completed",
-    "failed",
-}
 
 
 def _bench(server: ServerProcess, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -12,19 +12,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import ServerProcess
+from tests.prompts import PROMPTS
 
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Tell me a short story about a dragon."}
-]
-PROMPTS = [
-    "The history of the Roman empire",
-    "def fibonacci(n):",
-    "Ingredients for a chocolate cake:",
-    "Le président de la République",
-    "Once upon a time, in a land far away,",
-    "The three laws of thermodynamics are",
-    "SELECT name, age FROM users WHERE",
-    "My favourite season is autumn because",
 ]
 
 

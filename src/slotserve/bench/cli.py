@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from slotserve.bench.datasets import Conversation
 from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.report import Targets, render_table
 from slotserve.bench.runner import DATASETS, build_dataset, run_benchmark
@@ -83,6 +84,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     targets.add_argument("--no-isolation-check", dest="isolation", action="store_false")
 
 
+def dataset_from_args(args: argparse.Namespace, num: int) -> list[Conversation]:
+    """The workload the flags of ``add_workload_arguments`` describe, ``num`` conversations."""
+    return build_dataset(
+        args.dataset,
+        num,
+        args.input_len,
+        args.max_tokens,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        turns=args.turns,
+        path=args.dataset_path,
+        seed=args.seed,
+    )
+
+
 def api_url(base_url: str) -> str:
     base = base_url.rstrip("/")
     return base if base.endswith("/v1") else base + "/v1"
@@ -91,17 +107,7 @@ def api_url(base_url: str) -> str:
 def main_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
-        conversations = build_dataset(
-            args.dataset,
-            args.num_requests,
-            args.input_len,
-            args.max_tokens,
-            range_ratio=args.range_ratio,
-            prefix_len=args.prefix_len,
-            turns=args.turns,
-            path=args.dataset_path,
-            seed=args.seed,
-        )
+        conversations = dataset_from_args(args, args.num_requests)
     except (ValueError, OSError) as exc:
         console.print(f"[red]slotserve bench: {exc}")
         return 2

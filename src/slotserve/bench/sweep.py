@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from slotserve.bench.ceiling import measure_in_subprocess
-from slotserve.bench.cli import add_workload_arguments
+from slotserve.bench.cli import add_workload_arguments, dataset_from_args
 from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import build_dataset, run_benchmark
+from slotserve.bench.runner import run_benchmark
 from slotserve.bench.servers import (
     ServerSpec,
     llama_cpp_python_spec,
@@ -145,17 +145,7 @@ def main_sweep(args: argparse.Namespace) -> int:
         for slots in args.slots:
             num = max(4, slots * args.requests_per_slot)
             for name in order:
-                dataset = build_dataset(
-                    args.dataset,
-                    num,
-                    args.input_len,
-                    args.max_tokens,
-                    range_ratio=args.range_ratio,
-                    prefix_len=args.prefix_len,
-                    turns=args.turns,
-                    path=args.dataset_path,
-                    seed=args.seed,
-                )
+                dataset = dataset_from_args(args, num)
                 spec = _spec(name, peers.get(name), model, slots, args)
                 with running(spec, out_dir / "logs") as server:
                     config = LoadConfig(
