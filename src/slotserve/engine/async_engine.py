@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
@@ -64,7 +64,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submits a request and yields its outputs until it finishes (aborts if left early)."""
         with self.submit(request_id, prompt_token_ids, params) as stream:
             async for output in stream:

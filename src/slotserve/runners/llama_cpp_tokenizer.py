@@ -12,7 +12,6 @@ class LlamaCppTokenizer:
     def __init__(self, vocab: Any) -> None:
         self._vocab = vocab
         self.vocab_size: int = llama.llama_vocab_n_tokens(vocab)
-        self.add_bos: bool = bool(llama.llama_vocab_get_add_bos(vocab))
         # Output text is built from these bytes on the engine's hot path: one table lookup per
         # token instead of one C call.
         self._output_bytes = [self._piece(t, special=False) for t in range(self.vocab_size)]
