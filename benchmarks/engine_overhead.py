@@ -15,16 +15,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from slotserve.bench.ceiling import measure_in_subprocess
+from slotserve.bench.servers import running, slotserve_spec
 
 PROMPT = "Write a long story about a robot who learns to paint."
 # Completions with a short prompt keep prefill negligible, so the ratio isolates the engine's
@@ -63,12 +62,6 @@ async def server_rate(base_url: str, clients: int, tokens: int, chat: bool = Fal
     return sum(counts) / elapsed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,34 +81,10 @@ def main() -> None:
 
     model = str(resolve_model_path(args.model))
 
-    port = _free_port()
     attention_flag = "--flash-attn" if args.flash_attn else "--no-flash-attn"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slotserve.cli",
-            "serve",
-            model,
-            "--port",
-            str(port),
-            "--slots",
-            str(args.slots),
-            "--threads",
-            str(args.threads),
-            "--log-level",
-            "warning",
-            attention_flag,
-        ],
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    spec = slotserve_spec(Path(model), args.slots, args.threads, 4096, [attention_flag])
+    base_url = spec.base_url
+    with tempfile.TemporaryDirectory() as logs, running(spec, Path(logs)):
         asyncio.run(server_rate(base_url, 2, 8))  # warm-up
         results: dict[int, dict[str, list[float]]] = {
             b: {"server": [], "raw": [], "ratio": []} for b in args.batch_sizes
@@ -137,9 +106,6 @@ def main() -> None:
                     flush=True,
                 )
         after = httpx.get(f"{base_url}/v1/slots").json()
-    finally:
-        server.terminate()
-        server.wait()
     step = after["step_seconds"] - before["step_seconds"]
     forward = after["forward_seconds"] - before["forward_seconds"]
     summary = {

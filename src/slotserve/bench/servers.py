@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def slotserve_spec(model: Path, slots: int, threads: int, ctx_per_slot: int) -> ServerSpec:
+def slotserve_spec(
+    model: Path, slots: int, threads: int, ctx_per_slot: int, extra_args: Sequence[str] = ()
+) -> ServerSpec:
     port = free_port()
     return ServerSpec(
         "slotserve",
@@ -70,6 +72,7 @@ def slotserve_spec(model: Path, slots: int, threads: int, ctx_per_slot: int) -> 
             "1024",
             "--log-level",
             "warning",
+            *extra_args,
         ],
         port,
     )
