@@ -7,6 +7,7 @@ other prompt it emits the letters ``a..z`` cyclically forever. Every call is rec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ class FakeRunner:
     replies: dict[str, bytes] = field(default_factory=dict)
     fail_on_execute: bool = False
     equal_prefill_chunks: bool = False
+    # Seconds one forward pass takes: a fake model as slow as a real one, for tests that race
+    # the engine thread against the event loop.
+    forward_seconds_per_step: float = 0.0
     batches: list[list[ScheduledChunk]] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
@@ -77,6 +81,8 @@ class FakeRunner:
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
         self.batches.append(list(chunks))
+        if self.forward_seconds_per_step:
+            time.sleep(self.forward_seconds_per_step)
         if self.fail_on_execute:
             raise RuntimeError("simulated device failure")
         sampled = {}

@@ -36,7 +36,8 @@ def test_generate_streams_outputs_of_concurrent_requests() -> None:
 
 
 def test_leaving_a_stream_early_aborts_the_request() -> None:
-    runner = FakeRunner(num_slots=1)
+    # 200 tokens at 5 ms a step: the request is still running when the abort arrives.
+    runner = FakeRunner(num_slots=1, forward_seconds_per_step=0.005)
 
     async def main() -> tuple[int, list[int]]:
         engine = AsyncEngine(EngineCore(runner, EngineConfig(num_slots=1, max_queue=0)))
