@@ -40,11 +40,23 @@ class FakeRunner:
     # Seconds one forward pass takes: a fake model as slow as a real one, for tests that race
     # the engine thread against the event loop.
     forward_seconds_per_step: float = 0.0
+    prefix_cache_unsupported: str | None = None
+    prefill_grain: int = 1
     batches: list[list[ScheduledChunk]] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
-    # slot -> tokens whose "KV" is held: checks the engine feeds contiguous positions.
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, tokens)
+    # slot -> tokens whose "KV" is held: checks the engine feeds contiguous positions, and the
+    # fake model's next token depends on it, so wrongly reused KV changes the output.
     kv: dict[int, list[int]] = field(default_factory=dict)
+    active: set[int] = field(default_factory=set)  # slots with sampler state
+    prompt_lengths: dict[int, int] = field(default_factory=dict)  # slot -> its prompt's length
+    # (start_pos, length, prompt length) of every chunk that computed prompt tokens.
+    prompt_chunks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for slot in range(self.num_slots):
+            self.kv.setdefault(slot, [])
 
     @property
     def model_info(self) -> ModelInfo:
@@ -59,6 +71,9 @@ class FakeRunner:
             eos_token="",
             runner="fake",
             equal_prefill_chunks=self.equal_prefill_chunks,
+            prefill_grain=self.prefill_grain,
+            kv_bytes_per_token=64,
+            prefix_cache_unsupported=self.prefix_cache_unsupported,
         )
 
     @property
@@ -75,9 +90,13 @@ class FakeRunner:
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
-        assert slot not in self.kv, f"slot {slot} reused before removal"
+        assert slot not in self.active, f"slot {slot} reused before removal"
+        held = self.kv[slot]
+        assert held == list(prompt_token_ids[: len(held)]), "the slot's KV is not a prompt prefix"
+        assert len(held) < len(prompt_token_ids), "the last prompt token must be computed"
         self.added.append(slot)
-        self.kv[slot] = []
+        self.active.add(slot)
+        self.prompt_lengths[slot] = len(prompt_token_ids)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
         self.batches.append(list(chunks))
@@ -87,8 +106,12 @@ class FakeRunner:
             raise RuntimeError("simulated device failure")
         sampled = {}
         for chunk in chunks:
+            assert chunk.slot in self.active, f"slot {chunk.slot} has no sequence"
             held = self.kv[chunk.slot]
             assert chunk.start_pos == len(held), "positions must continue the slot's KV"
+            prompt_length = self.prompt_lengths[chunk.slot]
+            if chunk.start_pos < prompt_length:
+                self.prompt_chunks.append((chunk.start_pos, len(chunk.token_ids), prompt_length))
             held.extend(chunk.token_ids)
             if chunk.sample:
                 sampled[chunk.slot] = SampledToken(self._next(held))
@@ -96,7 +119,20 @@ class FakeRunner:
 
     def remove_sequence(self, slot: int) -> None:
         self.removed.append(slot)
-        self.kv.pop(slot, None)
+        self.active.discard(slot)
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        assert src_slot != dst_slot and num_tokens <= len(self.kv[src_slot])
+        assert dst_slot not in self.active, "copy into a slot that is running"
+        self.copies.append((src_slot, dst_slot, num_tokens))
+        self.kv[dst_slot] = self.kv[src_slot][:num_tokens]
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        assert slot not in self.active, "trim of a slot that is running"
+        del self.kv[slot][num_tokens:]
+
+    def kv_tokens(self, slot: int) -> int:
+        return len(self.kv[slot])
 
     def close(self) -> None:
         pass

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from slotserve.cli import build_parser
+from slotserve.cli import build_parser, parse_cache_budget
 from slotserve.model_source import ModelUnavailableError, resolve_model_path
 
 
@@ -43,3 +44,29 @@ def test_bad_engine_limits_are_refused_before_loading() -> None:
     )
     assert result.returncode == 2
     assert "max_batch_tokens" in result.stderr
+
+
+def test_prefix_cache_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert args.prefix_cache is True and args.prefix_cache_budget is None
+    monkeypatch.setenv("SLOTSERVE_PREFIX_CACHE", "0")
+    monkeypatch.setenv("SLOTSERVE_PREFIX_CACHE_BUDGET", "512MiB")
+    args = build_parser().parse_args(["serve"])
+    assert args.prefix_cache is False and args.prefix_cache_budget == (None, 512 * 2**20)
+    args = build_parser().parse_args(["serve", "--prefix-cache", "--prefix-cache-budget", "20000"])
+    assert args.prefix_cache is True and args.prefix_cache_budget == (20000, None)
+    assert parse_cache_budget("1.5 GB") == (None, 1_500_000_000)
+    for bad in ("lots", "12 parsecs", "-5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid budget"):
+            parse_cache_budget(bad)
+
+
+def test_prefill_chunk_below_the_models_grain_is_refused() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", "serve", "--prefill-chunk", "32"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "prefill_chunk must be at least the grain (64)" in result.stderr

@@ -31,6 +31,34 @@ def _env_bool(name: str, default: bool) -> bool:
     return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+
+
+def parse_cache_budget(text: str) -> tuple[int | None, int | None]:
+    """``"20000"`` → (20000 tokens, None); ``"512MiB"`` → (None, 536870912 bytes)."""
+    value = text.strip().lower().replace(" ", "")
+    if value.isdigit():
+        return int(value), None
+    number = value.rstrip("bgikm")
+    unit = value[len(number) :]
+    try:
+        if unit not in _BYTE_UNITS:
+            raise ValueError(unit)
+        return None, int(float(number) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid budget {text!r}: a token count (20000) or bytes with a unit (512MiB, 2GB)"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slotserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,6 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="flash attention kernels (default on: faster batched decode on CPU)",
     )
     serve.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("PREFIX_CACHE", True),
+        help="share the KV of common prompt prefixes between requests (default on)",
+    )
+    serve.add_argument(
+        "--prefix-cache-budget",
+        type=parse_cache_budget,
+        default=_env("PREFIX_CACHE_BUDGET"),  # argparse converts a string default
+        help="most cached tokens kept once no request uses them: a token count (20000) or "
+        "KV bytes (512MiB); default: all that free slots can hold",
+    )
+    serve.add_argument(
+        "--prefix-wait-min-tokens",
+        type=int,
+        default=_env_int("PREFIX_WAIT_MIN_TOKENS", 256),
+        help="a request sharing at least this many prompt tokens with a prompt still being "
+        "prefilled waits for them to be computed and reuses their KV (default 256)",
+    )
+    serve.add_argument(
         "--chat-template",
         default=_env("CHAT_TEMPLATE"),
         help="Jinja2 chat template file overriding the model's own",
@@ -143,11 +191,16 @@ def serve(args: argparse.Namespace) -> int:
     )
     try:
         model_path = resolve_model_path(args.model)
+        budget_tokens, budget_bytes = args.prefix_cache_budget or (None, None)
         config = EngineConfig(
             num_slots=args.slots,
             max_batch_tokens=args.max_batch_tokens,
             prefill_chunk=args.prefill_chunk,
             max_queue=args.max_queue,
+            prefix_cache=args.prefix_cache,
+            prefix_cache_budget_tokens=budget_tokens,
+            prefix_cache_budget_bytes=budget_bytes,
+            prefix_wait_min_tokens=args.prefix_wait_min_tokens,
         )
     except (ModelUnavailableError, ValueError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
@@ -163,8 +216,14 @@ def serve(args: argparse.Namespace) -> int:
     info = runner.model_info
     source = Path(args.chat_template).read_text() if args.chat_template else info.chat_template
     template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
+    try:
+        core = EngineCore(runner, config)
+    except ValueError as exc:  # limits that depend on the model (the prefill grain)
+        runner.close()
+        print(f"slotserve: {exc}", file=sys.stderr)
+        return 2
     ctx = ServingContext(
-        engine=AsyncEngine(EngineCore(runner, config)),
+        engine=AsyncEngine(core),
         tokenizer=runner.tokenizer,
         model_info=info,
         model_name=args.served_model_name or info.name,

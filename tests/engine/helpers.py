@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.outputs import RequestOutput
@@ -8,7 +10,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner
 
 
-def make_core(runner: FakeRunner | None = None, **config: int) -> tuple[EngineCore, FakeRunner]:
+def make_core(runner: FakeRunner | None = None, **config: Any) -> tuple[EngineCore, FakeRunner]:
     runner = runner or FakeRunner()
     config.setdefault("num_slots", runner.num_slots)
     return EngineCore(runner, EngineConfig(**config)), runner

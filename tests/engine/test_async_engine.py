@@ -60,7 +60,7 @@ def test_leaving_a_stream_early_aborts_the_request() -> None:
 
     aborted, counts = asyncio.run(main())
     assert aborted == 1 and counts[-1] == 2
-    assert runner.kv == {}
+    assert runner.active == set()
 
 
 def test_full_queue_is_refused_at_submission() -> None:

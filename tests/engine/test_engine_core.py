@@ -91,7 +91,9 @@ def test_abort_mid_prefill_frees_the_slot_within_one_step() -> None:
     core.abort_request("long")
     outputs = core.step()
     assert _slot_states(core)[0] is SlotState.FREE
-    assert runner.removed == [0] and runner.kv == {}
+    assert runner.removed == [0] and runner.active == set()
+    assert runner.kv[0] == list(b"p" * 8), "the computed chunk stays cached"
+    core.check_integrity()
     assert len(runner.batches) == batches_before, "no forward work after the abort"
     assert outputs[0].finished and outputs[0].deltas == []
 

@@ -53,7 +53,8 @@ def test_slots_are_reused_after_a_request_finishes() -> None:
     assert sorted(runner.added) == [0, 0, 0, 1, 1] or sorted(runner.added).count(0) >= 2
     assert len(runner.removed) == 5
     assert all(s.state is SlotState.FREE for s in core.scheduler.slots.slots)
-    assert runner.kv == {}
+    assert runner.active == set()
+    core.check_integrity()
 
 
 def test_request_with_n_sequences_waits_for_n_free_slots() -> None:

@@ -84,6 +84,8 @@ class AsyncEngine:
                 outputs = core.step()
                 if outputs:
                     self._deliver(outputs)
+                if core.is_idle:
+                    core.check_integrity_when_idle()
         except Exception as exc:
             logger.exception("engine loop crashed")
             self._dead = f"engine loop crashed: {exc}"

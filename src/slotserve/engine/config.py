@@ -12,12 +12,21 @@ class EngineConfig:
     ``max_batch_tokens`` bounds the tokens of one forward pass (decode tokens plus prefill
     chunks); ``prefill_chunk`` bounds one sequence's share of it. ``max_queue`` bounds requests
     waiting for a slot; one more is refused at once.
+
+    The prefix cache (``prefix_cache``) keeps at most ``prefix_cache_budget_tokens`` unused
+    tokens and ``prefix_cache_budget_bytes`` of their KV (None: all the free slots can hold).
+    A waiting request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a
+    prompt still being prefilled waits until those are computed, then reuses them.
     """
 
     num_slots: int = 8
     max_batch_tokens: int = 512
     prefill_chunk: int = 512
     max_queue: int = 64
+    prefix_cache: bool = True
+    prefix_cache_budget_tokens: int | None = None
+    prefix_cache_budget_bytes: int | None = None
+    prefix_wait_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -32,3 +41,9 @@ class EngineConfig:
             )
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        for name in ("prefix_cache_budget_tokens", "prefix_cache_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.prefix_wait_min_tokens < 1:
+            raise ValueError("prefix_wait_min_tokens must be >= 1")

@@ -18,10 +18,12 @@ from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError, QueueFullError
 from slotserve.engine.output_processor import append_token, take_delta
 from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken
+from slotserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from slotserve.engine.request import Request, Sequence
-from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from slotserve.engine.runner_interface import ModelInfo, Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.scheduler import Scheduler
+from slotserve.engine.slots import SlotState
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ class EngineStats:
     requests_admitted: int = 0
     slots: tuple[SlotSnapshot, ...] = field(default_factory=tuple)
     num_waiting: int = 0
+    prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(False))
+    integrity_checks: int = 0  # run whenever the engine goes idle
+    integrity_failures: int = 0
+    last_integrity_error: str | None = None
 
 
 class EngineCore:
@@ -63,8 +69,16 @@ class EngineCore:
         self.runner = runner
         self.config = config
         self.model_info = info
-        self.scheduler = Scheduler(config, equal_prefill_chunks=info.equal_prefill_chunks)
-        self.stats = EngineStats()
+        for slot in range(config.num_slots):  # the engine starts from empty KV in every slot
+            runner.trim_kv(slot, 0)
+        self.prefix_cache, disabled_reason = _build_prefix_cache(runner, config, info)
+        self.scheduler = Scheduler(
+            config,
+            equal_prefill_chunks=info.equal_prefill_chunks,
+            prefill_grain=info.prefill_grain,
+            prefix_cache=self.prefix_cache,
+        )
+        self.stats = EngineStats(prefix_cache=PrefixCacheStats(False, disabled_reason))
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -247,9 +261,7 @@ class EngineCore:
         request = seq.request
         out = outputs.get(request.request_id)
         if out is None:
-            out = outputs[request.request_id] = RequestOutput(
-                request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
-            )
+            out = outputs[request.request_id] = _new_output(request)
         out.deltas.append(take_delta(seq))
         out.num_output_tokens = request.num_output_tokens
         if request.finished:
@@ -274,10 +286,9 @@ class EngineCore:
             seq.finish_reason = reason
             if seq.slot is not None:
                 self.scheduler.finish(seq)
-        out = outputs.setdefault(
-            request.request_id,
-            RequestOutput(request.request_id, num_prompt_tokens=len(request.prompt_token_ids)),
-        )
+        out = outputs.get(request.request_id)
+        if out is None:
+            out = outputs[request.request_id] = _new_output(request)
         out.finished = True
         out.error = error
         out.num_output_tokens = request.num_output_tokens
@@ -297,8 +308,44 @@ class EngineCore:
         for slot in self.scheduler.drained_slots():
             try:
                 self.runner.remove_sequence(slot.index)
+                if self.prefix_cache is None:
+                    self.runner.trim_kv(slot.index, 0)
             finally:
                 self.scheduler.release(slot)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing queued, running or waiting to be taken from the inbox (engine thread)."""
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return not pending and not self.scheduler.has_work
+
+    def check_integrity_when_idle(self) -> None:
+        """Runs :meth:`check_integrity`, counting and logging a failure instead of raising."""
+        self.stats.integrity_checks += 1
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            self.stats.integrity_failures += 1
+            self.stats.last_integrity_error = str(exc)
+            logger.error("KV integrity check failed: %s", exc)
+
+    def check_integrity(self) -> None:
+        """Engine thread, between steps. Raises ``AssertionError`` when slot, cache and runner
+        KV bookkeeping disagree: every slot's KV must be what its sequence computed (running),
+        what the prefix cache says it holds (free, cache on), or nothing (free, cache off)."""
+        running = {
+            slot.index: slot.sequence.num_computed_tokens
+            for slot in self.scheduler.slots.slots
+            if slot.sequence is not None and slot.state is not SlotState.FREE
+        }
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity(running)
+            return
+        for slot in self.scheduler.slots.slots:
+            held = self.runner.kv_tokens(slot.index)
+            expected = running.get(slot.index, 0)
+            assert held == expected, f"slot {slot.index} KV holds {held}, expected {expected}"
 
     def _publish_snapshot(self) -> None:
         snapshot = []
@@ -316,16 +363,52 @@ class EngineCore:
             )
         self.stats.slots = tuple(snapshot)
         self.stats.num_waiting = len(self.scheduler.waiting)
+        if self.prefix_cache is not None:
+            self.stats.prefix_cache = self.prefix_cache.stats()
+
+
+def _build_prefix_cache(
+    runner: Runner, config: EngineConfig, info: ModelInfo
+) -> tuple[PrefixCache | None, str | None]:
+    """The prefix cache, or None with the reason it is off (logged)."""
+    if not config.prefix_cache:
+        return None, "disabled by configuration (--no-prefix-cache)"
+    if info.prefix_cache_unsupported is not None:
+        logger.warning("prefix cache disabled: %s", info.prefix_cache_unsupported)
+        return None, info.prefix_cache_unsupported
+    budget = config.num_slots * info.max_seq_len  # everything free slots can hold
+    if config.prefix_cache_budget_tokens is not None:
+        budget = min(budget, config.prefix_cache_budget_tokens)
+    if config.prefix_cache_budget_bytes is not None and info.kv_bytes_per_token > 0:
+        budget = min(budget, config.prefix_cache_budget_bytes // info.kv_bytes_per_token)
+    logger.info(
+        "prefix cache on: budget %d tokens (%.1f MiB of KV)",
+        budget,
+        budget * info.kv_bytes_per_token / 2**20,
+    )
+    cache = PrefixCache(
+        runner, config.num_slots, budget, info.kv_bytes_per_token, grain=info.prefill_grain
+    )
+    return cache, None
+
+
+def _new_output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request.request_id,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_tokens=request.sequences[0].num_cached_tokens if request.sequences else 0,
+    )
 
 
 def _log_end(request: Request, how: str, error: str | None = None) -> None:
     now = time.monotonic()
     queued = (request.admitted_time or now) - request.arrival_time
     logger.info(
-        "request %s %s: %d prompt + %d output tokens, %.0f ms queued, %.0f ms in all%s",
+        "request %s %s: %d prompt (%d cached) + %d output tokens, %.0f ms queued, %.0f ms in all%s",
         request.request_id,
         how,
         len(request.prompt_token_ids),
+        request.sequences[0].num_cached_tokens if request.sequences else 0,
         request.num_output_tokens,
         queued * 1000,
         (now - request.arrival_time) * 1000,

@@ -42,5 +42,6 @@ class RequestOutput:
     deltas: list[SequenceDelta] = field(default_factory=list)
     finished: bool = False
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the first choice, as OpenAI's usage reports it
     num_output_tokens: int = 0
     error: str | None = None

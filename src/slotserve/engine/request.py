@@ -47,6 +47,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     slot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

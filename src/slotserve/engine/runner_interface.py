@@ -46,6 +46,15 @@ class ModelInfo:
     # The runner prefers every prefill chunk of a step to have the same length (scheduler
     # invariant 6); llama.cpp with per-sequence KV streams does.
     equal_prefill_chunks: bool = False
+    # Chunks of a multiple of this many tokens compute each token bit-identically whatever
+    # their length; shorter chunks may round differently (scheduler invariant 8). 1: any chunk,
+    # one-token decode steps included, computes a token identically.
+    prefill_grain: int = 1
+    # Bytes of KV one token takes (all layers, K and V): sizes the prefix cache's byte budget.
+    kv_bytes_per_token: int = 0
+    # Why KV cannot be shared by position range (recurrent state, sliding-window layers...);
+    # the prefix cache is then off. None when sharing works.
+    prefix_cache_unsupported: str | None = None
 
 
 class Tokenizer(Protocol):
@@ -77,8 +86,11 @@ class Runner(Protocol):
       seeded sampler's draws depend only on its own sequence).
     * ``execute`` runs **one** forward pass over all chunks and returns one token for every
       chunk with ``sample=True``, keyed by slot. It is only called from the engine thread.
-    * ``remove_sequence`` frees the slot's KV and sampler state; the slot may then be reused by
-      a new ``add_sequence`` at once.
+    * A slot's KV is positions ``0 .. n-1`` of one token list. It outlives the sequence:
+      ``remove_sequence`` frees only sampler state, and the engine decides with ``trim_kv`` and
+      ``copy_kv`` what the KV holds when the slot is next used (the prefix cache reuses it).
+      ``copy_kv`` and ``trim_kv`` take effect before the next ``execute`` touches the slots,
+      in call order, and never change what another slot's KV holds.
     * Methods raise ordinary exceptions on failure; the runner stays usable for other slots
       after a failed ``add_sequence``.
     """
@@ -101,7 +113,7 @@ class Runner(Protocol):
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
-        """Prepares sampler state for a new sequence in an empty slot."""
+        """Prepares sampler state for a new sequence in a slot (its KV is left as it is)."""
         ...
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
@@ -109,7 +121,19 @@ class Runner(Protocol):
         ...
 
     def remove_sequence(self, slot: int) -> None:
-        """Frees the slot's KV cache entries and sampler state."""
+        """Frees the slot's sampler state; its KV stays until trimmed or overwritten."""
+        ...
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Replaces ``dst_slot``'s KV with the first ``num_tokens`` positions of ``src_slot``'s."""
+        ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        """Keeps only the first ``num_tokens`` positions of the slot's KV (0 frees it all)."""
+        ...
+
+    def kv_tokens(self, slot: int) -> int:
+        """How many positions (``0 .. n-1``) the slot's KV holds; raises if not contiguous."""
         ...
 
     def close(self) -> None:

@@ -19,6 +19,19 @@ Batch-construction invariants:
    tokens...) would cost one extra weight pass each, while trimmed chunks leave the few
    leftover tokens to ride along with later decode steps. Oldest-first order is kept, so a
    long prompt still finishes before the ones queued behind it start.
+7. With the prefix cache on, a sequence starts at the longest cached prefix of its prompt
+   (``num_computed_tokens`` = cached tokens, at most the prompt length minus one). A waiting
+   request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still
+   prefilling is passed over until that prefill has computed the shared part (a short common
+   preamble, such as a chat template's, is not worth a wait); requests behind it may go
+   first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
+   burst of requests with one new long system prompt computes it once, not once per request.
+8. Prompts are chunked on a grid of ``prefill_grain`` tokens (``ModelInfo``): a chunk is
+   either whole grain cells or the prompt's final remainder (shorter than a grain) on its own.
+   The llama.cpp runner's attention computes a token the same way in any chunk of at least
+   64 tokens, and differently in shorter ones; on the grid every prompt token is computed in
+   the same kind of chunk whatever runs beside it, and whatever the cache supplied before it
+   (cache hits are whole cells), so greedy output is bit-for-bit that of the request alone.
 """
 
 from __future__ import annotations
@@ -26,29 +39,91 @@ from __future__ import annotations
 from collections import deque
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.prefix_cache import PrefixCache
+from slotserve.engine.radix_tree import common_prefix_length
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.slots import Slot, SlotPool, SlotState
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, equal_prefill_chunks: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        equal_prefill_chunks: bool = False,
+        prefill_grain: int = 1,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        if config.prefill_chunk < prefill_grain:
+            raise ValueError(f"prefill_chunk must be at least the grain ({prefill_grain})")
+        if config.max_batch_tokens < config.num_slots + prefill_grain:
+            raise ValueError(
+                f"max_batch_tokens ({config.max_batch_tokens}) must leave room for one grain "
+                f"({prefill_grain}) of prefill beside {config.num_slots} decode tokens"
+            )
         self.config = config
         self.equal_prefill_chunks = equal_prefill_chunks
+        self.prefill_grain = prefill_grain
+        self._max_chunk = config.prefill_chunk // prefill_grain * prefill_grain
+        self.prefix_cache = prefix_cache
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self._prefill_order: list[Slot] = []  # PREFILLING slots, oldest admission first
 
     def admit(self) -> list[Sequence]:
-        """Moves waiting requests into free slots; returns the newly placed sequences."""
+        """Moves waiting requests into free slots; returns the newly placed sequences.
+
+        With the prefix cache, each placed sequence's slot already holds its cached prefix
+        (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
+        """
         placed: list[Sequence] = []
+        passed_over: list[Request] = []
         while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
             request = self.waiting.popleft()
+            if self._waits_for_prefill_in_flight(request):
+                passed_over.append(request)
+                continue
             for sequence in request.sequences:
-                slot = self.slots.acquire(sequence)
+                slot = self._place(sequence)
                 self._prefill_order.append(slot)
                 placed.append(sequence)
+        self.waiting.extendleft(reversed(passed_over))
         return placed
+
+    def _place(self, sequence: Sequence) -> Slot:
+        cache = self.prefix_cache
+        if cache is None:
+            return self.slots.acquire(sequence)
+        # Match, choose and attach one sequence at a time: attaching can drop cached content
+        # of the chosen slot that an earlier match would have pointed at.
+        match = cache.match(sequence.token_ids)
+        free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
+        slot = self.slots.acquire(sequence, cache.choose_slot(match, free))
+        cached = cache.attach(slot.index, sequence.token_ids, match)
+        sequence.num_computed_tokens = sequence.num_cached_tokens = cached
+        return slot
+
+    def _cacheable_tokens(self, seq: Sequence) -> list[int]:
+        assert self.prefix_cache is not None
+        length = self.prefix_cache.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
+        return seq.token_ids[:length]
+
+    def _waits_for_prefill_in_flight(self, request: Request) -> bool:
+        """Invariant 7: True when ``request`` should wait for a running prefill to share."""
+        cache = self.prefix_cache
+        if cache is None or not self._prefill_order:
+            return False
+        prompt = request.prompt_token_ids
+        cached = cache.reusable_length(cache.match(prompt), len(prompt))
+        for slot in self._prefill_order:
+            seq = _sequence(slot)
+            # What the running prefill will leave in the cache that this prompt can take.
+            will_cache = cache.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
+            shared = common_prefix_length(prompt[:-1], seq.token_ids[:will_cache])
+            shared -= shared % self.prefill_grain
+            if shared >= self.config.prefix_wait_min_tokens and shared > cached:
+                return True
+        return False
 
     def schedule(self) -> list[ScheduledChunk]:
         """Builds the next batch; an empty list means there is nothing to run."""
@@ -62,7 +137,7 @@ class Scheduler:
                 budget -= 1
         for slot, size in zip(self._prefill_order, self._prefill_sizes(budget), strict=True):
             if size == 0:
-                break
+                continue
             seq = _sequence(slot)
             start = seq.num_computed_tokens
             end = start + size
@@ -74,23 +149,38 @@ class Scheduler:
 
     def _prefill_sizes(self, budget: int) -> list[int]:
         """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
-        sizes, truncated = [], False
+        grain = self.prefill_grain
+        sizes: list[int] = []
+        whole_cells: list[bool] = []  # the chunk is whole grain cells (not a final remainder)
+        truncated = False
         for slot in self._prefill_order:
             seq = _sequence(slot)
-            wanted = min(seq.num_tokens - seq.num_computed_tokens, self.config.prefill_chunk)
-            size = min(wanted, budget)
+            done, end = seq.num_computed_tokens, seq.num_tokens
+            cells_end = end - end % grain  # invariant 8: whole cells, then the remainder alone
+            if done < cells_end:
+                wanted = min(cells_end - done, self._max_chunk)
+                size = min(wanted, budget) // grain * grain
+                whole_cells.append(True)
+            else:
+                wanted = end - done
+                size = wanted if wanted <= budget else 0
+                whole_cells.append(False)
             truncated = truncated or size < wanted
             sizes.append(size)
             budget -= size
         if self.equal_prefill_chunks:
             # Invariant 6: trim ragged chunk ends to the shortest whole chunk. A chunk the
             # budget cut short does not count as whole (trimming the others to it would stall
-            # them), but is trimmed like the rest.
-            scheduled = [size for size in sizes if size > 0]
-            whole = scheduled[:-1] if truncated else scheduled
+            # them), but is trimmed like the rest. Remainder chunks are never cut (invariant 8).
+            scheduled = [size for size, cells in zip(sizes, whole_cells, strict=True) if cells]
+            scheduled = [size for size in scheduled if size > 0]
+            whole = scheduled[:-1] if truncated and scheduled else scheduled
             if len(scheduled) > 1 and whole:
                 shortest = min(whole)
-                sizes = [min(size, shortest) for size in sizes]
+                sizes = [
+                    min(size, shortest) if cells else size
+                    for size, cells in zip(sizes, whole_cells, strict=True)
+                ]
         return sizes
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:
@@ -100,6 +190,9 @@ class Scheduler:
         seq.num_computed_tokens += len(chunk.token_ids)
         if slot.state is SlotState.PREFILLING:
             slot.chunks_done += 1
+            if self.prefix_cache is not None:
+                # Shareable at once by requests queued behind (invariant 7).
+                self.prefix_cache.extend(slot.index, self._cacheable_tokens(seq))
             if seq.num_computed_tokens == seq.num_tokens:
                 self._prefill_order.remove(slot)
                 slot.move_to(SlotState.GENERATING)
@@ -117,8 +210,15 @@ class Scheduler:
         return self.slots.in_state(SlotState.DRAINING)
 
     def release(self, slot: Slot) -> None:
-        if slot.sequence is not None:
-            slot.sequence.slot = None
+        """Frees a DRAINING slot; with the prefix cache its computed tokens stay cached."""
+        seq = slot.sequence
+        if seq is not None:
+            if self.prefix_cache is not None:
+                if seq.finish_reason == "error":
+                    self.prefix_cache.drop(slot.index)  # its KV may be half written
+                else:
+                    self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
+            seq.slot = None
         self.slots.release(slot)
 
     def remove_waiting(self, request: Request) -> bool:

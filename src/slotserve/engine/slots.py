@@ -50,7 +50,8 @@ class Slot:
 
 
 class SlotPool:
-    """Fixed set of slots; hands out the lowest free index so KV streams are reused evenly."""
+    """Fixed set of slots; hands out the lowest free index unless told which (the prefix cache
+    picks the slot that already holds a prompt's prefix)."""
 
     def __init__(self, num_slots: int) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
@@ -65,15 +66,16 @@ class SlotPool:
     def in_state(self, state: SlotState) -> list[Slot]:
         return [s for s in self.slots if s.state is state]
 
-    def acquire(self, sequence: Sequence) -> Slot:
+    def acquire(self, sequence: Sequence, index: int | None = None) -> Slot:
+        """Places ``sequence`` in free slot ``index``, or in the lowest free one."""
         for slot in self.slots:
-            if slot.state is SlotState.FREE:
+            if slot.state is SlotState.FREE and index in (None, slot.index):
                 slot.move_to(SlotState.PREFILLING)
                 slot.sequence = sequence
                 slot.chunks_done = 0
                 sequence.slot = slot.index
                 return slot
-        raise RuntimeError("no free slot")
+        raise RuntimeError("no free slot" if index is None else f"slot {index} is not free")
 
     def drain(self, slot: Slot) -> None:
         slot.move_to(SlotState.DRAINING)

@@ -9,7 +9,9 @@ KV layout: ``kv_unified = false`` gives each sequence its own KV stream of
 interleaves its cells with ours and changes the attention's rounding, which breaks batch
 invariance (SPEC E4); separate streams keep every sequence's attention the same alone or
 batched. The price: one sequence can use at most ``ctx_size / num_slots`` tokens, and sharing
-a prefix between slots copies KV between streams instead of sharing cells (ARCHITECTURE.md).
+a prefix between slots copies KV between streams instead of sharing cells (ARCHITECTURE.md):
+``llama_memory_seq_cp`` between streams copies the whole stream buffer (a few ms), then
+``llama_memory_seq_rm`` trims the copy to the shared prefix.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def init_llama_backend() -> None:
 
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
+
+# ggml's CPU flash attention switches from a per-row loop to 64-query tiles at 64 queries of
+# one sequence (GGML_FA_TILE_Q); each path rounds the same way whatever the chunk length, but
+# not the same as the other. Without flash attention, a one-token chunk differs from longer
+# ones. A 64-token grain keeps every prompt token on one path in both cases (invariant 8).
+_FA_TILE_Q = 64
 
 
 @llama.llama_log_callback  # type: ignore[untyped-decorator]
@@ -129,6 +137,9 @@ class LlamaCppRunner:
             eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
             runner="llama.cpp",
             equal_prefill_chunks=True,
+            prefill_grain=_FA_TILE_Q,
+            kv_bytes_per_token=self._kv_bytes_per_token(),
+            prefix_cache_unsupported=self._why_no_prefix_sharing(),
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
@@ -162,7 +173,7 @@ class LlamaCppRunner:
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
-        self.remove_sequence(slot)
+        self.remove_sequence(slot)  # sampler state only; the engine has set up the KV
         if params.needs_sampler_chain:
             self._chains[slot] = build_chain(
                 self._vocab,
@@ -175,13 +186,53 @@ class LlamaCppRunner:
         self._params[slot] = params
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+        # One llama_decode per chunk length. With per-sequence KV streams llama.cpp cuts a
+        # batch into sub-batches taking the same number of tokens from each of a run of
+        # consecutive sequence ids, so chunks of different lengths in one call would be cut
+        # into pieces sized by their neighbours, and attention rounds differently in pieces
+        # shorter than 64 tokens: a token's result would depend on what ran beside it (E4).
+        # Grouped by length, every chunk runs whole, in as many weight passes as llama.cpp
+        # would have made anyway.
+        by_length: dict[int, list[ScheduledChunk]] = {}
+        for chunk in sorted(chunks, key=lambda c: c.slot):
+            by_length.setdefault(len(chunk.token_ids), []).append(chunk)
+        sampled: dict[int, SampledToken] = {}
+        for length, group in by_length.items():
+            sampled.update(self._decode(group, self._ballast_for(group) if length == 1 else []))
+        return sampled
+
+    def _ballast_for(self, group: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Throw-away tokens that close the gaps between one-token chunks' slots.
+
+        llama.cpp runs each run of consecutive sequence ids as its own sub-batch, and ggml's
+        flash attention takes a split-KV path for a sub-batch of one query of one sequence
+        over 512+ cells, which rounds differently from the path batched decoding takes: a
+        sequence decoding alone, or alone in its run, would not match itself decoding beside
+        others (E4). One token in every gap (or beside a lone slot) keeps one run of two or
+        more sequences, and saves the weight passes the extra sub-batches would cost. The
+        tokens are removed from those slots' KV right after the forward.
+        """
+        slots = sorted(chunk.slot for chunk in group)
+        num_slots = self._info.num_slots
+        if len(slots) == 1:
+            gaps = [slots[0] + 1] if slots[0] + 1 < num_slots else [slots[0] - 1]
+        else:
+            taken = set(slots)
+            gaps = [slot for slot in range(slots[0], slots[-1] + 1) if slot not in taken]
+        ballast = []
+        for slot in gaps:
+            held = self.kv_tokens(slot) if 0 <= slot < num_slots else self._info.max_seq_len
+            if held < self._info.max_seq_len:  # a full slot cannot take a token: left as is
+                ballast.append(ScheduledChunk(slot, [0], held, False))
+        return ballast
+
+    def _decode(
+        self, chunks: Sequence[ScheduledChunk], ballast: Sequence[ScheduledChunk] = ()
+    ) -> dict[int, SampledToken]:
         batch = self._batch
         row = 0
         sample_rows: list[tuple[int, int]] = []  # (slot, batch row)
-        # NOTE: with per-sequence KV streams llama.cpp builds each sub-batch from a run of
-        # consecutive sequence ids, starting at the batch's first unused token: slot order
-        # keeps the number of sub-batches (one weight pass each) down.
-        for chunk in sorted(chunks, key=lambda c: c.slot):
+        for chunk in sorted([*chunks, *ballast], key=lambda c: c.slot):
             size = len(chunk.token_ids)
             end = row + size
             if end > self._capacity:
@@ -200,6 +251,8 @@ class LlamaCppRunner:
         started = time.perf_counter()
         status = llama.llama_decode(self._ctx, batch)
         self._decode_seconds += time.perf_counter() - started
+        for extra in ballast:
+            self.trim_kv(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         return {slot: self._sample(slot, batch_row) for slot, batch_row in sample_rows}
@@ -209,7 +262,26 @@ class LlamaCppRunner:
         if chain is not None:
             llama.llama_sampler_free(chain)
         self._params.pop(slot, None)
-        llama.llama_memory_seq_rm(self._memory, slot, -1, -1)
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        # Between streams llama.cpp copies only whole sequences: the cell metadata now, the
+        # buffers at the start of the next llama_decode, in call order. Trimming the copy is
+        # metadata only, so a later copy out of or into either slot in the same step is safe.
+        llama.llama_memory_seq_cp(self._memory, src_slot, dst_slot, -1, -1)
+        self.trim_kv(dst_slot, num_tokens)
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        if not llama.llama_memory_seq_rm(self._memory, slot, num_tokens, -1):
+            raise RuntimeError(f"llama.cpp refused to trim sequence {slot} to {num_tokens}")
+
+    def kv_tokens(self, slot: int) -> int:
+        first = llama.llama_memory_seq_pos_min(self._memory, slot)
+        last = llama.llama_memory_seq_pos_max(self._memory, slot)
+        if last < 0:
+            return 0
+        if first != 0:
+            raise RuntimeError(f"sequence {slot} holds positions {first}..{last}, not from 0")
+        return int(last) + 1
 
     def close(self) -> None:
         for slot in list(self._chains):
@@ -220,6 +292,34 @@ class LlamaCppRunner:
             llama.llama_model_free(self._model)
             self._ctx = None
             self._model = None
+
+    def _kv_bytes_per_token(self) -> int:
+        """K and V of every layer at f16 (llama.cpp's default cache type)."""
+        model = self._model
+        n_head = max(1, llama.llama_model_n_head(model))
+        head_dim = llama.llama_model_n_embd(model) // n_head
+        key_dim = self._metadata_int("attention.key_length") or head_dim
+        value_dim = self._metadata_int("attention.value_length") or head_dim
+        n_head_kv = llama.llama_model_n_head_kv(model)
+        return int(llama.llama_model_n_layer(model) * n_head_kv * (key_dim + value_dim) * 2)
+
+    def _metadata_int(self, suffix: str) -> int | None:
+        arch = self._metadata("general.architecture")
+        value = self._metadata(f"{arch}.{suffix}") if arch else None
+        return int(value) if value and value.isdigit() else None
+
+    def _metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        size = llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if size >= 0 else None
+
+    def _why_no_prefix_sharing(self) -> str | None:
+        model = self._model
+        if llama.llama_model_is_recurrent(model) or llama.llama_model_is_hybrid(model):
+            return "the model keeps recurrent state, which cannot be shared by position range"
+        if llama.llama_model_n_swa(model) > 0:
+            return "sliding-window layers discard early positions, so a prefix cannot be reused"
+        return None
 
     def _sample(self, slot: int, batch_row: int) -> SampledToken:
         params = self._params[slot]

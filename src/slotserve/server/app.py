@@ -110,4 +110,15 @@ def create_app(ctx: ServingContext) -> FastAPI:
             "requests_failed": stats.requests_failed,
         }
 
+    @app.get("/v1/prefix_cache_stats")
+    async def prefix_cache_stats() -> dict[str, Any]:
+        # Reads the snapshot the engine thread published after its last step: never blocks it.
+        stats = ctx.engine.core.stats
+        return {
+            **stats.prefix_cache.as_dict(),
+            "integrity_checks": stats.integrity_checks,
+            "integrity_failures": stats.integrity_failures,
+            "last_integrity_error": stats.last_integrity_error,
+        }
+
     return app

@@ -120,19 +120,25 @@ class Collected:
     """A finished non-streaming generation: one accumulator per choice, and token totals."""
 
     choices: list[ChoiceAccumulator]
-    prompt_tokens: int
-    completion_tokens: int
+    usage: dict[str, Any]
     disconnected: bool
 
 
 class _Totals:
+    """Token counts per prompt (one engine request each), summed into OpenAI's usage."""
+
     def __init__(self, num_prompts: int) -> None:
         self.prompt = [0] * num_prompts
+        self.cached = [0] * num_prompts
         self.completion = [0] * num_prompts
 
     def update(self, index: int, output: RequestOutput) -> None:
         self.prompt[index] = output.num_prompt_tokens
+        self.cached[index] = output.num_cached_tokens
         self.completion[index] = output.num_output_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return usage(sum(self.prompt), sum(self.completion), sum(self.cached))
 
 
 async def collect(raw: Request, streams: list[RequestStream], n: int) -> Collected:
@@ -146,7 +152,7 @@ async def collect(raw: Request, streams: list[RequestStream], n: int) -> Collect
             for delta in output.deltas:
                 choices[k * n + delta.index].add(delta)
             totals.update(k, output)
-    return Collected(choices, sum(totals.prompt), sum(totals.completion), gone.is_set())
+    return Collected(choices, totals.usage(), gone.is_set())
 
 
 async def stream_events(
@@ -177,16 +183,17 @@ async def stream_events(
     if gone.is_set():
         return
     if usage_event is not None:
-        yield usage_event(usage(sum(totals.prompt), sum(totals.completion)))
+        yield usage_event(totals.usage())
     yield SSE_DONE
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        # Prompt tokens whose KV came from the prefix cache instead of being computed.
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

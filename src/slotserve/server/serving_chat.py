@@ -16,7 +16,6 @@ from slotserve.server.generation import (
     sse,
     stream_events,
     submit_prompts,
-    usage,
 )
 from slotserve.server.params import sampling_params_of, structured_output_of
 from slotserve.server.protocol import ChatCompletionRequest
@@ -107,6 +106,6 @@ async def create_chat_completion(
                 }
                 for i, c in enumerate(result.choices)
             ],
-            "usage": usage(result.prompt_tokens, result.completion_tokens),
+            "usage": result.usage,
         }
     )

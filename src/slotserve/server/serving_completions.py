@@ -16,7 +16,6 @@ from slotserve.server.generation import (
     sse,
     stream_events,
     submit_prompts,
-    usage,
 )
 from slotserve.server.params import sampling_params_of
 from slotserve.server.protocol import CompletionRequest
@@ -117,6 +116,4 @@ async def create_completion(
                 "finish_reason": choice.finish_reason,
             }
         )
-    return JSONResponse(
-        {**base, "choices": choices, "usage": usage(result.prompt_tokens, result.completion_tokens)}
-    )
+    return JSONResponse({**base, "choices": choices, "usage": result.usage})

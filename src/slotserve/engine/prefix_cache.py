@@ -1,0 +1,327 @@
+"""The prefix cache (SPEC E8): which KV sequence holds which token prefix, and reuse of it.
+
+The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of one token list.
+It can copy the first ``n`` positions of one sequence into another and trim a sequence to its
+first ``n`` positions (:class:`KvStore`). llama.cpp does both on its per-sequence KV streams;
+a paged runner does them by sharing and dropping block references.
+
+On that model the cache keeps a :class:`~slotserve.engine.radix_tree.RadixTree` whose node
+handles are the sets of sequence ids whose content *ends* at that node. A sequence id holds the
+whole path from the root to its node, so every holder of a node is found in its subtree, and
+a node nobody holds is pruned. A slot keeps its KV after its sequence ends: free slots are the
+cache's storage, running slots lock their own path.
+
+* **Admission**: the longest cached prefix of the prompt is matched (never the whole prompt:
+  the last token is always computed, so the sequence gets logits). The new sequence takes, in
+  order of preference, a free slot that already holds the prefix (trimmed in place, no copy), or
+  the free slot whose content is least worth keeping, into which the prefix is copied from any
+  holder, running or free.
+* **Progress**: after each prefill chunk the computed prompt is inserted, so requests queued
+  behind a long prompt can share it while it is still running.
+* **End**: prompt and output tokens whose KV was computed are inserted and the path unlocked.
+* **Budget**: unlocked (cached) tokens beyond the budget are evicted, least recently used
+  leaves first, by trimming the free slots that hold them. Running sequences never wait for the
+  cache: a slot's cached content gives way the moment a new sequence needs the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from slotserve.engine.radix_tree import Match, RadixTree, TreeNode
+
+Holders = set[int]  # sequence ids whose cached content ends at a node
+CacheNode = TreeNode[Holders]
+PrefixMatch = Match[Holders]
+
+
+class KvStore(Protocol):
+    """The KV operations the prefix cache needs from a runner (see ``Runner``)."""
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Replaces ``dst_slot``'s KV with the first ``num_tokens`` positions of ``src_slot``'s."""
+        ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        """Keeps only the first ``num_tokens`` positions of ``slot``'s KV."""
+        ...
+
+    def kv_tokens(self, slot: int) -> int:
+        """How many positions (``0 .. n-1``) ``slot``'s KV holds."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A snapshot for ``/v1/prefix_cache_stats`` and metrics; counters are totals since start."""
+
+    enabled: bool
+    disabled_reason: str | None = None
+    hits: int = 0  # admitted sequences that reused at least one cached token
+    misses: int = 0
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    cached_tokens: int = 0  # distinct tokens in the tree
+    evictable_tokens: int = 0  # ... of which no running sequence uses
+    cached_bytes: int = 0
+    nodes: int = 0
+    evictions: int = 0  # tree nodes removed to make room or because their slot was reused
+    evicted_tokens: int = 0
+    budget_tokens: int = 0
+    kv_bytes_per_token: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def average_hit_tokens(self) -> float:
+        return self.hit_tokens / self.hits if self.hits else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "enabled": self.enabled,
+            "disabled_reason": self.disabled_reason,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": self.token_hit_rate,
+            "average_hit_tokens": self.average_hit_tokens,
+            "cached_tokens": self.cached_tokens,
+            "evictable_tokens": self.evictable_tokens,
+            "cached_bytes": self.cached_bytes,
+            "nodes": self.nodes,
+            "evictions": self.evictions,
+            "evicted_tokens": self.evicted_tokens,
+            "budget_tokens": self.budget_tokens,
+            "budget_bytes": self.budget_tokens * self.kv_bytes_per_token,
+        }
+
+
+def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
+    # Sequences that ended at the split node hold all of it: they end at the lower half.
+    return set(), holders
+
+
+class PrefixCache:
+    """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
+
+    def __init__(
+        self,
+        kv: KvStore,
+        num_slots: int,
+        budget_tokens: int,
+        kv_bytes_per_token: int,
+        grain: int = 1,
+    ) -> None:
+        self.kv = kv
+        self.grain = grain
+        self.budget_tokens = budget_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.tree: RadixTree[Holders] = RadixTree(set, _split_holders)
+        self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
+        self.tree.root.value.update(self._end)
+        self._running: set[int] = set()
+        self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
+        self._evictions = self._evicted_tokens = 0
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` (see :meth:`reusable_length`)."""
+        return self.tree.match_prefix(prompt[: len(prompt) - 1])
+
+    def reusable_length(self, match: PrefixMatch, prompt_length: int) -> int:
+        """How much of a match a new sequence takes: never the last prompt token (it must be
+        computed for logits), and whole grain cells only (scheduler invariant 8)."""
+        length = min(match.length, prompt_length - 1)
+        return length - length % self.grain
+
+    def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
+        """How many of a sequence's computed tokens the cache may keep and hand out.
+
+        With a grain of 1 the runner computes a token identically in any chunk, one-token
+        decode steps included, so prompt and output are kept. Otherwise only whole grain cells
+        of the prompt are: its remainder and the output were computed in short chunks, and a
+        new prompt would compute those positions in long ones (a reply reused by the next chat
+        turn would change that turn's logits slightly).
+        """
+        if self.grain == 1:
+            return num_computed_tokens
+        length = min(num_computed_tokens, num_prompt_tokens)
+        return length - length % self.grain
+
+    def holders(self, match: PrefixMatch) -> set[int]:
+        """Slots whose KV starts with the matched prefix."""
+        if match.length == 0:
+            return set()
+        return {slot for node in self.tree.subtree(match.node) for slot in node.value}
+
+    def choose_slot(self, match: PrefixMatch, free_slots: Sequence[int]) -> int:
+        """The free slot a sequence with this match should take (see the module docstring)."""
+        in_place = sorted(self.holders(match).intersection(free_slots))
+        if in_place:
+            return in_place[0]
+        return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
+
+    def attach(self, slot: int, prompt: Sequence[int], match: PrefixMatch) -> int:
+        """Makes free ``slot``'s KV hold the matched prefix of ``prompt`` and marks the slot
+        running; returns the number of prompt tokens that need no computing."""
+        assert slot not in self._running, f"slot {slot} is already running"
+        length = self.reusable_length(match, len(prompt))
+        holders = self.holders(match)
+        if slot in holders:
+            self._trim(slot, prompt, length)
+        else:
+            self._forget(slot)
+            if length:
+                source = min(holders)
+                self.kv.copy_kv(source, slot, length)
+                self._set_end(slot, self.tree.insert(prompt[:length]))
+            else:
+                self.kv.trim_kv(slot, 0)
+        self._running.add(slot)
+        self.tree.lock(self._end[slot])
+        self._query_tokens += len(prompt)
+        self._hit_tokens += length
+        if length:
+            self._hits += 1
+        else:
+            self._misses += 1
+        return length
+
+    # ---- progress and end -------------------------------------------------------------------
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """Records that running ``slot``'s KV starts with ``cacheable_tokens`` (it may hold
+        more: see :meth:`cacheable_length`)."""
+        assert slot in self._running, f"slot {slot} is not running"
+        self._set_end(slot, self.tree.insert(cacheable_tokens))
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """The slot's sequence ended: its KV is trimmed to ``cacheable_tokens`` and stays in
+        the slot as cache."""
+        self.extend(slot, cacheable_tokens)
+        self._running.discard(slot)
+        self.tree.unlock(self._end[slot])
+        self.kv.trim_kv(slot, len(cacheable_tokens))
+        excess = self.tree.evictable_tokens - self.budget_tokens
+        if excess > 0:
+            self._evict(excess)
+
+    def drop(self, slot: int) -> None:
+        """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
+        if slot in self._running:
+            self._running.discard(slot)
+            self.tree.unlock(self._end[slot])
+        self._forget(slot)
+        self.kv.trim_kv(slot, 0)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def _set_end(self, slot: int, node: CacheNode) -> None:
+        old = self._end[slot]
+        if old is node:
+            return
+        old.value.discard(slot)
+        node.value.add(slot)
+        self._end[slot] = node
+        if slot in self._running:
+            self.tree.lock(node)
+            self.tree.unlock(old)
+        # Nodes no slot holds any more lost their KV: that is an eviction too.
+        nodes_before = self.tree.num_nodes
+        self._evicted_tokens += self.tree.prune(old)
+        self._evictions += nodes_before - self.tree.num_nodes
+
+    def _trim(self, slot: int, prompt: Sequence[int], length: int) -> None:
+        """Cuts a free slot's content back to ``prompt[:length]`` (which it starts with)."""
+        self.kv.trim_kv(slot, length)
+        self._set_end(slot, self.tree.insert(prompt[:length]))
+
+    def _forget(self, slot: int) -> None:
+        """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
+        self._set_end(slot, self.tree.root)
+
+    def _evict(self, num_tokens: int) -> None:
+        def give_back(node: CacheNode) -> None:
+            assert node.parent is not None
+            for slot in node.value:
+                self.kv.trim_kv(slot, node.start)
+                node.parent.value.add(slot)
+                self._end[slot] = node.parent
+            node.value.clear()
+            self._evictions += 1
+
+        self._evicted_tokens += self.tree.evict(num_tokens, give_back)
+
+    def _exclusive_tokens(self, slot: int) -> int:
+        """Cached tokens only this slot holds: what reusing the slot for other work loses."""
+        exclusive = 0
+        node = self._end[slot]
+        while node.parent is not None:
+            others = {s for n in self.tree.subtree(node) for s in n.value}
+            if others != {slot}:
+                break
+            exclusive += len(node.key)
+            node = node.parent
+        return exclusive
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        tree = self.tree
+        return PrefixCacheStats(
+            enabled=True,
+            hits=self._hits,
+            misses=self._misses,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            cached_tokens=tree.total_tokens,
+            evictable_tokens=tree.evictable_tokens,
+            cached_bytes=tree.total_tokens * self.kv_bytes_per_token,
+            nodes=tree.num_nodes,
+            evictions=self._evictions,
+            evicted_tokens=self._evicted_tokens,
+            budget_tokens=self.budget_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
+        """Raises ``AssertionError`` when the tree, the locks or the runner's KV disagree.
+
+        ``running_tokens`` maps each running slot to the tokens its KV must hold. Every other
+        slot must hold exactly the prefix the tree records for it, so free + cached + in-use
+        KV account for every slot's stream.
+        """
+        self.tree.check_integrity()
+        assert set(running_tokens) == self._running, (
+            f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
+        )
+        seen: dict[int, CacheNode] = {}
+        for node in self.tree.subtree(self.tree.root):
+            for slot in node.value:
+                assert slot not in seen, f"slot {slot} ends at two nodes"
+                seen[slot] = node
+        assert seen == self._end, "holder sets and slot ends disagree"
+        assert self.tree.root.lock_ref == len(self._running), (
+            f"root lock_ref {self.tree.root.lock_ref} != {len(self._running)} running slots"
+        )
+        for slot, node in self._end.items():
+            held = self.kv.kv_tokens(slot)
+            assert node.end % self.grain == 0 or self.grain == 1, f"slot {slot} ends off-grid"
+            if slot in self._running:
+                expected = running_tokens[slot]
+                assert node.end <= expected, f"slot {slot} claims {node.end} > {expected} tokens"
+            else:
+                expected = node.end
+            assert held == expected, f"slot {slot} KV holds {held} tokens, expected {expected}"

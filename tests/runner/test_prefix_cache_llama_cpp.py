@@ -1,0 +1,130 @@
+"""The prefix cache on the real SmolLM2 GGUF: KV copies between streams, and greedy output that
+does not change when prompts reuse cached KV (E4 with E8)."""
+
+from __future__ import annotations
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.runner_interface import ScheduledChunk
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from tests.prompts import PROMPTS
+
+GRAIN = 64  # the llama.cpp runner's prefill grain (scheduler invariant 8)
+
+SYSTEM = (
+    "You are a meticulous research assistant. "
+    + " ".join(
+        f"Rule {i}: answer question {i} with care, cite sources, stay brief." for i in range(24)
+    )
+    + "\n"
+)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _run(core: EngineCore, jobs: dict[str, list[int]], n: int) -> dict[str, tuple[list[int], int]]:
+    """Submits all jobs at once; returns each one's output tokens and cached prompt tokens."""
+    for rid, prompt in jobs.items():
+        core.add_request(core.make_request(rid, prompt, _greedy(n)))
+    tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
+    cached: dict[str, int] = {}
+    while len(cached) < len(jobs):
+        for out in core.step():
+            assert out.error is None, out.error
+            for delta in out.deltas:
+                tokens[out.request_id].extend(delta.token_ids)
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+    core.check_integrity()
+    return {rid: (tokens[rid], cached[rid]) for rid in jobs}
+
+
+def test_copy_and_trim_between_streams(runner: LlamaCppRunner) -> None:
+    EngineCore(runner, EngineConfig(num_slots=8))  # empties every slot
+    tokens = runner.tokenizer.encode(SYSTEM)
+    runner.add_sequence(0, _greedy(1), tokens, None)
+    runner.execute([ScheduledChunk(0, tokens, 0, True)])
+    runner.copy_kv(0, 3, 100)
+    assert runner.kv_tokens(0) == len(tokens) and runner.kv_tokens(3) == 100
+    runner.trim_kv(0, 10)
+    runner.add_sequence(3, _greedy(1), tokens, None)
+    # The copy lands before the next forward reads slot 3 (llama.cpp copies buffers lazily).
+    runner.execute([ScheduledChunk(3, tokens[100:], 100, True)])
+    assert runner.kv_tokens(3) == len(tokens) and runner.kv_tokens(0) == 10
+    for slot in (0, 3):
+        runner.remove_sequence(slot)
+        runner.trim_kv(slot, 0)
+
+
+def test_identical_prompts_back_to_back_hit_and_agree(runner: LlamaCppRunner) -> None:
+    core = EngineCore(runner, EngineConfig(num_slots=8))
+    prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a prime number?")
+    results = [_run(core, {f"r{i}": prompt}, 24)[f"r{i}"] for i in range(4)]
+    whole_cells = (len(prompt) - 1) // GRAIN * GRAIN  # invariant 8: the remainder is computed
+    assert [cached for _, cached in results] == [0] + [whole_cells] * 3
+    assert all(tokens == results[0][0] for tokens, _ in results)
+    stats = core.stats.prefix_cache
+    assert stats.hits >= 3 and stats.hit_tokens == 3 * whole_cells
+
+
+def test_sixteen_concurrent_prompts_sharing_a_system_prompt_match_cache_off(
+    runner: LlamaCppRunner,
+) -> None:
+    prompts = {
+        f"u{i}": runner.tokenizer.encode(SYSTEM + f"User {i}: {PROMPTS[i % 8]}") for i in range(16)
+    }
+    outputs = {}
+    for prefix_cache in (False, True):
+        core = EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=prefix_cache))
+        outputs[prefix_cache] = _run(core, prompts, 24)
+    off, on = outputs[False], outputs[True]
+    assert {rid: t for rid, (t, _) in on.items()} == {rid: t for rid, (t, _) in off.items()}
+    system_tokens = len(runner.tokenizer.encode(SYSTEM))
+    # The shared system prompt was computed once: every other request reused its whole cells.
+    reused = [cached >= system_tokens - GRAIN for _, cached in on.values()]
+    assert sorted(reused) == [False] + [True] * 15
+    assert all(cached == 0 for _, cached in off.values())
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(runner: LlamaCppRunner) -> None:
+    core = EngineCore(runner, EngineConfig(num_slots=8))
+    prompt = runner.tokenizer.encode(SYSTEM)[: 6 * GRAIN + 1]  # whole cells + one token
+    first, _ = _run(core, {"a": prompt}, 16)["a"]
+    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    assert cached == len(prompt) - 1  # everything but the last token came from the cache
+    assert again == first
+
+
+def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> None:
+    # Prompts of two to three whole cells, each with its own start.
+    prompts = {
+        f"p{i}": runner.tokenizer.encode(p + SYSTEM[:600]) for i, p in enumerate(PROMPTS[:4])
+    }
+    reference = _run(EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), prompts, 12)
+    core = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache_budget_tokens=GRAIN))
+    for rid, prompt in prompts.items():
+        tokens, _ = _run(core, {rid: prompt}, 12)[rid]
+        assert tokens == reference[rid][0]
+        assert core.stats.prefix_cache.evictable_tokens <= GRAIN
+    assert core.stats.prefix_cache.evictions > 0
+
+
+def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppRunner) -> None:
+    core = EngineCore(runner, EngineConfig(num_slots=8, max_batch_tokens=128, prefill_chunk=64))
+    prompt = runner.tokenizer.encode(SYSTEM + "Tell me a story.")
+    core.add_request(core.make_request("a", prompt, _greedy(8)))
+    core.step()
+    core.step()
+    core.abort_request("a")
+    core.step()
+    core.check_integrity()
+    assert core.stats.prefix_cache.cached_tokens == 128  # the two chunks computed before
+    tokens, cached = _run(core, {"b": prompt}, 16)["b"]
+    assert cached == 128
+    fresh = _run(
+        EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), {"c": prompt}, 16
+    )
+    assert tokens == fresh["c"][0]

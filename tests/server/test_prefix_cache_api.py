@@ -1,0 +1,143 @@
+"""The prefix cache seen from the API: ``cached_tokens`` in usage, ``/v1/prefix_cache_stats``,
+multi-turn hits, and the switch that turns it off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.conftest import ServerProcess, start_server, stop_server, wait_until
+
+SYSTEM = "You are a patient tutor. " + " ".join(
+    f"Guideline {i}: explain step {i} plainly, check understanding, and keep it short."
+    for i in range(12)
+)
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+GRAIN = 64  # whole cells of this many prompt tokens are cached (scheduler invariant 8)
+
+
+def _stats(server: ServerProcess) -> dict[str, Any]:
+    return dict(httpx.get(f"{server.base_url}/v1/prefix_cache_stats", timeout=10).json())
+
+
+def _chat(messages: list[ChatCompletionMessageParam]) -> list[ChatCompletionMessageParam]:
+    return [{"role": "system", "content": SYSTEM}, *messages]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+
+
+def test_identical_requests_back_to_back_report_cached_tokens(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    before = _stats(server)
+    messages = _chat([{"role": "user", "content": "What is a fraction?"}])
+    replies = [
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0, seed=1
+        )
+        for _ in range(4)
+    ]
+    cached = []
+    for reply in replies:
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
+    assert replies[0].usage is not None
+    prompt_tokens = replies[0].usage.prompt_tokens
+    assert cached[0] == 0 or before["hits"] > 0  # a first sight of this prompt misses
+    assert cached[1:] == [(prompt_tokens - 1) // GRAIN * GRAIN] * 3 and cached[1] > 0
+    assert len({r.choices[0].message.content for r in replies}) == 1
+    after = _stats(server)
+    assert after["hits"] - before["hits"] >= 3
+    assert after["hit_tokens"] - before["hit_tokens"] >= sum(cached[1:])
+
+
+def test_streaming_usage_carries_cached_tokens(client: openai.OpenAI) -> None:
+    messages = _chat([{"role": "user", "content": "Name three prime numbers."}])
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    final = [chunk for chunk in stream if chunk.usage is not None]
+    assert len(final) == 1 and final[0].usage is not None
+    details = final[0].usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= GRAIN
+
+
+def test_a_chat_turn_reuses_the_history_before_it(client: openai.OpenAI) -> None:
+    history = _chat([{"role": "user", "content": "Explain what a denominator is."}])
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=24)
+    assert first.usage is not None
+    first_prompt = first.usage.prompt_tokens
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And a numerator?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    # The earlier prompt's whole cells come from the cache (the reply itself is recomputed).
+    assert second.usage.prompt_tokens_details.cached_tokens == first_prompt // GRAIN * GRAIN
+
+
+def test_stats_endpoint_reports_every_figure_and_a_clean_integrity_check(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    checks_before = _stats(server)["integrity_checks"]
+    client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2)
+    stats = _stats(server)
+    for key in (
+        "enabled",
+        "hits",
+        "misses",
+        "hit_rate",
+        "query_tokens",
+        "hit_tokens",
+        "average_hit_tokens",
+        "cached_tokens",
+        "cached_bytes",
+        "nodes",
+        "evictions",
+        "budget_tokens",
+        "budget_bytes",
+    ):
+        assert key in stats, key
+    assert stats["enabled"] is True and stats["disabled_reason"] is None
+    assert stats["cached_tokens"] > 0 and stats["cached_bytes"] > stats["cached_tokens"]
+    assert 0 < stats["hit_rate"] <= 1 and stats["nodes"] >= 1
+    # The engine checks KV bookkeeping each time it goes idle.
+    assert wait_until(lambda: _stats(server)["integrity_checks"] > checks_before)
+    assert _stats(server)["integrity_failures"] == 0
+
+
+@pytest.fixture(scope="module")
+def uncached_server(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> Iterator[ServerProcess]:
+    proc = start_server(
+        tmp_path_factory.mktemp("uncached"), "--slots", "2", env={"SLOTSERVE_PREFIX_CACHE": "0"}
+    )
+    yield proc
+    stop_server(proc)
+
+
+def test_cache_can_be_switched_off(uncached_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=uncached_server.api_url, api_key="unused", max_retries=0)
+    for _ in range(2):
+        reply = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2)
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    stats = _stats(uncached_server)
+    assert stats["enabled"] is False and "--no-prefix-cache" in stats["disabled_reason"]
+    assert stats["hits"] == 0
