@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
     )
     bench = commands.add_parser(
-        "bench", help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers)"
+        "bench",
+        help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
+        "'bench prefix-cache': shared system prompt, cache on vs off)",
     )
     from slotserve.bench.cli import add_bench_arguments
 
@@ -171,6 +173,19 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_sweep_arguments(parser)
+    return parser
+
+
+def build_prefix_ab_parser() -> argparse.ArgumentParser:
+    from slotserve.bench.prefix_ab import __doc__ as prefix_ab_doc
+    from slotserve.bench.prefix_ab import add_prefix_ab_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="slotserve bench prefix-cache",
+        description=prefix_ab_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_prefix_ab_arguments(parser)
     return parser
 
 
@@ -241,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slotserve.bench.sweep import main_sweep
 
         return main_sweep(build_sweep_parser().parse_args(argv[2:]))
+    if argv[:2] == ["bench", "prefix-cache"]:
+        from slotserve.bench.prefix_ab import main_prefix_ab
+
+        return main_prefix_ab(build_prefix_ab_parser().parse_args(argv[2:]))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,3 +176,18 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+DEFAULT_LLAMA_SERVER = Path(__file__).resolve().parents[3] / ".peers"
+
+
+def find_llama_server(explicit: Path | None) -> Path | None:
+    """The llama-server binary: ``explicit``, else the one build_llama_server.sh built, else
+    one on PATH; None when there is none."""
+    if explicit is not None:
+        return explicit if explicit.is_file() else None
+    built = sorted(DEFAULT_LLAMA_SERVER.glob("build-*/bin/llama-server"))
+    if built:
+        return built[-1]
+    on_path = shutil.which("llama-server")
+    return Path(on_path) if on_path else None

@@ -13,7 +13,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark
 from slotserve.bench.servers import (
     ServerSpec,
+    find_llama_server,
     llama_cpp_python_spec,
     llama_server_spec,
     running,
@@ -35,7 +35,6 @@ from slotserve.bench.servers import (
 )
 
 PEERS = ("llama-server", "llama-cpp-python")
-DEFAULT_LLAMA_SERVER = Path(__file__).resolve().parents[3] / ".peers"
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,20 +74,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
 
 
-def _find_llama_server(explicit: Path | None) -> Path | None:
-    if explicit is not None:
-        return explicit if explicit.is_file() else None
-    built = sorted(DEFAULT_LLAMA_SERVER.glob("build-*/bin/llama-server"))
-    if built:
-        return built[-1]
-    on_path = shutil.which("llama-server")
-    return Path(on_path) if on_path else None
-
-
 def _available_peers(args: argparse.Namespace, console: Console) -> dict[str, Path | None]:
     peers: dict[str, Path | None] = {}
     if "llama-server" in args.peers:
-        binary = _find_llama_server(args.llama_server)
+        binary = find_llama_server(args.llama_server)
         if binary is None:
             console.print(
                 "[yellow]llama-server not found: run benchmarks/build_llama_server.sh "
