@@ -256,3 +256,29 @@ def test_prompts_are_chunked_on_the_grain_and_only_whole_prompt_cells_are_cached
     # Only whole cells of prompts stay cached: not remainders, not outputs.
     assert all(cache._end[slot].end % 8 == 0 for slot in range(3))
     assert max(node.end for node in cache.tree.subtree(cache.tree.root)) == 48
+
+
+def test_a_match_too_short_to_reuse_leaves_the_holder_alone() -> None:
+    runner = fake(num_slots=2, prefill_grain=8)
+    core, _ = make_core(runner)
+    submit(core, "a", SYSTEM[:40], max_tokens=2)
+    run_to_completion(core)
+    holder = next(slot for slot, held in runner.kv.items() if held)
+    # 5 shared tokens, but less than a grain would be left to compute before the remainder.
+    submit(core, "b", SYSTEM[:5] + "xyz", max_tokens=2)
+    assert run_to_completion(core)["b"][-1].num_cached_tokens == 0
+    assert runner.kv[holder] == list(SYSTEM[:40].encode())
+    submit(core, "c", SYSTEM[:40], max_tokens=2)
+    assert run_to_completion(core)["c"][-1].num_cached_tokens == 32
+
+
+def test_a_hit_may_end_off_the_grid_when_a_grain_is_left_before_the_remainder() -> None:
+    runner = fake(num_slots=2, prefill_grain=8)
+    core, _ = make_core(runner)
+    submit(core, "a", SYSTEM[:40], max_tokens=2)
+    run_to_completion(core)
+    submit(core, "b", SYSTEM[:13] + "x" * 20, max_tokens=2)  # 33 tokens: grid ends at 32
+    assert run_to_completion(core)["b"][-1].num_cached_tokens == 13
+    b_chunks = runner.prompt_chunks[-2:]
+    assert b_chunks == [(13, 19, 33), (32, 1, 33)]  # 13..32 in one long chunk, then the rest
+    assert_kv_consistent(core, runner)

@@ -141,10 +141,23 @@ class PrefixCache:
         return self.tree.match_prefix(prompt[: len(prompt) - 1])
 
     def reusable_length(self, match: PrefixMatch, prompt_length: int) -> int:
-        """How much of a match a new sequence takes: never the last prompt token (it must be
-        computed for logits), and whole grain cells only (scheduler invariant 8)."""
+        """How much of a match a new sequence takes (scheduler invariant 8).
+
+        Never the last prompt token: it must be computed, for logits. With a grain, the prompt
+        is computed as long chunks up to its last whole cell, then its remainder alone; cached
+        KV always comes from long chunks, and a token's KV does not depend on the tokens after
+        it, so a hit may end anywhere in the long-chunk part if at least one grain is left to
+        compute there (or none), and never inside the remainder.
+        """
         length = min(match.length, prompt_length - 1)
-        return length - length % self.grain
+        if self.grain == 1:
+            return length
+        cells_end = prompt_length - prompt_length % self.grain
+        if length >= cells_end:
+            return cells_end
+        if cells_end - length < self.grain:
+            return cells_end - self.grain
+        return length
 
     def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """How many of a sequence's computed tokens the cache may keep and hand out.
@@ -166,11 +179,12 @@ class PrefixCache:
             return set()
         return {slot for node in self.tree.subtree(match.node) for slot in node.value}
 
-    def choose_slot(self, match: PrefixMatch, free_slots: Sequence[int]) -> int:
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         """The free slot a sequence with this match should take (see the module docstring)."""
-        in_place = sorted(self.holders(match).intersection(free_slots))
-        if in_place:
-            return in_place[0]
+        if self.reusable_length(match, prompt_length) > 0:
+            in_place = sorted(self.holders(match).intersection(free_slots))
+            if in_place:
+                return in_place[0]
         return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
 
     def attach(self, slot: int, prompt: Sequence[int], match: PrefixMatch) -> int:

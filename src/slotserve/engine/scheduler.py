@@ -26,12 +26,14 @@ Batch-construction invariants:
    preamble, such as a chat template's, is not worth a wait); requests behind it may go
    first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
    burst of requests with one new long system prompt computes it once, not once per request.
-8. Prompts are chunked on a grid of ``prefill_grain`` tokens (``ModelInfo``): a chunk is
-   either whole grain cells or the prompt's final remainder (shorter than a grain) on its own.
-   The llama.cpp runner's attention computes a token the same way in any chunk of at least
-   64 tokens, and differently in shorter ones; on the grid every prompt token is computed in
-   the same kind of chunk whatever runs beside it, and whatever the cache supplied before it
-   (cache hits are whole cells), so greedy output is bit-for-bit that of the request alone.
+8. Prompts are chunked on a grid of ``prefill_grain`` tokens (``ModelInfo``): up to the
+   prompt's last grid point every chunk is at least one grain long and ends on the grid; the
+   final remainder (shorter than a grain) is a chunk on its own. The llama.cpp runner's
+   attention computes a token the same way in any chunk of at least 64 tokens, and differently
+   in shorter ones; so every prompt token is computed in the same kind of chunk whatever runs
+   beside it and whatever the cache supplied before it (a hit leaves at least one grain before
+   the last grid point, or ends on it), and greedy output is bit-for-bit that of the request
+   alone.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Scheduler:
         # of the chosen slot that an earlier match would have pointed at.
         match = cache.match(sequence.token_ids)
         free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
-        slot = self.slots.acquire(sequence, cache.choose_slot(match, free))
+        slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
         cached = cache.attach(slot.index, sequence.token_ids, match)
         sequence.num_computed_tokens = sequence.num_cached_tokens = cached
         return slot
@@ -156,10 +158,10 @@ class Scheduler:
         for slot in self._prefill_order:
             seq = _sequence(slot)
             done, end = seq.num_computed_tokens, seq.num_tokens
-            cells_end = end - end % grain  # invariant 8: whole cells, then the remainder alone
+            cells_end = end - end % grain  # invariant 8: long chunks, then the remainder alone
             if done < cells_end:
                 wanted = min(cells_end - done, self._max_chunk)
-                size = min(wanted, budget) // grain * grain
+                size = _on_grid(done, min(wanted, budget), grain)
                 whole_cells.append(True)
             else:
                 wanted = end - done
@@ -178,8 +180,12 @@ class Scheduler:
             if len(scheduled) > 1 and whole:
                 shortest = min(whole)
                 sizes = [
-                    min(size, shortest) if cells else size
-                    for size, cells in zip(sizes, whole_cells, strict=True)
+                    (_on_grid(_sequence(slot).num_computed_tokens, shortest, grain) or size)
+                    if cells and size > shortest
+                    else size
+                    for slot, size, cells in zip(
+                        self._prefill_order, sizes, whole_cells, strict=True
+                    )
                 ]
         return sizes
 
@@ -231,6 +237,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
+
+
+def _on_grid(start: int, room: int, grain: int) -> int:
+    """The longest chunk from ``start`` within ``room`` tokens that ends on the grain grid and
+    is at least one grain long (0 if none is). A chunk after a cache hit that ended between
+    grid points starts off the grid and is longer than the grid step it ends on."""
+    size = (start + room) // grain * grain - start
+    return size if size >= grain else 0
 
 
 def _sequence(slot: Slot) -> Sequence:
