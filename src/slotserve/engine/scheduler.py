@@ -153,7 +153,7 @@ class Scheduler:
         """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
         grain = self.prefill_grain
         sizes: list[int] = []
-        whole_cells: list[bool] = []  # the chunk is whole grain cells (not a final remainder)
+        whole_cells: list[bool] = []  # a chunk before the last grid point (not the remainder)
         truncated = False
         for slot in self._prefill_order:
             seq = _sequence(slot)
