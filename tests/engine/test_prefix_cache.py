@@ -33,7 +33,7 @@ def assert_kv_consistent(core: EngineCore, runner: FakeRunner) -> None:
             seq = slot.sequence
             assert held == seq.token_ids[: seq.num_computed_tokens], f"slot {slot.index}"
         elif cache is not None:
-            assert held == cache.tree.path_tokens(cache._end[slot.index]), f"slot {slot.index}"
+            assert held == cache.held_tokens(slot.index), f"slot {slot.index}"
         else:
             assert held == []
 
@@ -254,7 +254,7 @@ def test_prompts_are_chunked_on_the_grain_and_only_whole_prompt_cells_are_cached
     cache = core.prefix_cache
     assert cache is not None
     # Only whole cells of prompts stay cached: not remainders, not outputs.
-    assert all(cache._end[slot].end % 8 == 0 for slot in range(3))
+    assert all(len(cache.held_tokens(slot)) % 8 == 0 for slot in range(3))
     assert max(node.end for node in cache.tree.subtree(cache.tree.root)) == 48
 
 

@@ -12,13 +12,15 @@ a node nobody holds is pruned. A slot keeps its KV after its sequence ends: free
 cache's storage, running slots lock their own path.
 
 * **Admission**: the longest cached prefix of the prompt is matched (never the whole prompt:
-  the last token is always computed, so the sequence gets logits). The new sequence takes, in
+  the last token is always computed, so the sequence gets logits; with a prefill grain, see
+  :meth:`PrefixCache.reusable_length`). The new sequence takes, in
   order of preference, a free slot that already holds the prefix (trimmed in place, no copy), or
   the free slot whose content is least worth keeping, into which the prefix is copied from any
   holder, running or free.
 * **Progress**: after each prefill chunk the computed prompt is inserted, so requests queued
   behind a long prompt can share it while it is still running.
-* **End**: prompt and output tokens whose KV was computed are inserted and the path unlocked.
+* **End**: the computed tokens the cache may hand out (:meth:`PrefixCache.cacheable_length`)
+  are inserted, the slot's KV is trimmed to them, and the path is unlocked.
 * **Budget**: unlocked (cached) tokens beyond the budget are evicted, least recently used
   leaves first, by trimming the free slots that hold them. Running sequences never wait for the
   cache: a slot's cached content gives way the moment a new sequence needs the slot.
@@ -291,6 +293,10 @@ class PrefixCache:
         return exclusive
 
     # ---- inspection -------------------------------------------------------------------------
+
+    def held_tokens(self, slot: int) -> list[int]:
+        """The token prefix the cache records for ``slot``'s KV."""
+        return self.tree.path_tokens(self._end[slot])
 
     def stats(self) -> PrefixCacheStats:
         tree = self.tree
