@@ -160,3 +160,33 @@ def test_removed_sequence_leaves_no_kv_behind(runner: LlamaCppRunner) -> None:
     assert all(runner.kv_tokens(slot) == 0 for slot in range(8))
     second = _generate(core, {"a": (prompt, _greedy(16))})["a"]
     assert first == second, "a reused slot must start from an empty KV stream"
+
+
+def test_long_context_decoding_alone_matches_decoding_beside_others(
+    runner: LlamaCppRunner,
+) -> None:
+    """Past 256 tokens of context a lone decode could take ggml's split-KV attention path,
+    which rounds differently from batched decoding; the runner keeps it off that path. The
+    log-probabilities are compared, not only the tokens: they show any rounding difference."""
+    core = EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False))
+    long_text = " ".join(f"Note {i}: " + PROMPTS[i % 8] + "." for i in range(24))
+    prompts = [runner.tokenizer.encode(f"Reader {k}. " + long_text) for k in range(4)]
+    assert all(300 < len(p) < 448 for p in prompts)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def logprobs(jobs: dict[str, list[int]]) -> dict[str, list[float | None]]:
+        for rid, prompt in jobs.items():
+            core.add_request(core.make_request(rid, prompt, params))
+        seen: dict[str, list[float | None]] = {rid: [] for rid in jobs}
+        finished: set[str] = set()
+        while len(finished) < len(jobs):
+            for out in core.step():
+                for delta in out.deltas:
+                    seen[out.request_id].extend(t.logprob for t in delta.logprobs or [])
+                if out.finished:
+                    finished.add(out.request_id)
+        return seen
+
+    alone = logprobs({"a": prompts[0]})["a"]
+    together = logprobs({f"p{k}": p for k, p in enumerate(prompts)})["p0"]
+    assert len(alone) == 24 and together == alone

@@ -22,20 +22,25 @@ SYSTEM = (
 
 
 def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    # Log-probabilities of the chosen tokens come along: any rounding difference shows there.
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def _run(core: EngineCore, jobs: dict[str, list[int]], n: int) -> dict[str, tuple[list[int], int]]:
-    """Submits all jobs at once; returns each one's output tokens and cached prompt tokens."""
+def _run(
+    core: EngineCore, jobs: dict[str, list[int]], n: int
+) -> dict[str, tuple[list[tuple[int, float | None]], int]]:
+    """Submits all jobs at once; returns each one's output (token, logprob) pairs and cached
+    prompt tokens."""
     for rid, prompt in jobs.items():
         core.add_request(core.make_request(rid, prompt, _greedy(n)))
-    tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
+    tokens: dict[str, list[tuple[int, float | None]]] = {rid: [] for rid in jobs}
     cached: dict[str, int] = {}
     while len(cached) < len(jobs):
         for out in core.step():
             assert out.error is None, out.error
             for delta in out.deltas:
-                tokens[out.request_id].extend(delta.token_ids)
+                assert delta.logprobs is not None
+                tokens[out.request_id].extend((t.token_id, t.logprob) for t in delta.logprobs)
             if out.finished:
                 cached[out.request_id] = out.num_cached_tokens
     core.check_integrity()
