@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from slotserve import __version__
@@ -163,30 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_sweep_parser() -> argparse.ArgumentParser:
-    from slotserve.bench.sweep import __doc__ as sweep_doc
-    from slotserve.bench.sweep import add_sweep_arguments
-
+def _bench_subcommand_parser(
+    name: str, description: str | None, add_arguments: Callable[[argparse.ArgumentParser], None]
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="slotserve bench sweep",
-        description=sweep_doc,
+        prog=f"slotserve bench {name}",
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_sweep_arguments(parser)
+    add_arguments(parser)
     return parser
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    from slotserve.bench import sweep
+
+    return _bench_subcommand_parser("sweep", sweep.__doc__, sweep.add_sweep_arguments)
 
 
 def build_prefix_ab_parser() -> argparse.ArgumentParser:
-    from slotserve.bench.prefix_ab import __doc__ as prefix_ab_doc
-    from slotserve.bench.prefix_ab import add_prefix_ab_arguments
+    from slotserve.bench import prefix_ab
 
-    parser = argparse.ArgumentParser(
-        prog="slotserve bench prefix-cache",
-        description=prefix_ab_doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    return _bench_subcommand_parser(
+        "prefix-cache", prefix_ab.__doc__, prefix_ab.add_prefix_ab_arguments
     )
-    add_prefix_ab_arguments(parser)
-    return parser
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from slotserve.bench.servers import (
     ServerSpec,
     find_llama_server,
     llama_server_spec,
+    resolve_model_or_report,
     running,
     slotserve_spec,
 )
@@ -89,13 +90,9 @@ def _prefix_stats(base_url: str) -> dict[str, Any] | None:
 
 
 def main_prefix_ab(args: argparse.Namespace) -> int:
-    from slotserve.model_source import ModelUnavailableError, resolve_model_path
-
     console = Console()
-    try:
-        model = resolve_model_path(args.model)
-    except ModelUnavailableError as exc:
-        console.print(f"[red]{exc}")
+    model = resolve_model_or_report(args.model, console)
+    if model is None:
         return 2
     binary = find_llama_server(args.llama_server) if args.peer else None
     if args.peer and binary is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from rich.console import Console
 
 HOST = "127.0.0.1"
 
@@ -191,3 +192,15 @@ def find_llama_server(explicit: Path | None) -> Path | None:
         return built[-1]
     on_path = shutil.which("llama-server")
     return Path(on_path) if on_path else None
+
+
+def resolve_model_or_report(model: str | None, console: Console) -> Path | None:
+    """The GGUF a bench subcommand serves (the embedded one by default); None after printing
+    why there is none."""
+    from slotserve.model_source import ModelUnavailableError, resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except ModelUnavailableError as exc:
+        console.print(f"[red]{exc}")
+        return None

@@ -30,6 +30,7 @@ from slotserve.bench.servers import (
     find_llama_server,
     llama_cpp_python_spec,
     llama_server_spec,
+    resolve_model_or_report,
     running,
     slotserve_spec,
 )
@@ -108,13 +109,9 @@ def _spec(
 
 
 def main_sweep(args: argparse.Namespace) -> int:
-    from slotserve.model_source import ModelUnavailableError, resolve_model_path
-
     console = Console()
-    try:
-        model = resolve_model_path(args.model)
-    except ModelUnavailableError as exc:
-        console.print(f"[red]{exc}")
+    model = resolve_model_or_report(args.model, console)
+    if model is None:
         return 2
     peers = _available_peers(args, console)
     servers = ["slotserve", *peers]
