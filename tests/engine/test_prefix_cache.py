@@ -233,29 +233,27 @@ def test_random_workloads_keep_kv_consistent_and_outputs_unchanged(
     assert run(True) == run(False)
 
 
-def test_prompts_are_chunked_on_the_grain_and_only_whole_prompt_cells_are_cached() -> None:
+def test_prompt_chunks_are_at_least_a_grain_and_only_prompts_are_cached() -> None:
     runner = fake(num_slots=3, prefill_grain=8, equal_prefill_chunks=True)
     core, _ = make_core(runner, max_batch_tokens=40, prefill_chunk=16, prefix_wait_min_tokens=8)
-    prompts = {"a": SYSTEM[:45], "b": SYSTEM[:45] + "and b", "c": "x" * 21}
+    prompts = {"a": SYSTEM[:45], "b": SYSTEM[:45] + "and b", "c": "x" * 21, "d": "short"}
     for rid, prompt in prompts.items():
         submit(core, rid, prompt, max_tokens=6)
     out = run_to_completion(core)
     assert_kv_consistent(core, runner)
     assert runner.prompt_chunks
     for start, length, prompt_length in runner.prompt_chunks:
-        remainder_start = prompt_length - prompt_length % 8
-        assert start % 8 == 0
-        if start < remainder_start:  # whole cells, never mixed with the remainder
-            assert length % 8 == 0 and start + length <= remainder_start
-        else:  # the remainder, whole and alone
-            assert (start, start + length) == (remainder_start, prompt_length)
-    # "b" waited for "a" and reused its whole cells (40 of its 45 tokens).
-    assert out["b"][-1].num_cached_tokens == 40
+        if prompt_length < 8:  # a prompt shorter than a grain is one chunk
+            assert (start, length) == (0, prompt_length)
+        else:  # invariant 8: a grain or more, leaving nothing or a grain or more
+            assert length >= 8 and prompt_length - (start + length) in {0, *range(8, 99)}
+    # "b" waited for "a" and reused its prompt, leaving a grain to compute.
+    assert out["b"][-1].num_cached_tokens == 50 - 8
     cache = core.prefix_cache
     assert cache is not None
-    # Only whole cells of prompts stay cached: not remainders, not outputs.
-    assert all(len(cache.held_tokens(slot)) % 8 == 0 for slot in range(3))
-    assert max(node.end for node in cache.tree.subtree(cache.tree.root)) == 48
+    # Whole prompts stay cached (not outputs, not a prompt shorter than a grain).
+    held = sorted(len(cache.held_tokens(slot)) for slot in range(3))
+    assert set(held) <= {0, 21, 45, 50} and 50 in held
 
 
 def test_a_match_too_short_to_reuse_leaves_the_holder_alone() -> None:
@@ -272,13 +270,14 @@ def test_a_match_too_short_to_reuse_leaves_the_holder_alone() -> None:
     assert run_to_completion(core)["c"][-1].num_cached_tokens == 32
 
 
-def test_a_hit_may_end_off_the_grid_when_a_grain_is_left_before_the_remainder() -> None:
+def test_a_hit_may_end_anywhere_that_leaves_a_grain_to_compute() -> None:
     runner = fake(num_slots=2, prefill_grain=8)
     core, _ = make_core(runner)
     submit(core, "a", SYSTEM[:40], max_tokens=2)
     run_to_completion(core)
-    submit(core, "b", SYSTEM[:13] + "x" * 20, max_tokens=2)  # 33 tokens: grid ends at 32
+    submit(core, "b", SYSTEM[:13] + "x" * 20, max_tokens=2)
     assert run_to_completion(core)["b"][-1].num_cached_tokens == 13
-    b_chunks = runner.prompt_chunks[-2:]
-    assert b_chunks == [(13, 19, 33), (32, 1, 33)]  # 13..32 in one long chunk, then the rest
+    assert runner.prompt_chunks[-1] == (13, 20, 33)  # the rest in one chunk
+    submit(core, "c", SYSTEM[:13] + "x" * 3, max_tokens=2)  # 16 tokens: 8 must be computed
+    assert run_to_completion(core)["c"][-1].num_cached_tokens == 8
     assert_kv_consistent(core, runner)

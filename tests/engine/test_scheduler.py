@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from slotserve.engine.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit
 from tests.fake_runner import FakeRunner
@@ -94,3 +96,19 @@ def test_equal_chunks_keep_oldest_first_under_the_budget() -> None:
     # b's 11 leftover tokens are the shortest whole chunk: c (cut by the budget) is trimmed
     # to it rather than adding a ragged sub-batch.
     assert [(c.slot, len(c.token_ids)) for c in runner.batches[1]] == [(0, 1), (1, 11), (2, 11)]
+
+
+def test_a_prompt_rest_shorter_than_two_grains_is_never_stuck_behind_the_chunk_cap() -> None:
+    # Invariant 8 cannot split 12 tokens into grains of 8, and the chunk cap is 8: the last
+    # chunk exceeds the cap by less than a grain instead of waiting forever.
+    runner = FakeRunner(prefill_grain=8)
+    core, _ = make_core(runner, max_batch_tokens=32, prefill_chunk=8)
+    submit(core, "a", "p" * 28, max_tokens=2)
+    out = run_to_completion(core, max_steps=50)
+    assert out["a"][-1].finished
+    assert runner.prompt_chunks == [(0, 8, 28), (8, 8, 28), (16, 12, 28)]
+
+
+def test_limits_that_cannot_fit_two_grains_are_refused() -> None:
+    with pytest.raises(ValueError, match="two grains"):
+        make_core(FakeRunner(prefill_grain=8), max_batch_tokens=18, num_slots=4)

@@ -10,7 +10,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.llama_cpp_runner import LlamaCppRunner
 from tests.prompts import PROMPTS
 
-GRAIN = 64  # the llama.cpp runner's prefill grain (scheduler invariant 8)
+GRAIN = 64  # the llama.cpp runner's prefill grain: a hit leaves this much to compute
 
 SYSTEM = (
     "You are a meticulous research assistant. "
@@ -68,11 +68,11 @@ def test_identical_prompts_back_to_back_hit_and_agree(runner: LlamaCppRunner) ->
     core = EngineCore(runner, EngineConfig(num_slots=8))
     prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a prime number?")
     results = [_run(core, {f"r{i}": prompt}, 24)[f"r{i}"] for i in range(4)]
-    whole_cells = (len(prompt) - 1) // GRAIN * GRAIN  # invariant 8: the remainder is computed
-    assert [cached for _, cached in results] == [0] + [whole_cells] * 3
+    reused = len(prompt) - GRAIN  # invariant 8: a grain is always computed
+    assert [cached for _, cached in results] == [0] + [reused] * 3
     assert all(tokens == results[0][0] for tokens, _ in results)
     stats = core.stats.prefix_cache
-    assert stats.hits >= 3 and stats.hit_tokens == 3 * whole_cells
+    assert stats.hits >= 3 and stats.hit_tokens == 3 * reused
 
 
 def test_sixteen_concurrent_prompts_sharing_a_system_prompt_match_cache_off(
@@ -100,12 +100,14 @@ def test_sixteen_concurrent_prompts_sharing_a_system_prompt_match_cache_off(
     assert all(cached == 0 for _, cached in off.values())
 
 
-def test_fully_cached_prompt_still_computes_its_last_token(runner: LlamaCppRunner) -> None:
+def test_fully_cached_prompt_still_computes_its_last_grain(runner: LlamaCppRunner) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=8))
-    prompt = runner.tokenizer.encode(SYSTEM)[: 6 * GRAIN + 1]  # whole cells + one token
+    prompt = runner.tokenizer.encode(SYSTEM)
     first, _ = _run(core, {"a": prompt}, 16)["a"]
+    assert core.prefix_cache is not None
+    assert len(max((core.prefix_cache.held_tokens(s) for s in range(8)), key=len)) == len(prompt)
     again, cached = _run(core, {"b": prompt}, 16)["b"]
-    assert cached == len(prompt) - 1  # everything but the last token came from the cache
+    assert cached == len(prompt) - GRAIN  # the last 64 tokens are computed as alone
     assert again == first
 
 
@@ -124,7 +126,7 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
 
 
 def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppRunner) -> None:
-    core = EngineCore(runner, EngineConfig(num_slots=8, max_batch_tokens=128, prefill_chunk=64))
+    core = EngineCore(runner, EngineConfig(num_slots=8, max_batch_tokens=160, prefill_chunk=64))
     prompt = runner.tokenizer.encode(SYSTEM + "Tell me a story.")
     core.add_request(core.make_request("a", prompt, _greedy(8)))
     core.step()

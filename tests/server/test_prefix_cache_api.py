@@ -19,7 +19,7 @@ SYSTEM = "You are a patient tutor. " + " ".join(
     for i in range(12)
 )
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-GRAIN = 64  # whole cells of this many prompt tokens are cached (scheduler invariant 8)
+GRAIN = 64  # a cache hit leaves this many prompt tokens to compute (scheduler invariant 8)
 
 
 def _stats(server: ServerProcess) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def test_identical_requests_back_to_back_report_cached_tokens(
     assert replies[0].usage is not None
     prompt_tokens = replies[0].usage.prompt_tokens
     assert cached[0] == 0 or before["hits"] > 0  # a first sight of this prompt misses
-    assert cached[1:] == [(prompt_tokens - 1) // GRAIN * GRAIN] * 3 and cached[1] > 0
+    assert cached[1:] == [prompt_tokens - GRAIN] * 3 and cached[1] > 0
     assert len({r.choices[0].message.content for r in replies}) == 1
     after = _stats(server)
     assert after["hits"] - before["hits"] >= 3
@@ -87,8 +87,11 @@ def test_a_chat_turn_reuses_the_history_before_it(client: openai.OpenAI) -> None
     ]
     second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    # The earlier prompt's whole cells come from the cache (the reply itself is recomputed).
-    assert second.usage.prompt_tokens_details.cached_tokens == first_prompt // GRAIN * GRAIN
+    # The earlier prompt comes from the cache, leaving a grain to compute; the reply itself is
+    # recomputed.
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    limit = second.usage.prompt_tokens - GRAIN
+    assert min(first_prompt - 1, limit) <= cached <= min(first_prompt, limit) and cached > 0
 
 
 def test_stats_endpoint_reports_every_figure_and_a_clean_integrity_check(

@@ -142,38 +142,34 @@ class PrefixCache:
         """The longest cached prefix of ``prompt`` (see :meth:`reusable_length`)."""
         return self.tree.match_prefix(prompt[: len(prompt) - 1])
 
-    def reusable_length(self, match: PrefixMatch, prompt_length: int) -> int:
-        """How much of a match a new sequence takes (scheduler invariant 8).
+    def reusable_length(self, matched: int, prompt_length: int) -> int:
+        """How many of ``matched`` cached prompt tokens a new sequence takes (scheduler
+        invariant 8).
 
-        Never the last prompt token: it must be computed, for logits. With a grain, the prompt
-        is computed as long chunks up to its last whole cell, then its remainder alone; cached
-        KV always comes from long chunks, and a token's KV does not depend on the tokens after
-        it, so a hit may end anywhere in the long-chunk part if at least one grain is left to
-        compute there (or none), and never inside the remainder.
+        Never the last prompt token: it must be computed, for logits. With a grain, the rest
+        must be at least a grain long (computed the way the prompt alone would compute it), and
+        a prompt shorter than a grain takes nothing: alone it is one short chunk, while cached
+        KV always comes from long ones. A token's K and V depend only on the tokens before it,
+        so a hit may end anywhere, not only where the source prompt's chunks ended.
         """
-        length = min(match.length, prompt_length - 1)
         if self.grain == 1:
-            return length
-        cells_end = prompt_length - prompt_length % self.grain
-        if length >= cells_end:
-            return cells_end
-        if cells_end - length < self.grain:
-            return cells_end - self.grain
-        return length
+            return min(matched, prompt_length - 1)
+        return max(0, min(matched, prompt_length - self.grain))
 
     def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """How many of a sequence's computed tokens the cache may keep and hand out.
 
         With a grain of 1 the runner computes a token identically in any chunk, one-token
-        decode steps included, so prompt and output are kept. Otherwise only whole grain cells
-        of the prompt are: its remainder and the output were computed in short chunks, and a
-        new prompt would compute those positions in long ones (a reply reused by the next chat
-        turn would change that turn's logits slightly).
+        decode steps included, so prompt and output are kept. Otherwise the prompt is kept if it
+        was computed in long chunks (it is at least a grain long), the output never: it was
+        computed one token at a time, and a new prompt would compute those positions in long
+        chunks (a reply reused by the next chat turn would change that turn's logits slightly).
         """
         if self.grain == 1:
             return num_computed_tokens
-        length = min(num_computed_tokens, num_prompt_tokens)
-        return length - length % self.grain
+        if num_prompt_tokens < self.grain:
+            return 0
+        return min(num_computed_tokens, num_prompt_tokens)
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
@@ -183,7 +179,7 @@ class PrefixCache:
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         """The free slot a sequence with this match should take (see the module docstring)."""
-        if self.reusable_length(match, prompt_length) > 0:
+        if self.reusable_length(match.length, prompt_length) > 0:
             in_place = sorted(self.holders(match).intersection(free_slots))
             if in_place:
                 return in_place[0]
@@ -193,7 +189,7 @@ class PrefixCache:
         """Makes free ``slot``'s KV hold the matched prefix of ``prompt`` and marks the slot
         running; returns the number of prompt tokens that need no computing."""
         assert slot not in self._running, f"slot {slot} is already running"
-        length = self.reusable_length(match, len(prompt))
+        length = self.reusable_length(match.length, len(prompt))
         holders = self.holders(match)
         if slot in holders:
             self._trim(slot, prompt, length)
@@ -338,7 +334,6 @@ class PrefixCache:
         )
         for slot, node in self._end.items():
             held = self.kv.kv_tokens(slot)
-            assert node.end % self.grain == 0 or self.grain == 1, f"slot {slot} ends off-grid"
             if slot in self._running:
                 expected = running_tokens[slot]
                 assert node.end <= expected, f"slot {slot} claims {node.end} > {expected} tokens"

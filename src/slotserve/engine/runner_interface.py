@@ -46,8 +46,8 @@ class ModelInfo:
     # The runner prefers every prefill chunk of a step to have the same length (scheduler
     # invariant 6); llama.cpp with per-sequence KV streams does.
     equal_prefill_chunks: bool = False
-    # Chunks of a multiple of this many tokens compute each token bit-identically whatever
-    # their length; shorter chunks may round differently (scheduler invariant 8). 1: any chunk,
+    # Chunks of at least this many tokens compute each token bit-identically whatever their
+    # length; shorter chunks may round differently (scheduler invariant 8). 1: any chunk,
     # one-token decode steps included, computes a token identically.
     prefill_grain: int = 1
     # Bytes of KV one token takes (all layers, K and V): sizes the prefix cache's byte budget.

@@ -26,14 +26,12 @@ Batch-construction invariants:
    preamble, such as a chat template's, is not worth a wait); requests behind it may go
    first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
    burst of requests with one new long system prompt computes it once, not once per request.
-8. Prompts are chunked on a grid of ``prefill_grain`` tokens (``ModelInfo``): up to the
-   prompt's last grid point every chunk is at least one grain long and ends on the grid; the
-   final remainder (shorter than a grain) is a chunk on its own. The llama.cpp runner's
-   attention computes a token the same way in any chunk of at least 64 tokens, and differently
-   in shorter ones; so every prompt token is computed in the same kind of chunk whatever runs
-   beside it and whatever the cache supplied before it (a hit leaves at least one grain before
-   the last grid point, or ends on it), and greedy output is bit-for-bit that of the request
-   alone.
+8. Every prompt chunk is at least ``prefill_grain`` tokens long (``ModelInfo``), and leaves
+   nothing or at least a grain to compute after it; a prompt shorter than a grain is one chunk.
+   The llama.cpp runner's attention computes a token the same way in any chunk of at least 64
+   tokens, and differently in shorter ones; so every prompt token is computed the same way
+   whatever runs beside it and whatever the cache supplied before it (a hit leaves at least a
+   grain to compute), and greedy output is bit-for-bit that of the request alone.
 """
 
 from __future__ import annotations
@@ -58,10 +56,11 @@ class Scheduler:
     ) -> None:
         if config.prefill_chunk < prefill_grain:
             raise ValueError(f"prefill_chunk must be at least the grain ({prefill_grain})")
-        if config.max_batch_tokens < config.num_slots + prefill_grain:
+        if config.max_batch_tokens < config.num_slots + 2 * prefill_grain - 1:
+            # A prompt's last chunk may need up to two grains less one (invariant 8).
             raise ValueError(
-                f"max_batch_tokens ({config.max_batch_tokens}) must leave room for one grain "
-                f"({prefill_grain}) of prefill beside {config.num_slots} decode tokens"
+                f"max_batch_tokens ({config.max_batch_tokens}) must leave room for two grains "
+                f"({prefill_grain} tokens each) of prefill beside {config.num_slots} decode tokens"
             )
         self.config = config
         self.equal_prefill_chunks = equal_prefill_chunks
@@ -116,13 +115,13 @@ class Scheduler:
         if cache is None or not self._prefill_order:
             return False
         prompt = request.prompt_token_ids
-        cached = cache.reusable_length(cache.match(prompt), len(prompt))
+        cached = cache.reusable_length(cache.match(prompt).length, len(prompt))
         for slot in self._prefill_order:
             seq = _sequence(slot)
             # What the running prefill will leave in the cache that this prompt can take.
             will_cache = cache.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
-            shared = common_prefix_length(prompt[:-1], seq.token_ids[:will_cache])
-            shared -= shared % self.prefill_grain
+            shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
+            shared = cache.reusable_length(shared, len(prompt))
             if shared >= self.config.prefix_wait_min_tokens and shared > cached:
                 return True
         return False
@@ -153,39 +152,27 @@ class Scheduler:
         """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
         grain = self.prefill_grain
         sizes: list[int] = []
-        whole_cells: list[bool] = []  # a chunk before the last grid point (not the remainder)
         truncated = False
         for slot in self._prefill_order:
             seq = _sequence(slot)
-            done, end = seq.num_computed_tokens, seq.num_tokens
-            cells_end = end - end % grain  # invariant 8: long chunks, then the remainder alone
-            if done < cells_end:
-                wanted = min(cells_end - done, self._max_chunk)
-                size = _on_grid(done, min(wanted, budget), grain)
-                whole_cells.append(True)
-            else:
-                wanted = end - done
-                size = wanted if wanted <= budget else 0
-                whole_cells.append(False)
-            truncated = truncated or size < wanted
+            rest = seq.num_tokens - seq.num_computed_tokens
+            size = _chunk_size(rest, budget, self._max_chunk, grain)
+            truncated = truncated or size < min(rest, self._max_chunk)
             sizes.append(size)
             budget -= size
         if self.equal_prefill_chunks:
             # Invariant 6: trim ragged chunk ends to the shortest whole chunk. A chunk the
             # budget cut short does not count as whole (trimming the others to it would stall
-            # them), but is trimmed like the rest. Remainder chunks are never cut (invariant 8).
-            scheduled = [size for size, cells in zip(sizes, whole_cells, strict=True) if cells]
-            scheduled = [size for size in scheduled if size > 0]
-            whole = scheduled[:-1] if truncated and scheduled else scheduled
+            # them), but is trimmed like the rest, as far as invariant 8 allows.
+            scheduled = [size for size in sizes if size > 0]
+            whole = scheduled[:-1] if truncated else scheduled
             if len(scheduled) > 1 and whole:
                 shortest = min(whole)
                 sizes = [
-                    (_on_grid(_sequence(slot).num_computed_tokens, shortest, grain) or size)
-                    if cells and size > shortest
+                    (_chunk_size(_rest(slot), shortest, shortest, grain) or size)
+                    if size > shortest
                     else size
-                    for slot, size, cells in zip(
-                        self._prefill_order, sizes, whole_cells, strict=True
-                    )
+                    for slot, size in zip(self._prefill_order, sizes, strict=True)
                 ]
         return sizes
 
@@ -239,12 +226,23 @@ class Scheduler:
         return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
 
 
-def _on_grid(start: int, room: int, grain: int) -> int:
-    """The longest chunk from ``start`` within ``room`` tokens that ends on the grain grid and
-    is at least one grain long (0 if none is). A chunk after a cache hit that ended between
-    grid points starts off the grid and is longer than the grid step it ends on."""
-    size = (start + room) // grain * grain - start
-    return size if size >= grain else 0
+def _chunk_size(rest: int, budget: int, max_chunk: int, grain: int) -> int:
+    """The longest prefill chunk that keeps invariant 8: at least a grain long (unless it is
+    the whole of a prompt shorter than that), leaving nothing or at least a grain after it.
+    It fits ``budget``, and ``max_chunk`` too unless a rest shorter than two grains cannot be
+    split: then it exceeds ``max_chunk`` by less than a grain. 0 when nothing fits."""
+    room = min(budget, max_chunk)
+    if rest <= room:
+        return rest
+    size = min(room, rest - grain)
+    if size >= grain:
+        return size
+    return rest if rest <= budget else 0
+
+
+def _rest(slot: Slot) -> int:
+    seq = _sequence(slot)
+    return seq.num_tokens - seq.num_computed_tokens
 
 
 def _sequence(slot: Slot) -> Sequence:
