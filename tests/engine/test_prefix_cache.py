@@ -245,9 +245,9 @@ def test_prompt_chunks_are_at_least_a_grain_and_only_prompts_are_cached() -> Non
     for start, length, prompt_length in runner.prompt_chunks:
         if prompt_length < 8:  # a prompt shorter than a grain is one chunk
             assert (start, length) == (0, prompt_length)
-        else:  # invariant 8: a grain or more, leaving nothing or a grain or more
-            assert length >= 8 and prompt_length - (start + length) in {0, *range(8, 99)}
-    # "b" waited for "a" and reused its prompt, leaving a grain to compute.
+        else:  # invariant 8: a grain or more, leaving whole grains
+            assert length >= 8 and (prompt_length - start - length) % 8 == 0
+    # "b" waited for "a" and reused its prompt, leaving whole grains to compute.
     assert out["b"][-1].num_cached_tokens == 50 - 8
     cache = core.prefix_cache
     assert cache is not None
@@ -270,14 +270,14 @@ def test_a_match_too_short_to_reuse_leaves_the_holder_alone() -> None:
     assert run_to_completion(core)["c"][-1].num_cached_tokens == 32
 
 
-def test_a_hit_may_end_anywhere_that_leaves_a_grain_to_compute() -> None:
+def test_a_hit_ends_anywhere_that_leaves_whole_grains_to_compute() -> None:
     runner = fake(num_slots=2, prefill_grain=8)
     core, _ = make_core(runner)
     submit(core, "a", SYSTEM[:40], max_tokens=2)
     run_to_completion(core)
-    submit(core, "b", SYSTEM[:13] + "x" * 20, max_tokens=2)
-    assert run_to_completion(core)["b"][-1].num_cached_tokens == 13
-    assert runner.prompt_chunks[-1] == (13, 20, 33)  # the rest in one chunk
-    submit(core, "c", SYSTEM[:13] + "x" * 3, max_tokens=2)  # 16 tokens: 8 must be computed
-    assert run_to_completion(core)["c"][-1].num_cached_tokens == 8
+    submit(core, "b", SYSTEM[:13] + "x" * 20, max_tokens=2)  # 33 tokens, 13 cached
+    assert run_to_completion(core)["b"][-1].num_cached_tokens == 9  # 33 - 9 = 3 grains
+    assert runner.prompt_chunks[-1] == (9, 24, 33)  # the rest in one chunk
+    submit(core, "c", SYSTEM[:13] + "x" * 3, max_tokens=2)  # 16 tokens, 15 cached
+    assert run_to_completion(core)["c"][-1].num_cached_tokens == 8  # a grain is computed
     assert_kv_consistent(core, runner)

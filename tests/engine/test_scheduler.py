@@ -98,15 +98,15 @@ def test_equal_chunks_keep_oldest_first_under_the_budget() -> None:
     assert [(c.slot, len(c.token_ids)) for c in runner.batches[1]] == [(0, 1), (1, 11), (2, 11)]
 
 
-def test_a_prompt_rest_shorter_than_two_grains_is_never_stuck_behind_the_chunk_cap() -> None:
-    # Invariant 8 cannot split 12 tokens into grains of 8, and the chunk cap is 8: the last
-    # chunk exceeds the cap by less than a grain instead of waiting forever.
+def test_a_chunk_cap_shorter_than_the_odd_part_and_a_grain_is_exceeded_not_stuck() -> None:
+    # 28 tokens in grains of 8 leave an odd 4 for the first chunk, which must also be at
+    # least a grain: 12 tokens, past the cap of 8 by less than a grain; then whole grains.
     runner = FakeRunner(prefill_grain=8)
     core, _ = make_core(runner, max_batch_tokens=32, prefill_chunk=8)
     submit(core, "a", "p" * 28, max_tokens=2)
     out = run_to_completion(core, max_steps=50)
     assert out["a"][-1].finished
-    assert runner.prompt_chunks == [(0, 8, 28), (8, 8, 28), (16, 12, 28)]
+    assert runner.prompt_chunks == [(0, 12, 28), (12, 8, 28), (20, 8, 28)]
 
 
 def test_limits_that_cannot_fit_two_grains_are_refused() -> None:

@@ -146,15 +146,20 @@ class PrefixCache:
         """How many of ``matched`` cached prompt tokens a new sequence takes (scheduler
         invariant 8).
 
-        Never the last prompt token: it must be computed, for logits. With a grain, the rest
-        must be at least a grain long (computed the way the prompt alone would compute it), and
-        a prompt shorter than a grain takes nothing: alone it is one short chunk, while cached
-        KV always comes from long ones. A token's K and V depend only on the tokens before it,
-        so a hit may end anywhere, not only where the source prompt's chunks ended.
+        Never the last prompt token: it must be computed, for logits. With a grain, the rest is
+        a whole number of grains (computed in long chunks, as the prompt alone would compute
+        it, and batching with other prompts' chunks), and a prompt shorter than a grain takes
+        nothing: alone it is one short chunk, while cached KV always comes from long ones. A
+        token's K and V depend only on the tokens before it, so a hit may end anywhere, not
+        only where the source prompt's chunks ended.
         """
         if self.grain == 1:
             return min(matched, prompt_length - 1)
-        return max(0, min(matched, prompt_length - self.grain))
+        if prompt_length < self.grain:
+            return 0
+        # Leave whole grains: the rest is then chunked like other prompts' and batches with them.
+        rest = -(-(prompt_length - matched) // self.grain) * self.grain  # rounded up, >= 1 grain
+        return max(0, prompt_length - max(rest, self.grain))
 
     def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """How many of a sequence's computed tokens the cache may keep and hand out.

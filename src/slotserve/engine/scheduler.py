@@ -26,12 +26,12 @@ Batch-construction invariants:
    preamble, such as a chat template's, is not worth a wait); requests behind it may go
    first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
    burst of requests with one new long system prompt computes it once, not once per request.
-8. Every prompt chunk is at least ``prefill_grain`` tokens long (``ModelInfo``), and leaves
-   nothing or at least a grain to compute after it; a prompt shorter than a grain is one chunk.
+8. Every prompt chunk is at least ``prefill_grain`` tokens long (``ModelInfo``) and leaves a
+   whole number of grains to compute after it; a prompt shorter than a grain is one chunk.
    The llama.cpp runner's attention computes a token the same way in any chunk of at least 64
    tokens, and differently in shorter ones; so every prompt token is computed the same way
-   whatever runs beside it and whatever the cache supplied before it (a hit leaves at least a
-   grain to compute), and greedy output is bit-for-bit that of the request alone.
+   whatever runs beside it and whatever the cache supplied before it (a hit leaves a whole
+   number of grains to compute), and greedy output is bit-for-bit that of the request alone.
 """
 
 from __future__ import annotations
@@ -228,16 +228,19 @@ class Scheduler:
 
 def _chunk_size(rest: int, budget: int, max_chunk: int, grain: int) -> int:
     """The longest prefill chunk that keeps invariant 8: at least a grain long (unless it is
-    the whole of a prompt shorter than that), leaving nothing or at least a grain after it.
-    It fits ``budget``, and ``max_chunk`` too unless a rest shorter than two grains cannot be
-    split: then it exceeds ``max_chunk`` by less than a grain. 0 when nothing fits."""
+    the whole of a prompt shorter than that), leaving a whole number of grains after it (so
+    later chunks, and those of other prompts, come in multiples of the grain and batch
+    together). It fits ``budget``, and ``max_chunk`` too unless that cannot hold the odd part
+    and a grain: then it exceeds ``max_chunk`` by less than a grain. 0 when nothing fits."""
     room = min(budget, max_chunk)
     if rest <= room:
         return rest
-    size = min(room, rest - grain)
+    odd = rest % grain
+    size = odd + (room - odd) // grain * grain if room >= odd else 0
     if size >= grain:
         return size
-    return rest if rest <= budget else 0
+    size = odd + grain if odd else grain  # past the chunk cap by less than a grain
+    return size if size <= budget else 0
 
 
 def _rest(slot: Slot) -> int:

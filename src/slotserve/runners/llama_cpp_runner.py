@@ -194,11 +194,14 @@ class LlamaCppRunner:
         # consecutive sequence ids, so chunks of different lengths in one call would be cut
         # into pieces sized by their neighbours, and attention rounds differently in pieces
         # shorter than 64 tokens: a token's result would depend on what ran beside it (E4).
-        # Grouped by length, every chunk runs whole, in as many weight passes as llama.cpp
-        # would have made anyway.
+        # Grouped by length, every chunk runs whole or in pieces of 64 or more, in as many
+        # weight passes as llama.cpp would have made anyway.
         by_length: dict[int, list[ScheduledChunk]] = {}
         for chunk in sorted(chunks, key=lambda c: c.slot):
-            by_length.setdefault(len(chunk.token_ids), []).append(chunk)
+            length = len(chunk.token_ids)
+            # Multiples of 64 may share a call: llama.cpp's cuts then fall on multiples of 64.
+            key = _FA_TILE_Q if length % _FA_TILE_Q == 0 else length
+            by_length.setdefault(key, []).append(chunk)
         sampled: dict[int, SampledToken] = {}
         for length, group in by_length.items():
             sampled.update(self._decode(group, self._ballast_for(group) if length == 1 else []))
