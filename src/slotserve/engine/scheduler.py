@@ -192,7 +192,7 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence) -> None:
-        """Marks a placed sequence's slot DRAINING (its KV is freed by ``release_drained``)."""
+        """Marks a placed sequence's slot DRAINING (``release`` then frees or caches its KV)."""
         assert seq.slot is not None
         slot = self.slots.slots[seq.slot]
         if slot in self._prefill_order:
