@@ -325,7 +325,7 @@ class EngineCore:
         self.stats.integrity_checks += 1
         try:
             self.check_integrity()
-        except AssertionError as exc:
+        except (AssertionError, RuntimeError) as exc:  # the runner's kv_tokens raises too
             self.stats.integrity_failures += 1
             self.stats.last_integrity_error = str(exc)
             logger.error("KV integrity check failed: %s", exc)

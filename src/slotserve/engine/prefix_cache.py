@@ -197,15 +197,14 @@ class PrefixCache:
         length = self.reusable_length(match.length, len(prompt))
         holders = self.holders(match)
         if slot in holders:
-            self._trim(slot, prompt, length)
+            self.kv.trim_kv(slot, length)  # it starts with the prefix: cut it back in place
         else:
             self._forget(slot)
             if length:
-                source = min(holders)
-                self.kv.copy_kv(source, slot, length)
-                self._set_end(slot, self.tree.insert(prompt[:length]))
+                self.kv.copy_kv(min(holders), slot, length)
             else:
                 self.kv.trim_kv(slot, 0)
+        self._set_end(slot, self.tree.insert(prompt[:length]))
         self._running.add(slot)
         self.tree.lock(self._end[slot])
         self._query_tokens += len(prompt)
@@ -259,11 +258,6 @@ class PrefixCache:
         nodes_before = self.tree.num_nodes
         self._evicted_tokens += self.tree.prune(old)
         self._evictions += nodes_before - self.tree.num_nodes
-
-    def _trim(self, slot: int, prompt: Sequence[int], length: int) -> None:
-        """Cuts a free slot's content back to ``prompt[:length]`` (which it starts with)."""
-        self.kv.trim_kv(slot, length)
-        self._set_end(slot, self.tree.insert(prompt[:length]))
 
     def _forget(self, slot: int) -> None:
         """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
