@@ -8,13 +8,14 @@ other prompt it emits the letters ``a..z`` cyclically forever. Every call is rec
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.runners.paged_kv import PagedKvTables
 
 EOS = 256
 
@@ -42,6 +43,10 @@ class FakeRunner:
     forward_seconds_per_step: float = 0.0
     prefix_cache_unsupported: str | None = None
     prefill_grain: int = 1
+    # A shared, paged KV pool of this many blocks (0: every slot owns max_seq_len positions),
+    # kept by the real block tables: lets tests run the engine out of KV memory.
+    kv_pool_blocks: int = 0
+    kv_block_size: int = 4
     batches: list[list[ScheduledChunk]] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
@@ -53,10 +58,16 @@ class FakeRunner:
     prompt_lengths: dict[int, int] = field(default_factory=dict)  # slot -> its prompt's length
     # (start_pos, length, prompt length) of every chunk that computed prompt tokens.
     prompt_chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    fail_with: Exception | None = None  # raised by the next execute, once
 
     def __post_init__(self) -> None:
         for slot in range(self.num_slots):
             self.kv.setdefault(slot, [])
+        self.pool = (
+            PagedKvTables(self.kv_pool_blocks, self.kv_block_size, self.num_slots)
+            if self.kv_pool_blocks
+            else None
+        )
 
     @property
     def model_info(self) -> ModelInfo:
@@ -74,6 +85,7 @@ class FakeRunner:
             prefill_grain=self.prefill_grain,
             kv_bytes_per_token=64,
             prefix_cache_unsupported=self.prefix_cache_unsupported,
+            kv_capacity_tokens=self.kv_pool_blocks * self.kv_block_size,
         )
 
     @property
@@ -104,11 +116,16 @@ class FakeRunner:
             time.sleep(self.forward_seconds_per_step)
         if self.fail_on_execute:
             raise RuntimeError("simulated device failure")
+        if self.fail_with is not None:
+            failure, self.fail_with = self.fail_with, None
+            raise failure
         sampled = {}
         for chunk in chunks:
             assert chunk.slot in self.active, f"slot {chunk.slot} has no sequence"
             held = self.kv[chunk.slot]
             assert chunk.start_pos == len(held), "positions must continue the slot's KV"
+            if self.pool is not None:
+                self.pool.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
             prompt_length = self.prompt_lengths[chunk.slot]
             if chunk.start_pos < prompt_length:
                 self.prompt_chunks.append((chunk.start_pos, len(chunk.token_ids), prompt_length))
@@ -123,16 +140,32 @@ class FakeRunner:
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         assert src_slot != dst_slot and num_tokens <= len(self.kv[src_slot])
-        assert dst_slot not in self.active, "copy into a slot that is running"
         self.copies.append((src_slot, dst_slot, num_tokens))
         self.kv[dst_slot] = self.kv[src_slot][:num_tokens]
+        if self.pool is not None:
+            self.pool.copy(src_slot, dst_slot, num_tokens)
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
-        assert slot not in self.active, "trim of a slot that is running"
         del self.kv[slot][num_tokens:]
+        if self.pool is not None:
+            self.pool.trim(slot, num_tokens)
 
     def kv_tokens(self, slot: int) -> int:
         return len(self.kv[slot])
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool:
+        if self.pool is None:
+            return num_tokens <= self.max_seq_len
+        return self.pool.reserve(slot, num_tokens) is not None
+
+    def kv_used_tokens(self, slots: Collection[int]) -> int:
+        if self.pool is None:
+            return sum(len(self.kv[slot]) for slot in slots)
+        return self.pool.used_blocks(slots) * self.kv_block_size
+
+    @property
+    def blocks_in_use(self) -> int:
+        return 0 if self.pool is None else self.pool.num_blocks - self.pool.num_free
 
     def close(self) -> None:
         pass

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RunnerFailure,
+)
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
@@ -95,7 +100,8 @@ def test_abort_mid_prefill_frees_the_slot_within_one_step() -> None:
     assert runner.kv[0] == list(b"p" * 8), "the computed chunk stays cached"
     core.check_integrity()
     assert len(runner.batches) == batches_before, "no forward work after the abort"
-    assert outputs[0].finished and outputs[0].deltas == []
+    assert outputs[0].finished
+    assert [d.finish_reason for d in outputs[0].deltas] == ["abort"]
 
 
 def test_abort_mid_decode_frees_the_slot_within_one_step() -> None:
@@ -123,17 +129,37 @@ def test_abort_of_a_waiting_request_removes_it_from_the_queue() -> None:
     assert runner.added == [0]
 
 
-def test_runner_failure_fails_the_requests_it_served_and_frees_their_slots() -> None:
+def test_runner_failure_poisons_the_engine_until_a_new_one_is_built() -> None:
+    runner = FakeRunner(num_slots=1)
+    core, _ = make_core(runner)
+    submit(core, "running", "x", max_tokens=10)
+    submit(core, "queued", "y", max_tokens=10)  # waits for the only slot
+    runner.fail_on_execute = True
+    outputs = {o.request_id: o for o in core.step()}
+    for request_id in ("running", "queued"):
+        out = outputs[request_id]
+        assert out.finished and "simulated device failure" in (out.error or "")
+        assert [d.finish_reason for d in out.deltas] == ["error"]
+    assert _slot_states(core) == [SlotState.FREE]
+    assert core.unhealthy is not None and "simulated device failure" in core.unhealthy
+    with pytest.raises(EngineDeadError):
+        submit(core, "late", "z", max_tokens=2)
+    assert core.step() == [] and len(runner.batches) == 1, "no work after the failure"
+    # Recovery: a new engine over a working runner (the server's reload builds both anew).
+    runner.fail_on_execute = False
+    fresh, _ = make_core(runner)
+    submit(fresh, "next", "y", max_tokens=2)
+    assert run_to_completion(fresh)["next"][-1].num_output_tokens == 2
+
+
+def test_non_finite_logits_poison_the_engine() -> None:
     runner = FakeRunner()
     core, _ = make_core(runner)
     submit(core, "r", "x", max_tokens=10)
-    runner.fail_on_execute = True
-    outputs = core.step()
-    assert outputs[0].finished and "simulated device failure" in (outputs[0].error or "")
-    assert _slot_states(core) == [SlotState.FREE] * runner.num_slots
-    runner.fail_on_execute = False
-    submit(core, "next", "y", max_tokens=2)
-    assert run_to_completion(core)["next"][-1].num_output_tokens == 2
+    runner.fail_with = RunnerFailure("non-finite logits for sequence 0")
+    (out,) = core.step()
+    assert out.error is not None and "non-finite logits" in out.error
+    assert core.unhealthy is not None and "RunnerFailure" in core.unhealthy
 
 
 def test_prompt_longer_than_the_context_is_refused() -> None:

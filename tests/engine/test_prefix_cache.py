@@ -142,12 +142,14 @@ def test_runner_failure_drops_the_slots_kv() -> None:
     runner.fail_on_execute = True
     submit(core, "b", SYSTEM + "more", max_tokens=4)
     out = run_to_completion(core)
-    assert out["b"][-1].error is not None
+    assert out["b"][-1].error is not None and core.unhealthy is not None
+    # "b" ran in slot 0 on "a"'s cached prefix: its half-written KV is dropped with it.
     assert all(held == [] for held in runner.kv.values())
-    assert_kv_consistent(core, runner)
     runner.fail_on_execute = False
-    submit(core, "c", SYSTEM, max_tokens=4)
-    assert run_to_completion(core)["c"][-1].num_cached_tokens == 0
+    fresh, _ = make_core(runner)  # a reload: the new engine starts from empty KV
+    submit(fresh, "c", SYSTEM, max_tokens=4)
+    assert run_to_completion(fresh)["c"][-1].num_cached_tokens == 0
+    assert_kv_consistent(fresh, runner)
 
 
 def test_cache_off_frees_kv_and_reports_why() -> None:

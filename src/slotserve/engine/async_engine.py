@@ -1,9 +1,13 @@
-"""Bridge between asyncio request handlers and the engine thread (SPEC E3, E7).
+"""Bridge between asyncio request handlers and the engine thread (SPEC E3, E7, E11).
 
 Handlers call :meth:`AsyncEngine.generate`, an async iterator over :class:`RequestOutput`.
 The engine thread hands each step's outputs to the event loop in one ``call_soon_threadsafe``
 and the loop routes them into per-request ``asyncio.Queue``s. Leaving the iterator early
 (client disconnect, cancellation) aborts the request, which frees its slot in the next step.
+
+When the runner fails, the engine is poisoned: every request in it gets an error output and
+the engine thread ends. :attr:`AsyncEngine.unhealthy` then says why; a new runner and engine
+(the server's reload) recover.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
@@ -21,10 +25,14 @@ from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+OutputListener = Callable[[list[RequestOutput]], None]
+
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, on_outputs: OutputListener | None = None) -> None:
+        """``on_outputs`` sees every step's outputs on the event loop (metrics)."""
         self.core = core
+        self._on_outputs = on_outputs
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -32,7 +40,20 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return self._thread is not None and self._thread.is_alive() and self.unhealthy is None
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the engine stopped serving (runner failure, loop crash); None while healthy."""
+        return self.core.unhealthy or self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted whose streams are still open."""
+        return len(self._queues)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
 
     def start(self) -> None:
         """Starts the engine thread; must be called from the event loop that will consume."""
@@ -51,11 +72,14 @@ class AsyncEngine:
     ) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
-        Raises ``InvalidRequestError`` or ``QueueFullError`` at once. Use the stream as a
-        context manager: leaving it before the request finished aborts the request.
+        Raises ``InvalidRequestError``, ``QueueFullError`` or ``EngineDeadError`` at once. Use
+        the stream as a context manager: leaving it before the request finished aborts it.
         """
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        unhealthy = self.unhealthy
+        if unhealthy is not None:
+            raise EngineDeadError(unhealthy)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id} is already in flight")
         request = self.core.make_request(request_id, prompt_token_ids, params)
         self.core.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -73,6 +97,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.core.abort_request(request_id)
 
+    def abort_all(self) -> int:
+        """Aborts every request in flight (shutdown); each still gets its final output."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self.core.abort_request(request_id)
+        return len(request_ids)
+
     def detach(self, request_id: str) -> None:
         """Stops routing outputs of ``request_id`` (its stream was closed)."""
         self._queues.pop(request_id, None)
@@ -84,6 +115,8 @@ class AsyncEngine:
                 outputs = core.step()
                 if outputs:
                     self._deliver(outputs)
+                if core.unhealthy is not None:
+                    return  # poisoned: every request has its error; nothing more to run
                 if core.is_idle:
                     core.check_integrity_when_idle()
         except Exception as exc:
@@ -97,6 +130,11 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._route, outputs)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
+        if self._on_outputs is not None:
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # metrics must never lose a request's output
+                logger.exception("output listener failed")
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:

@@ -17,6 +17,10 @@ class EngineConfig:
     tokens and ``prefix_cache_budget_bytes`` of their KV (None: all the free slots can hold).
     A waiting request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a
     prompt still being prefilled waits until those are computed, then reuses them.
+
+    ``request_timeout_s`` ends a request that has not finished that long after it arrived
+    (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
+    queue wait longer than ``slow_queue_warn_s`` are logged as warnings.
     """
 
     num_slots: int = 8
@@ -27,6 +31,9 @@ class EngineConfig:
     prefix_cache_budget_tokens: int | None = None
     prefix_cache_budget_bytes: int | None = None
     prefix_wait_min_tokens: int = 256
+    request_timeout_s: float | None = None
+    slow_step_warn_s: float = 5.0
+    slow_queue_warn_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -47,3 +54,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.prefix_wait_min_tokens < 1:
             raise ValueError("prefix_wait_min_tokens must be >= 1")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError("request_timeout_s must be > 0")
+        if self.slow_step_warn_s <= 0 or self.slow_queue_warn_s <= 0:
+            raise ValueError("warning thresholds must be > 0")

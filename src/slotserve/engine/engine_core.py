@@ -1,8 +1,14 @@
-"""The step loop's body: ``schedule → runner.execute → update_from_output`` (SPEC E2, E3, E7).
+"""The step loop's body: ``schedule → runner.execute → update_from_output`` (SPEC E2, E3, E7,
+E10, E11).
 
 Thread model: :meth:`EngineCore.add_request` and :meth:`EngineCore.abort_request` may be called
 from any thread (they only touch the locked inbox). Everything else runs on the one engine
 thread that calls :meth:`step`, which owns the scheduler, the slots and the runner.
+
+A failure of ``runner.execute`` (an exception, or ``RunnerFailure`` for non-finite logits)
+poisons the engine: every request still in it ends with an error, :attr:`EngineCore.unhealthy`
+says why, and the engine does no further work. Recovery is a new runner and a new engine
+(the server's reload).
 """
 
 from __future__ import annotations
@@ -11,11 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
-from slotserve.engine.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.errors import EngineDeadError, QueueFullError
+from slotserve.engine.limits import check_request
 from slotserve.engine.output_processor import append_token, take_delta
 from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken
 from slotserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
@@ -24,41 +30,12 @@ from slotserve.engine.runner_interface import ModelInfo, Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.slots import SlotState
+from slotserve.engine.stats import EngineStats, SlotSnapshot
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SlotSnapshot:
-    index: int
-    state: str
-    request_id: str | None
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    num_output_tokens: int
-
-
-@dataclass
-class EngineStats:
-    """Counters since start; written by the engine thread, read (racily, for display) by others."""
-
-    steps: int = 0
-    step_seconds: float = 0.0
-    execute_seconds: float = 0.0
-    batch_tokens: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    requests_failed: int = 0
-    queue_wait_seconds: float = 0.0
-    requests_admitted: int = 0
-    slots: tuple[SlotSnapshot, ...] = field(default_factory=tuple)
-    num_waiting: int = 0
-    prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(False))
-    integrity_checks: int = 0  # run whenever the engine goes idle
-    integrity_failures: int = 0
-    last_integrity_error: str | None = None
+# Slot states whose KV belongs to a running sequence (PREEMPTED ones gave theirs back).
+_HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
 
 
 class EngineCore:
@@ -66,6 +43,11 @@ class EngineCore:
         info = runner.model_info
         if info.num_slots < config.num_slots:
             raise ValueError(f"runner has {info.num_slots} slots, engine wants {config.num_slots}")
+        if info.kv_capacity < info.max_seq_len:
+            raise ValueError(
+                f"the runner's KV holds {info.kv_capacity} tokens, less than one sequence "
+                f"({info.max_seq_len}): a request could never finish"
+            )
         self.runner = runner
         self.config = config
         self.model_info = info
@@ -74,11 +56,16 @@ class EngineCore:
         self.prefix_cache, disabled_reason = _build_prefix_cache(runner, config, info)
         self.scheduler = Scheduler(
             config,
+            runner,
             equal_prefill_chunks=info.equal_prefill_chunks,
             prefill_grain=info.prefill_grain,
             prefix_cache=self.prefix_cache,
         )
-        self.stats = EngineStats(prefix_cache=PrefixCacheStats(False, disabled_reason))
+        self.stats = EngineStats(
+            prefix_cache=PrefixCacheStats(False, disabled_reason),
+            kv_capacity_tokens=info.kv_capacity,
+        )
+        self.unhealthy: str | None = None  # why the engine was poisoned (SPEC E11)
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -93,36 +80,12 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
         """Validates a request against the model's limits; raises ``InvalidRequestError``."""
-        info = self.model_info
-        if not prompt_token_ids:
-            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
-        if any(t < 0 or t >= info.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(
-                f"Prompt token ids must be in [0, {info.vocab_size}).", param="prompt"
-            )
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= info.max_seq_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length per sequence is {info.max_seq_len} tokens, "
-                f"but the prompt has {num_prompt} tokens (one more is needed to generate).",
-                param="prompt",
-            )
-        room = info.max_seq_len - num_prompt
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"This model's maximum context length per sequence is {info.max_seq_len} tokens; "
-                f"the prompt has {num_prompt} tokens and max_tokens asks for {params.max_tokens} "
-                f"(at most {room} fit).",
-                param="max_tokens",
-            )
-        if params.n > self.config.num_slots:
-            raise InvalidRequestError(
-                f"'n' must not exceed the number of slots ({self.config.num_slots}).", param="n"
-            )
-        params.validate_against_vocab(info.vocab_size)
+        room = check_request(self.model_info, self.config, prompt_token_ids, params)
         if params.structured_output is not None:
             self.runner.check_structured_output(params.structured_output)
         request = Request(request_id, list(prompt_token_ids), params)
+        if self.config.request_timeout_s is not None:
+            request.deadline = request.arrival_time + self.config.request_timeout_s
         token_bytes = self.runner.tokenizer.token_bytes
         for index in range(params.n):
             request.sequences.append(
@@ -132,19 +95,23 @@ class EngineCore:
                     max_tokens=params.max_tokens or room,
                     detokenizer=IncrementalDetokenizer(token_bytes, params.stop),
                     token_ids=list(prompt_token_ids),
-                    num_prompt_tokens=num_prompt,
+                    num_prompt_tokens=len(prompt_token_ids),
                 )
             )
         return request
 
     def add_request(self, request: Request) -> None:
-        """Queues a request for admission; raises ``QueueFullError`` at once when full."""
+        """Queues a request for admission; raises ``QueueFullError`` at once when full and
+        ``EngineDeadError`` when the engine was poisoned."""
         with self._lock:
+            if self.unhealthy is not None:
+                raise EngineDeadError(self.unhealthy)
             free = sum(1 for s in self.stats.slots if s.state == "free")
             waiting = len(self._inbox) + self.stats.num_waiting
             if waiting - free >= self.config.max_queue:
                 raise QueueFullError(self.config.max_queue)
             self._inbox.append(request)
+            self.stats.requests_submitted += 1
             self._work_ready.notify()
 
     def abort_request(self, request_id: str) -> None:
@@ -169,9 +136,12 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step and returns what each touched request produced."""
+        if self.unhealthy is not None:
+            return self.fail_all(self.unhealthy)
         started = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         self._take_inbox(outputs)
+        self._expire_deadlines(outputs)
         self._release_drained()
         self._admit(outputs)
         chunks = self.scheduler.schedule()
@@ -179,18 +149,27 @@ class EngineCore:
             execute_started = time.perf_counter()
             try:
                 sampled = self.runner.execute(chunks)
-            except Exception as exc:  # a runner failure fails the requests it was serving
-                logger.exception("runner.execute failed; failing %d sequences", len(chunks))
-                self._fail_chunks(chunks, f"runner failure: {exc}", outputs)
-            else:
-                self.stats.execute_seconds += time.perf_counter() - execute_started
-                self._update_from_output(chunks, sampled, outputs)
+            except Exception as exc:
+                logger.exception("runner.execute failed: the model is now unhealthy")
+                self._poison(f"runner failure: {type(exc).__name__}: {exc}", outputs)
+                return self._stamp(outputs)
+            self.stats.execute_seconds += time.perf_counter() - execute_started
+            self._update_from_output(chunks, sampled, outputs)
             self.stats.batch_tokens += sum(len(c.token_ids) for c in chunks)
             self._release_drained()
             self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.stats.step_seconds += elapsed
+            if elapsed > self.config.slow_step_warn_s:
+                logger.warning(
+                    "slow step: %.2f s for %d chunks, %d tokens (requests %s)",
+                    elapsed,
+                    len(chunks),
+                    sum(len(c.token_ids) for c in chunks),
+                    ", ".join(sorted({self._request_id_of(c.slot) for c in chunks})),
+                )
         self._publish_snapshot()
-        return list(outputs.values())
+        return self._stamp(outputs)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Ends every live request with an error (used when the loop itself breaks)."""
@@ -199,8 +178,18 @@ class EngineCore:
             pending, self._inbox = self._inbox, []
         for request in [*pending, *self._live.values()]:
             self._end_request(request, "error", outputs, error=message)
-        self._release_drained()
-        return list(outputs.values())
+        self._release_drained(quietly=True)
+        self._publish_snapshot()
+        return self._stamp(outputs)
+
+    def _poison(self, reason: str, outputs: dict[str, RequestOutput]) -> None:
+        with self._lock:
+            self.unhealthy = reason
+            pending, self._inbox = self._inbox, []
+        for request in [*pending, *self._live.values()]:
+            self._end_request(request, "error", outputs, error=reason)
+        self._release_drained(quietly=True)
+        self._publish_snapshot()
 
     def _take_inbox(self, outputs: dict[str, RequestOutput]) -> None:
         with self._lock:
@@ -215,6 +204,16 @@ class EngineCore:
                 self.stats.requests_aborted += 1
                 self._end_request(aborted, "abort", outputs)
 
+    def _expire_deadlines(self, outputs: dict[str, RequestOutput]) -> None:
+        if self.config.request_timeout_s is None:
+            return
+        now = time.monotonic()
+        expired = [r for r in self._live.values() if r.deadline is not None and r.deadline < now]
+        for request in expired:
+            self.stats.requests_timed_out += 1
+            self._end_request(request, "abort", outputs)
+            outputs[request.request_id].timed_out = True
+
     def _admit(self, outputs: dict[str, RequestOutput]) -> None:
         now = time.monotonic()
         for seq in self.scheduler.admit():
@@ -224,9 +223,8 @@ class EngineCore:
                 wait = now - request.arrival_time
                 self.stats.queue_wait_seconds += wait
                 self.stats.requests_admitted += 1
-                logger.debug(
-                    "request %s admitted after %.1f ms queued", request.request_id, wait * 1000
-                )
+                log = logger.warning if wait > self.config.slow_queue_warn_s else logger.debug
+                log("request %s admitted after %.1f ms queued", request.request_id, wait * 1000)
             if seq.finish_reason is not None:
                 continue  # a sibling failed to start
             assert seq.slot is not None
@@ -259,9 +257,7 @@ class EngineCore:
 
     def _emit(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
         request = seq.request
-        out = outputs.get(request.request_id)
-        if out is None:
-            out = outputs[request.request_id] = _new_output(request)
+        out = self._output_for(request, outputs)
         out.deltas.append(take_delta(seq))
         out.num_output_tokens = request.num_output_tokens
         if request.finished:
@@ -277,18 +273,18 @@ class EngineCore:
         outputs: dict[str, RequestOutput],
         error: str | None = None,
     ) -> None:
-        """Finishes every unfinished sequence of ``request`` (abort or error) and emits it."""
+        """Finishes every unfinished sequence of ``request`` (abort or error) and emits it,
+        one delta per sequence ended here carrying the finish reason."""
         self.scheduler.remove_waiting(request)
         self._live.pop(request.request_id, None)
+        out = self._output_for(request, outputs)
         for seq in request.sequences:
             if seq.finish_reason is not None:
                 continue
             seq.finish_reason = reason
             if seq.slot is not None:
                 self.scheduler.finish(seq)
-        out = outputs.get(request.request_id)
-        if out is None:
-            out = outputs[request.request_id] = _new_output(request)
+            out.deltas.append(take_delta(seq))
         out.finished = True
         out.error = error
         out.num_output_tokens = request.num_output_tokens
@@ -296,22 +292,51 @@ class EngineCore:
             self.stats.requests_failed += 1
         _log_end(request, "failed" if error is not None else "aborted", error)
 
-    def _fail_chunks(
-        self, chunks: SequenceOf[ScheduledChunk], message: str, outputs: dict[str, RequestOutput]
-    ) -> None:
-        for chunk in chunks:
-            seq = self.scheduler.slots.slots[chunk.slot].sequence
-            if seq is not None and seq.finish_reason is None:
-                self._end_request(seq.request, "error", outputs, error=message)
+    def _output_for(self, request: Request, outputs: dict[str, RequestOutput]) -> RequestOutput:
+        out = outputs.get(request.request_id)
+        if out is None:
+            out = outputs[request.request_id] = RequestOutput(
+                request.request_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=request.sequences[0].num_cached_tokens,
+                arrival_time=request.arrival_time,
+                queue_seconds=(
+                    None
+                    if request.admitted_time is None
+                    else request.admitted_time - request.arrival_time
+                ),
+            )
+        return out
 
-    def _release_drained(self) -> None:
+    @staticmethod
+    def _stamp(outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for out in outputs.values():
+            out.time = now
+        return list(outputs.values())
+
+    def _release_drained(self, quietly: bool = False) -> None:
+        """Releases DRAINING slots. ``quietly``: after a runner failure the runner may fail
+        again; the slots are freed anyway (the engine is being given up)."""
         for slot in self.scheduler.drained_slots():
             try:
                 self.runner.remove_sequence(slot.index)
                 if self.prefix_cache is None:
                     self.runner.trim_kv(slot.index, 0)
+            except Exception:
+                if not quietly:
+                    raise
+                logger.warning("could not free slot %d after the runner failed", slot.index)
             finally:
-                self.scheduler.release(slot)
+                try:
+                    self.scheduler.release(slot)
+                except Exception:
+                    if not quietly:
+                        raise
+
+    def _request_id_of(self, slot: int) -> str:
+        seq = self.scheduler.slots.slots[slot].sequence
+        return seq.request.request_id if seq is not None else "?"
 
     @property
     def is_idle(self) -> bool:
@@ -333,11 +358,12 @@ class EngineCore:
     def check_integrity(self) -> None:
         """Engine thread, between steps. Raises ``AssertionError`` when slot, cache and runner
         KV bookkeeping disagree: every slot's KV must be what its sequence computed (running),
-        what the prefix cache says it holds (free, cache on), or nothing (free, cache off)."""
+        what the prefix cache says it holds (free or preempted, cache on), or nothing (cache
+        off)."""
         running = {
             slot.index: slot.sequence.num_computed_tokens
             for slot in self.scheduler.slots.slots
-            if slot.sequence is not None and slot.state is not SlotState.FREE
+            if slot.sequence is not None and slot.state in _HOLDS_KV
         }
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity(running)
@@ -349,6 +375,8 @@ class EngineCore:
 
     def _publish_snapshot(self) -> None:
         snapshot = []
+        running_requests: set[str] = set()
+        kv_slots: list[int] = []
         for slot in self.scheduler.slots.slots:
             seq = slot.sequence
             snapshot.append(
@@ -361,10 +389,20 @@ class EngineCore:
                     num_output_tokens=seq.num_output_tokens if seq else 0,
                 )
             )
-        self.stats.slots = tuple(snapshot)
-        self.stats.num_waiting = len(self.scheduler.waiting)
+            if seq is not None and slot.state in _HOLDS_KV:
+                kv_slots.append(slot.index)
+                running_requests.add(seq.request.request_id)
+        stats = self.stats
+        stats.slots = tuple(snapshot)
+        stats.num_running = len(running_requests)
+        stats.num_waiting = len(self.scheduler.waiting) + sum(
+            1 for s in snapshot if s.state == SlotState.PREEMPTED.value
+        )
+        stats.preemptions = self.scheduler.num_preemptions
+        if self.unhealthy is None:
+            stats.kv_used_tokens = self.runner.kv_used_tokens(kv_slots) if kv_slots else 0
         if self.prefix_cache is not None:
-            self.stats.prefix_cache = self.prefix_cache.stats()
+            stats.prefix_cache = self.prefix_cache.stats()
 
 
 def _build_prefix_cache(
@@ -392,14 +430,6 @@ def _build_prefix_cache(
     return cache, None
 
 
-def _new_output(request: Request) -> RequestOutput:
-    return RequestOutput(
-        request.request_id,
-        num_prompt_tokens=len(request.prompt_token_ids),
-        num_cached_tokens=request.sequences[0].num_cached_tokens if request.sequences else 0,
-    )
-
-
 def _log_end(request: Request, how: str, error: str | None = None) -> None:
     now = time.monotonic()
     queued = (request.admitted_time or now) - request.arrival_time
@@ -413,4 +443,5 @@ def _log_end(request: Request, how: str, error: str | None = None) -> None:
         queued * 1000,
         (now - request.arrival_time) * 1000,
         f" ({error})" if error else "",
+        extra={"request_id": request.request_id},
     )

@@ -6,12 +6,14 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError):
-    """A request parameter is out of range or unsupported; ``param`` names the field."""
+    """A request parameter is out of range or unsupported; ``param`` names the field and
+    ``code`` is OpenAI's machine-readable code when there is one (``context_length_exceeded``)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class QueueFullError(EngineError):
@@ -23,4 +25,10 @@ class QueueFullError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine loop has stopped; no request can be served."""
+    """The engine no longer serves: its runner failed (the model is unhealthy until reloaded)
+    or its loop stopped. ``str(error)`` says why."""
+
+
+class RunnerFailure(EngineError):
+    """A runner's forward pass produced something unusable (non-finite logits): the device or
+    the weights are in a bad state, so the model must be reloaded."""

@@ -36,7 +36,12 @@ class SequenceDelta:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Everything a request produced in one step; ``finished`` once all its sequences ended."""
+    """Everything a request produced in one step; ``finished`` once all its sequences ended.
+
+    ``error`` is set when the request failed (the runner broke); ``timed_out`` when the engine
+    ended it at its deadline. Times are ``time.monotonic()`` values: when the request arrived,
+    and when this output was made; ``queue_seconds`` is set once the request left the queue.
+    """
 
     request_id: str
     deltas: list[SequenceDelta] = field(default_factory=list)
@@ -45,3 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the first choice, as OpenAI's usage reports it
     num_output_tokens: int = 0
     error: str | None = None
+    timed_out: bool = False
+    arrival_time: float = 0.0
+    time: float = 0.0
+    queue_seconds: float | None = None

@@ -190,9 +190,12 @@ class PrefixCache:
                 return in_place[0]
         return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
 
-    def attach(self, slot: int, prompt: Sequence[int], match: PrefixMatch) -> int:
+    def attach(
+        self, slot: int, prompt: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
         """Makes free ``slot``'s KV hold the matched prefix of ``prompt`` and marks the slot
-        running; returns the number of prompt tokens that need no computing."""
+        running; returns the number of prompt tokens that need no computing. ``count=False``
+        leaves the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
         assert slot not in self._running, f"slot {slot} is already running"
         length = self.reusable_length(match.length, len(prompt))
         holders = self.holders(match)
@@ -207,12 +210,13 @@ class PrefixCache:
         self._set_end(slot, self.tree.insert(prompt[:length]))
         self._running.add(slot)
         self.tree.lock(self._end[slot])
-        self._query_tokens += len(prompt)
-        self._hit_tokens += length
-        if length:
-            self._hits += 1
-        else:
-            self._misses += 1
+        if count:
+            self._query_tokens += len(prompt)
+            self._hit_tokens += length
+            if length:
+                self._hits += 1
+            else:
+                self._misses += 1
         return length
 
     # ---- progress and end -------------------------------------------------------------------
@@ -233,6 +237,28 @@ class PrefixCache:
         excess = self.tree.evictable_tokens - self.budget_tokens
         if excess > 0:
             self._evict(excess)
+
+    def is_running(self, slot: int) -> bool:
+        """True between ``attach`` and ``release`` / ``drop``."""
+        return slot in self._running
+
+    def evict_unused(self) -> int:
+        """Gives back some unused KV whatever the budget (the runner's KV pool is short);
+        returns the tokens freed (0: nothing is left to give back).
+
+        First the least recently used unlocked leaf. Then a free slot whose content ends on a
+        running sequence's path: that sequence holds the same tokens, so the tree loses
+        nothing, but the slot's own copy (computed beside it, not shared) frees memory.
+        """
+        evicted = self._evict(1)
+        if evicted:
+            return evicted
+        for slot, node in self._end.items():
+            if slot not in self._running and node.lock_ref > 0 and node.parent is not None:
+                self._forget(slot)
+                self.kv.trim_kv(slot, 0)
+                return node.end
+        return 0
 
     def drop(self, slot: int) -> None:
         """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
@@ -263,7 +289,7 @@ class PrefixCache:
         """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
         self._set_end(slot, self.tree.root)
 
-    def _evict(self, num_tokens: int) -> None:
+    def _evict(self, num_tokens: int) -> int:
         def give_back(node: CacheNode) -> None:
             assert node.parent is not None
             for slot in node.value:
@@ -273,7 +299,9 @@ class PrefixCache:
             node.value.clear()
             self._evictions += 1
 
-        self._evicted_tokens += self.tree.evict(num_tokens, give_back)
+        evicted = self.tree.evict(num_tokens, give_back)
+        self._evicted_tokens += evicted
+        return evicted
 
     def _exclusive_tokens(self, slot: int) -> int:
         """Cached tokens only this slot holds: what reusing the slot for other work loses."""

@@ -26,6 +26,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     admitted_time: float | None = None
+    deadline: float | None = None  # monotonic time after which the engine ends the request
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ is. Everything crossing this boundary is a plain Python value: slot indices, tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +55,14 @@ class ModelInfo:
     # Why KV cannot be shared by position range (recurrent state, sliding-window layers...);
     # the prefix cache is then off. None when sharing works.
     prefix_cache_unsupported: str | None = None
+    # KV positions the runner can hold for all slots together (0: num_slots × max_seq_len,
+    # every slot owning a fixed stream). A pooled runner may hold fewer than its slots could
+    # ask for; the engine then preempts (see ``Runner.reserve_kv``).
+    kv_capacity_tokens: int = 0
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.kv_capacity_tokens or self.num_slots * self.max_seq_len
 
 
 class Tokenizer(Protocol):
@@ -91,8 +99,15 @@ class Runner(Protocol):
       ``copy_kv`` what the KV holds when the slot is next used (the prefix cache reuses it).
       ``copy_kv`` and ``trim_kv`` take effect before the next ``execute`` touches the slots,
       in call order, and never change what another slot's KV holds.
+    * Before ``execute`` runs a chunk ending at position ``n - 1``, the engine has called
+      ``reserve_kv(slot, n)`` and got True. A runner whose KV memory is a shared pool answers
+      False when it is exhausted; the engine then evicts cached prefixes or preempts a
+      sequence (its KV trimmed to 0, recomputed later) and asks again. A slot's sampler state
+      survives preemption: it is only freed by ``remove_sequence``.
     * Methods raise ordinary exceptions on failure; the runner stays usable for other slots
-      after a failed ``add_sequence``.
+      after a failed ``add_sequence``. An exception from ``execute`` (or
+      ``RunnerFailure`` for non-finite logits) means the model can no longer be trusted: the
+      engine fails every request and the model must be reloaded (SPEC E11).
     """
 
     @property
@@ -134,6 +149,17 @@ class Runner(Protocol):
 
     def kv_tokens(self, slot: int) -> int:
         """How many positions (``0 .. n-1``) the slot's KV holds; raises if not contiguous."""
+        ...
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool:
+        """Makes sure ``slot``'s KV can hold positions ``0 .. num_tokens - 1``; False, with
+        nothing changed, when the KV memory is exhausted. Reserved room beyond what the slot
+        holds is given back by ``trim_kv``."""
+        ...
+
+    def kv_used_tokens(self, slots: Collection[int]) -> int:
+        """KV positions taken by ``slots`` (positions shared between them counted once, in the
+        runner's unit of allocation): over ``ModelInfo.kv_capacity``, the KV usage metric."""
         ...
 
     def close(self) -> None:

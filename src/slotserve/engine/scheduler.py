@@ -32,11 +32,20 @@ Batch-construction invariants:
    tokens, and differently in shorter ones; so every prompt token is computed the same way
    whatever runs beside it and whatever the cache supplied before it (a hit leaves a whole
    number of grains to compute), and greedy output is bit-for-bit that of the request alone.
+9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
+   pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
+   the youngest running sequence is preempted (SPEC E10): its KV is given back (kept as
+   evictable cache when the prefix cache is on), its chunk leaves the batch, and it waits in
+   its slot, sampler state and output kept. Preempted sequences resume oldest first, before
+   any new request is admitted, as soon as their first chunk's KV can be reserved; they
+   recompute their tokens (prompt and output so far) from the longest cached prefix. The
+   oldest sequence always fits (``max_seq_len`` is at most the pool), so work never stalls.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_cache import PrefixCache
@@ -46,10 +55,19 @@ from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.slots import Slot, SlotPool, SlotState
 
 
+class KvAllocator(Protocol):
+    """The runner's KV memory as the scheduler sees it (see ``Runner``)."""
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
+        kv: KvAllocator,
         equal_prefill_chunks: bool = False,
         prefill_grain: int = 1,
         prefix_cache: PrefixCache | None = None,
@@ -63,6 +81,7 @@ class Scheduler:
                 f"({prefill_grain} tokens each) of prefill beside {config.num_slots} decode tokens"
             )
         self.config = config
+        self.kv = kv
         self.equal_prefill_chunks = equal_prefill_chunks
         self.prefill_grain = prefill_grain
         self._max_chunk = config.prefill_chunk // prefill_grain * prefill_grain
@@ -70,14 +89,21 @@ class Scheduler:
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self._prefill_order: list[Slot] = []  # PREFILLING slots, oldest admission first
+        self._preempted: list[Slot] = []  # PREEMPTED slots, oldest admission first
+        self.num_preemptions = 0
 
     def admit(self) -> list[Sequence]:
-        """Moves waiting requests into free slots; returns the newly placed sequences.
+        """Resumes preempted sequences, then moves waiting requests into free slots; returns
+        the newly placed sequences (resumed ones are not: their runner state is intact).
 
         With the prefix cache, each placed sequence's slot already holds its cached prefix
         (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
         """
         placed: list[Sequence] = []
+        while self._preempted and self._resume(self._preempted[0]):
+            self._preempted.pop(0)
+        if self._preempted:
+            return placed  # memory is short: new requests wait behind the preempted ones
         passed_over: list[Request] = []
         while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
             request = self.waiting.popleft()
@@ -91,6 +117,23 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         return placed
 
+    def _resume(self, slot: Slot) -> bool:
+        """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
+        seq = _sequence(slot)
+        cache = self.prefix_cache
+        if cache is not None:
+            seq.num_computed_tokens = cache.attach(
+                slot.index, seq.token_ids, cache.match(seq.token_ids), count=False
+            )
+        first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
+        if not self._make_room(slot.index, first_chunk_end):
+            self._give_back_kv(slot)
+            return False
+        slot.move_to(SlotState.PREFILLING)
+        slot.chunks_done = 0
+        self._prefill_order.append(slot)
+        self._prefill_order.sort(key=lambda s: s.admission)
+        return True
     def _place(self, sequence: Sequence) -> Slot:
         cache = self.prefix_cache
         if cache is None:
@@ -128,25 +171,74 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """Builds the next batch; an empty list means there is nothing to run."""
-        chunks: list[ScheduledChunk] = []
+        chunks: dict[int, ScheduledChunk] = {}  # by slot: a preempted slot's chunk is removed
         budget = self.config.max_batch_tokens
-        for slot in self.slots.slots:
-            if slot.state is SlotState.GENERATING:
-                seq = _sequence(slot)
-                pos = seq.num_computed_tokens
-                chunks.append(ScheduledChunk(slot.index, seq.token_ids[pos : pos + 1], pos, True))
+        for slot in self.slots.in_state(SlotState.GENERATING):
+            if slot.state is not SlotState.GENERATING:
+                continue  # preempted to make room for an older sequence
+            seq = _sequence(slot)
+            pos = seq.num_computed_tokens
+            if self._reserve(slot, pos + 1, chunks):
+                chunks[slot.index] = ScheduledChunk(
+                    slot.index, seq.token_ids[pos : pos + 1], pos, True
+                )
                 budget -= 1
-        for slot, size in zip(self._prefill_order, self._prefill_sizes(budget), strict=True):
-            if size == 0:
+        prefill = list(self._prefill_order)
+        for slot, size in zip(prefill, self._prefill_sizes(budget), strict=True):
+            if size == 0 or slot.state is not SlotState.PREFILLING:
                 continue
             seq = _sequence(slot)
             start = seq.num_computed_tokens
             end = start + size
-            chunks.append(
-                ScheduledChunk(slot.index, seq.token_ids[start:end], start, end == seq.num_tokens)
-            )
-            budget -= size
-        return chunks
+            if self._reserve(slot, end, chunks):
+                chunks[slot.index] = ScheduledChunk(
+                    slot.index, seq.token_ids[start:end], start, end == seq.num_tokens
+                )
+        return list(chunks.values())
+
+    # ---- KV memory (invariant 9) ----------------------------------------------------------
+
+    def _reserve(self, slot: Slot, num_tokens: int, chunks: dict[int, ScheduledChunk]) -> bool:
+        """Reserves ``slot``'s KV up to ``num_tokens``, preempting the youngest running
+        sequences while the pool is short; False when ``slot`` itself was preempted."""
+        while not self._make_room(slot.index, num_tokens):
+            victim = max(self._running_slots(), key=lambda s: s.admission)
+            self._preempt(victim)
+            chunks.pop(victim.index, None)
+            if victim is slot:
+                return False
+        return True
+
+    def _make_room(self, slot: int, num_tokens: int) -> bool:
+        """Reserves KV, evicting unused cached prefixes (LRU) while that helps."""
+        while not self.kv.reserve_kv(slot, num_tokens):
+            if self.prefix_cache is None or self.prefix_cache.evict_unused() == 0:
+                return False
+        return True
+
+    def _running_slots(self) -> list[Slot]:
+        return [
+            s for s in self.slots.slots if s.state in (SlotState.PREFILLING, SlotState.GENERATING)
+        ]
+
+    def _preempt(self, slot: Slot) -> None:
+        if slot in self._prefill_order:
+            self._prefill_order.remove(slot)
+        self._give_back_kv(slot)
+        slot.move_to(SlotState.PREEMPTED)
+        self._preempted.append(slot)
+        self._preempted.sort(key=lambda s: s.admission)
+        self.num_preemptions += 1
+
+    def _give_back_kv(self, slot: Slot) -> None:
+        """Frees a running (or just re-attached) slot's KV; with the prefix cache its computed
+        tokens stay behind as evictable cache, so a resume may find them again."""
+        seq = _sequence(slot)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
+        else:
+            self.kv.trim_kv(slot.index, 0)
+        seq.num_computed_tokens = 0
 
     def _prefill_sizes(self, budget: int) -> list[int]:
         """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
@@ -197,6 +289,8 @@ class Scheduler:
         slot = self.slots.slots[seq.slot]
         if slot in self._prefill_order:
             self._prefill_order.remove(slot)
+        if slot in self._preempted:
+            self._preempted.remove(slot)
         self.slots.drain(slot)
 
     def drained_slots(self) -> list[Slot]:
@@ -205,12 +299,14 @@ class Scheduler:
     def release(self, slot: Slot) -> None:
         """Frees a DRAINING slot; with the prefix cache its computed tokens stay cached."""
         seq = slot.sequence
+        cache = self.prefix_cache
+        # A sequence preempted before it ended has no KV of its own left: nothing to release.
+        if seq is not None and cache is not None and cache.is_running(slot.index):
+            if seq.finish_reason == "error":
+                cache.drop(slot.index)  # its KV may be half written
+            else:
+                cache.release(slot.index, self._cacheable_tokens(seq))
         if seq is not None:
-            if self.prefix_cache is not None:
-                if seq.finish_reason == "error":
-                    self.prefix_cache.drop(slot.index)  # its KV may be half written
-                else:
-                    self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
             seq.slot = None
         self.slots.release(slot)
 

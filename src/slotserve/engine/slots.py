@@ -1,16 +1,23 @@
-"""The slot pool and its state machine (SPEC E1).
+"""The slot pool and its state machine (SPEC E1, E10).
 
 ::
 
     FREE ──acquire──▶ PREFILLING(chunks_done) ──prompt computed──▶ GENERATING
-      ▲                    │                                          │
-      │                    └──────── finish / cancel / error ─────────┤
-      │                                                               ▼
-      └──────────────────────────── release ◀──────────────────── DRAINING
+      ▲                 │   ▲     │                                 │    │
+      │                 │   │     └────── KV short: preempt ──┐     │    │
+      │                 │ resume    ┌───── KV short: preempt ─┼─────┘    │
+      │                 │   │       ▼                         ▼          │
+      │                 │   └──── PREEMPTED ◀─────────────────┘          │
+      │                 │            │                                   │
+      │                 └────────────┴──── finish / cancel / error ──────┤
+      │                                                                  ▼
+      └────────────────────────────── release ◀──────────────────── DRAINING
 
 A slot's index is also the runner's sequence id, so its KV and sampler state belong to the
 sequence that holds it. DRAINING means "finished, KV not yet removed"; the step loop releases
-every draining slot (runner KV freed) before it schedules the next batch.
+every draining slot (runner KV freed) before it schedules the next batch. PREEMPTED means "KV
+given back because the pool ran short; sampler state and output kept": the sequence holds its
+slot and resumes by recomputing its tokens when memory allows.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ class SlotState(enum.Enum):
     PREFILLING = "prefilling"
     GENERATING = "generating"
     DRAINING = "draining"
+    PREEMPTED = "preempted"
 
 
 _ALLOWED = {
     SlotState.FREE: {SlotState.PREFILLING},
-    SlotState.PREFILLING: {SlotState.GENERATING, SlotState.DRAINING},
-    SlotState.GENERATING: {SlotState.DRAINING},
+    SlotState.PREFILLING: {SlotState.GENERATING, SlotState.DRAINING, SlotState.PREEMPTED},
+    SlotState.GENERATING: {SlotState.DRAINING, SlotState.PREEMPTED},
+    SlotState.PREEMPTED: {SlotState.PREFILLING, SlotState.DRAINING},
     SlotState.DRAINING: {SlotState.FREE},
 }
 
@@ -42,6 +51,8 @@ class Slot:
     state: SlotState = SlotState.FREE
     sequence: Sequence | None = None
     chunks_done: int = 0
+    # When the sequence was placed (a pool-wide counter): the youngest is preempted first.
+    admission: int = 0
 
     def move_to(self, state: SlotState) -> None:
         if state not in _ALLOWED[self.state]:
@@ -55,6 +66,7 @@ class SlotPool:
 
     def __init__(self, num_slots: int) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
+        self._admissions = 0
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -73,6 +85,8 @@ class SlotPool:
                 slot.move_to(SlotState.PREFILLING)
                 slot.sequence = sequence
                 slot.chunks_done = 0
+                self._admissions += 1
+                slot.admission = self._admissions
                 sequence.slot = slot.index
                 return slot
         raise RuntimeError("no free slot" if index is None else f"slot {index} is not free")

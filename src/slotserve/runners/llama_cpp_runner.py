@@ -20,15 +20,16 @@ import ctypes
 import functools
 import logging
 import os
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as llama
 import numpy as np
 
-from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.errors import InvalidRequestError, RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
@@ -292,6 +293,13 @@ class LlamaCppRunner:
             raise RuntimeError(f"sequence {slot} holds positions {first}..{last}, not from 0")
         return int(last) + 1
 
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool:
+        # Every slot owns a stream of max_seq_len cells; requests were checked against it.
+        return num_tokens <= self._info.max_seq_len
+
+    def kv_used_tokens(self, slots: Collection[int]) -> int:
+        return sum(self.kv_tokens(slot) for slot in slots)
+
     def close(self) -> None:
         for slot in list(self._chains):
             self.remove_sequence(slot)
@@ -336,6 +344,10 @@ class LlamaCppRunner:
         logits = np.ctypeslib.as_array(
             llama.llama_get_logits_ith(self._ctx, batch_row), shape=(self._n_vocab,)
         )
+        # One pass: NaN and infinities both make the sum non-finite (finite logits are far
+        # too small to overflow it). Broken weights or a device fault must not become tokens.
+        if not math.isfinite(float(logits.sum())):
+            raise RunnerFailure(f"non-finite logits for sequence {slot}")
         if chain is None:
             token_id = int(logits.argmax())
         else:
