@@ -59,7 +59,7 @@ def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -
         if process.poll() is not None:
             raise RuntimeError(f"server exited early:\n{log_path.read_text()}")
         try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
                 return ServerProcess(base_url, process, log_path)
         except httpx.TransportError:
             pass

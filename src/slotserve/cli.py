@@ -1,5 +1,5 @@
-"""Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve bench``, ``slotserve bench sweep``
-(SPEC C1, S5, B1, B2).
+"""Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve reload``, ``slotserve bench``,
+``slotserve bench sweep`` (SPEC C1, S5, B1, B2).
 
 Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
 ``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
@@ -8,7 +8,6 @@ Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +23,11 @@ def _env(name: str, default: str | None = None) -> str | None:
 def _env_int(name: str, default: int) -> int:
     value = _env(name)
     return default if value is None else int(value)
+
+
+def _env_float(name: str, default: float) -> float:
+    value = _env(name)
+    return default if value is None else float(value)
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -148,10 +152,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="model id clients use (default: the GGUF file name)",
     )
     serve.add_argument(
+        "--api-key",
+        default=_env("API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 and /admin routes (health, readiness "
+        "and metrics stay open); prefer the SLOTSERVE_API_KEY environment variable, which "
+        "process listings do not show",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=_env_float("REQUEST_TIMEOUT", 600.0),
+        help="seconds after which an unfinished request (queue time included) is cancelled "
+        "with a 408 (0: no limit; default 600)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_env_float("SHUTDOWN_TIMEOUT", 30.0),
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they "
+        "are aborted (default 30)",
+    )
+    serve.add_argument(
+        "--slow-step-warn",
+        type=float,
+        default=_env_float("SLOW_STEP_WARN", 5.0),
+        help="log a warning for an engine step slower than this many seconds (default 5)",
+    )
+    serve.add_argument(
+        "--slow-queue-warn",
+        type=float,
+        default=_env_float("SLOW_QUEUE_WARN", 30.0),
+        help="log a warning for a request queued longer than this many seconds (default 30)",
+    )
+    serve.add_argument(
         "--log-level",
         default=_env("LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
     )
+    reload = commands.add_parser(
+        "reload", help="ask a running server to reload its model (recovers an unhealthy one)"
+    )
+    reload.add_argument("--url", default=_env("URL", "http://127.0.0.1:8000"))
+    reload.add_argument("--api-key", default=_env("API_KEY"))
     bench = commands.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
@@ -192,18 +234,17 @@ def build_prefix_ab_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from slotserve.engine.async_engine import AsyncEngine
     from slotserve.engine.config import EngineConfig
-    from slotserve.engine.engine_core import EngineCore
     from slotserve.model_source import ModelUnavailableError, resolve_model_path
     from slotserve.runners.llama_cpp_runner import LlamaCppRunner
     from slotserve.server.app import create_app
-    from slotserve.server.chat_template import ChatTemplate
+    from slotserve.server.lifecycle import GracefulServer
+    from slotserve.server.log_context import configure_logging
+    from slotserve.server.metrics import ServerMetrics
+    from slotserve.server.model_host import ModelHost
     from slotserve.server.serving import ServingContext
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         model_path = resolve_model_path(args.model)
         budget_tokens, budget_bytes = args.prefix_cache_budget or (None, None)
@@ -216,38 +257,60 @@ def serve(args: argparse.Namespace) -> int:
             prefix_cache_budget_tokens=budget_tokens,
             prefix_cache_budget_bytes=budget_bytes,
             prefix_wait_min_tokens=args.prefix_wait_min_tokens,
+            request_timeout_s=args.request_timeout or None,
+            slow_step_warn_s=args.slow_step_warn,
+            slow_queue_warn_s=args.slow_queue_warn,
         )
+        template_file = Path(args.chat_template) if args.chat_template else None
+        if template_file is not None and not template_file.is_file():
+            raise ValueError(f"chat template file not found: {template_file}")
+        if args.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
     except (ModelUnavailableError, ValueError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
         return 2
-    runner = LlamaCppRunner(
-        model_path,
-        num_slots=args.slots,
-        ctx_size=args.ctx_size,
-        max_batch_tokens=args.max_batch_tokens,
-        n_threads=args.threads or None,
-        flash_attn=args.flash_attn,
+    model_name = args.served_model_name or model_path.stem
+
+    def build_runner() -> LlamaCppRunner:
+        return LlamaCppRunner(
+            model_path,
+            num_slots=args.slots,
+            ctx_size=args.ctx_size,
+            max_batch_tokens=args.max_batch_tokens,
+            n_threads=args.threads or None,
+            flash_attn=args.flash_attn,
+            model_name=model_name,
+        )
+
+    metrics = ServerMetrics(model_name)
+    host = ModelHost(model_name, build_runner, config, template_file, metrics.observe)
+    ctx = ServingContext(host, metrics, api_key=args.api_key or None)
+    uvicorn_config = uvicorn.Config(
+        create_app(ctx),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,  # keep ours: every line names its request
+        access_log=False,
+        timeout_graceful_shutdown=5,
     )
-    info = runner.model_info
-    source = Path(args.chat_template).read_text() if args.chat_template else info.chat_template
-    template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
-    try:
-        core = EngineCore(runner, config)
-    except ValueError as exc:  # limits that depend on the model (the prefill grain)
-        runner.close()
-        print(f"slotserve: {exc}", file=sys.stderr)
-        return 2
-    ctx = ServingContext(
-        engine=AsyncEngine(core),
-        tokenizer=runner.tokenizer,
-        model_info=info,
-        model_name=args.served_model_name or info.name,
-        chat_template=template,
-    )
-    uvicorn.run(
-        create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False
-    )
+    GracefulServer(uvicorn_config, host, args.shutdown_timeout).run()
+    if host.load_error is not None and host.loads == 0:
+        return 1  # the model never loaded
     return 0
+
+
+def reload(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        response = httpx.post(f"{args.url}/admin/reload", headers=headers, timeout=600)
+    except httpx.HTTPError as exc:
+        print(f"slotserve: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(response.text)
+    return 0 if response.status_code == 200 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "reload":
+        return reload(args)
     if args.command == "bench":
         from slotserve.bench.cli import main_bench
 

@@ -34,8 +34,8 @@ def assert_kv_consistent(core: EngineCore, runner: FakeRunner) -> None:
             assert held == [], f"slot {slot.index}"
     if runner.pool is not None:
         runner.pool.check_integrity()
-        for slot in range(runner.num_slots):
-            assert runner.pool.lengths[slot] == len(runner.kv[slot]), f"slot {slot} length"
+        for index in range(runner.num_slots):
+            assert runner.pool.lengths[index] == len(runner.kv[index]), f"slot {index} length"
 
 
 def solo_text(prompt: str, max_tokens: int) -> str:
@@ -132,7 +132,9 @@ def test_new_requests_wait_behind_preempted_ones() -> None:
             break
     submit(core, "newcomer", "n" * 4, max_tokens=2, ignore_eos=True)
     core.step()
-    states = {s.sequence.request.request_id: s.state for s in core.scheduler.slots.slots if s.sequence}
+    states = {
+        s.sequence.request.request_id: s.state for s in core.scheduler.slots.slots if s.sequence
+    }
     assert "newcomer" not in states, "a free slot is not enough while memory is short"
     run_to_completion(core)
 

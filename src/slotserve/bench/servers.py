@@ -26,6 +26,8 @@ class ServerSpec:
     name: str
     command: list[str]
     port: int
+    # Answers 200 once the server can serve (slotserve listens while its model loads).
+    ready_path: str = "/v1/models"
 
     @property
     def base_url(self) -> str:
@@ -77,6 +79,7 @@ def slotserve_spec(
             *extra_args,
         ],
         port,
+        ready_path="/ready",
     )
 
 
@@ -137,7 +140,7 @@ def llama_cpp_python_spec(model: Path, threads: int, ctx: int) -> ServerSpec:
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator[RunningServer]:
-    """Starts the server, waits until ``/v1/models`` answers, and always stops it."""
+    """Starts the server, waits until it is ready, and always stops it."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}-{spec.port}.log"
     with log_path.open("wb") as log:
@@ -154,7 +157,7 @@ def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator
             if process.poll() is not None:
                 raise RuntimeError(f"{spec.name} exited with {process.returncode}; see {log_path}")
             try:
-                if httpx.get(spec.base_url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(spec.base_url + spec.ready_path, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -62,9 +62,13 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
+        """Stops the engine thread and closes the runner. Requests still in the engine end
+        with an error output (their streams close), so no caller waits forever."""
         self.core.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # The engine thread is gone, so the loop may touch the core.
+        self._route(self.core.fail_all("the engine was stopped (shutdown or reload)"))
         self.core.runner.close()
 
     def submit(

@@ -134,6 +134,7 @@ class Scheduler:
         self._prefill_order.append(slot)
         self._prefill_order.sort(key=lambda s: s.admission)
         return True
+
     def _place(self, sequence: Sequence) -> Slot:
         cache = self.prefix_cache
         if cache is None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import math
+import os
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path

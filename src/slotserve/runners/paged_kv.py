@@ -52,9 +52,7 @@ class PagedKvTables:
         new_blocks = max(0, self.blocks_for(num_tokens) - len(table))
         write_block = length // self.block_size
         copy_on_write = (
-            num_tokens > length
-            and write_block < len(table)
-            and self._refs[table[write_block]] > 1
+            num_tokens > length and write_block < len(table) and self._refs[table[write_block]] > 1
         )
         if new_blocks + copy_on_write > len(self._free):
             return None

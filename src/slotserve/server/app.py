@@ -1,124 +1,220 @@
-"""The FastAPI application: thin routes over :mod:`slotserve.server.serving_*` (SPEC S1-S4)."""
+"""The FastAPI application: thin routes over :mod:`slotserve.server.serving_*` and the model
+host (SPEC S1-S7)."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
-from slotserve.server.errors import install_error_handlers
+from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.server.errors import error_response, install_error_handlers, request_id_of
+from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
+from slotserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from slotserve.server.model_host import ModelState
 from slotserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from slotserve.server.serving import ServingContext, new_request_id
+from slotserve.server.serving import ServingContext
 from slotserve.server.serving_chat import create_chat_completion
 from slotserve.server.serving_completions import create_completion
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
 
 
-class RequestIdMiddleware:
-    """Gives every request an id (the client's ``x-request-id`` or a new one) and echoes it."""
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"x-request-id":
-                request_id = value.decode("latin-1")[:128]
-        request_id = request_id or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        header = (b"x-request-id", request_id.encode("latin-1"))
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
+_GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "Invalid parameters, or prompt + max_tokens over the context",
+        401: "Missing or wrong API key (when the server has one)",
+        404: "Unknown model",
+        408: "The request did not finish within --request-timeout",
+        429: "The waiting queue is full (see Retry-After)",
+        500: "Internal error, naming the request id",
+        503: "The model is loading, unhealthy or the server is shutting down",
+    }.items()
+}
 
 
 def create_app(ctx: ServingContext) -> FastAPI:
+    host = ctx.host
+    ctx.metrics.register(EngineCollector(lambda: _engine_sample(ctx), ctx.model_name))
+    ctx.metrics.register(PrefixCacheCollector(lambda: _prefix_stats(ctx), ctx.model_name))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ctx.engine.start()
+        # Listen at once; readiness fails and generation gets a 503 until the model is in.
+        loading = asyncio.ensure_future(host.load())
         try:
             yield
         finally:
-            await ctx.engine.shutdown()
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            await host.stop()
 
-    app = FastAPI(title="slotserve", lifespan=lifespan)
-    app.add_middleware(RequestIdMiddleware)
-    install_error_handlers(app)
+    app = FastAPI(title="slotserve", version="0.1.0", lifespan=lifespan)
+    if ctx.api_key:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_key=ctx.api_key,
+            on_refused=lambda: ctx.metrics.count_error(401, "invalid_request_error"),
+        )
+    app.add_middleware(RequestIdMiddleware)  # outermost: refusals carry the id too
+    install_error_handlers(app, ctx.metrics.count_error)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, body, raw, new_request_id("chatcmpl"))
+        return await create_chat_completion(ctx, body, raw, request_id_of(raw))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, body, raw, new_request_id("cmpl"))
+        return await create_completion(ctx, body, raw, request_id_of(raw))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        info = ctx.model_info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ctx.model_name,
-                    "object": "model",
-                    "created": ctx.created,
-                    "owned_by": "slotserve",
-                    "max_model_len": info.max_seq_len,
-                    "runner": info.runner,
-                    "slots": info.num_slots,
-                    "state": "loaded" if ctx.engine.is_running else "unhealthy",
-                }
-            ],
+        entry: dict[str, Any] = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "slotserve",
+            "state": host.state.value,
         }
+        if host.reason:
+            entry["reason"] = host.reason
+        model = host.model
+        if model is not None:
+            entry |= {
+                "max_model_len": model.info.max_seq_len,
+                "runner": model.info.runner,
+                "slots": model.info.num_slots,
+            }
+        return {"object": "list", "data": [entry]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = ctx.engine.is_running
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, 200 if ok else 503)
+        """Liveness: 200 while the process serves or can recover by itself (loading,
+        draining); 503 when the model is unhealthy or failed to load (a reload is needed)."""
+        state = host.state
+        status = "ok" if state is ModelState.READY else state.value
+        body: dict[str, Any] = {"status": status}
+        if host.reason:
+            body["reason"] = host.reason
+        broken = state in (ModelState.UNHEALTHY, ModelState.FAILED)
+        return JSONResponse(body, 503 if broken else 200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 only when a generation request would be served now."""
+        state = host.state
+        if state is ModelState.READY:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": state.value, "reason": host.reason}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/reload", responses={409: {"model": ErrorResponse}})
+    async def reload() -> JSONResponse:
+        """Builds a new runner and engine (SPEC E11): recovers an unhealthy model. Requests
+        still in the old engine end with an error first."""
+        await host.load()
+        if host.state is not ModelState.READY:
+            return error_response(
+                500, f"Reloading the model failed: {host.load_error}.", "internal_server_error"
+            )
+        return JSONResponse({"status": "ready", "loads": host.loads})
 
     @app.get("/v1/slots")
     async def slots() -> dict[str, Any]:
-        stats = ctx.engine.core.stats
+        model = host.model
+        if model is None:
+            return {"state": host.state.value, "slots": []}
+        stats = model.stats
         return {
+            "state": host.state.value,
             "slots": [asdict(s) for s in stats.slots],
             "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+            "kv_used_tokens": stats.kv_used_tokens,
+            "kv_capacity_tokens": stats.kv_capacity_tokens,
             "steps": stats.steps,
             "step_seconds": stats.step_seconds,
             "execute_seconds": stats.execute_seconds,
-            "forward_seconds": ctx.engine.core.runner.forward_seconds,
+            "forward_seconds": model.engine.core.runner.forward_seconds,
             "generated_tokens": stats.generated_tokens,
+            "requests_submitted": stats.requests_submitted,
             "requests_finished": stats.requests_finished,
             "requests_aborted": stats.requests_aborted,
             "requests_failed": stats.requests_failed,
+            "requests_timed_out": stats.requests_timed_out,
+            "preemptions": stats.preemptions,
         }
 
     @app.get("/v1/prefix_cache_stats")
     async def prefix_cache_stats() -> dict[str, Any]:
         # Reads the snapshot the engine thread published after its last step: never blocks it.
-        stats = ctx.engine.core.stats
+        model = host.model
+        stats = model.stats if model is not None else None
         return {
-            **stats.prefix_cache.as_dict(),
-            "integrity_checks": stats.integrity_checks,
-            "integrity_failures": stats.integrity_failures,
-            "last_integrity_error": stats.last_integrity_error,
+            **_prefix_stats(ctx).as_dict(),
+            "integrity_checks": stats.integrity_checks if stats else 0,
+            "integrity_failures": stats.integrity_failures if stats else 0,
+            "last_integrity_error": stats.last_integrity_error if stats else None,
         }
 
+    def openapi() -> dict[str, Any]:
+        # Validation errors are answered with 400 in OpenAI's shape, not FastAPI's 422.
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _engine_sample(ctx: ServingContext) -> EngineSample:
+    host = ctx.host
+    model = host.model
+    retired = host.retired
+    stats = model.stats if model is not None else None
+    forward = model.engine.core.runner.forward_seconds if model is not None else 0.0
+    return EngineSample(
+        model_state=host.state.value,
+        loads=host.loads,
+        stats=stats,
+        preemptions=retired.preemptions + (stats.preemptions if stats else 0),
+        steps=retired.steps + (stats.steps if stats else 0),
+        step_seconds=retired.step_seconds + (stats.step_seconds if stats else 0.0),
+        forward_seconds=retired.forward_seconds + forward,
+        integrity_checks=retired.integrity_checks + (stats.integrity_checks if stats else 0),
+        integrity_failures=retired.integrity_failures + (stats.integrity_failures if stats else 0),
+    )
+
+
+def _prefix_stats(ctx: ServingContext) -> PrefixCacheStats:
+    model = ctx.host.model
+    if model is None:
+        return PrefixCacheStats(False, "the model is not loaded")
+    return model.stats.prefix_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from slotserve.server.model_host import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +20,18 @@ logger = logging.getLogger(__name__)
 class ModelNotFoundError(Exception):
     def __init__(self, requested: str, served: str) -> None:
         super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'.")
+
+
+class GenerationFailed(Exception):
+    """The engine ended the request with an error; ``unhealthy``: because the model broke."""
+
+    def __init__(self, message: str, unhealthy: bool) -> None:
+        super().__init__(message)
+        self.unhealthy = unhealthy
+
+
+class RequestTimedOut(Exception):
+    """The engine ended the request at the server's time limit (``--request-timeout``)."""
 
 
 def error_body(
@@ -75,23 +89,41 @@ def request_id_of(request: Request) -> str:
     return str(getattr(request.state, "request_id", "unknown"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+ErrorCounter = Callable[[int, str], None]
+
+
+def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> None:
+    """Maps every exception a route can raise to OpenAI's error shape; ``count(status, type)``
+    sees each error response (the ``slotserve:http_errors`` metric)."""
+
+    def respond(
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
+        if count is not None:
+            count(status, type_)
+        return error_response(status, message, type_, param, code, headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
+        return respond(400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid_param(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, exc.message, "invalid_request_error", exc.param)
+        return respond(400, exc.message, "invalid_request_error", exc.param, exc.code)
 
     @app.exception_handler(ModelNotFoundError)
     async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return respond(404, str(exc), "invalid_request_error", "model", "model_not_found")
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(
+        return respond(
             429,
             str(exc),
             "rate_limit_error",
@@ -100,19 +132,53 @@ def install_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": str(exc.retry_after_s)},
         )
 
+    @app.exception_handler(RequestTimedOut)
+    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
+        return respond(408, str(exc), "timeout_error", None, "request_timeout")
+
+    @app.exception_handler(ModelUnavailableError)
+    async def _unavailable(request: Request, exc: ModelUnavailableError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+        return respond(503, str(exc), "service_unavailable", None, "model_unavailable", headers)
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"The engine is not running: {exc}", "service_unavailable")
+        return respond(
+            503,
+            f"The model is unhealthy ({exc}); {RELOAD_HINT}.",
+            "service_unavailable",
+            None,
+            "model_unhealthy",
+        )
+
+    @app.exception_handler(GenerationFailed)
+    async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+        request_id = request_id_of(request)
+        if exc.unhealthy:
+            return respond(
+                503,
+                f"The model failed while serving this request ({exc}); {RELOAD_HINT}.",
+                "service_unavailable",
+                None,
+                "model_unhealthy",
+            )
+        return respond(
+            500, f"Generation failed: {exc} (request id {request_id}).", "internal_server_error"
+        )
+
+    @app.exception_handler(ReloadConflictError)
+    async def _reload_conflict(request: Request, exc: ReloadConflictError) -> JSONResponse:
+        return respond(409, f"Cannot reload now: {exc}.", "conflict_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        return respond(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request_id_of(request)
         logger.exception("request %s failed", request_id)
-        return error_response(
+        return respond(
             500, f"Internal server error (request id {request_id}).", "internal_server_error"
         )

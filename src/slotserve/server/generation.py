@@ -16,11 +16,8 @@ from slotserve.engine.async_engine import AsyncEngine, RequestStream
 from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.runner_interface import Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.server.errors import error_body
-
-
-class GenerationFailed(Exception):
-    """The engine ended the request with an error."""
+from slotserve.server.errors import GenerationFailed, RequestTimedOut, error_body
+from slotserve.server.model_host import RELOAD_HINT
 
 
 def submit_prompts(
@@ -141,14 +138,40 @@ class _Totals:
         return usage(sum(self.prompt), sum(self.completion), sum(self.cached))
 
 
-async def collect(raw: Request, streams: list[RequestStream], n: int) -> Collected:
+def _timeout_message(engine: AsyncEngine) -> str:
+    limit = engine.core.config.request_timeout_s
+    return (
+        f"The request did not finish within the server's time limit of {limit:g} s "
+        "(--request-timeout) and was cancelled."
+    )
+
+
+def _failure_event(engine: AsyncEngine, output: RequestOutput) -> dict[str, Any]:
+    """The SSE error frame for a request the engine ended early."""
+    if output.timed_out:
+        return error_body(_timeout_message(engine), "timeout_error", code=408)
+    assert output.error is not None
+    if engine.unhealthy is not None:
+        return error_body(
+            f"The model failed while serving this request ({output.error}); {RELOAD_HINT}.",
+            "service_unavailable",
+            code=503,
+        )
+    return error_body(output.error, "internal_server_error", code=500)
+
+
+async def collect(
+    engine: AsyncEngine, raw: Request, streams: list[RequestStream], n: int
+) -> Collected:
     """Runs the requests to the end; choice ``k * n + i`` is sequence ``i`` of prompt ``k``."""
     choices = [ChoiceAccumulator() for _ in range(len(streams) * n)]
     totals = _Totals(len(streams))
     async with abort_on_disconnect(raw, abort_all(streams)) as gone:
         async for k, output in merge_outputs(streams):
+            if output.timed_out:
+                raise RequestTimedOut(_timeout_message(engine))
             if output.error is not None:
-                raise GenerationFailed(output.error)
+                raise GenerationFailed(output.error, unhealthy=engine.unhealthy is not None)
             for delta in output.deltas:
                 choices[k * n + delta.index].add(delta)
             totals.update(k, output)
@@ -156,6 +179,7 @@ async def collect(raw: Request, streams: list[RequestStream], n: int) -> Collect
 
 
 async def stream_events(
+    engine: AsyncEngine,
     raw: Request,
     streams: list[RequestStream],
     n: int,
@@ -164,15 +188,15 @@ async def stream_events(
     usage_event: Callable[[dict[str, Any]], str] | None,
 ) -> AsyncIterator[str]:
     """SSE frames for a streaming response: ``opening``, one ``render``ed frame per delta,
-    the usage frame when asked for, then ``[DONE]``. An engine error ends the stream with an
-    error frame; a client disconnect aborts the requests."""
+    the usage frame when asked for, then ``[DONE]``. An engine error or the time limit ends
+    the stream with an error frame; a client disconnect aborts the requests."""
     totals = _Totals(len(streams))
     async with abort_on_disconnect(raw, abort_all(streams)) as gone:
         for frame in opening:
             yield frame
         async for k, output in merge_outputs(streams):
-            if output.error is not None:
-                yield sse(error_body(output.error, "internal_server_error", code=500))
+            if output.error is not None or output.timed_out:
+                yield sse(_failure_event(engine, output))
                 yield SSE_DONE
                 return
             for delta in output.deltas:

@@ -1,22 +1,61 @@
-"""Prometheus metric families built from the engine's published snapshots (SPEC S3).
+"""Prometheus metrics for ``/metrics`` (SPEC S3). Every metric name lives in this module.
 
-Every metric name lives in this module. vLLM's names are used where the meaning matches
-(``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count tokens, as vLLM's do); the
-rest are ``slotserve:`` names. Collection reads the snapshot the engine thread last published,
-so a scrape never waits for a step.
+vLLM's names are used where the meaning matches, so dashboards built for vLLM work unchanged
+(``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count tokens, as vLLM's do;
+``vllm:kv_cache_usage_perc`` is a fraction, 1 = full, as in vLLM); the rest are
+``slotserve:`` names. Every series carries a ``model_name`` label.
+
+Two sources feed them:
+
+* per-request events (:meth:`ServerMetrics.observe`, called on the event loop with every
+  step's outputs): token counters and the latency histograms;
+* snapshots read at scrape time (:class:`EngineCollector`, :class:`PrefixCacheCollector`):
+  queue and slot gauges, KV usage, engine counters. A scrape never waits for a step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.engine.stats import EngineStats
 
+# ---- vLLM's names ---------------------------------------------------------------------------
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+REQUEST_SUCCESS = "vllm:request_success"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+
+# ---- slotserve's own ------------------------------------------------------------------------
+MODEL_STATE = "slotserve:model_state"
+MODEL_LOADS = "slotserve:model_loads"
+SLOTS = "slotserve:slots"
+KV_CACHE_USED_TOKENS = "slotserve:kv_cache_used_tokens"
+KV_CACHE_CAPACITY_TOKENS = "slotserve:kv_cache_capacity_tokens"
+ENGINE_STEPS = "slotserve:engine_steps"
+ENGINE_STEP_SECONDS = "slotserve:engine_step_seconds"
+RUNNER_FORWARD_SECONDS = "slotserve:runner_forward_seconds"
+KV_INTEGRITY_CHECKS = "slotserve:kv_integrity_checks"
+KV_INTEGRITY_FAILURES = "slotserve:kv_integrity_failures"
+REQUEST_TIMEOUTS = "slotserve:request_timeouts"
+HTTP_ERRORS = "slotserve:http_errors"
 PREFIX_CACHE_LOOKUP_HITS = "slotserve:prefix_cache_lookup_hits"
 PREFIX_CACHE_LOOKUP_MISSES = "slotserve:prefix_cache_lookup_misses"
 PREFIX_CACHE_EVICTIONS = "slotserve:prefix_cache_evictions"
@@ -27,6 +66,269 @@ PREFIX_CACHE_EVICTABLE_TOKENS = "slotserve:prefix_cache_evictable_tokens"
 PREFIX_CACHE_BYTES = "slotserve:prefix_cache_bytes"
 PREFIX_CACHE_NODES = "slotserve:prefix_cache_nodes"
 PREFIX_CACHE_BUDGET_TOKENS = "slotserve:prefix_cache_budget_tokens"
+
+MODEL_STATES = ("loading", "ready", "unhealthy", "failed", "draining", "stopped")
+SLOT_STATES = ("free", "prefilling", "generating", "draining", "preempted")
+
+# vLLM's bucket edges, so its dashboards' quantile panels line up.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    last_token: float | None = None
+    queued_observed: bool = False
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics`` and the per-request observations that feed it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter(
+            PROMPT_TOKENS, "Prompt tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            GENERATION_TOKENS, "Tokens generated.", labels, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            REQUEST_SUCCESS,
+            "Finished requests, by finish reason (stop, length, abort, error).",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            REQUEST_TIMEOUTS, "Requests ended at the server's time limit.", labels, registry=r
+        ).labels(model_name)
+        self._http_errors = Counter(
+            HTTP_ERRORS,
+            "Error responses, by HTTP status and OpenAI error type.",
+            [*labels, "status", "type"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            TIME_TO_FIRST_TOKEN,
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            INTER_TOKEN_LATENCY,
+            "Time between a request's successive token outputs.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            E2E_REQUEST_LATENCY,
+            "Time from arrival to the end of the request.",
+            labels,
+            buckets=_REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            REQUEST_QUEUE_TIME,
+            "Time a request waited for a slot.",
+            labels,
+            buckets=_REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            REQUEST_PROMPT_TOKENS,
+            "Prompt tokens per finished request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            REQUEST_GENERATION_TOKENS,
+            "Generated tokens per finished request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self._live: dict[str, _RequestTimes] = {}
+
+    def register(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def count_error(self, status: int, error_type: str) -> None:
+        self._http_errors.labels(self.model_name, str(status), error_type).inc()
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Event loop: one step's outputs (see ``AsyncEngine``'s ``on_outputs``)."""
+        for out in outputs:
+            times = self._live.get(out.request_id)
+            if times is None:
+                times = self._live[out.request_id] = _RequestTimes(out.arrival_time)
+            if out.queue_seconds is not None and not times.queued_observed:
+                times.queued_observed = True
+                self.queue_time.observe(out.queue_seconds)
+            new_tokens = sum(len(d.token_ids) for d in out.deltas)
+            if new_tokens:
+                if times.last_token is None:
+                    self.ttft.observe(out.time - times.arrival)
+                    self.prompt_tokens.inc(out.num_prompt_tokens)
+                else:
+                    self.itl.observe(out.time - times.last_token)
+                times.last_token = out.time
+                self.generation_tokens.inc(new_tokens)
+            if out.finished:
+                del self._live[out.request_id]
+                self._finished(out, times)
+
+    def _finished(self, out: RequestOutput, times: _RequestTimes) -> None:
+        self.e2e.observe(out.time - times.arrival)
+        self.request_prompt_tokens.observe(out.num_prompt_tokens)
+        self.request_generation_tokens.observe(out.num_output_tokens)
+        if out.timed_out:
+            self.timeouts.inc()
+        reasons = [d.finish_reason for d in out.deltas if d.finish_reason is not None]
+        reason = "error" if out.error is not None else (reasons[0] if reasons else "abort")
+        self._success.labels(self.model_name, reason).inc()
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """What :class:`EngineCollector` reads at scrape time (built by the server)."""
+
+    model_state: str
+    loads: int
+    stats: EngineStats | None
+    preemptions: int
+    steps: int
+    step_seconds: float
+    forward_seconds: float
+    integrity_checks: int
+    integrity_failures: int
+
+
+class EngineCollector(Collector):
+    """Gauges and engine counters from the snapshot the engine thread last published."""
+
+    def __init__(self, sample: Callable[[], EngineSample], model_name: str) -> None:
+        self._sample = sample
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._sample()
+        stats = s.stats or EngineStats()
+        yield self._gauge(
+            NUM_REQUESTS_RUNNING, "Requests prefilling or generating.", stats.num_running
+        )
+        yield self._gauge(NUM_REQUESTS_WAITING, "Requests queued or preempted.", stats.num_waiting)
+        yield self._gauge(
+            KV_CACHE_USAGE,
+            "Fraction of KV capacity held by running requests "
+            "(cached prefixes not counted); 1 means full.",
+            stats.kv_usage,
+        )
+        yield self._gauge(
+            KV_CACHE_USED_TOKENS, "KV positions held by running requests.", stats.kv_used_tokens
+        )
+        yield self._gauge(
+            KV_CACHE_CAPACITY_TOKENS, "KV positions the runner can hold.", stats.kv_capacity_tokens
+        )
+        for name, documentation, value in (
+            (NUM_PREEMPTIONS, "Sequences preempted because KV ran short.", s.preemptions),
+            (ENGINE_STEPS, "Engine steps that ran a forward pass.", s.steps),
+            (ENGINE_STEP_SECONDS, "Time spent in engine steps.", s.step_seconds),
+            (RUNNER_FORWARD_SECONDS, "Time in the runner's forward passes.", s.forward_seconds),
+            (KV_INTEGRITY_CHECKS, "Idle-time KV integrity checks run.", s.integrity_checks),
+            (KV_INTEGRITY_FAILURES, "KV integrity checks that failed.", s.integrity_failures),
+            (MODEL_LOADS, "Successful model loads (the first and every reload).", s.loads),
+        ):
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric([self._model], value)
+            yield counter
+        slots = GaugeMetricFamily(SLOTS, "Slots by state.", labels=["model_name", "state"])
+        for state in SLOT_STATES:
+            slots.add_metric([self._model, state], sum(1 for x in stats.slots if x.state == state))
+        yield slots
+        model_state = GaugeMetricFamily(
+            MODEL_STATE, "1 for the model's current state.", labels=["model_name", "state"]
+        )
+        for state in MODEL_STATES:
+            model_state.add_metric([self._model, state], float(state == s.model_state))
+        yield model_state
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+        gauge.add_metric([self._model], value)
+        return gauge
 
 
 class PrefixCacheCollector(Collector):

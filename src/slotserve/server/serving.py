@@ -1,43 +1,55 @@
-"""State shared by the routes: the engine, the tokenizer, the chat template, the model name."""
+"""State shared by the routes: the model host, the metrics, the served model's name."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.server.chat_template import ChatTemplate
 from slotserve.server.errors import ModelNotFoundError
+from slotserve.server.metrics import ServerMetrics
+from slotserve.server.model_host import LoadedModel, ModelHost
 
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    model_info: ModelInfo
-    model_name: str
-    chat_template: ChatTemplate | None
-    created: int = 0
+    host: ModelHost
+    metrics: ServerMetrics
+    api_key: str | None = None
+    shutdown_timeout_s: float = 30.0
+    created: int = field(default_factory=lambda: int(time.time()))
 
-    def __post_init__(self) -> None:
-        self.created = int(time.time())
+    @property
+    def model_name(self) -> str:
+        return self.host.name
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise ModelNotFoundError(requested, self.model_name)
 
-    def require_chat_template(self) -> ChatTemplate:
-        if self.chat_template is None:
-            raise InvalidRequestError(
-                "This model has no chat template, so /v1/chat/completions cannot format "
-                "messages. Start the server with --chat-template FILE, or use /v1/completions.",
-                param="messages",
-            )
-        return self.chat_template
+    def ready_model(self, requested: str | None) -> LoadedModel:
+        """The model a generation request asked for: 404 for another name, 503 when it cannot
+        serve (loading, unhealthy, shutting down)."""
+        self.check_model(requested)
+        return self.host.require_ready()
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def require_chat_template(model: LoadedModel) -> ChatTemplate:
+    if model.chat_template is None:
+        raise InvalidRequestError(
+            "This model has no chat template, so /v1/chat/completions cannot format "
+            "messages. Start the server with --chat-template FILE, or use /v1/completions.",
+            param="messages",
+        )
+    return model.chat_template
+
+
+def engine_request_id(model: LoadedModel, prefix: str, http_request_id: str) -> str:
+    """``chatcmpl-<x-request-id>``: the engine's id names the HTTP request in its log lines.
+    Two clients may send the same ``x-request-id``; the second gets a suffix."""
+    request_id = f"{prefix}-{http_request_id}"
+    if model.engine.has_request(request_id):
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    return request_id

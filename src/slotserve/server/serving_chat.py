@@ -19,7 +19,7 @@ from slotserve.server.generation import (
 )
 from slotserve.server.params import sampling_params_of, structured_output_of
 from slotserve.server.protocol import ChatCompletionRequest
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, engine_request_id, require_chat_template
 
 
 def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -34,14 +34,16 @@ def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, raw: Request, request_id: str
+    ctx: ServingContext, body: ChatCompletionRequest, raw: Request, http_request_id: str
 ) -> Response:
     ctx.check_model(body.model)
     body.reject_unsupported()
-    template = ctx.require_chat_template()
+    model = ctx.ready_model(body.model)
+    request_id = engine_request_id(model, "chatcmpl", http_request_id)
+    template = require_chat_template(model)
     prompt_text = template.render(_message_dicts(body), add_generation_prompt=True)
     add_bos = not (template.bos_token and prompt_text.startswith(template.bos_token))
-    prompt = ctx.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
+    prompt = model.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
     params = sampling_params_of(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -49,7 +51,7 @@ async def create_chat_completion(
         structured_output=structured_output_of(body.response_format),
     )
     try:
-        streams = submit_prompts(ctx.engine, request_id, [prompt], params)
+        streams = submit_prompts(model.engine, request_id, [prompt], params)
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"
@@ -77,7 +79,7 @@ async def create_chat_completion(
         def render(index: int, d: SequenceDelta) -> str | None:
             if not d.text and d.finish_reason is None and not d.logprobs:
                 return None
-            logprobs = chat_logprobs(ctx.tokenizer, d.logprobs) if d.logprobs else None
+            logprobs = chat_logprobs(model.tokenizer, d.logprobs) if d.logprobs else None
             return frame(index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs)
 
         opening = [frame(i, {"role": "assistant", "content": ""}, None) for i in range(body.n)]
@@ -85,10 +87,10 @@ async def create_chat_completion(
             (lambda u: sse({**base, "choices": [], "usage": u})) if include_usage else None
         )
         return StreamingResponse(
-            stream_events(raw, streams, body.n, opening, render, usage_event),
+            stream_events(model.engine, raw, streams, body.n, opening, render, usage_event),
             media_type="text/event-stream",
         )
-    result = await collect(raw, streams, body.n)
+    result = await collect(model.engine, raw, streams, body.n)
     if result.disconnected:
         return Response(status_code=499)
     return JSONResponse(
@@ -101,7 +103,9 @@ async def create_chat_completion(
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": chat_logprobs(ctx.tokenizer, c.logprobs) if body.logprobs else None,
+                    "logprobs": chat_logprobs(model.tokenizer, c.logprobs)
+                    if body.logprobs
+                    else None,
                     "finish_reason": c.finish_reason,
                 }
                 for i, c in enumerate(result.choices)

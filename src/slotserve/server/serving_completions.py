@@ -17,14 +17,15 @@ from slotserve.server.generation import (
     stream_events,
     submit_prompts,
 )
+from slotserve.server.model_host import LoadedModel
 from slotserve.server.params import sampling_params_of
 from slotserve.server.protocol import CompletionRequest
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, engine_request_id
 
 MAX_PROMPTS = 64
 
 
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+def _prompts(model: LoadedModel, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt (a string, strings, token ids, or lists of ids)."""
     raw = body.prompt
     items: list[str | list[int]]
@@ -41,27 +42,29 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[list[in
     token_lists, texts = [], []
     for item in items:
         if isinstance(item, str):
-            token_lists.append(ctx.tokenizer.encode(item, add_special_tokens=True))
+            token_lists.append(model.tokenizer.encode(item, add_special_tokens=True))
             texts.append(item)
         else:
             token_lists.append(list(item))
             raw_bytes = b"".join(
-                ctx.tokenizer.token_bytes(t) for t in item if 0 <= t < ctx.model_info.vocab_size
+                model.tokenizer.token_bytes(t) for t in item if 0 <= t < model.info.vocab_size
             )
             texts.append(raw_bytes.decode("utf-8", errors="replace"))
     return token_lists, texts
 
 
 async def create_completion(
-    ctx: ServingContext, body: CompletionRequest, raw: Request, request_id: str
+    ctx: ServingContext, body: CompletionRequest, raw: Request, http_request_id: str
 ) -> Response:
     ctx.check_model(body.model)
     body.reject_unsupported()
-    prompts, prompt_texts = _prompts(ctx, body)
+    model = ctx.ready_model(body.model)
+    request_id = engine_request_id(model, "cmpl", http_request_id)
+    prompts, prompt_texts = _prompts(model, body)
     params = sampling_params_of(
         body, max_tokens=body.max_tokens, logprobs=body.logprobs, structured_output=None
     )
-    streams = submit_prompts(ctx.engine, request_id, prompts, params)
+    streams = submit_prompts(model.engine, request_id, prompts, params)
     created = int(time.time())
     base = {
         "id": request_id,
@@ -83,7 +86,7 @@ async def create_completion(
                 return None
             logprobs = None
             if d.logprobs:
-                logprobs = completion_logprobs(ctx.tokenizer, d.logprobs, offsets[index])
+                logprobs = completion_logprobs(model.tokenizer, d.logprobs, offsets[index])
             offsets[index] += len(text)
             choice = {
                 "index": index,
@@ -97,17 +100,17 @@ async def create_completion(
             (lambda u: sse({**base, "choices": [], "usage": u})) if include_usage else None
         )
         return StreamingResponse(
-            stream_events(raw, streams, n, [], render, usage_event),
+            stream_events(model.engine, raw, streams, n, [], render, usage_event),
             media_type="text/event-stream",
         )
-    result = await collect(raw, streams, n)
+    result = await collect(model.engine, raw, streams, n)
     if result.disconnected:
         return Response(status_code=499)
     choices = []
     for i, choice in enumerate(result.choices):
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(ctx.tokenizer, choice.logprobs, len(echo[i]))
+            logprobs = completion_logprobs(model.tokenizer, choice.logprobs, len(echo[i]))
         choices.append(
             {
                 "index": i,

@@ -1,0 +1,244 @@
+"""The served model's life cycle (SPEC S2, S3, S7, E11): loading in the background, serving,
+unhealthy after a runner failure, reloading, draining at shutdown.
+
+::
+
+    loading ──▶ ready ──runner failure──▶ unhealthy ──reload──▶ loading ──▶ ready
+       │          │                                                 ▲
+       ▼          └──────────────────── reload ─────────────────────┘
+     failed (load error; reload retries)          any ──SIGTERM──▶ draining ──▶ stopped
+
+The HTTP server listens from the start: while the model loads, readiness fails and generation
+requests get a 503 that says so. A reload builds a new runner and a new engine; requests still
+in the old engine end first (their streams get an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slotserve.engine.async_engine import AsyncEngine, OutputListener
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.runner_interface import ModelInfo, Runner, Tokenizer
+from slotserve.engine.stats import EngineStats
+from slotserve.server.chat_template import ChatTemplate
+
+logger = logging.getLogger(__name__)
+
+RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
+
+
+class ModelState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    FAILED = "failed"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class ModelUnavailableError(Exception):
+    """The model cannot take requests now (loading, unhealthy, draining): HTTP 503."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ReloadConflictError(Exception):
+    """A reload was asked for while one is running or the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    info: ModelInfo
+    chat_template: ChatTemplate | None
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.core.stats
+
+
+@dataclass
+class RetiredTotals:
+    """Counters of engines replaced by reloads, so Prometheus counters never go backwards."""
+
+    preemptions: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    integrity_checks: int = 0
+    integrity_failures: int = 0
+
+    def add(self, stats: EngineStats, forward_seconds: float) -> None:
+        self.preemptions += stats.preemptions
+        self.steps += stats.steps
+        self.step_seconds += stats.step_seconds
+        self.forward_seconds += forward_seconds
+        self.integrity_checks += stats.integrity_checks
+        self.integrity_failures += stats.integrity_failures
+
+
+@dataclass
+class ModelHost:
+    """Owns the runner factory and the current engine; every route asks it for the model."""
+
+    name: str
+    build_runner: Callable[[], Runner]
+    config: EngineConfig
+    chat_template_file: Path | None = None
+    on_outputs: OutputListener | None = None
+    model: LoadedModel | None = None
+    load_error: str | None = None
+    loads: int = 0
+    retired: RetiredTotals = field(default_factory=RetiredTotals)
+    _loading: bool = False
+    _draining: bool = False
+    _stopped: bool = False
+    _load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set when the first load has succeeded or failed (the CLI exits if it failed).
+    first_load_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> ModelState:
+        if self._stopped:
+            return ModelState.STOPPED
+        if self._draining:
+            return ModelState.DRAINING
+        if self._loading:
+            return ModelState.LOADING
+        if self.model is None:
+            return ModelState.FAILED if self.load_error else ModelState.LOADING
+        if self.model.engine.unhealthy is not None:
+            return ModelState.UNHEALTHY
+        return ModelState.READY
+
+    @property
+    def reason(self) -> str | None:
+        """Why the model is not ready, in words (None when it is)."""
+        state = self.state
+        if state is ModelState.READY:
+            return None
+        if state is ModelState.UNHEALTHY:
+            assert self.model is not None
+            return f"the model is unhealthy after a runner failure ({self.model.engine.unhealthy})"
+        if state is ModelState.FAILED:
+            return f"the model failed to load ({self.load_error})"
+        if state is ModelState.LOADING:
+            return "the model is loading"
+        return "the server is shutting down"
+
+    def require_ready(self) -> LoadedModel:
+        """The model, or ``ModelUnavailableError`` saying why not and what recovers it."""
+        state = self.state
+        if state is ModelState.READY:
+            assert self.model is not None
+            return self.model
+        reason = self.reason
+        if state in (ModelState.UNHEALTHY, ModelState.FAILED):
+            raise ModelUnavailableError(f"{reason}; {RELOAD_HINT}.")
+        if state is ModelState.LOADING:
+            raise ModelUnavailableError(f"{reason}; retry shortly.", retry_after_s=5)
+        raise ModelUnavailableError(f"{reason}; no new requests are accepted.")
+
+    async def load(self) -> None:
+        """Loads (or reloads) the model; on failure the state is FAILED with the reason."""
+        if self._draining or self._stopped:
+            raise ReloadConflictError("the server is shutting down")
+        if self._load_lock.locked():
+            raise ReloadConflictError("a load is already in progress")
+        async with self._load_lock:
+            self._loading = True
+            try:
+                old, self.model = self.model, None
+                if old is not None:
+                    await self._retire(old)
+                started = time.monotonic()
+                self.model = await asyncio.to_thread(self._build)
+                self.model.engine.start()
+                self.load_error = None
+                self.loads += 1
+                logger.info(
+                    "model %s ready in %.1f s (load %d)",
+                    self.name,
+                    time.monotonic() - started,
+                    self.loads,
+                )
+            except Exception as exc:
+                logger.exception("loading the model failed")
+                self.load_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._loading = False
+                self.first_load_done.set()
+
+    def _build(self) -> LoadedModel:
+        """Worker thread: the runner (slow: reads the weights) and an engine over it."""
+        runner = self.build_runner()
+        try:
+            info = runner.model_info
+            source = (
+                self.chat_template_file.read_text()
+                if self.chat_template_file
+                else info.chat_template
+            )
+            template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
+            core = EngineCore(runner, self.config)
+        except BaseException:
+            runner.close()
+            raise
+        return LoadedModel(AsyncEngine(core, self.on_outputs), runner.tokenizer, info, template)
+
+    async def _retire(self, model: LoadedModel) -> None:
+        """Stops an engine; whatever is still in it ends with an error."""
+        self.retired.add(model.stats, _forward_seconds(model))
+        try:
+            await model.engine.shutdown()
+        except Exception:  # a broken device may fail to free; the new runner starts clean
+            logger.exception("closing the old runner failed")
+
+    def begin_drain(self) -> None:
+        """Stops admitting requests (503); in-flight ones go on."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.model.engine.num_in_flight if self.model is not None else 0
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Waits up to ``timeout_s`` for in-flight requests to finish, then aborts the rest
+        (each gets its final output, ``finish_reason`` "abort") and waits for their streams to
+        close; returns how many were aborted."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        aborted = self.model.engine.abort_all() if self.model is not None else 0
+        if aborted:
+            logger.warning("shutdown deadline reached: aborting %d requests", aborted)
+            flush_deadline = time.monotonic() + 5.0
+            while self.num_in_flight and time.monotonic() < flush_deadline:
+                await asyncio.sleep(poll_s)
+        return aborted
+
+    async def stop(self) -> None:
+        self._draining = True
+        model, self.model = self.model, None
+        if model is not None:
+            await self._retire(model)
+        self._stopped = True
+
+
+def _forward_seconds(model: LoadedModel) -> float:
+    try:
+        return float(model.engine.core.runner.forward_seconds)
+    except Exception:
+        return 0.0
