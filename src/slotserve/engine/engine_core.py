@@ -161,12 +161,14 @@ class EngineCore:
             elapsed = time.perf_counter() - started
             self.stats.step_seconds += elapsed
             if elapsed > self.config.slow_step_warn_s:
+                request_ids = ",".join(sorted({self._request_id_of(c.slot) for c in chunks}))
                 logger.warning(
                     "slow step: %.2f s for %d chunks, %d tokens (requests %s)",
                     elapsed,
                     len(chunks),
                     sum(len(c.token_ids) for c in chunks),
-                    ", ".join(sorted({self._request_id_of(c.slot) for c in chunks})),
+                    request_ids,
+                    extra={"request_id": request_ids},
                 )
         self._publish_snapshot()
         return self._stamp(outputs)
@@ -224,7 +226,12 @@ class EngineCore:
                 self.stats.queue_wait_seconds += wait
                 self.stats.requests_admitted += 1
                 log = logger.warning if wait > self.config.slow_queue_warn_s else logger.debug
-                log("request %s admitted after %.1f ms queued", request.request_id, wait * 1000)
+                log(
+                    "request %s admitted after %.1f ms queued",
+                    request.request_id,
+                    wait * 1000,
+                    extra={"request_id": request.request_id},
+                )
             if seq.finish_reason is not None:
                 continue  # a sibling failed to start
             assert seq.slot is not None
@@ -233,7 +240,11 @@ class EngineCore:
             try:
                 self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
             except Exception as exc:
-                logger.exception("request %s: runner.add_sequence failed", request.request_id)
+                logger.exception(
+                    "request %s: runner.add_sequence failed",
+                    request.request_id,
+                    extra={"request_id": request.request_id},
+                )
                 self._end_request(request, "error", outputs, error=str(exc))
 
     def _update_from_output(
