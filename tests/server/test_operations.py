@@ -34,7 +34,7 @@ def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
     key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
-    return samples.get(key, 0.0)
+    return float(samples.get(key, 0.0))
 
 
 def test_metrics_use_vllm_names_and_move_with_traffic(server: ServerProcess) -> None:
@@ -136,9 +136,10 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(keyed_server: ServerPr
     assert admin.status_code == 401, "admin routes need the key too"
     for open_path in ("/health", "/ready", "/metrics"):
         assert httpx.get(keyed_server.base_url + open_path).status_code == 200, open_path
-    assert 'slotserve:http_errors_total{model_name="' in httpx.get(
-        keyed_server.base_url + "/metrics"
-    ).text
+    assert (
+        'slotserve:http_errors_total{model_name="'
+        in httpx.get(keyed_server.base_url + "/metrics").text
+    )
     log = keyed_server.log_path.read_text()
     assert "sk-test-secret-4242" not in log, "the key never reaches the log"
 
@@ -153,7 +154,9 @@ def test_every_log_line_of_a_request_names_it(keyed_server: ServerProcess) -> No
         max_tokens=2,
         extra_headers={"x-request-id": "trace-me-7"},
     )
-    lines = [line for line in keyed_server.log_path.read_text().splitlines() if "trace-me-7" in line]
+    lines = [
+        line for line in keyed_server.log_path.read_text().splitlines() if "trace-me-7" in line
+    ]
     assert lines, "the request was logged"
     for line in lines:
         assert re.search(r"\[[^\]]*trace-me-7[^\]]*\]", line), line
