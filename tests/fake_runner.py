@@ -59,6 +59,7 @@ class FakeRunner:
     # (start_pos, length, prompt length) of every chunk that computed prompt tokens.
     prompt_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     fail_with: Exception | None = None  # raised by the next execute, once
+    fail_add_sequence: bool = False  # a request-level failure (a grammar the runner rejects)
 
     def __post_init__(self) -> None:
         for slot in range(self.num_slots):
@@ -102,6 +103,8 @@ class FakeRunner:
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
+        if self.fail_add_sequence:
+            raise RuntimeError("simulated sampler setup failure")
         assert slot not in self.active, f"slot {slot} reused before removal"
         held = self.kv[slot]
         assert held == list(prompt_token_ids[: len(held)]), "the slot's KV is not a prompt prefix"

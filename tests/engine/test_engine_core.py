@@ -194,3 +194,30 @@ def test_eos_is_reported_by_the_model_info_not_hard_coded() -> None:
     submit(core, "r", "Q", temperature=0, max_tokens=10)
     outputs = run_to_completion(core)["r"]
     assert outputs[-1].deltas[-1].token_ids[-1] == EOS
+
+
+def test_slow_queue_waits_and_slow_steps_are_logged_with_the_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runner = FakeRunner(num_slots=1, forward_seconds_per_step=0.002)
+    core, _ = make_core(runner, slow_step_warn_s=0.001, slow_queue_warn_s=0.001)
+    submit(core, "first", "x", max_tokens=3)
+    submit(core, "second", "y", max_tokens=1)  # waits for the only slot
+    with caplog.at_level("WARNING"):
+        run_to_completion(core)
+    queued = [r for r in caplog.records if "queued" in r.getMessage()]
+    assert any(getattr(r, "request_id", None) == "second" for r in queued)
+    slow = [r for r in caplog.records if "slow step" in r.getMessage()]
+    assert slow and getattr(slow[0], "request_id", None) == "first"
+
+
+def test_a_request_past_its_deadline_is_ended_and_frees_its_slot() -> None:
+    runner = FakeRunner(num_slots=1, forward_seconds_per_step=0.01)
+    core, _ = make_core(runner, request_timeout_s=0.05)
+    submit(core, "slow", "x", max_tokens=200, ignore_eos=True)
+    outputs = run_to_completion(core)["slow"]
+    final = outputs[-1]
+    assert final.finished and final.timed_out and final.error is None
+    assert final.deltas[-1].finish_reason == "abort"
+    assert 0 < final.num_output_tokens < 200
+    assert _slot_states(core) == [SlotState.FREE] and core.stats.requests_timed_out == 1

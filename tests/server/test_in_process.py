@@ -4,6 +4,7 @@ and a model that fails to load."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -112,6 +113,44 @@ def test_a_model_that_fails_to_load_is_reported_and_can_be_retried() -> None:
         refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and "failed to load" in refused.json()["error"]["message"]
         assert http.post("/admin/reload").status_code == 200
+        assert (
+            http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        )
+
+
+def test_a_request_level_runner_failure_is_a_500_naming_the_request_id(
+    http: TestClient, runner: FakeRunner
+) -> None:
+    runner.fail_add_sequence = True
+    response = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers={"x-request-id": "r-9"}
+    )
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "internal_server_error" and "r-9" in error["message"]
+    runner.fail_add_sequence = False
+    assert http.get("/ready").status_code == 200, "one request's failure leaves the model healthy"
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_while_loading_readiness_fails_and_generation_is_a_503_with_retry_after() -> None:
+    release = threading.Event()
+
+    def slow_build() -> Runner:
+        assert release.wait(timeout=30)
+        return FakeRunner(num_slots=2)
+
+    with make_client(slow_build) as http:
+        assert http.get("/health").json() == {"status": "loading", "reason": "the model is loading"}
+        assert http.get("/health").status_code == 200, "alive while loading"
+        assert http.get("/ready").status_code == 503
+        refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["code"] == "model_unavailable"
+        assert http.post("/admin/reload").status_code == 409, "a load is already running"
+        assert http.get("/v1/models").json()["data"][0]["state"] == "loading"
+        release.set()
+        assert wait_until(lambda: ready(http), timeout=10)
         assert (
             http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         )
