@@ -1,3 +1,7 @@
+"""The real runners on the real SmolLM2 model, one of each per test session: the llama.cpp
+runner on the GGUF, the PyTorch runner on the same GGUF (dequantised, bfloat16), and an HF
+safetensors folder converted from it for the PyTorch runner's HF-format and parity tests."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -5,17 +9,51 @@ from pathlib import Path
 
 import pytest
 
+from slotserve.engine.runner_interface import Runner
 from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from tests.runner.hf_checkpoint import convert_gguf_to_hf
 
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel
+RUNNER_KINDS = ["llama.cpp", "torch"]
 
 
 @pytest.fixture(scope="session")
-def runner(model_path: Path) -> Iterator[LlamaCppRunner]:
-    """One real runner for all runner tests (each test builds its own engine over it, which
-    starts by emptying every slot's KV)."""
+def llama_runner(model_path: Path) -> Iterator[LlamaCppRunner]:
+    """One real llama.cpp runner for all runner tests (each test builds its own engine over
+    it, which starts by emptying every slot's KV)."""
     r = LlamaCppRunner(
         model_path, num_slots=8, ctx_size=8 * 2048, max_batch_tokens=512, flash_attn=FLASH_ATTN
     )
     yield r
     r.close()
+
+
+@pytest.fixture
+def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
+    """The llama.cpp runner, for its own tests."""
+    return llama_runner
+
+
+@pytest.fixture(scope="session")
+def torch_runner(model_path: Path) -> Iterator[Runner]:
+    from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner
+
+    r = TorchRunner(
+        TorchLoadConfig(model_path, num_slots=8, max_batch_tokens=512, max_seq_len=2048)
+    )
+    yield r
+    r.close()
+
+
+@pytest.fixture(params=RUNNER_KINDS)
+def any_runner(request: pytest.FixtureRequest) -> Runner:
+    """Each runner in turn, for the engine-level behaviour both must share."""
+    name = "llama_runner" if request.param == "llama.cpp" else "torch_runner"
+    runner: Runner = request.getfixturevalue(name)
+    return runner
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped GGUF as an HF safetensors folder (float32, dequantised by transformers)."""
+    return convert_gguf_to_hf(model_path, tmp_path_factory.mktemp("hf-smollm2"))

@@ -1,0 +1,127 @@
+"""Attention over the paged KV pool, batch-invariant by construction (SPEC E4).
+
+Each layer's cache is one tensor ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``: row
+``block * block_size + offset`` holds one position; the last block is never allocated and stays
+zero, so gathers can pad with it. Per step the runner builds :class:`StepAttention`: the tokens'
+cache rows (where new K/V go) and groups of sequences that attend together: all decode tokens
+in one group, each prefill chunk in its own.
+
+Per group and layer: new K/V are written, the group's K/V rows are gathered into
+``[batch * kv_heads, kv_len, head_dim]`` (padding with the zero block), and attention is plain
+``bmm → mask → softmax (float32) → bmm``. Why not ``scaled_dot_product_attention``: its CPU
+kernel picks block sizes from the padded length, so a sequence's result would depend on the
+longest sequence beside it. Measured on the CPU here (torch 2.13, bfloat16, oneDNN): ``bmm`` and
+``linear`` give every row the same bits whatever the batch, row count or zero padding of the
+reduced dimension, and float32 softmax is unchanged by ``-inf`` padding; so every token is
+computed identically alone, batched, as a decode step or inside any prefill chunk (grain 1).
+Float32 matmuls (MKL) do not have this property: in float32 the runner is not batch-invariant.
+
+::
+
+    pool rows (block_size 4):  [b0: p0 p1 p2 p3][b1: p4 p5 . .] ... [zero block]
+    sequence table [b0, b1], 6 positions, kv_len padded to 8:
+    gather rows  = b0*4+0 .. b0*4+3, b1*4+0, b1*4+1, zero, zero   (× kv_heads, head-major)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slotserve.runners.pytorch.config import ModelConfig
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences that attend together: token rows ``start .. start + batch * q_len`` of the
+    step, sequence-major; ``gather``: cache rows × kv heads to read, ``[batch * kv_heads *
+    kv_len]``; ``mask`` (and ``sliding_mask``): ``[batch, 1, q_len, kv_len]``, True = attend."""
+
+    start: int
+    batch: int
+    q_len: int
+    kv_len: int
+    gather: torch.Tensor
+    mask: torch.Tensor
+    sliding_mask: torch.Tensor | None
+
+
+@dataclass
+class StepAttention:
+    write_rows: torch.Tensor  # [tokens]: the cache row each token's K/V goes to
+    groups: list[AttentionGroup]
+
+
+def build_group(
+    start: int,
+    tables: list[list[int]],
+    starts: list[int],
+    q_len: int,
+    block_size: int,
+    zero_block: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionGroup:
+    """Metadata for sequences with block ``tables`` whose ``q_len`` new tokens start at
+    positions ``starts`` (all decode tokens: q_len 1; a prefill chunk: batch 1)."""
+    batch = len(tables)
+    lengths = [s + q_len for s in starts]
+    kv_len = max(lengths)
+    blocks_per_row = -(-kv_len // block_size)
+    table = torch.full((batch, blocks_per_row), zero_block, dtype=torch.int64)
+    for b, blocks in enumerate(tables):
+        used = -(-lengths[b] // block_size)
+        table[b, :used] = torch.tensor(blocks[:used], dtype=torch.int64)
+    positions = torch.arange(kv_len, dtype=torch.int64)
+    rows = table[:, positions // block_size] * block_size + positions % block_size
+    valid = positions[None, :] < torch.tensor(lengths)[:, None]
+    rows = torch.where(valid, rows, zero_block * block_size)
+    heads = torch.arange(num_kv_heads, dtype=torch.int64)
+    gather = (rows[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+    query_pos = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [batch, q_len]
+    causal = positions[None, None, :] <= query_pos[:, :, None]  # [batch, q_len, kv_len]
+    sliding = None
+    if sliding_window:
+        sliding = causal & (positions[None, None, :] > query_pos[:, :, None] - sliding_window)
+        sliding = sliding[:, None].to(device)
+    return AttentionGroup(
+        start, batch, q_len, kv_len, gather.to(device), causal[:, None].to(device), sliding
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    step: StepAttention,
+    sliding: bool,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """``q``: [tokens, heads, head_dim]; ``k``/``v``: [tokens, kv_heads, head_dim]. Writes the
+    new K/V into the caches, returns [tokens, heads * head_dim]."""
+    key_cache.index_copy_(0, step.write_rows, k)
+    value_cache.index_copy_(0, step.write_rows, v)
+    kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim
+    key_rows = key_cache.view(-1, dim)
+    value_rows = value_cache.view(-1, dim)
+    outputs = []
+    for group in step.groups:
+        b, qn, kv_len = group.batch, group.q_len, group.kv_len
+        query = q[group.start : group.start + b * qn]
+        # [b*qn, heads, dim] → [b * kv_heads, groups * qn, dim]; head h reads kv head h // groups.
+        query = query.view(b, qn, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+        query = query.reshape(b * kv_heads, groups * qn, dim)
+        keys = key_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
+        values = value_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
+        scores = torch.bmm(query, keys.transpose(1, 2)) * config.attention_scale
+        scores = scores.float().view(b, kv_heads, groups, qn, kv_len)
+        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * kv_heads, groups * qn, kv_len)
+        out = torch.bmm(probs, values).view(b, kv_heads, groups, qn, dim)
+        outputs.append(out.permute(0, 3, 1, 2, 4).reshape(b * qn, kv_heads * groups * dim))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,0 +1,257 @@
+"""The model's shape, read from an HF ``config.json`` or GGUF metadata, checked before any weight
+is read (R2).
+
+One frozen dataclass covers the supported families; each family's quirks are fields with the
+defaults of the families that do not have them:
+
+* Llama 2/3, SmolLM2, Mistral (``llama``, ``mistral``): RMSNorm, SwiGLU, rotary embeddings
+  (with Llama 3's or linear scaling), grouped-query attention.
+* Qwen2 (``qwen2``): biases on the q/k/v projections.
+* Qwen3 (``qwen3``): RMSNorm on each head's queries and keys.
+* Gemma 3 text (``gemma3_text``, ``gemma3``): embeddings scaled by sqrt(hidden), RMSNorm
+  weights stored as (w - 1), four norms per layer, GeGLU (tanh GELU), query scaling from
+  ``query_pre_attn_scalar``, sliding-window layers with their own rotary base.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or configuration cannot be served by this runner."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts (HF ``rope_scaling``)."""
+
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # Gemma 3.
+    gemma_norms: bool = False  # (1 + w) RMSNorm weights, pre/post norms around attn and MLP
+    scale_embeddings: bool = False
+    hidden_activation: str = "silu"  # silu | gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    # Per layer: True for a sliding-window (local) layer.
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return 1.0 / math.sqrt(scalar)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+
+def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
+    """Validates an HF ``config.json`` (already parsed) without touching any weight."""
+    model_type = raw.get("model_type")
+    if model_type == "gemma3" and "text_config" in raw:
+        raw = {**raw["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{name}: model_type {model_type!r} is not supported by the PyTorch runner; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    def need(key: str) -> Any:
+        if key not in raw or raw[key] is None:
+            raise UnsupportedModelError(f"{name}: config.json has no {key!r} ({model_type})")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    gemma = model_type in ("gemma3_text", "gemma3")
+    layers = int(need("num_hidden_layers"))
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    local_rope: Mapping[str, Any] = {}
+    if "full_attention" in rope:  # transformers 5 keys Gemma 3's rotary settings by layer type
+        local_rope = rope.get("sliding_attention") or {}
+        rope = rope["full_attention"]
+    theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    local_theta = raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0
+    sliding_window = raw.get("sliding_window") if gemma or model_type == "mistral" else None
+    sliding_layers: tuple[bool, ...] = ()
+    if gemma:
+        types = raw.get("layer_types")
+        if types:
+            sliding_layers = tuple(t == "sliding_attention" for t in types)
+        else:
+            pattern = int(raw.get("sliding_window_pattern") or 6)
+            sliding_layers = tuple((i + 1) % pattern != 0 for i in range(layers))
+    elif sliding_window:
+        sliding_layers = (True,) * layers
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    config = ModelConfig(
+        model_type=model_type,
+        name=name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        rope_scaling=_rope_scaling(rope, name),
+        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3" or gemma,
+        gemma_norms=gemma,
+        scale_embeddings=gemma,
+        hidden_activation=str(
+            raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu" if gemma else "silu")
+        ),
+        query_pre_attn_scalar=(
+            float(raw["query_pre_attn_scalar"]) if raw.get("query_pre_attn_scalar") else None
+        ),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_layers=sliding_layers,
+        rope_local_theta=float(local_theta) if gemma else None,
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    _check(config)
+    return config
+
+
+def _rope_scaling(raw: Mapping[str, Any], name: str) -> RopeScaling:
+    kind = raw.get("rope_type") or raw.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(raw["factor"]),
+            float(raw.get("low_freq_factor", 1.0)),
+            float(raw.get("high_freq_factor", 4.0)),
+            int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"{name}: rope scaling {kind!r} is not supported")
+
+
+def _check(config: ModelConfig) -> None:
+    problems = []
+    if config.num_heads % config.num_kv_heads:
+        problems.append("num_attention_heads is not a multiple of num_key_value_heads")
+    if config.head_dim % 2:
+        problems.append("head_dim must be even for rotary embeddings")
+    if config.hidden_activation not in ("silu", "gelu_pytorch_tanh", "gelu"):
+        problems.append(f"activation {config.hidden_activation!r} is not supported")
+    if config.sliding_layers and len(config.sliding_layers) != config.num_layers:
+        problems.append("layer_types does not list every layer")
+    if config.sliding_layers and any(config.sliding_layers) and not config.sliding_window:
+        problems.append("sliding-window layers without a sliding_window size")
+    if problems:
+        raise UnsupportedModelError(f"{config.name}: " + "; ".join(problems))
+
+
+# GGUF architecture name → HF model_type; llama.cpp converts Mistral as "llama".
+_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+}
+
+
+def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
+    """The same, from GGUF metadata (``general.architecture`` and ``<arch>.*`` keys)."""
+    arch = str(metadata.get("general.architecture"))
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner; "
+            f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"{name}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = metadata.get(f"{arch}.vocab_size") or metadata.get("_vocab_tokens")
+    if not vocab:
+        raise UnsupportedModelError(f"{name}: GGUF metadata gives no vocabulary size")
+    raw: dict[str, Any] = {
+        "model_type": _GGUF_ARCHITECTURES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in metadata.get("_tensor_names", ()),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling_kind = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_kind == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if arch == "gemma3":
+        window = int(get("attention.sliding_window"))
+        raw |= {
+            "sliding_window": window,
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": int(get("attention.key_length", hidden // heads)),
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    return config_from_hf(raw, name)

@@ -1,0 +1,74 @@
+"""The paged KV pool of the PyTorch runner: one K and one V tensor per layer, blocks shared by
+reference between slots for prefix-cache hits (bookkeeping in ``runners/paged_kv.py``).
+
+Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. One
+extra block at the end is never handed out and stays zero: attention pads gathers with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from slotserve.runners.paged_kv import PagedKvTables
+from slotserve.runners.pytorch.config import ModelConfig
+
+
+class KvPool:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.tables = PagedKvTables(num_blocks, block_size, num_slots)
+        self.zero_block = num_blocks
+        rows = (num_blocks + 1) * block_size
+        shape = (rows, config.num_kv_heads, config.head_dim)
+        # Zeroed: gathers read padding from the zero block, and a freed block's old contents
+        # are finite, so masked positions contribute exact zeros.
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(config.num_layers)
+        ]
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.tables.num_blocks * self.block_size
+
+    def reserve(self, slot: int, num_tokens: int) -> bool:
+        copies = self.tables.reserve(slot, num_tokens)
+        if copies is None:
+            return False
+        self._pending_copies.extend(copies)
+        return True
+
+    def apply_pending_copies(self) -> None:
+        """Copy-on-write: a block about to be written while shared gets its own copy first."""
+        if not self._pending_copies:
+            return
+        size = self.block_size
+        for src, dst in self._pending_copies:
+            for key_cache, value_cache in self.layers:
+                key_cache[dst * size : (dst + 1) * size] = key_cache[src * size : (src + 1) * size]
+                value_cache[dst * size : (dst + 1) * size] = value_cache[
+                    src * size : (src + 1) * size
+                ]
+        self._pending_copies.clear()
+
+    def rows(self, slot: int, start: int, end: int) -> list[int]:
+        """Cache rows of the slot's positions ``start .. end - 1`` (reserved)."""
+        table, size = self.tables.tables[slot], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def used_tokens(self, slots: Collection[int]) -> int:
+        return self.tables.used_blocks(slots) * self.block_size

@@ -1,0 +1,328 @@
+"""R2: the PyTorch runner (see :class:`slotserve.engine.runner_interface.Runner`).
+
+One forward pass per engine step over a flattened batch: every scheduled chunk's tokens go
+through the projections and MLPs together; attention runs per group (all one-token chunks in
+one group, each longer chunk in its own) over the paged KV pool; only the rows that sample get
+logits. A slot's KV is its block table: a prefix-cache hit shares blocks by reference
+(``copy_kv``), a write into a shared block copies it first, and a pool that runs short answers
+``reserve_kv`` with False so the engine evicts or preempts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slotserve.engine.errors import InvalidRequestError, RunnerFailure
+from slotserve.engine.outputs import SampledToken
+from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.runners.pytorch.attention import StepAttention, build_group
+from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
+from slotserve.runners.pytorch.kv_cache import KvPool
+from slotserve.runners.pytorch.model import Decoder
+from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.tokenizer import HfTokenizer
+from slotserve.runners.pytorch.weights import (
+    dummy_tensors,
+    gguf_tensors,
+    load_into,
+    safetensors_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TorchLoadConfig:
+    """How to build the runner; validated before any weight is read."""
+
+    model_path: Path  # an HF folder or a .gguf file
+    num_slots: int = 8
+    max_batch_tokens: int = 512
+    dtype: str = "auto"  # auto: bfloat16 (batch-invariant kernels on CPU; fast on GPUs)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    load_format: str = "auto"  # auto | dummy (random weights of the config)
+    max_seq_len: int = 0  # 0: min(trained context, 4096)
+    kv_memory_bytes: int = 0  # 0: every slot's max_seq_len, within a quarter of RAM (CPU)
+    gpu_memory_fraction: float = 0.9
+    block_size: int = 16
+    threads: int = 0
+    model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("--load-format must be auto or dummy")
+        if self.block_size < 1 or self.num_slots < 1:
+            raise ValueError("block size and slots must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("--gpu-memory-fraction must be in (0, 1]")
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The checkpoint's configuration, checked, without reading a weight."""
+    name = path.stem if path.is_file() else path.name
+    if path.is_file():
+        from gguf import GGUFReader
+
+        return config_from_gguf(_gguf_metadata(GGUFReader(str(path))), name)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    return config_from_hf(json.loads(config_file.read_text()), name)
+
+
+class TorchRunner:
+    def __init__(self, load: TorchLoadConfig) -> None:
+        self.load = load
+        if load.threads:
+            torch.set_num_threads(load.threads)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu")
+            if load.device == "auto"
+            else load.device
+        )
+        self.dtype = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype]
+        path = load.model_path
+        self.config = config = read_model_config(path)
+        self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+        started = time.monotonic()
+        self._tokenizer = (
+            HfTokenizer.from_gguf(path) if path.is_file() else HfTokenizer.from_folder(path)
+        )
+        with torch.device(self.device):
+            self.model = Decoder(config, self.dtype, self.max_seq_len)
+        self.model.eval()
+        if load.load_format == "dummy":
+            tensors = dummy_tensors(config)
+        elif path.is_file():
+            from gguf import GGUFReader
+
+            tensors = gguf_tensors(GGUFReader(str(path)), config)
+        else:
+            tensors = safetensors_tensors(path)
+        load_into(self.model, tensors)
+        # Batch invariance (E4) on CPU holds in bfloat16 only (see attention.py).
+        self.batch_invariant = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if self.batch_invariant:
+            self.model.make_batch_invariant()
+        bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
+        num_blocks = self._kv_blocks(bytes_per_token)
+        self.pool = KvPool(
+            config, num_blocks, load.block_size, load.num_slots, self.dtype, self.device
+        )
+        self._samplers: dict[int, SequenceSampler] = {}
+        self._forward_seconds = 0.0
+        self._info = ModelInfo(
+            name=load.model_name or config.name,
+            vocab_size=config.vocab_size,
+            num_slots=load.num_slots,
+            max_seq_len=self.max_seq_len,
+            eog_token_ids=self._tokenizer.end_of_generation_ids(config.eos_token_ids),
+            chat_template=self._tokenizer.chat_template,
+            bos_token=self._tokenizer.bos_token,
+            eos_token=self._tokenizer.eos_token,
+            runner="torch",
+            prefill_grain=1,
+            kv_bytes_per_token=bytes_per_token,
+            kv_capacity_tokens=self.pool.capacity_tokens,
+        )
+        logger.info(
+            "loaded %s (%s) on %s in %s: %d slots × %d tokens, KV pool %d blocks × %d "
+            "(%.0f MiB) in %.1f s",
+            config.name,
+            config.model_type,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            load.num_slots,
+            self.max_seq_len,
+            num_blocks,
+            load.block_size,
+            num_blocks * load.block_size * bytes_per_token / 2**20,
+            time.monotonic() - started,
+        )
+
+    def _kv_blocks(self, bytes_per_token: int) -> int:
+        load, block = self.load, self.load.block_size
+        if load.kv_memory_bytes:
+            budget = load.kv_memory_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(free - total * (1 - load.gpu_memory_fraction))
+        else:
+            wanted = load.num_slots * self.max_seq_len * bytes_per_token
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(wanted, ram // 4)
+        blocks = budget // (block * bytes_per_token)
+        if blocks * block < self.max_seq_len:
+            raise ValueError(
+                f"the KV memory ({budget / 2**20:.0f} MiB) holds {blocks * block} tokens, "
+                f"less than one sequence of {self.max_seq_len}: raise --kv-memory or lower "
+                f"--max-model-len"
+            )
+        return int(blocks)
+
+    # ---- Runner protocol --------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> HfTokenizer:
+        return self._tokenizer
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._forward_seconds
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        raise InvalidRequestError(
+            "Structured output (response_format json_object / json_schema) is not supported by "
+            "the PyTorch runner; serve a GGUF model with the llama.cpp runner for it.",
+            param="response_format",
+        )
+
+    def add_sequence(
+        self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
+    ) -> None:
+        self._samplers[slot] = new_sequence_sampler(
+            params, prompt_token_ids, seed, self.config.vocab_size, self.device
+        )
+
+    def remove_sequence(self, slot: int) -> None:
+        self._samplers.pop(slot, None)
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        self.pool.tables.copy(src_slot, dst_slot, num_tokens)
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        self.pool.tables.trim(slot, num_tokens)
+
+    def kv_tokens(self, slot: int) -> int:
+        return self.pool.tables.lengths[slot]
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool:
+        return num_tokens <= self.max_seq_len and self.pool.reserve(slot, num_tokens)
+
+    def kv_used_tokens(self, slots: Collection[int]) -> int:
+        return self.pool.used_tokens(slots)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+        started = time.perf_counter()
+        # One-token chunks (decode steps) attend as one group, first; each longer chunk alone.
+        ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, c.slot))
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_rows: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in ordered:
+            end = chunk.start_pos + len(chunk.token_ids)
+            tokens.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, end))
+            write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
+            if chunk.sample:
+                sample_rows.append(len(tokens) - 1)
+        step = StepAttention(
+            torch.tensor(write_rows, dtype=torch.int64, device=self.device),
+            self._groups(ordered),
+        )
+        device = self.device
+        self.pool.apply_pending_copies()
+        hidden = self.model(
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            step,
+            self.pool.layers,
+        )
+        for chunk in ordered:
+            self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
+        sampling = [c for c in ordered if c.sample]
+        result: dict[int, SampledToken] = {}
+        if sampling:
+            logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
+            if not bool(torch.isfinite(logits).all()):
+                raise RunnerFailure("non-finite logits")
+            samplers = [self._samplers[c.slot] for c in sampling]
+            for chunk, token in zip(sampling, sample(logits, samplers), strict=True):
+                result[chunk.slot] = token
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._forward_seconds += time.perf_counter() - started
+        return result
+
+    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list:  # type: ignore[type-arg]
+        pool, c = self.pool, self.config
+        window = c.sliding_window if any(c.sliding_layers) else None
+        tables = pool.tables.tables
+        groups = []
+        decode = [chunk for chunk in ordered if len(chunk.token_ids) == 1]
+        row = 0
+        if decode:
+            groups.append(
+                build_group(
+                    row,
+                    [tables[chunk.slot] for chunk in decode],
+                    [chunk.start_pos for chunk in decode],
+                    1,
+                    pool.block_size,
+                    pool.zero_block,
+                    c.num_kv_heads,
+                    window,
+                    self.device,
+                )
+            )
+            row += len(decode)
+        for chunk in ordered[len(decode) :]:
+            groups.append(
+                build_group(
+                    row,
+                    [tables[chunk.slot]],
+                    [chunk.start_pos],
+                    len(chunk.token_ids),
+                    pool.block_size,
+                    pool.zero_block,
+                    c.num_kv_heads,
+                    window,
+                    self.device,
+                )
+            )
+            row += len(chunk.token_ids)
+        return groups
+
+    def close(self) -> None:
+        self._samplers.clear()
+        self.pool.layers.clear()
+
+
+def _gguf_metadata(reader: object) -> dict[str, object]:
+    """GGUF key/value metadata as plain Python values (and the tensor names)."""
+    metadata: dict[str, object] = {}
+    for key, field in reader.fields.items():  # type: ignore[attr-defined]
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+        ):
+            continue  # the vocabulary: large, and the tokenizer reads it itself
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # a field type this reader cannot turn into Python values
+            continue
+    metadata["_tensor_names"] = [t.name for t in reader.tensors]  # type: ignore[attr-defined]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
+    if tokens is not None:
+        metadata["_vocab_tokens"] = len(tokens.data)
+    return metadata

@@ -1,0 +1,113 @@
+"""The HF tokenizer behind the engine's ``Tokenizer`` protocol, from an HF folder
+(``tokenizer.json`` + ``tokenizer_config.json``) or a GGUF file's metadata (transformers
+converts it).
+
+The detokenizer needs each token's raw bytes: byte-level BPE vocabularies (GPT-2 style: Llama 3,
+SmolLM2, Qwen) spell bytes with printable stand-in characters, SentencePiece ones (Gemma,
+Llama 2) spell a space as "▁" and keep bytes as ``<0xNN>`` tokens. Both are mapped back once,
+at load.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+# Special tokens that end a turn in the chat templates of the supported families.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character → byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class HfTokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+        special = {int(i) for i in tokenizer.all_special_ids}
+        for token_id, added in tokenizer.added_tokens_decoder.items():
+            if added.special:
+                special.add(int(token_id))
+        self.special_ids = frozenset(special)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        byte_level = type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
+        self._bytes = [
+            b"" if i in special or piece is None else _piece_bytes(piece, byte_level)
+            for i, piece in enumerate(pieces)
+        ]
+        self._pieces = [piece or "" for piece in pieces]
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> HfTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(folder)))
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> HfTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._tok.chat_template
+        return template if isinstance(template, str) else None
+
+    @property
+    def bos_token(self) -> str:
+        return str(self._tok.bos_token or "")
+
+    @property
+    def eos_token(self) -> str:
+        return str(self._tok.eos_token or "")
+
+    def end_of_generation_ids(self, configured: tuple[int, ...]) -> frozenset[int]:
+        """The model's EOS ids, the tokenizer's, and the special tokens that end a turn."""
+        ids = set(configured)
+        if self._tok.eos_token_id is not None:
+            ids.add(int(self._tok.eos_token_id))
+        for token_id in self.special_ids:
+            if self._pieces[token_id] in END_OF_TURN:
+                ids.add(token_id)
+        return frozenset(i for i in ids if 0 <= i < self.vocab_size)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
+
+    def token_text(self, token_id: int) -> str:
+        if not 0 <= token_id < self.vocab_size:
+            return ""
+        if token_id in self.special_ids:
+            return self._pieces[token_id]
+        return self._bytes[token_id].decode("utf-8", errors="replace")
+
+
+def _piece_bytes(piece: str, byte_level: bool) -> bytes:
+    if byte_level:
+        decoder = _byte_decoder()
+        if all(ch in decoder for ch in piece):
+            return bytes(decoder[ch] for ch in piece)
+        return piece.encode("utf-8")  # an added, non-special token spelled plainly
+    match = _BYTE_TOKEN.match(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    return piece.replace("▁", " ").encode("utf-8")

@@ -1,0 +1,62 @@
+"""Driving a real runner through a real engine core, for runner-level tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.outputs import SampledToken
+from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from slotserve.engine.sampling_params import SamplingParams
+
+NUM_TOKENS = 40
+
+
+def generate(
+    core: EngineCore,
+    jobs: dict[str, tuple[list[int], SamplingParams]],
+    start_after: dict[str, tuple[str, int]] | None = None,
+) -> dict[str, list[int]]:
+    """Runs ``jobs`` to completion; ``start_after[rid] = (other, k)`` submits ``rid`` once
+    ``other`` has generated ``k`` tokens. Returns each request's output token ids."""
+    start_after = start_after or {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
+    pending = dict(jobs)
+    done: set[str] = set()
+
+    def submit_ready() -> None:
+        for rid in list(pending):
+            gate = start_after.get(rid)
+            if gate is None or len(tokens[gate[0]]) >= gate[1]:
+                prompt, params = pending.pop(rid)
+                core.add_request(core.make_request(rid, prompt, params))
+
+    submit_ready()
+    while len(done) < len(jobs):
+        for out in core.step():
+            for delta in out.deltas:
+                tokens[out.request_id].extend(delta.token_ids)
+            if out.finished:
+                assert out.error is None, out.error
+                done.add(out.request_id)
+        submit_ready()
+    return tokens
+
+
+def greedy(n: int = NUM_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+class Recording:
+    """Delegates to a real runner and records each batch's chunk sizes."""
+
+    def __init__(self, runner: Runner, batches: list[list[int]]) -> None:
+        self._runner = runner
+        self._batches = batches
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+        self._batches.append([len(c.token_ids) for c in chunks])
+        return self._runner.execute(chunks)
