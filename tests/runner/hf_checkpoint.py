@@ -48,7 +48,7 @@ def tiny_random_checkpoint(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    classes = {
+    classes: dict[str, tuple[str, str, dict[str, Any]]] = {
         "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 10000.0}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),

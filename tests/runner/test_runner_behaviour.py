@@ -111,7 +111,10 @@ def test_removed_sequence_leaves_no_kv_behind(any_runner: Runner) -> None:
 
 def test_abort_mid_generation_frees_the_slot_and_its_kv_in_one_step(any_runner: Runner) -> None:
     batches: list[list[int]] = []
-    core = EngineCore(Recording(any_runner, batches), EngineConfig(num_slots=8, prefix_cache=False))
+    core = EngineCore(
+        Recording(any_runner, batches),  # type: ignore[arg-type]
+        EngineConfig(num_slots=8, prefix_cache=False),
+    )
     prompt = any_runner.tokenizer.encode(PROMPTS[2])
     core.add_request(core.make_request("gone", prompt, greedy(200)))
     core.add_request(core.make_request("stays", prompt, greedy(12)))

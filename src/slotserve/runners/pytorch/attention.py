@@ -70,10 +70,11 @@ def build_group(
     lengths = [s + q_len for s in starts]
     kv_len = max(lengths)
     blocks_per_row = -(-kv_len // block_size)
-    table = torch.full((batch, blocks_per_row), zero_block, dtype=torch.int64)
+    padded = []
     for b, blocks in enumerate(tables):
-        used = -(-lengths[b] // block_size)
-        table[b, :used] = torch.tensor(blocks[:used], dtype=torch.int64)
+        used = blocks[: -(-lengths[b] // block_size)]
+        padded.append(used + [zero_block] * (blocks_per_row - len(used)))
+    table = torch.tensor(padded, dtype=torch.int64)
     positions = torch.arange(kv_len, dtype=torch.int64)
     rows = table[:, positions // block_size] * block_size + positions % block_size
     valid = positions[None, :] < torch.tensor(lengths)[:, None]

@@ -18,7 +18,6 @@ from torch import nn
 from slotserve.runners.pytorch.attention import StepAttention, attend
 from slotserve.runners.pytorch.config import ModelConfig
 
-
 # oneDNN's bfloat16 matmuls give every row the same bits whatever the batch while the reduced
 # dimension is at most this long (measured up to 600 rows); beyond it some row counts switch to
 # a split-K schedule that sums in another order.
@@ -108,6 +107,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DecoderLayer(nn.Module):
+    qkv: Projection
+    o_proj: Projection
+    gate_up: Projection
+    down: Projection
+    input_norm: RmsNorm
+    post_attention_norm: RmsNorm
+    pre_mlp_norm: RmsNorm  # Gemma
+    post_mlp_norm: RmsNorm  # Gemma
+    q_norm: RmsNorm  # Qwen3, Gemma
+    k_norm: RmsNorm
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
@@ -130,13 +140,20 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local_cos: torch.Tensor
+    local_sin: torch.Tensor
+    lm_head: Projection
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_layers))
+        self.decoder_layers = [DecoderLayer(c, dtype) for _ in range(c.num_layers)]
+        self.layers = nn.ModuleList(self.decoder_layers)  # registers them; the list is typed
         self.norm = RmsNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms, dtype)
         self.lm_head = Projection(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
         if c.tie_word_embeddings:
@@ -181,7 +198,7 @@ class Decoder(nn.Module):
         if c.rope_local_theta is not None:
             local_cos, local_sin = self.local_cos[positions], self.local_sin[positions]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.decoder_layers):
             sliding = c.is_sliding(index)
             residual = hidden
             x = layer.input_norm(hidden)
@@ -212,11 +229,11 @@ class Decoder(nn.Module):
             if c.gemma_norms:
                 x = layer.post_mlp_norm(x)
             hidden = residual + x
-        return hidden
+        return hidden  # type: ignore[no-any-return]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(hidden)).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -254,7 +254,8 @@ class TorchRunner:
         result: dict[int, SampledToken] = {}
         if sampling:
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
-            if not bool(torch.isfinite(logits).all()):
+            # One reduction: NaN or an infinity anywhere makes a row's sum non-finite.
+            if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
                 raise RunnerFailure("non-finite logits")
             samplers = [self._samplers[c.slot] for c in sampling]
             for chunk, token in zip(sampling, sample(logits, samplers), strict=True):

@@ -58,6 +58,8 @@ def new_sequence_sampler(
 
 def sample(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[SampledToken]:
     """``logits``: float32 [rows, vocab], row ``i`` for ``samplers[i]``."""
+    if all(_plain_greedy(s) for s in samplers):
+        return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
     rows = len(samplers)
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in samplers):
@@ -85,6 +87,11 @@ def sample(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[Sa
         _with_logprobs(token_ids[row], raw_logprobs, row, s.params.logprobs)
         for row, s in enumerate(samplers)
     ]
+
+
+def _plain_greedy(s: SequenceSampler) -> bool:
+    p = s.params
+    return p.is_greedy and p.logprobs is None and not _modifies(p)
 
 
 def _modifies(params: SamplingParams) -> bool:

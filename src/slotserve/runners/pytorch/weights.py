@@ -64,7 +64,7 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
     match = _LAYER.match(name)
     if match is None:
         raise ValueError(f"unexpected tensor {name}")
-    layer = model.layers[int(match.group(1))]
+    layer = model.decoder_layers[int(match.group(1))]
     part = match.group(2)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     inter = c.intermediate_size
