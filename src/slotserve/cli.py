@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
-        "'bench prefix-cache': shared system prompt, cache on vs off)",
+        "'bench prefix-cache': shared system prompt, cache on vs off; 'bench runners': "
+        "PyTorch vs llama.cpp runner vs transformers)",
     )
     from slotserve.bench.cli import add_bench_arguments
 
@@ -59,6 +60,14 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     from slotserve.bench import sweep
 
     return _bench_subcommand_parser("sweep", sweep.__doc__, sweep.add_sweep_arguments)
+
+
+def build_runners_ab_parser() -> argparse.ArgumentParser:
+    from slotserve.bench import runners_ab
+
+    return _bench_subcommand_parser(
+        "runners", runners_ab.__doc__, runners_ab.add_runners_ab_arguments
+    )
 
 
 def build_prefix_ab_parser() -> argparse.ArgumentParser:
@@ -88,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slotserve.bench.sweep import main_sweep
 
         return main_sweep(build_sweep_parser().parse_args(argv[2:]))
+    if argv[:2] == ["bench", "runners"]:
+        from slotserve.bench.runners_ab import main_runners_ab
+
+        return main_runners_ab(build_runners_ab_parser().parse_args(argv[2:]))
     if argv[:2] == ["bench", "prefix-cache"]:
         from slotserve.bench.prefix_ab import main_prefix_ab
 

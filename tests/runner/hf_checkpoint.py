@@ -8,23 +8,9 @@ from typing import Any
 
 import torch
 
+from slotserve.bench.hf_reference import convert_gguf_to_hf
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
-    """transformers loads a GGUF with ``gguf_file=`` but refuses ``save_pretrained`` on it: a
-    plain ``LlamaForCausalLM`` is rebuilt from the loaded weights and saved instead (its
-    logits are the loaded model's, exactly)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config", None)
-    plain = LlamaForCausalLM(LlamaConfig(**settings))
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+__all__ = ["convert_gguf_to_hf", "tiny_random_checkpoint"]
 
 
 def tiny_random_checkpoint(

@@ -44,8 +44,9 @@ def fp32_runner(hf_checkpoint: Path) -> Iterator[TorchRunner]:
 def _hf_model(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.train(False)
+    return model
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -67,7 +68,7 @@ def _hf_top_logprobs(
 ) -> list[list[tuple[int, float]]]:
     """HF's top-``k`` log-probabilities for every position from ``first - 1`` on."""
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].float()  # type: ignore[operator]
+        logits = model(torch.tensor([tokens])).logits[0].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     result = []
     for position in range(first - 1, len(tokens) - 1):
