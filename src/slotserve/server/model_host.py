@@ -163,8 +163,7 @@ class ModelHost:
                 if old is not None:
                     await self._retire(old)
                 started = time.monotonic()
-                self.model = await asyncio.to_thread(self._build)
-                self.model.engine.start()
+                self.model = await self._build()
                 self.load_error = None
                 self.loads += 1
                 logger.info(
@@ -180,22 +179,32 @@ class ModelHost:
                 self._loading = False
                 self.first_load_done.set()
 
-    def _build(self) -> LoadedModel:
-        """Worker thread: the runner (slow: reads the weights) and an engine over it."""
-        runner = self.build_runner()
+    async def _build(self) -> LoadedModel:
+        """The runner (slow: reads the weights) and an engine over it, built on the engine's
+        own thread (see ``AsyncEngine.launch``), which then starts serving."""
+
+        def build_core() -> EngineCore:
+            runner = self.build_runner()
+            try:
+                return EngineCore(runner, self.config)
+            except BaseException:
+                runner.close()
+                raise
+
+        engine = await AsyncEngine.launch(build_core, self.on_outputs)
+        runner = engine.core.runner
+        info = runner.model_info
         try:
-            info = runner.model_info
             source = (
                 self.chat_template_file.read_text()
                 if self.chat_template_file
                 else info.chat_template
             )
             template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
-            core = EngineCore(runner, self.config)
         except BaseException:
-            runner.close()
+            await engine.shutdown()
             raise
-        return LoadedModel(AsyncEngine(core, self.on_outputs), runner.tokenizer, info, template)
+        return LoadedModel(engine, runner.tokenizer, info, template)
 
     async def _retire(self, model: LoadedModel) -> None:
         """Stops an engine; whatever is still in it ends with an error."""
