@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 from tests.prompts import PROMPTS
@@ -72,7 +73,10 @@ def test_greedy_chat_is_identical_alone_and_concurrent(torch_server: ServerProce
 def test_streaming_with_usage_and_cached_tokens(torch_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=torch_server.api_url, api_key="x", max_retries=0)
     system = "You are terse. " * 20
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Hello!"},
+    ]
     for _ in range(2):
         stream = client.chat.completions.create(
             model=MODEL,
