@@ -77,6 +77,7 @@ def test_streaming_with_usage_and_cached_tokens(torch_server: ServerProcess) -> 
         {"role": "system", "content": system},
         {"role": "user", "content": "Hello!"},
     ]
+    usages = []
     for _ in range(2):
         stream = client.chat.completions.create(
             model=MODEL,
@@ -89,9 +90,10 @@ def test_streaming_with_usage_and_cached_tokens(torch_server: ServerProcess) -> 
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens >= 1
         assert any(c.choices and c.choices[0].delta.content for c in chunks)
+        usages.append(usage)
     # The second identical request reused the first one's prompt KV (grain 1: all but one).
-    assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    details = usages[1].prompt_tokens_details
+    assert details is not None and details.cached_tokens == usages[1].prompt_tokens - 1
 
 
 def test_structured_output_is_refused_with_a_400(torch_server: ServerProcess) -> None:
