@@ -33,7 +33,7 @@ def test_missing_model_file_is_a_clear_error() -> None:
         timeout=60,
     )
     assert result.returncode == 2
-    assert "Model file not found" in result.stderr
+    assert "Model not found" in result.stderr and "/no/such/model.gguf" in result.stderr
 
 
 def test_bad_engine_limits_are_refused_before_loading() -> None:

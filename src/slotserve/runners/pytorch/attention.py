@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from slotserve.runners.pytorch.config import ModelConfig
 
@@ -110,8 +111,13 @@ def attend(
     key_rows = key_cache.view(-1, dim)
     value_rows = value_cache.view(-1, dim)
     outputs = []
+    fused = q.device.type == "cuda"  # no batch-invariance claim on GPUs: take SDPA's kernels
     for group in step.groups:
         b, qn, kv_len = group.batch, group.q_len, group.kv_len
+        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
+        if fused:
+            outputs.append(_sdpa(q, key_rows, value_rows, group, mask, config))
+            continue
         query = q[group.start : group.start + b * qn]
         # [b*qn, heads, dim] → [b * kv_heads, groups * qn, dim]; head h reads kv head h // groups.
         query = query.view(b, qn, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
@@ -120,9 +126,33 @@ def attend(
         values = value_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
         scores = torch.bmm(query, keys.transpose(1, 2)) * config.attention_scale
         scores = scores.float().view(b, kv_heads, groups, qn, kv_len)
-        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * kv_heads, groups * qn, kv_len)
         out = torch.bmm(probs, values).view(b, kv_heads, groups, qn, dim)
         outputs.append(out.permute(0, 3, 1, 2, 4).reshape(b * qn, kv_heads * groups * dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    key_rows: torch.Tensor,
+    value_rows: torch.Tensor,
+    group: AttentionGroup,
+    mask: torch.Tensor,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """The same attention through ``scaled_dot_product_attention`` (GPU)."""
+    b, qn, kv_len = group.batch, group.q_len, group.kv_len
+    kv_heads, dim = config.num_kv_heads, config.head_dim
+    query = q[group.start : group.start + b * qn].view(b, qn, config.num_heads, dim)
+    keys = key_rows.index_select(0, group.gather).view(b, kv_heads, kv_len, dim)
+    values = value_rows.index_select(0, group.gather).view(b, kv_heads, kv_len, dim)
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask,
+        scale=config.attention_scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).reshape(b * qn, config.num_heads * dim)
