@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,34 @@ def test_prefill_chunk_below_the_models_grain_is_refused() -> None:
     assert result.returncode == 1
     assert "prefill_chunk must be at least the grain (64)" in result.stderr
     assert "the model failed to load" in result.stderr
+
+
+def test_unsupported_architecture_is_refused_before_loading(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "hidden_size": 8}')
+    result = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", "serve", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "'mamba' is not supported by the PyTorch runner" in result.stderr
+    assert "qwen3" in result.stderr and "gemma3_text" in result.stderr
+
+
+def test_model_ids_resolve_through_the_local_hf_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = tmp_path / "hub" / "models--acme--tiny-llm"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_path("acme/tiny-llm") == snapshot
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert resolve_model_path("acme/tiny-llm") == snapshot
+    with pytest.raises(ModelUnavailableError, match="nothing is downloaded"):
+        resolve_model_path("acme/absent")
