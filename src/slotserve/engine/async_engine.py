@@ -78,7 +78,9 @@ class AsyncEngine:
         built: asyncio.Future[AsyncEngine] = loop.create_future()
 
         def settle(result: AsyncEngine | BaseException) -> None:
-            if built.done():
+            if built.done():  # the caller gave up waiting (shutdown during the load)
+                if isinstance(result, AsyncEngine):
+                    result.core.stop()
                 return
             if isinstance(result, BaseException):
                 built.set_exception(result)
