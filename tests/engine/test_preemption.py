@@ -101,17 +101,22 @@ def test_preempted_sequence_resumes_from_its_cached_prefix() -> None:
     assert_kv_consistent(core, runner)
 
 
-def test_abort_while_preempted_frees_the_slot() -> None:
-    runner = pooled(12, num_slots=2)
-    core, _ = make_core(runner, prefix_cache=False)
+def _run_until_young_is_preempted(core: EngineCore) -> None:
+    """Two 16-token prompts with 24 tokens each to come, over a 12-block pool: the younger
+    one is preempted part way."""
     submit(core, "old", "o" * 16, max_tokens=24, ignore_eos=True)
     submit(core, "young", "y" * 16, max_tokens=24, ignore_eos=True)
     for _ in range(200):
         core.step()
         if any(s.state is SlotState.PREEMPTED for s in core.scheduler.slots.slots):
-            break
-    else:
-        raise AssertionError("nothing was preempted")
+            return
+    raise AssertionError("nothing was preempted")
+
+
+def test_abort_while_preempted_frees_the_slot() -> None:
+    runner = pooled(12, num_slots=2)
+    core, _ = make_core(runner, prefix_cache=False)
+    _run_until_young_is_preempted(core)
     core.abort_request("young")
     (aborted,) = [o for o in core.step() if o.request_id == "young"]
     assert aborted.finished and aborted.deltas[-1].finish_reason == "abort"
@@ -124,12 +129,7 @@ def test_abort_while_preempted_frees_the_slot() -> None:
 def test_new_requests_wait_behind_preempted_ones() -> None:
     runner = pooled(12, num_slots=3)
     core, _ = make_core(runner, prefix_cache=False)
-    submit(core, "old", "o" * 16, max_tokens=24, ignore_eos=True)
-    submit(core, "young", "y" * 16, max_tokens=24, ignore_eos=True)
-    for _ in range(200):
-        core.step()
-        if any(s.state is SlotState.PREEMPTED for s in core.scheduler.slots.slots):
-            break
+    _run_until_young_is_preempted(core)
     submit(core, "newcomer", "n" * 4, max_tokens=2, ignore_eos=True)
     core.step()
     states = {

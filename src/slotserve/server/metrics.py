@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -156,70 +157,50 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        r = self.registry
-        self.prompt_tokens = Counter(
-            PROMPT_TOKENS, "Prompt tokens processed.", labels, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            GENERATION_TOKENS, "Tokens generated.", labels, registry=r
-        ).labels(model_name)
+
+        def counter(name: str, documentation: str) -> Any:
+            return Counter(name, documentation, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(
+                name, documentation, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.prompt_tokens = counter(PROMPT_TOKENS, "Prompt tokens processed.")
+        self.generation_tokens = counter(GENERATION_TOKENS, "Tokens generated.")
+        self.timeouts = counter(REQUEST_TIMEOUTS, "Requests ended at the server's time limit.")
         self._success = Counter(
             REQUEST_SUCCESS,
             "Finished requests, by finish reason (stop, length, abort, error).",
             [*labels, "finished_reason"],
-            registry=r,
+            registry=self.registry,
         )
-        self.timeouts = Counter(
-            REQUEST_TIMEOUTS, "Requests ended at the server's time limit.", labels, registry=r
-        ).labels(model_name)
         self._http_errors = Counter(
             HTTP_ERRORS,
             "Error responses, by HTTP status and OpenAI error type.",
             [*labels, "status", "type"],
-            registry=r,
+            registry=self.registry,
         )
-        self.ttft = Histogram(
-            TIME_TO_FIRST_TOKEN,
-            "Time from arrival to the first generated token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            INTER_TOKEN_LATENCY,
-            "Time between a request's successive token outputs.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
+        self.ttft = histogram(
+            TIME_TO_FIRST_TOKEN, "Time from arrival to the first generated token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            INTER_TOKEN_LATENCY, "Time between a request's successive token outputs.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
             E2E_REQUEST_LATENCY,
             "Time from arrival to the end of the request.",
-            labels,
-            buckets=_REQUEST_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.queue_time = Histogram(
-            REQUEST_QUEUE_TIME,
-            "Time a request waited for a slot.",
-            labels,
-            buckets=_REQUEST_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.request_prompt_tokens = Histogram(
-            REQUEST_PROMPT_TOKENS,
-            "Prompt tokens per finished request.",
-            labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.request_generation_tokens = Histogram(
-            REQUEST_GENERATION_TOKENS,
-            "Generated tokens per finished request.",
-            labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            REQUEST_QUEUE_TIME, "Time a request waited for a slot.", _REQUEST_LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            REQUEST_PROMPT_TOKENS, "Prompt tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            REQUEST_GENERATION_TOKENS, "Generated tokens per finished request.", _TOKEN_BUCKETS
+        )
         self._live: dict[str, _RequestTimes] = {}
 
     def register(self, collector: Collector) -> None:
