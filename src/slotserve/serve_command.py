@@ -204,7 +204,17 @@ def runner_factory(
             flash_attn=args.flash_attn,
             model_name=model_name,
         )
-    from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner, read_model_config
+    try:
+        from slotserve.runners.pytorch.runner import (
+            TorchLoadConfig,
+            TorchRunner,
+            read_model_config,
+        )
+    except ImportError as exc:
+        raise ValueError(
+            f"the PyTorch runner needs its dependencies ({exc.name} is missing): "
+            "pip install -e '.[torch]' (make install-torch)"
+        ) from exc
 
     load = TorchLoadConfig(
         model_path,
