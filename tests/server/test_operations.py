@@ -198,24 +198,27 @@ def test_slow_steps_are_logged_with_their_requests(tmp_path: Path) -> None:
     assert re.search(r"WARNING .*slow step: .*cmpl-slowpoke", proc.log_path.read_text())
 
 
-def _stream_until_done(url: str, body: dict, events: list[str]) -> None:  # type: ignore[type-arg]
-    with httpx.stream("POST", url, json=body, timeout=120) as response:
-        for line in response.iter_lines():
-            if line:
-                events.append(line)
+def _start_stream(proc: ServerProcess, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A streaming completion read on a thread; returns the thread and its SSE lines so far,
+    once the stream is running."""
+    events: list[str] = []
+    body = {"prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+    def read() -> None:
+        with httpx.stream("POST", f"{proc.api_url}/completions", json=body, timeout=120) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert wait_until(lambda: len(events) >= 2), "the stream is running"
+    return reader, events
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(
     tmp_path: Path,
 ) -> None:
     proc = start_server(tmp_path, "--slots", "2", "--shutdown-timeout", "60")
-    events: list[str] = []
-    body = {"prompt": "Count:", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    reader = threading.Thread(
-        target=_stream_until_done, args=(f"{proc.api_url}/completions", body, events)
-    )
-    reader.start()
-    assert wait_until(lambda: len(events) >= 2), "the stream is running"
+    reader, events = _start_stream(proc, max_tokens=60)
     proc.process.send_signal(signal.SIGTERM)
     assert wait_until(lambda: _ready_status(proc) == 503), "readiness fails while draining"
     refused = httpx.post(f"{proc.api_url}/completions", json={"prompt": "Hi", "max_tokens": 2})
@@ -231,13 +234,7 @@ def test_streams_past_the_shutdown_deadline_end_with_finish_reason_abort(
     tmp_path: Path,
 ) -> None:
     proc = start_server(tmp_path, "--slots", "2", "--shutdown-timeout", "0.5")
-    events: list[str] = []
-    body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    reader = threading.Thread(
-        target=_stream_until_done, args=(f"{proc.api_url}/completions", body, events)
-    )
-    reader.start()
-    assert wait_until(lambda: len(events) >= 2)
+    reader, events = _start_stream(proc, max_tokens=1500)
     started = time.monotonic()
     proc.process.send_signal(signal.SIGTERM)
     reader.join(timeout=60)

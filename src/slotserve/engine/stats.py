@@ -54,3 +54,26 @@ class EngineStats:
     @property
     def num_busy_slots(self) -> int:
         return sum(1 for slot in self.slots if slot.state != "free")
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """Monotonic counters summed over engines: the server adds each engine it replaces (a
+    reload) to the current one's, so Prometheus counters never go backwards."""
+
+    preemptions: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    integrity_checks: int = 0
+    integrity_failures: int = 0
+
+    def plus(self, stats: EngineStats, forward_seconds: float) -> EngineTotals:
+        return EngineTotals(
+            self.preemptions + stats.preemptions,
+            self.steps + stats.steps,
+            self.step_seconds + stats.step_seconds,
+            self.forward_seconds + forward_seconds,
+            self.integrity_checks + stats.integrity_checks,
+            self.integrity_failures + stats.integrity_failures,
+        )

@@ -196,21 +196,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
 
 def _engine_sample(ctx: ServingContext) -> EngineSample:
     host = ctx.host
-    model = host.model
-    retired = host.retired
-    stats = model.stats if model is not None else None
-    forward = model.engine.core.runner.forward_seconds if model is not None else 0.0
-    return EngineSample(
-        model_state=host.state.value,
-        loads=host.loads,
-        stats=stats,
-        preemptions=retired.preemptions + (stats.preemptions if stats else 0),
-        steps=retired.steps + (stats.steps if stats else 0),
-        step_seconds=retired.step_seconds + (stats.step_seconds if stats else 0.0),
-        forward_seconds=retired.forward_seconds + forward,
-        integrity_checks=retired.integrity_checks + (stats.integrity_checks if stats else 0),
-        integrity_failures=retired.integrity_failures + (stats.integrity_failures if stats else 0),
-    )
+    stats = host.model.stats if host.model is not None else None
+    return EngineSample(host.state.value, host.loads, stats, host.totals())
 
 
 def _prefix_stats(ctx: ServingContext) -> PrefixCacheStats:

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.prefix_cache import PrefixCacheStats
-from slotserve.engine.stats import EngineStats
+from slotserve.engine.stats import EngineStats, EngineTotals
 
 # ---- vLLM's names ---------------------------------------------------------------------------
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -248,13 +248,8 @@ class EngineSample:
 
     model_state: str
     loads: int
-    stats: EngineStats | None
-    preemptions: int
-    steps: int
-    step_seconds: float
-    forward_seconds: float
-    integrity_checks: int
-    integrity_failures: int
+    stats: EngineStats | None  # the current engine's snapshot (None while none is loaded)
+    totals: EngineTotals  # counters across reloads
 
 
 class EngineCollector(Collector):
@@ -266,7 +261,7 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._sample()
-        stats = s.stats or EngineStats()
+        stats, t = s.stats or EngineStats(), s.totals
         yield self._gauge(
             NUM_REQUESTS_RUNNING, "Requests prefilling or generating.", stats.num_running
         )
@@ -284,12 +279,12 @@ class EngineCollector(Collector):
             KV_CACHE_CAPACITY_TOKENS, "KV positions the runner can hold.", stats.kv_capacity_tokens
         )
         for name, documentation, value in (
-            (NUM_PREEMPTIONS, "Sequences preempted because KV ran short.", s.preemptions),
-            (ENGINE_STEPS, "Engine steps that ran a forward pass.", s.steps),
-            (ENGINE_STEP_SECONDS, "Time spent in engine steps.", s.step_seconds),
-            (RUNNER_FORWARD_SECONDS, "Time in the runner's forward passes.", s.forward_seconds),
-            (KV_INTEGRITY_CHECKS, "Idle-time KV integrity checks run.", s.integrity_checks),
-            (KV_INTEGRITY_FAILURES, "KV integrity checks that failed.", s.integrity_failures),
+            (NUM_PREEMPTIONS, "Sequences preempted because KV ran short.", t.preemptions),
+            (ENGINE_STEPS, "Engine steps that ran a forward pass.", t.steps),
+            (ENGINE_STEP_SECONDS, "Time spent in engine steps.", t.step_seconds),
+            (RUNNER_FORWARD_SECONDS, "Time in the runner's forward passes.", t.forward_seconds),
+            (KV_INTEGRITY_CHECKS, "Idle-time KV integrity checks run.", t.integrity_checks),
+            (KV_INTEGRITY_FAILURES, "KV integrity checks that failed.", t.integrity_failures),
             (MODEL_LOADS, "Successful model loads (the first and every reload).", s.loads),
         ):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])

@@ -27,7 +27,7 @@ from slotserve.engine.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.runner_interface import ModelInfo, Runner, Tokenizer
-from slotserve.engine.stats import EngineStats
+from slotserve.engine.stats import EngineStats, EngineTotals
 from slotserve.server.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
@@ -69,26 +69,6 @@ class LoadedModel:
 
 
 @dataclass
-class RetiredTotals:
-    """Counters of engines replaced by reloads, so Prometheus counters never go backwards."""
-
-    preemptions: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    integrity_checks: int = 0
-    integrity_failures: int = 0
-
-    def add(self, stats: EngineStats, forward_seconds: float) -> None:
-        self.preemptions += stats.preemptions
-        self.steps += stats.steps
-        self.step_seconds += stats.step_seconds
-        self.forward_seconds += forward_seconds
-        self.integrity_checks += stats.integrity_checks
-        self.integrity_failures += stats.integrity_failures
-
-
-@dataclass
 class ModelHost:
     """Owns the runner factory and the current engine; every route asks it for the model."""
 
@@ -100,7 +80,7 @@ class ModelHost:
     model: LoadedModel | None = None
     load_error: str | None = None
     loads: int = 0
-    retired: RetiredTotals = field(default_factory=RetiredTotals)
+    retired: EngineTotals = field(default_factory=EngineTotals)  # engines reloaded away
     _loading: bool = False
     _draining: bool = False
     _stopped: bool = False
@@ -208,7 +188,7 @@ class ModelHost:
 
     async def _retire(self, model: LoadedModel) -> None:
         """Stops an engine; whatever is still in it ends with an error."""
-        self.retired.add(model.stats, _forward_seconds(model))
+        self.retired = self.retired.plus(model.stats, _forward_seconds(model))
         try:
             await model.engine.shutdown()
         except Exception:  # a broken device may fail to free; the new runner starts clean
@@ -217,6 +197,13 @@ class ModelHost:
     def begin_drain(self) -> None:
         """Stops admitting requests (503); in-flight ones go on."""
         self._draining = True
+
+    def totals(self) -> EngineTotals:
+        """Engine counters since the server started, across reloads."""
+        model = self.model
+        if model is None:
+            return self.retired
+        return self.retired.plus(model.stats, _forward_seconds(model))
 
     @property
     def num_in_flight(self) -> int:

@@ -18,7 +18,6 @@ class ServingContext:
     host: ModelHost
     metrics: ServerMetrics
     api_key: str | None = None
-    shutdown_timeout_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -28,12 +27,6 @@ class ServingContext:
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise ModelNotFoundError(requested, self.model_name)
-
-    def ready_model(self, requested: str | None) -> LoadedModel:
-        """The model a generation request asked for: 404 for another name, 503 when it cannot
-        serve (loading, unhealthy, shutting down)."""
-        self.check_model(requested)
-        return self.host.require_ready()
 
 
 def require_chat_template(model: LoadedModel) -> ChatTemplate:

@@ -38,7 +38,7 @@ async def create_chat_completion(
 ) -> Response:
     ctx.check_model(body.model)
     body.reject_unsupported()
-    model = ctx.ready_model(body.model)
+    model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     template = require_chat_template(model)
     prompt_text = template.render(_message_dicts(body), add_generation_prompt=True)

@@ -58,7 +58,7 @@ async def create_completion(
 ) -> Response:
     ctx.check_model(body.model)
     body.reject_unsupported()
-    model = ctx.ready_model(body.model)
+    model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
     request_id = engine_request_id(model, "cmpl", http_request_id)
     prompts, prompt_texts = _prompts(model, body)
     params = sampling_params_of(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from slotserve.engine.errors import InvalidRequestError, RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.runners.pytorch.attention import StepAttention, build_group
+from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.model import Decoder
@@ -70,13 +71,12 @@ class TorchLoadConfig:
             raise ValueError("--gpu-memory-fraction must be in (0, 1]")
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    """The checkpoint's configuration, checked, without reading a weight."""
+def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
+    """The checkpoint's configuration, checked, without reading a weight (a GGUF file's
+    ``GGUFReader`` may be passed in: opening one parses the whole header, ~2 s here)."""
     name = path.stem if path.is_file() else path.name
     if path.is_file():
-        from gguf import GGUFReader
-
-        return config_from_gguf(_gguf_metadata(GGUFReader(str(path))), name)
+        return config_from_gguf(_gguf_metadata(gguf_reader or _open_gguf(path)), name)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
@@ -95,7 +95,8 @@ class TorchRunner:
         )
         self.dtype = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype]
         path = load.model_path
-        self.config = config = read_model_config(path)
+        reader = _open_gguf(path) if path.is_file() else None  # read once: config and weights
+        self.config = config = read_model_config(path, reader)
         self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
         started = time.monotonic()
         self._tokenizer = (
@@ -106,10 +107,8 @@ class TorchRunner:
         self.model.eval()
         if load.load_format == "dummy":
             tensors = dummy_tensors(config)
-        elif path.is_file():
-            from gguf import GGUFReader
-
-            tensors = gguf_tensors(GGUFReader(str(path)), config)
+        elif reader is not None:
+            tensors = gguf_tensors(reader, config)
         else:
             tensors = safetensors_tensors(path)
         load_into(self.model, tensors)
@@ -265,20 +264,21 @@ class TorchRunner:
         self._forward_seconds += time.perf_counter() - started
         return result
 
-    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list:  # type: ignore[type-arg]
+    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list[AttentionGroup]:
+        """All one-token chunks (first in ``ordered``) as one group, each longer chunk alone."""
         pool, c = self.pool, self.config
         window = c.sliding_window if any(c.sliding_layers) else None
-        tables = pool.tables.tables
-        groups = []
         decode = [chunk for chunk in ordered if len(chunk.token_ids) == 1]
-        row = 0
-        if decode:
+        batches = ([decode] if decode else []) + [[chunk] for chunk in ordered[len(decode) :]]
+        groups, row = [], 0
+        for batch in batches:
+            q_len = len(batch[0].token_ids)
             groups.append(
                 build_group(
                     row,
-                    [tables[chunk.slot] for chunk in decode],
-                    [chunk.start_pos for chunk in decode],
-                    1,
+                    [pool.tables.tables[chunk.slot] for chunk in batch],
+                    [chunk.start_pos for chunk in batch],
+                    q_len,
                     pool.block_size,
                     pool.zero_block,
                     c.num_kv_heads,
@@ -286,27 +286,18 @@ class TorchRunner:
                     self.device,
                 )
             )
-            row += len(decode)
-        for chunk in ordered[len(decode) :]:
-            groups.append(
-                build_group(
-                    row,
-                    [tables[chunk.slot]],
-                    [chunk.start_pos],
-                    len(chunk.token_ids),
-                    pool.block_size,
-                    pool.zero_block,
-                    c.num_kv_heads,
-                    window,
-                    self.device,
-                )
-            )
-            row += len(chunk.token_ids)
+            row += q_len * len(batch)
         return groups
 
     def close(self) -> None:
         self._samplers.clear()
         self.pool.layers.clear()
+
+
+def _open_gguf(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
 
 
 def _gguf_metadata(reader: object) -> dict[str, object]:
