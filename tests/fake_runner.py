@@ -11,6 +11,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
@@ -44,31 +45,53 @@ class FakeRunner:
     prefix_cache_unsupported: str | None = None
     prefill_grain: int = 1
     # A shared, paged KV pool of this many blocks (0: every slot owns max_seq_len positions),
-    # kept by the real block tables: lets tests run the engine out of KV memory.
+    # kept by the real block tables: lets tests run the engine out of KV memory, and the engine
+    # then keeps cached prefixes in blocks the radix tree holds (``paged_kv``). The "KV" is then
+    # the tokens written into each block, so a wrongly shared block changes the output.
     kv_pool_blocks: int = 0
     kv_block_size: int = 4
     batches: list[list[ScheduledChunk]] = field(default_factory=list)
     added: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, tokens)
-    # slot -> tokens whose "KV" is held: checks the engine feeds contiguous positions, and the
-    # fake model's next token depends on it, so wrongly reused KV changes the output.
-    kv: dict[int, list[int]] = field(default_factory=dict)
+    # slot -> tokens whose "KV" is held (without a pool): checks the engine feeds contiguous
+    # positions, and the fake model's next token depends on it, so wrongly reused KV changes
+    # the output. Read it through ``kv``.
+    streams: dict[int, list[int]] = field(default_factory=dict)
     active: set[int] = field(default_factory=set)  # slots with sampler state
     prompt_lengths: dict[int, int] = field(default_factory=dict)  # slot -> its prompt's length
     # (start_pos, length, prompt length) of every chunk that computed prompt tokens.
     prompt_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     fail_with: Exception | None = None  # raised by the next execute, once
     fail_add_sequence: bool = False  # a request-level failure (a grammar the runner rejects)
+    drop_samples_once: bool = False  # the next execute returns no tokens: breaks the engine loop
 
     def __post_init__(self) -> None:
         for slot in range(self.num_slots):
-            self.kv.setdefault(slot, [])
+            self.streams.setdefault(slot, [])
         self.pool = (
             PagedKvTables(self.kv_pool_blocks, self.kv_block_size, self.num_slots)
             if self.kv_pool_blocks
             else None
         )
+        self.block_tokens: dict[int, list[int]] = {}  # pool block -> the tokens written in it
+
+    @property
+    def kv(self) -> dict[int, list[int]]:
+        """Every slot's held tokens (a copy)."""
+        return {slot: self._held(slot) for slot in range(self.num_slots)}
+
+    def _held(self, slot: int) -> list[int]:
+        if self.pool is None:
+            return list(self.streams[slot])
+        table, size = self.pool.tables[slot], self.kv_block_size
+        return [
+            self.block_tokens[table[p // size]][p % size] for p in range(self.pool.lengths[slot])
+        ]
+
+    @property
+    def paged_kv(self) -> PagedKvTables | None:
+        return self.pool
 
     @property
     def model_info(self) -> ModelInfo:
@@ -82,8 +105,7 @@ class FakeRunner:
             bos_token="",
             eos_token="",
             runner="fake",
-            equal_prefill_chunks=self.equal_prefill_chunks,
-            prefill_grain=self.prefill_grain,
+            chunk_policy=ChunkPolicy(self.prefill_grain, self.equal_prefill_chunks),
             kv_bytes_per_token=64,
             prefix_cache_unsupported=self.prefix_cache_unsupported,
             kv_capacity_tokens=self.kv_pool_blocks * self.kv_block_size,
@@ -106,7 +128,7 @@ class FakeRunner:
         if self.fail_add_sequence:
             raise RuntimeError("simulated sampler setup failure")
         assert slot not in self.active, f"slot {slot} reused before removal"
-        held = self.kv[slot]
+        held = self._held(slot)
         assert held == list(prompt_token_ids[: len(held)]), "the slot's KV is not a prompt prefix"
         assert len(held) < len(prompt_token_ids), "the last prompt token must be computed"
         self.added.append(slot)
@@ -125,45 +147,64 @@ class FakeRunner:
         sampled = {}
         for chunk in chunks:
             assert chunk.slot in self.active, f"slot {chunk.slot} has no sequence"
-            held = self.kv[chunk.slot]
+            held = self._held(chunk.slot)
             assert chunk.start_pos == len(held), "positions must continue the slot's KV"
-            if self.pool is not None:
-                self.pool.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
+            self._write(chunk.slot, chunk.start_pos, chunk.token_ids)
             prompt_length = self.prompt_lengths[chunk.slot]
             if chunk.start_pos < prompt_length:
                 self.prompt_chunks.append((chunk.start_pos, len(chunk.token_ids), prompt_length))
             held.extend(chunk.token_ids)
             if chunk.sample:
                 sampled[chunk.slot] = SampledToken(self._next(held))
+        if self.drop_samples_once:
+            self.drop_samples_once = False
+            return {}
         return sampled
 
     def remove_sequence(self, slot: int) -> None:
         self.removed.append(slot)
         self.active.discard(slot)
 
+    def _write(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        if self.pool is None:
+            self.streams[slot].extend(tokens)
+            return
+        end = start + len(tokens)
+        self.pool.commit(slot, end)
+        table, size = self.pool.tables[slot], self.kv_block_size
+        for pos, token in zip(range(start, end), tokens, strict=True):
+            self.block_tokens.setdefault(table[pos // size], [-1] * size)[pos % size] = token
+
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        assert src_slot != dst_slot and num_tokens <= len(self.kv[src_slot])
+        assert src_slot != dst_slot and num_tokens <= self.kv_tokens(src_slot)
         self.copies.append((src_slot, dst_slot, num_tokens))
-        self.kv[dst_slot] = self.kv[src_slot][:num_tokens]
         if self.pool is not None:
             self.pool.copy(src_slot, dst_slot, num_tokens)
+        else:
+            self.streams[dst_slot] = self.streams[src_slot][:num_tokens]
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
-        del self.kv[slot][num_tokens:]
         if self.pool is not None:
             self.pool.trim(slot, num_tokens)
+        else:
+            del self.streams[slot][num_tokens:]
 
     def kv_tokens(self, slot: int) -> int:
-        return len(self.kv[slot])
+        return self.pool.lengths[slot] if self.pool is not None else len(self.streams[slot])
 
     def reserve_kv(self, slot: int, num_tokens: int) -> bool:
         if self.pool is None:
             return num_tokens <= self.max_seq_len
-        return self.pool.reserve(slot, num_tokens) is not None
+        copies = self.pool.reserve(slot, num_tokens)
+        if copies is None:
+            return False
+        for src, dst in copies:  # copy-on-write: the shared block's content goes along
+            self.block_tokens[dst] = list(self.block_tokens.get(src, [-1] * self.kv_block_size))
+        return True
 
     def kv_used_tokens(self, slots: Collection[int]) -> int:
         if self.pool is None:
-            return sum(len(self.kv[slot]) for slot in slots)
+            return sum(self.kv_tokens(slot) for slot in slots)
         return self.pool.used_blocks(slots) * self.kv_block_size
 
     @property

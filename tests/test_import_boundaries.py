@@ -1,5 +1,7 @@
-"""The engine must not depend on any backend (STYLE.md: engine imports neither torch nor
-llama_cpp); checked both statically and by importing it in a clean interpreter."""
+"""The engine must not depend on any backend or on HTTP (the project's conventions, in
+``shared/STYLE.md`` beside the repository: "engine/ imports neither torch nor llama_cpp";
+ARCHITECTURE.md, "Data flow"); checked both statically and by importing it in a clean
+interpreter."""
 
 from __future__ import annotations
 

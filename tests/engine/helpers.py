@@ -32,7 +32,7 @@ def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, li
     for _ in range(max_steps):
         for output in core.step():
             outputs.setdefault(output.request_id, []).append(output)
-        if not core.scheduler.has_work and not core._inbox:
+        if not core.has_work:
             return outputs
     raise AssertionError("engine did not finish")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from slotserve.engine.core_client import InThreadCore
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import (
     EngineDeadError,
@@ -73,12 +74,18 @@ def test_multibyte_utf8_split_across_tokens_is_never_broken() -> None:
 
 
 def test_full_queue_rejects_at_once() -> None:
+    # The 429 decision is the hand-off's: it counts its inbox against what the core published.
     core, _ = make_core(FakeRunner(num_slots=1), max_queue=2)
-    submit(core, "a", "x", max_tokens=3)  # takes the free slot
-    submit(core, "b", "x", max_tokens=3)
-    submit(core, "c", "x", max_tokens=3)
+    client = InThreadCore(core, deliver=lambda outputs: None)  # no thread: driven by hand
+
+    def send(request_id: str) -> None:
+        client.add_request(core.make_request(request_id, [1], SamplingParams(max_tokens=3)))
+
+    for request_id in ("a", "b", "c"):  # "a" will take the free slot
+        send(request_id)
     with pytest.raises(QueueFullError):
-        submit(core, "d", "x", max_tokens=3)
+        send("d")
+    assert client.take_inbox()
     outputs = run_to_completion(core)
     assert set(outputs) == {"a", "b", "c"}
 
@@ -93,7 +100,7 @@ def test_abort_mid_prefill_frees_the_slot_within_one_step() -> None:
     core.step()
     assert _slot_states(core)[0] is SlotState.PREFILLING
     batches_before = len(runner.batches)
-    core.abort_request("long")
+    core.abort("long")
     outputs = core.step()
     assert _slot_states(core)[0] is SlotState.FREE
     assert runner.removed == [0] and runner.active == set()
@@ -110,7 +117,7 @@ def test_abort_mid_decode_frees_the_slot_within_one_step() -> None:
     submit(core, "b", "y", max_tokens=10)
     for _ in range(3):
         core.step()
-    core.abort_request("a")
+    core.abort("a")
     core.step()
     assert _slot_states(core)[0] is SlotState.FREE
     assert 0 in runner.removed
@@ -123,7 +130,7 @@ def test_abort_of_a_waiting_request_removes_it_from_the_queue() -> None:
     submit(core, "a", "x", max_tokens=10)
     submit(core, "b", "y", max_tokens=10)
     core.step()
-    core.abort_request("b")
+    core.abort("b")
     core.step()
     assert list(core.scheduler.waiting) == []
     assert runner.added == [0]

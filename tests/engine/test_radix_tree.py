@@ -78,6 +78,23 @@ def test_eviction_goes_least_recently_used_first() -> None:
     tree.check_integrity()
 
 
+def test_the_eviction_heap_kept_across_calls_follows_later_touches() -> None:
+    tree = _tree()
+    for first in range(1, 6):
+        _insert(tree, [first, first])
+    evicted: list[list[int]] = []
+    tree.evict(2, lambda node: evicted.append(tree.path_tokens(node)))  # [1, 1]: oldest
+    tree.match_prefix([2, 2])  # touched after the heap was built: now the newest
+    _insert(tree, [3, 3, 7])  # [3, 3] gains a child: no longer a leaf
+    tree.evict(4, lambda node: evicted.append(tree.path_tokens(node)))
+    assert evicted == [[1, 1], [4, 4], [5, 5]]
+    tree.evict(100, lambda node: evicted.append(tree.path_tokens(node)))
+    # The insert touched [3, 3] after [2, 2]; the parent goes once its last child went.
+    assert evicted[3:] == [[2, 2], [3, 3, 7], [3, 3]]
+    assert tree.num_nodes == 0
+    tree.check_integrity()
+
+
 def test_eviction_removes_leaves_before_their_parents() -> None:
     tree = _tree()
     _insert(tree, [1, 2, 3])
@@ -194,6 +211,9 @@ def test_random_operations_keep_the_tree_consistent(
             before = tree.total_tokens
             freed = tree.evict(amount, record)
             assert tree.total_tokens == before - freed
+            # The heap kept across calls never misses a candidate: short only when nothing
+            # unlocked is left.
+            assert freed >= amount or tree.evictable_tokens == 0
             for path in evicted:
                 inserted = {p for p in inserted if p[: len(path)] != path}
         tree.check_integrity()

@@ -104,7 +104,7 @@ def test_fully_cached_prompt_still_computes_its_last_grain(runner: LlamaCppRunne
     core = EngineCore(runner, EngineConfig(num_slots=8))
     prompt = runner.tokenizer.encode(SYSTEM)
     first, _ = _run(core, {"a": prompt}, 16)["a"]
-    assert core.prefix_cache is not None
+    assert core.prefix_cache.enabled
     assert len(max((core.prefix_cache.held_tokens(s) for s in range(8)), key=len)) == len(prompt)
     again, cached = _run(core, {"b": prompt}, 16)["b"]
     assert cached == len(prompt) - GRAIN  # the last 64 tokens are computed as alone
@@ -131,7 +131,7 @@ def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppR
     core.add_request(core.make_request("a", prompt, _greedy(8)))
     core.step()
     core.step()
-    core.abort_request("a")
+    core.abort("a")
     core.step()
     core.check_integrity()
     # Two chunks ran: the odd part plus a grain (so whole grains are left), then a grain.

@@ -19,6 +19,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner, read_model_config
 from tests.prompts import PROMPTS
+from tests.runner.conftest import require_batch_invariance
 from tests.runner.engine_runs import generate, greedy
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
@@ -210,7 +211,7 @@ def test_blocks_are_freed_on_finish_and_on_cancel(torch_runner: TorchRunner) -> 
     while core.stats.generated_tokens < 25:
         core.step()
     assert tables.num_free < tables.num_blocks
-    core.abort_request("gone")
+    core.abort("gone")
     core.step()
     assert tables.num_free == tables.num_blocks, "a cancelled sequence gave its blocks back"
     tables.check_integrity()
@@ -259,6 +260,7 @@ def test_a_small_kv_pool_preempts_and_outputs_stay_those_of_each_request_alone(
 ) -> None:
     # 4 sequences of ~60 + 64 tokens need ~32 blocks of 16; the pool has 14 blocks.
     runner = _runner(model_path, num_slots=4, max_seq_len=224, kv_memory_bytes=14 * 16 * 23040)
+    require_batch_invariance(runner)
     assert runner.model_info.kv_capacity_tokens == 14 * 16
     core = EngineCore(runner, EngineConfig(num_slots=4))
     prompts = [
@@ -270,5 +272,48 @@ def test_a_small_kv_pool_preempts_and_outputs_stay_those_of_each_request_alone(
     together = generate(core, {f"p{i}": (p, greedy(64)) for i, p in enumerate(prompts)})
     assert core.stats.preemptions > 0, "the pool was too small for all four at once"
     assert together == alone
+    core.check_integrity()
+    runner.close()
+
+
+def test_cached_prefixes_outlive_the_slots_in_the_pool_and_give_way_under_pressure(
+    model_path: Path,
+) -> None:
+    # Two slots over a pool of 26 blocks of 16 positions: the radix tree holds cached prefixes'
+    # blocks itself, so a prefix survives both slots running other work, and a pool that runs
+    # short evicts it instead of preempting anyone.
+    runner = _runner(model_path, num_slots=2, max_seq_len=320, kv_memory_bytes=26 * 16 * 23040)
+    encode = runner.tokenizer.encode
+    system = encode(" ".join(PROMPTS[:4]))
+    question = system + encode(" What comes next?")
+    busy = {f"busy{i}": (encode(PROMPTS[4 + i]), greedy(24)) for i in range(2)}
+    big = {
+        f"big{i}": (encode(" ".join(PROMPTS[i:] + PROMPTS[:i]) * 2), greedy(40)) for i in range(2)
+    }
+
+    def run(core: EngineCore, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+        core.add_request(core.make_request(request_id, prompt, greedy(12)))
+        tokens, cached = [], -1
+        while core.has_work:
+            for out in core.step():
+                tokens += [t for d in out.deltas for t in d.token_ids]
+                cached = out.num_cached_tokens
+        return tokens, cached
+
+    blocks = [-(-(len(p) + 40) // 16) for p, _ in big.values()]
+    assert 16 < sum(blocks) <= 26, blocks  # both fit the pool, but not beside the cache
+    reference = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache=False))
+    alone, _ = run(reference, "alone", question)
+    big_alone = generate(reference, big)
+    core = EngineCore(runner, EngineConfig(num_slots=2))
+    run(core, "first", question)
+    generate(core, busy)  # both slots run (and then hold nothing of) other prompts
+    again, cached = run(core, "again", question)
+    assert cached == len(question) - 1, "the prefix outlived both slots' other work"
+    big_cached = generate(core, big)
+    if runner.batch_invariant:  # else a hit's short tail chunk may round differently (E4)
+        assert again == alone and big_cached == big_alone
+    stats = core.stats
+    assert stats.prefix_cache.evictions > 0 and stats.preemptions == 0
     core.check_integrity()
     runner.close()

@@ -1,9 +1,10 @@
-"""Bridge between asyncio request handlers and the engine thread (SPEC E3, E7, E11).
+"""The engine as asyncio request handlers see it (SPEC E3, E7, E11).
 
-Handlers call :meth:`AsyncEngine.generate`, an async iterator over :class:`RequestOutput`.
-The engine thread hands each step's outputs to the event loop in one ``call_soon_threadsafe``
-and the loop routes them into per-request ``asyncio.Queue``s. Leaving the iterator early
-(client disconnect, cancellation) aborts the request, which frees its slot in the next step.
+Handlers call :meth:`AsyncEngine.generate` (or :meth:`AsyncEngine.submit`), an async iterator
+over :class:`RequestOutput`. The core client (``core_client.py``) hands each step's outputs to
+the event loop in one ``call_soon_threadsafe`` and the loop routes them into per-request
+``asyncio.Queue``s. Leaving the iterator early (client disconnect, cancellation) aborts the
+request, which frees its slot in the next step.
 
 When the runner fails, the engine is poisoned: every request in it gets an error output and
 the engine thread ends. :attr:`AsyncEngine.unhealthy` then says why; a new runner and engine
@@ -15,13 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
+import uuid
 from collections.abc import AsyncGenerator, Callable
 
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_client import InThreadCore
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +34,56 @@ OutputListener = Callable[[list[RequestOutput]], None]
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, on_outputs: OutputListener | None = None) -> None:
+    def __init__(self, on_outputs: OutputListener | None = None) -> None:
         """``on_outputs`` sees every step's outputs on the event loop (metrics)."""
-        self.core = core
         self._on_outputs = on_outputs
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._dead: str | None = None
+        # Ids the engine still holds: a stream closed early leaves its request in the engine
+        # until the abort's final output comes back.
+        self._busy: set[str] = set()
+        self._loop = asyncio.get_running_loop()
+        self._client: InThreadCore | None = None
+
+    @classmethod
+    async def launch(
+        cls, build: Callable[[], EngineCore], on_outputs: OutputListener | None = None
+    ) -> AsyncEngine:
+        """Builds the core on its own engine thread (see ``InThreadCore.launch``) and starts
+        serving; raises what ``build`` raised."""
+        engine = cls(on_outputs)
+        engine._client = await InThreadCore.launch(build, engine._deliver)
+        return engine
 
     @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.unhealthy is None
+    def client(self) -> InThreadCore:
+        assert self._client is not None, "the engine was not launched"
+        return self._client
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.client.config
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.client.model_info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.client.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        """What the core last published (never blocks it)."""
+        return self.client.stats
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.client.forward_seconds
 
     @property
     def unhealthy(self) -> str | None:
         """Why the engine stopped serving (runner failure, loop crash); None while healthy."""
-        return self.core.unhealthy or self._dead
+        return self.client.unhealthy
 
     @property
     def num_in_flight(self) -> int:
@@ -53,81 +91,34 @@ class AsyncEngine:
         return len(self._queues)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._queues
-
-    def start(self) -> None:
-        """Starts the engine thread; must be called from the event loop that will consume."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    async def launch(
-        cls, build: Callable[[], EngineCore], on_outputs: OutputListener | None = None
-    ) -> AsyncEngine:
-        """Starts an engine thread that first builds its core (loads the model) and then runs
-        it; returns once the core is built, or raises what ``build`` raised.
-
-        NOTE: the runner is loaded on the thread that will run it. PyTorch's OpenMP keeps a
-        worker team per calling thread, and libgomp shortens its workers' spin-wait when
-        more threads are managed than there are cores: a model loaded on another thread
-        left a second team behind and made every forward pass ~40% slower (measured, 2
-        cores).
-        """
-        loop = asyncio.get_running_loop()
-        built: asyncio.Future[AsyncEngine] = loop.create_future()
-
-        def settle(result: AsyncEngine | BaseException) -> None:
-            if built.done():  # the caller gave up waiting (shutdown during the load)
-                if isinstance(result, AsyncEngine):
-                    result.core.stop()
-                return
-            if isinstance(result, BaseException):
-                built.set_exception(result)
-            else:
-                built.set_result(result)
-
-        def run() -> None:
-            try:
-                engine = cls(build(), on_outputs)
-            except BaseException as exc:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(settle, exc)
-                return
-            engine._loop = loop
-            engine._thread = threading.current_thread()
-            loop.call_soon_threadsafe(settle, engine)
-            engine._run()
-
-        threading.Thread(target=run, name="slotserve-engine", daemon=True).start()
-        return await built
+        """True while the engine holds a request with this id."""
+        return request_id in self._busy
 
     async def shutdown(self) -> None:
-        """Stops the engine thread and closes the runner. Requests still in the engine end
-        with an error output (their streams close), so no caller waits forever."""
-        self.core.stop()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        # The engine thread is gone, so the loop may touch the core.
-        self._route(self.core.fail_all("the engine was stopped (shutdown or reload)"))
-        self.core.runner.close()
+        """Stops the engine and closes the runner; requests still in it end with an error
+        output (their streams close), so no caller waits forever."""
+        await self.client.shutdown()
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
-        Raises ``InvalidRequestError``, ``QueueFullError`` or ``EngineDeadError`` at once. Use
-        the stream as a context manager: leaving it before the request finished aborts it.
+        Raises ``InvalidRequestError``, ``QueueFullError`` or ``EngineDeadError`` at once. An
+        id the engine still holds gets a suffix (clients may reuse ``x-request-id``): the
+        stream's ``request_id`` is the one the engine uses. Use the stream as a context
+        manager: leaving it before the request finished aborts it.
         """
         unhealthy = self.unhealthy
         if unhealthy is not None:
             raise EngineDeadError(unhealthy)
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id} is already in flight")
-        request = self.core.make_request(request_id, prompt_token_ids, params)
-        self.core.add_request(request)
+        while request_id in self._busy:
+            request_id = f"{request_id.split('~')[0]}~{uuid.uuid4().hex[:8]}"
+        request = self.client.make_request(request_id, prompt_token_ids, params)
+        self.client.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._busy.add(request_id)
         return RequestStream(self, request_id, queue)
 
     async def generate(
@@ -139,37 +130,24 @@ class AsyncEngine:
                 yield output
 
     def abort(self, request_id: str) -> None:
-        self.core.abort_request(request_id)
+        self.client.abort(request_id)
 
     def abort_all(self) -> int:
         """Aborts every request in flight (shutdown); each still gets its final output."""
         request_ids = list(self._queues)
         for request_id in request_ids:
-            self.core.abort_request(request_id)
+            self.client.abort(request_id)
         return len(request_ids)
 
     def detach(self, request_id: str) -> None:
         """Stops routing outputs of ``request_id`` (its stream was closed)."""
         self._queues.pop(request_id, None)
 
-    def _run(self) -> None:
-        core = self.core
-        try:
-            while core.wait_for_work():
-                outputs = core.step()
-                if outputs:
-                    self._deliver(outputs)
-                if core.unhealthy is not None:
-                    return  # poisoned: every request has its error; nothing more to run
-                if core.is_idle:
-                    core.check_integrity_when_idle()
-        except Exception as exc:
-            logger.exception("engine loop crashed")
-            self._dead = f"engine loop crashed: {exc}"
-            self._deliver(core.fail_all(self._dead))
-
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        assert self._loop is not None
+        """Any thread: routes the outputs on the event loop."""
+        if _running_loop() is self._loop:
+            self._route(outputs)
+            return
         with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
             self._loop.call_soon_threadsafe(self._route, outputs)
 
@@ -180,9 +158,18 @@ class AsyncEngine:
             except Exception:  # metrics must never lose a request's output
                 logger.exception("output listener failed")
         for output in outputs:
+            if output.finished:
+                self._busy.discard(output.request_id)
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class RequestStream:

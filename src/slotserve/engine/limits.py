@@ -1,4 +1,5 @@
-"""Checks a request against the model's limits before any device work (SPEC E10).
+"""Checks a request against the model's limits before any device work (SPEC E10), and builds
+the engine's :class:`Request` from one that passes.
 
 Messages follow OpenAI's ``context_length_exceeded`` wording, so clients that parse it (to
 trim a chat history, say) keep working.
@@ -7,8 +8,10 @@ trim a chat history, say) keep working.
 from __future__ import annotations
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.runner_interface import ModelInfo
+from slotserve.engine.request import Request, Sequence
+from slotserve.engine.runner_interface import ModelInfo, Runner
 from slotserve.engine.sampling_params import SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -52,3 +55,33 @@ def check_request(
         )
     params.validate_against_vocab(info.vocab_size)
     return room
+
+
+def make_request(
+    runner: Runner,
+    config: EngineConfig,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> Request:
+    """Validates a request (``InvalidRequestError``) and builds it with one sequence per
+    choice. Any thread: it only reads what the runner fixed at load time."""
+    room = check_request(runner.model_info, config, prompt_token_ids, params)
+    if params.structured_output is not None:
+        runner.check_structured_output(params.structured_output)
+    request = Request(request_id, list(prompt_token_ids), params)
+    if config.request_timeout_s is not None:
+        request.deadline = request.arrival_time + config.request_timeout_s
+    token_bytes = runner.tokenizer.token_bytes
+    for index in range(params.n):
+        request.sequences.append(
+            Sequence(
+                request=request,
+                index=index,
+                max_tokens=params.max_tokens or room,
+                detokenizer=IncrementalDetokenizer(token_bytes, params.stop),
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+            )
+        )
+    return request

@@ -1,11 +1,18 @@
-"""Turns sampled tokens into text deltas and finish decisions (SPEC E5, E6)."""
+"""Turns sampled tokens into text deltas and finish decisions (SPEC E5, E6), and gathers a
+step's deltas into one :class:`RequestOutput` per request."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Set
 
-from slotserve.engine.outputs import FinishReason, SampledToken, SequenceDelta
-from slotserve.engine.request import Sequence
+from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken, SequenceDelta
+from slotserve.engine.request import Request, Sequence
+
+logger = logging.getLogger(__name__)
+
+Outputs = dict[str, RequestOutput]  # one step's outputs by request id
 
 
 def append_token(seq: Sequence, sampled: SampledToken, eog_token_ids: Set[int]) -> None:
@@ -51,3 +58,43 @@ def take_delta(seq: Sequence) -> SequenceDelta:
     seq.pending_tokens = []
     seq.pending_logprobs = []
     return delta
+
+
+def output_for(request: Request, outputs: Outputs) -> RequestOutput:
+    """The step's output of ``request``, created on first use."""
+    out = outputs.get(request.request_id)
+    if out is None:
+        admitted = request.admitted_time
+        out = outputs[request.request_id] = RequestOutput(
+            request.request_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.sequences[0].num_cached_tokens,
+            arrival_time=request.arrival_time,
+            queue_seconds=None if admitted is None else admitted - request.arrival_time,
+        )
+    return out
+
+
+def stamped(outputs: Outputs) -> list[RequestOutput]:
+    """The outputs, each marked with the time the step made them."""
+    now = time.monotonic()
+    for out in outputs.values():
+        out.time = now
+    return list(outputs.values())
+
+
+def log_end(request: Request, how: str, error: str | None = None) -> None:
+    now = time.monotonic()
+    queued = (request.admitted_time or now) - request.arrival_time
+    logger.info(
+        "request %s %s: %d prompt (%d cached) + %d output tokens, %.0f ms queued, %.0f ms in all%s",
+        request.request_id,
+        how,
+        len(request.prompt_token_ids),
+        request.sequences[0].num_cached_tokens if request.sequences else 0,
+        request.num_output_tokens,
+        queued * 1000,
+        (now - request.arrival_time) * 1000,
+        f" ({error})" if error else "",
+        extra={"request_id": request.request_id},
+    )

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class FailureKind(enum.Enum):
+    """Why the engine ended a request early; the server maps each to one HTTP status."""
+
+    MODEL_UNHEALTHY = "model_unhealthy"  # the runner or the engine loop broke: reload needed
+    ENGINE_STOPPED = "engine_stopped"  # the engine was shut down or replaced (reload)
+    REQUEST_FAILED = "request_failed"  # this request alone could not run (sampler setup)
+    TIMED_OUT = "timed_out"  # past --request-timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +48,10 @@ class SequenceDelta:
 class RequestOutput:
     """Everything a request produced in one step; ``finished`` once all its sequences ended.
 
-    ``error`` is set when the request failed (the runner broke); ``timed_out`` when the engine
-    ended it at its deadline. Times are ``time.monotonic()`` values: when the request arrived,
-    and when this output was made; ``queue_seconds`` is set once the request left the queue.
+    ``failure`` says why the engine ended the request early, with the words in ``error`` (None
+    for a time-out, which ends it like an abort). Times are ``time.monotonic()`` values: when
+    the request arrived, and when this output was made; ``queue_seconds`` is set once the
+    request left the queue.
     """
 
     request_id: str
@@ -50,7 +61,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the first choice, as OpenAI's usage reports it
     num_output_tokens: int = 0
     error: str | None = None
-    timed_out: bool = False
+    failure: FailureKind | None = None
     arrival_time: float = 0.0
     time: float = 0.0
     queue_seconds: float | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.failure is FailureKind.TIMED_OUT

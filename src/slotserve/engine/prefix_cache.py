@@ -1,58 +1,45 @@
-"""The prefix cache (SPEC E8): which KV sequence holds which token prefix, and reuse of it.
+"""The prefix cache's interface (SPEC E8), its statistics, the cache that is off, and the one
+choice between them, made once at start-up (:func:`build_prefix_cache`).
 
-The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of one token list.
-It can copy the first ``n`` positions of one sequence into another and trim a sequence to its
-first ``n`` positions (:class:`KvStore`). llama.cpp does both on its per-sequence KV streams;
-a paged runner does them by sharing and dropping block references.
+Three implementations, one per way a runner keeps KV:
 
-On that model the cache keeps a :class:`~slotserve.engine.radix_tree.RadixTree` whose node
-handles are the sets of sequence ids whose content *ends* at that node. A sequence id holds the
-whole path from the root to its node, so every holder of a node is found in its subtree, and
-a node nobody holds is pruned. A slot keeps its KV after its sequence ends: free slots are the
-cache's storage, running slots lock their own path.
+* :class:`~slotserve.engine.slot_prefix_cache.SlotPrefixCache`: KV per sequence id, each slot
+  one stream (llama.cpp). Free slots keep their KV and are the cache's storage; a hit trims a
+  free slot in place or copies the prefix between streams.
+* :class:`~slotserve.engine.paged_prefix_cache.PagedPrefixCache`: a pool of KV blocks shared by
+  reference (the PyTorch runner). The radix tree holds the blocks of cached prefixes itself, so
+  cache capacity follows free memory, not the slot count, and a prefix outlives its owner
+  without a copy.
+* :class:`NullPrefixCache`: matches nothing, keeps nothing, and says why it is off.
 
-* **Admission**: the longest cached prefix of the prompt is matched (never the whole prompt:
-  the last token is always computed, so the sequence gets logits; with a prefill grain, see
-  :meth:`PrefixCache.reusable_length`). The new sequence takes, in
-  order of preference, a free slot that already holds the prefix (trimmed in place, no copy), or
-  the free slot whose content is least worth keeping, into which the prefix is copied from any
-  holder, running or free.
-* **Progress**: after each prefill chunk the computed prompt is inserted, so requests queued
-  behind a long prompt can share it while it is still running.
-* **End**: the computed tokens the cache may hand out (:meth:`PrefixCache.cacheable_length`)
-  are inserted, the slot's KV is trimmed to them, and the path is unlocked.
-* **Budget**: unlocked (cached) tokens beyond the budget are evicted, least recently used
-  leaves first, by trimming the free slots that hold them. Running sequences never wait for the
-  cache: a slot's cached content gives way the moment a new sequence needs the slot.
+Rules every implementation keeps (the scheduler relies on them):
+
+* ``attach`` before a sequence runs, then ``extend`` after each prefill chunk and ``release``
+  (or ``drop``, after a failure) when it ends or is preempted. Between ``attach`` and the end
+  the slot is *running* and its path is locked: never evicted.
+* A hit never covers the last prompt token, and never more than the runner's chunk policy
+  allows (:meth:`~slotserve.engine.chunk_policy.ChunkPolicy.reusable_length`).
+* ``evict_unused`` gives back some unused KV whatever the budget (0: nothing left to give);
+  cached content never makes a request wait or fail.
+* ``check_integrity`` raises ``AssertionError`` when the tree, the locks or the runner's KV
+  disagree (run by tests and whenever the engine goes idle).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.config import EngineConfig
 from slotserve.engine.radix_tree import Match, RadixTree, TreeNode
+from slotserve.engine.runner_interface import ModelInfo, Runner
 
-Holders = set[int]  # sequence ids whose cached content ends at a node
-CacheNode = TreeNode[Holders]
-PrefixMatch = Match[Holders]
+logger = logging.getLogger(__name__)
 
-
-class KvStore(Protocol):
-    """The KV operations the prefix cache needs from a runner (see ``Runner``)."""
-
-    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        """Replaces ``dst_slot``'s KV with the first ``num_tokens`` positions of ``src_slot``'s."""
-        ...
-
-    def trim_kv(self, slot: int, num_tokens: int) -> None:
-        """Keeps only the first ``num_tokens`` positions of ``slot``'s KV."""
-        ...
-
-    def kv_tokens(self, slot: int) -> int:
-        """How many positions (``0 .. n-1``) ``slot``'s KV holds."""
-        ...
+PrefixMatch = Match[Any]
 
 
 @dataclass(frozen=True)
@@ -69,7 +56,7 @@ class PrefixCacheStats:
     evictable_tokens: int = 0  # ... of which no running sequence uses
     cached_bytes: int = 0
     nodes: int = 0
-    evictions: int = 0  # tree nodes removed to make room or because their slot was reused
+    evictions: int = 0  # tree nodes removed to make room or because their KV was reused
     evicted_tokens: int = 0
     budget_tokens: int = 0
     kv_bytes_per_token: int = 0
@@ -109,261 +96,180 @@ class PrefixCacheStats:
         }
 
 
-def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
-    # Sequences that ended at the split node hold all of it: they end at the lower half.
-    return set(), holders
+class PrefixCache(Protocol):
+    """What the scheduler and the engine core ask of a prefix cache (engine thread only)."""
 
-
-class PrefixCache:
-    """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
-
-    def __init__(
-        self,
-        kv: KvStore,
-        num_slots: int,
-        budget_tokens: int,
-        kv_bytes_per_token: int,
-        grain: int = 1,
-    ) -> None:
-        self.kv = kv
-        self.grain = grain
-        self.budget_tokens = budget_tokens
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.tree: RadixTree[Holders] = RadixTree(set, _split_holders)
-        self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
-        self.tree.root.value.update(self._end)
-        self._running: set[int] = set()
-        self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
-        self._evictions = self._evicted_tokens = 0
-
-    # ---- admission --------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool: ...
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` (see :meth:`reusable_length`)."""
-        return self.tree.match_prefix(prompt[: len(prompt) - 1])
-
-    def reusable_length(self, matched: int, prompt_length: int) -> int:
-        """How many of ``matched`` cached prompt tokens a new sequence takes (scheduler
-        invariant 8).
-
-        Never the last prompt token: it must be computed, for logits. With a grain, the rest is
-        a whole number of grains (computed in long chunks, as the prompt alone would compute
-        it, and batching with other prompts' chunks), and a prompt shorter than a grain takes
-        nothing: alone it is one short chunk, while cached KV always comes from long ones. A
-        token's K and V depend only on the tokens before it, so a hit may end anywhere, not
-        only where the source prompt's chunks ended.
-        """
-        if self.grain == 1:
-            return min(matched, prompt_length - 1)
-        if prompt_length < self.grain:
-            return 0
-        # Leave whole grains: the rest is then chunked like other prompts' and batches with them.
-        rest = -(-(prompt_length - matched) // self.grain) * self.grain  # rounded up, >= 1 grain
-        return max(0, prompt_length - max(rest, self.grain))
-
-    def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
-        """How many of a sequence's computed tokens the cache may keep and hand out.
-
-        With a grain of 1 the runner computes a token identically in any chunk, one-token
-        decode steps included, so prompt and output are kept. Otherwise the prompt is kept if it
-        was computed in long chunks (it is at least a grain long), the output never: it was
-        computed one token at a time, and a new prompt would compute those positions in long
-        chunks (a reply reused by the next chat turn would change that turn's logits slightly).
-        """
-        if self.grain == 1:
-            return num_computed_tokens
-        if num_prompt_tokens < self.grain:
-            return 0
-        return min(num_computed_tokens, num_prompt_tokens)
-
-    def holders(self, match: PrefixMatch) -> set[int]:
-        """Slots whose KV starts with the matched prefix."""
-        if match.length == 0:
-            return set()
-        return {slot for node in self.tree.subtree(match.node) for slot in node.value}
+        """The longest cached prefix of ``prompt`` without its last token."""
+        ...
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
-        """The free slot a sequence with this match should take (see the module docstring)."""
-        if self.reusable_length(match.length, prompt_length) > 0:
-            in_place = sorted(self.holders(match).intersection(free_slots))
-            if in_place:
-                return in_place[0]
-        return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
+        """The free slot a sequence with this match should take."""
+        ...
 
     def attach(
-        self, slot: int, prompt: Sequence[int], match: PrefixMatch, count: bool = True
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
     ) -> int:
-        """Makes free ``slot``'s KV hold the matched prefix of ``prompt`` and marks the slot
-        running; returns the number of prompt tokens that need no computing. ``count=False``
-        leaves the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
-        assert slot not in self._running, f"slot {slot} is already running"
-        length = self.reusable_length(match.length, len(prompt))
-        holders = self.holders(match)
-        if slot in holders:
-            self.kv.trim_kv(slot, length)  # it starts with the prefix: cut it back in place
-        else:
-            self._forget(slot)
-            if length:
-                self.kv.copy_kv(min(holders), slot, length)
-            else:
-                self.kv.trim_kv(slot, 0)
-        self._set_end(slot, self.tree.insert(prompt[:length]))
-        self._running.add(slot)
-        self.tree.lock(self._end[slot])
-        if count:
-            self._query_tokens += len(prompt)
-            self._hit_tokens += length
-            if length:
-                self._hits += 1
-            else:
-                self._misses += 1
-        return length
-
-    # ---- progress and end -------------------------------------------------------------------
+        """Makes free ``slot``'s KV hold the reusable part of the match and marks the slot
+        running; returns how many tokens need no computing. ``count=False`` leaves the hit
+        statistics alone (a preempted sequence resuming is not a new lookup)."""
+        ...
 
     def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
-        """Records that running ``slot``'s KV starts with ``cacheable_tokens`` (it may hold
-        more: see :meth:`cacheable_length`)."""
-        assert slot in self._running, f"slot {slot} is not running"
-        self._set_end(slot, self.tree.insert(cacheable_tokens))
+        """Running ``slot``'s KV now starts with ``cacheable_tokens``: shareable at once."""
+        ...
 
     def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
-        """The slot's sequence ended: its KV is trimmed to ``cacheable_tokens`` and stays in
-        the slot as cache."""
-        self.extend(slot, cacheable_tokens)
-        self._running.discard(slot)
-        self.tree.unlock(self._end[slot])
-        self.kv.trim_kv(slot, len(cacheable_tokens))
-        excess = self.tree.evictable_tokens - self.budget_tokens
-        if excess > 0:
-            self._evict(excess)
-
-    def is_running(self, slot: int) -> bool:
-        """True between ``attach`` and ``release`` / ``drop``."""
-        return slot in self._running
-
-    def evict_unused(self) -> int:
-        """Gives back some unused KV whatever the budget (the runner's KV pool is short);
-        returns the tokens freed (0: nothing is left to give back).
-
-        First the least recently used unlocked leaf. Then a free slot whose content ends on a
-        running sequence's path: that sequence holds the same tokens, so the tree loses
-        nothing, but the slot's own copy (computed beside it, not shared) frees memory.
-        """
-        evicted = self._evict(1)
-        if evicted:
-            return evicted
-        for slot, node in self._end.items():
-            if slot not in self._running and node.lock_ref > 0 and node.parent is not None:
-                self._forget(slot)
-                self.kv.trim_kv(slot, 0)
-                return node.end
-        return 0
+        """The slot's sequence ended or was preempted: ``cacheable_tokens`` stay cached, the
+        slot's own hold on its KV goes."""
+        ...
 
     def drop(self, slot: int) -> None:
-        """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
-        if slot in self._running:
-            self._running.discard(slot)
-            self.tree.unlock(self._end[slot])
-        self._forget(slot)
-        self.kv.trim_kv(slot, 0)
+        """Forgets and frees the slot's KV (its content is unknown after a failure)."""
+        ...
 
-    # ---- bookkeeping ------------------------------------------------------------------------
+    def is_running(self, slot: int) -> bool: ...
 
-    def _set_end(self, slot: int, node: CacheNode) -> None:
-        old = self._end[slot]
-        if old is node:
-            return
-        old.value.discard(slot)
-        node.value.add(slot)
-        self._end[slot] = node
-        if slot in self._running:
-            self.tree.lock(node)
-            self.tree.unlock(old)
-        # Nodes no slot holds any more lost their KV: that is an eviction too.
-        nodes_before = self.tree.num_nodes
-        self._evicted_tokens += self.tree.prune(old)
-        self._evictions += nodes_before - self.tree.num_nodes
-
-    def _forget(self, slot: int) -> None:
-        """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
-        self._set_end(slot, self.tree.root)
-
-    def _evict(self, num_tokens: int) -> int:
-        def give_back(node: CacheNode) -> None:
-            assert node.parent is not None
-            for slot in node.value:
-                self.kv.trim_kv(slot, node.start)
-                node.parent.value.add(slot)
-                self._end[slot] = node.parent
-            node.value.clear()
-            self._evictions += 1
-
-        evicted = self.tree.evict(num_tokens, give_back)
-        self._evicted_tokens += evicted
-        return evicted
-
-    def _exclusive_tokens(self, slot: int) -> int:
-        """Cached tokens only this slot holds: what reusing the slot for other work loses."""
-        exclusive = 0
-        node = self._end[slot]
-        while node.parent is not None:
-            others = {s for n in self.tree.subtree(node) for s in n.value}
-            if others != {slot}:
-                break
-            exclusive += len(node.key)
-            node = node.parent
-        return exclusive
-
-    # ---- inspection -------------------------------------------------------------------------
+    def evict_unused(self) -> int: ...
 
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""
-        return self.tree.path_tokens(self._end[slot])
+        ...
 
-    def stats(self) -> PrefixCacheStats:
-        tree = self.tree
-        return PrefixCacheStats(
-            enabled=True,
-            hits=self._hits,
-            misses=self._misses,
-            query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens,
-            cached_tokens=tree.total_tokens,
-            evictable_tokens=tree.evictable_tokens,
-            cached_bytes=tree.total_tokens * self.kv_bytes_per_token,
-            nodes=tree.num_nodes,
-            evictions=self._evictions,
-            evicted_tokens=self._evicted_tokens,
-            budget_tokens=self.budget_tokens,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-        )
+    def stats(self) -> PrefixCacheStats: ...
 
     def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
-        """Raises ``AssertionError`` when the tree, the locks or the runner's KV disagree.
+        """``running_tokens`` maps each running slot to the tokens its KV must hold."""
+        ...
 
-        ``running_tokens`` maps each running slot to the tokens its KV must hold. Every other
-        slot must hold exactly the prefix the tree records for it, so free + cached + in-use
-        KV account for every slot's stream.
-        """
-        self.tree.check_integrity()
+
+class LookupCounters:
+    """Hit and eviction counters shared by the caches that are on."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.query_tokens = self.hit_tokens = 0
+        self.evictions = self.evicted_tokens = 0
+
+    def count_lookup(self, prompt_length: int, reused: int) -> None:
+        self.query_tokens += prompt_length
+        self.hit_tokens += reused
+        if reused:
+            self.hits += 1
+        else:
+            self.misses += 1
+
+    def stats(
+        self, tree: RadixTree[Any], budget_tokens: int, bytes_per_token: int
+    ) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            enabled=True,
+            hits=self.hits,
+            misses=self.misses,
+            query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens,
+            cached_tokens=tree.total_tokens,
+            evictable_tokens=tree.evictable_tokens,
+            cached_bytes=tree.total_tokens * bytes_per_token,
+            nodes=tree.num_nodes,
+            evictions=self.evictions,
+            evicted_tokens=self.evicted_tokens,
+            budget_tokens=budget_tokens,
+            kv_bytes_per_token=bytes_per_token,
+        )
+
+
+class NullPrefixCache:
+    """The cache that is off: matches nothing, keeps nothing; a slot's KV is freed when its
+    sequence ends. ``disabled_reason`` says why (configuration, or the model)."""
+
+    def __init__(self, runner: Runner, num_slots: int, disabled_reason: str) -> None:
+        self.kv = runner
+        self.num_slots = num_slots
+        self.disabled_reason = disabled_reason
+        self._nothing: TreeNode[None] = TreeNode(key=[], value=None, parent=None, end=0)
+        self._running: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        return Match(self._nothing, 0)
+
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
+        return min(free_slots)
+
+    def attach(
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
+        self._running.add(slot)
+        return 0
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        pass
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        self.drop(slot)
+
+    def drop(self, slot: int) -> None:
+        self._running.discard(slot)
+        self.kv.trim_kv(slot, 0)
+
+    def is_running(self, slot: int) -> bool:
+        return slot in self._running
+
+    def evict_unused(self) -> int:
+        return 0
+
+    def held_tokens(self, slot: int) -> list[int]:
+        return []
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(False, self.disabled_reason)
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
         assert set(running_tokens) == self._running, (
             f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
         )
-        seen: dict[int, CacheNode] = {}
-        for node in self.tree.subtree(self.tree.root):
-            for slot in node.value:
-                assert slot not in seen, f"slot {slot} ends at two nodes"
-                seen[slot] = node
-        assert seen == self._end, "holder sets and slot ends disagree"
-        assert self.tree.root.lock_ref == len(self._running), (
-            f"root lock_ref {self.tree.root.lock_ref} != {len(self._running)} running slots"
-        )
-        for slot, node in self._end.items():
+        for slot in range(self.num_slots):
             held = self.kv.kv_tokens(slot)
-            if slot in self._running:
-                expected = running_tokens[slot]
-                assert node.end <= expected, f"slot {slot} claims {node.end} > {expected} tokens"
-            else:
-                expected = node.end
-            assert held == expected, f"slot {slot} KV holds {held} tokens, expected {expected}"
+            expected = running_tokens.get(slot, 0)
+            assert held == expected, f"slot {slot} KV holds {held}, expected {expected}"
+
+
+def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
+    """The cache for this runner and configuration, or the null cache with the reason (logged
+    when the model, not the configuration, rules it out)."""
+    from slotserve.engine.paged_prefix_cache import PagedPrefixCache
+    from slotserve.engine.slot_prefix_cache import SlotPrefixCache
+
+    info: ModelInfo = runner.model_info
+    if not config.prefix_cache:
+        return NullPrefixCache(
+            runner, config.num_slots, "disabled by configuration (--no-prefix-cache)"
+        )
+    if info.prefix_cache_unsupported is not None:
+        logger.warning("prefix cache disabled: %s", info.prefix_cache_unsupported)
+        return NullPrefixCache(runner, config.num_slots, info.prefix_cache_unsupported)
+    paged = runner.paged_kv
+    # Default budget: everything the KV memory can hold (paged), or what free slots can.
+    budget = info.kv_capacity if paged is not None else config.num_slots * info.max_seq_len
+    if config.prefix_cache_budget_tokens is not None:
+        budget = min(budget, config.prefix_cache_budget_tokens)
+    if config.prefix_cache_budget_bytes is not None and info.kv_bytes_per_token > 0:
+        budget = min(budget, config.prefix_cache_budget_bytes // info.kv_bytes_per_token)
+    logger.info(
+        "prefix cache on (%s): budget %d tokens (%.1f MiB of KV)",
+        "KV blocks held by the radix tree" if paged is not None else "KV kept in free slots",
+        budget,
+        budget * info.kv_bytes_per_token / 2**20,
+    )
+    policy: ChunkPolicy = info.chunk_policy
+    if paged is not None:
+        return PagedPrefixCache(
+            runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token
+        )
+    return SlotPrefixCache(runner, config.num_slots, policy, budget, info.kv_bytes_per_token)

@@ -15,6 +15,9 @@ Rules:
   the reference on the node and every ancestor up to the root, ``unlock`` takes it back.
 * **Evicting never touches a locked node**, nor the root. Only leaves go, least recently
   matched or inserted first; a parent whose last child went becomes a leaf and may go next.
+  Candidates wait in one heap kept across calls: a node is pushed whenever it may have become
+  evictable (new leaf, touched, unlocked, lost its last child), and stale entries are skipped
+  when popped, so eviction under memory pressure costs O(log n) a node, not a scan of the tree.
 * **A leaf always has a handle.** A leaf whose handle became empty holds no KV and is pruned.
 """
 
@@ -84,6 +87,9 @@ class RadixTree(Generic[V]):
         self._split_value = split_value
         self._clock = itertools.count(1)
         self.root: TreeNode[V] = TreeNode(key=[], value=new_value(), parent=None, end=0)
+        # (last_access when pushed, tie-breaker, node): eviction candidates, possibly stale.
+        self._heap: list[tuple[int, int, TreeNode[V]]] = []
+        self._pushes = itertools.count()
         self.total_tokens = 0
         self.evictable_tokens = 0  # tokens in unlocked nodes
         self.num_nodes = 0  # excluding the root
@@ -98,7 +104,7 @@ class RadixTree(Generic[V]):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            child.last_access = now
+            self._touch(child, now)
             matched = common_prefix_length(child.key, tokens[pos : pos + len(child.key)])
             pos += matched
             node = child
@@ -128,8 +134,9 @@ class RadixTree(Generic[V]):
                 self.num_nodes += 1
                 self.total_tokens += len(leaf.key)
                 self.evictable_tokens += len(leaf.key)
+                self._push(leaf)
                 return leaf
-            child.last_access = now
+            self._touch(child, now)
             matched = common_prefix_length(child.key, tokens[pos : pos + len(child.key)])
             if matched < len(child.key):
                 child = self._split(child, matched)
@@ -175,6 +182,7 @@ class RadixTree(Generic[V]):
             walk.lock_ref -= 1
             if walk.lock_ref == 0 and walk.parent is not None:
                 self.evictable_tokens += len(walk.key)
+                self._push(walk)
             walk = walk.parent
 
     # ---- removal ----------------------------------------------------------------------------
@@ -185,19 +193,27 @@ class RadixTree(Generic[V]):
         ``on_evict(node)`` runs before each node leaves the tree, so the owner can free (or
         hand to the parent) the KV its handle names. Returns the number of tokens removed.
         """
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < num_tokens:
-            _, _, node = heapq.heappop(heap)
-            if not self._evictable(node):
-                continue  # gained a child or a lock through on_evict
+        while self._heap and freed < num_tokens:
+            access, _, node = heapq.heappop(self._heap)
+            if access != node.last_access or not self._evictable(node):
+                continue  # stale: touched since, gained a child or a lock, or already gone
             on_evict(node)
-            parent = self._remove_leaf(node)
+            self._remove_leaf(node)
             freed += len(node.key)
-            if self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if len(self._heap) > 4 * self.num_nodes + 64:  # stale entries pile up: start afresh
+            leaves = (n for n in self._nodes() if n.is_leaf)
+            self._heap = [(n.last_access, next(self._pushes), n) for n in leaves]
+            heapq.heapify(self._heap)
         return freed
+
+    def _touch(self, node: TreeNode[V], now: int) -> None:
+        node.last_access = now
+        self._push(node)
+
+    def _push(self, node: TreeNode[V]) -> None:
+        if node.is_leaf:
+            heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
 
     def prune(self, node: TreeNode[V]) -> int:
         """Removes ``node`` and then its ancestors while each is an unlocked leaf with an empty
@@ -221,6 +237,8 @@ class RadixTree(Generic[V]):
         self.total_tokens -= len(node.key)
         if node.lock_ref == 0:
             self.evictable_tokens -= len(node.key)
+        if parent.parent is not None:
+            self._push(parent)  # may have become a leaf
         return parent
 
     # ---- inspection -------------------------------------------------------------------------

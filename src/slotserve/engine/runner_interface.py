@@ -7,10 +7,11 @@ is. Everything crossing this boundary is a plain Python value: slot indices, tok
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -43,13 +44,9 @@ class ModelInfo:
     bos_token: str
     eos_token: str
     runner: str
-    # The runner prefers every prefill chunk of a step to have the same length (scheduler
-    # invariant 6); llama.cpp with per-sequence KV streams does.
-    equal_prefill_chunks: bool = False
-    # Chunks of at least this many tokens compute each token bit-identically whatever their
-    # length; shorter chunks may round differently (scheduler invariant 8). 1: any chunk,
-    # one-token decode steps included, computes a token identically.
-    prefill_grain: int = 1
+    # How prompts are cut into chunks and how much cached KV may be reused, so that a token is
+    # computed the same way whatever runs beside it (scheduler invariants 6 and 8).
+    chunk_policy: ChunkPolicy = ANY_SIZE
     # Bytes of KV one token takes (all layers, K and V): sizes the prefix cache's byte budget.
     kv_bytes_per_token: int = 0
     # Why KV cannot be shared by position range (recurrent state, sliding-window layers...);
@@ -81,6 +78,36 @@ class Tokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """A printable form of one token, used in logprobs (control tokens keep their markup)."""
+        ...
+
+
+class PagedKv(Protocol):
+    """Block tables of a runner whose KV is a pool of fixed-size blocks shared by reference
+    (``runners/paged_kv.py``). The prefix cache holds blocks of cached prefixes itself and
+    hands them to slots; the runner copies a shared block before writing into it."""
+
+    block_size: int
+
+    def table(self, slot: int) -> Sequence[int]:
+        """The blocks holding ``slot``'s positions, in order."""
+        ...
+
+    def share(self, slot: int, blocks: Sequence[int], num_tokens: int) -> None:
+        """``slot``'s positions ``0 .. num_tokens - 1`` become those of ``blocks``."""
+        ...
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Keeps ``blocks`` allocated (for the cache) until :meth:`unhold`."""
+        ...
+
+    def unhold(self, blocks: Sequence[int]) -> None: ...
+
+    def drop_holds(self) -> None:
+        """Gives back every hold (a new engine's cache starts from nothing)."""
+        ...
+
+    def check_integrity(self, held: Mapping[int, int] | None = None) -> None:
+        """Raises ``AssertionError`` when counts disagree with the tables and ``held``."""
         ...
 
 
@@ -119,6 +146,12 @@ class Runner(Protocol):
     @property
     def forward_seconds(self) -> float:
         """Total time spent inside the forward pass itself (for the engine-overhead share)."""
+        ...
+
+    @property
+    def paged_kv(self) -> PagedKv | None:
+        """The block tables when the KV is a shared pool of blocks (the prefix cache then
+        holds blocks itself); None when every slot owns one KV stream (llama.cpp)."""
         ...
 
     def check_structured_output(self, spec: StructuredOutput) -> None:

@@ -12,26 +12,20 @@ Batch-construction invariants:
 4. A request with ``n`` sequences is admitted only when ``n`` slots are free (FIFO: a large
    request is not overtaken, so it cannot starve).
 5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
-6. When the runner asks for equal prefill chunks (``ModelInfo.equal_prefill_chunks``), the
-   chunks chosen by invariant 2 are trimmed to the shortest whole one (a chunk the budget cut
-   short does not count as whole). llama.cpp with per-sequence KV streams cuts a batch into
-   sub-batches that take the same number of tokens from each sequence; ragged chunk ends (40, 41, 42
-   tokens...) would cost one extra weight pass each, while trimmed chunks leave the few
-   leftover tokens to ride along with later decode steps. Oldest-first order is kept, so a
-   long prompt still finishes before the ones queued behind it start.
-7. With the prefix cache on, a sequence starts at the longest cached prefix of its prompt
+6. When the runner's chunk policy asks for equal chunks, the chunks chosen by invariant 2 are
+   trimmed to the shortest whole one (``ChunkPolicy.equalize``; why: ``chunk_policy.py``).
+   Oldest-first order is kept, so a long prompt still finishes before the ones behind it.
+7. A sequence starts at the longest reusable cached prefix of its prompt
    (``num_computed_tokens`` = cached tokens, at most the prompt length minus one). A waiting
    request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still
    prefilling is passed over until that prefill has computed the shared part (a short common
    preamble, such as a chat template's, is not worth a wait); requests behind it may go
    first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
    burst of requests with one new long system prompt computes it once, not once per request.
-8. Every prompt chunk is at least ``prefill_grain`` tokens long (``ModelInfo``) and leaves a
-   whole number of grains to compute after it; a prompt shorter than a grain is one chunk.
-   The llama.cpp runner's attention computes a token the same way in any chunk of at least 64
-   tokens, and differently in shorter ones; so every prompt token is computed the same way
-   whatever runs beside it and whatever the cache supplied before it (a hit leaves a whole
-   number of grains to compute), and greedy output is bit-for-bit that of the request alone.
+8. Every prompt chunk is at least a grain of the runner's chunk policy long and leaves a whole
+   number of grains to compute after it (``ChunkPolicy.chunk_size``); a prompt shorter than a
+   grain is one chunk. So every prompt token is computed the same way whatever runs beside it
+   and whatever the cache supplied before it (a hit leaves whole grains to compute).
 9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
    pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
    the youngest running sequence is preempted (SPEC E10): its KV is given back (kept as
@@ -47,12 +41,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_cache import PrefixCache
 from slotserve.engine.radix_tree import common_prefix_length
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.slots import Slot, SlotPool, SlotState
+
+_HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
 
 
 class KvAllocator(Protocol):
@@ -68,29 +65,27 @@ class Scheduler:
         self,
         config: EngineConfig,
         kv: KvAllocator,
-        equal_prefill_chunks: bool = False,
-        prefill_grain: int = 1,
-        prefix_cache: PrefixCache | None = None,
+        policy: ChunkPolicy,
+        prefix_cache: PrefixCache,
     ) -> None:
-        if config.prefill_chunk < prefill_grain:
-            raise ValueError(f"prefill_chunk must be at least the grain ({prefill_grain})")
-        if config.max_batch_tokens < config.num_slots + 2 * prefill_grain - 1:
+        self._max_chunk = policy.max_chunk(config.prefill_chunk)
+        if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
             # A prompt's last chunk may need up to two grains less one (invariant 8).
             raise ValueError(
                 f"max_batch_tokens ({config.max_batch_tokens}) must leave room for two grains "
-                f"({prefill_grain} tokens each) of prefill beside {config.num_slots} decode tokens"
+                f"({policy.grain} tokens each) of prefill beside {config.num_slots} decode tokens"
             )
         self.config = config
         self.kv = kv
-        self.equal_prefill_chunks = equal_prefill_chunks
-        self.prefill_grain = prefill_grain
-        self._max_chunk = config.prefill_chunk // prefill_grain * prefill_grain
+        self.policy = policy
         self.prefix_cache = prefix_cache
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
-        self._prefill_order: list[Slot] = []  # PREFILLING slots, oldest admission first
-        self._preempted: list[Slot] = []  # PREEMPTED slots, oldest admission first
         self.num_preemptions = 0
+
+    def _by_admission(self, state: SlotState) -> list[Slot]:
+        """Slots in ``state``, oldest admission first (prefill and resume order)."""
+        return sorted(self.slots.in_state(state), key=lambda slot: slot.admission)
 
     def admit(self) -> list[Sequence]:
         """Resumes preempted sequences, then moves waiting requests into free slots; returns
@@ -100,10 +95,9 @@ class Scheduler:
         (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
         """
         placed: list[Sequence] = []
-        while self._preempted and self._resume(self._preempted[0]):
-            self._preempted.pop(0)
-        if self._preempted:
-            return placed  # memory is short: new requests wait behind the preempted ones
+        for slot in self._by_admission(SlotState.PREEMPTED):
+            if not self._resume(slot):
+                return placed  # memory is short: new requests wait behind the preempted ones
         passed_over: list[Request] = []
         while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
             request = self.waiting.popleft()
@@ -111,8 +105,7 @@ class Scheduler:
                 passed_over.append(request)
                 continue
             for sequence in request.sequences:
-                slot = self._place(sequence)
-                self._prefill_order.append(slot)
+                self._place(sequence)
                 placed.append(sequence)
         self.waiting.extendleft(reversed(passed_over))
         return placed
@@ -121,24 +114,18 @@ class Scheduler:
         """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
         seq = _sequence(slot)
         cache = self.prefix_cache
-        if cache is not None:
-            seq.num_computed_tokens = cache.attach(
-                slot.index, seq.token_ids, cache.match(seq.token_ids), count=False
-            )
+        seq.num_computed_tokens = cache.attach(
+            slot.index, seq.token_ids, cache.match(seq.token_ids), count=False
+        )
         first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
         if not self._make_room(slot.index, first_chunk_end):
             self._give_back_kv(slot)
             return False
         slot.move_to(SlotState.PREFILLING)
-        slot.chunks_done = 0
-        self._prefill_order.append(slot)
-        self._prefill_order.sort(key=lambda s: s.admission)
         return True
 
     def _place(self, sequence: Sequence) -> Slot:
         cache = self.prefix_cache
-        if cache is None:
-            return self.slots.acquire(sequence)
         # Match, choose and attach one sequence at a time: attaching can drop cached content
         # of the chosen slot that an earlier match would have pointed at.
         match = cache.match(sequence.token_ids)
@@ -149,23 +136,22 @@ class Scheduler:
         return slot
 
     def _cacheable_tokens(self, seq: Sequence) -> list[int]:
-        assert self.prefix_cache is not None
-        length = self.prefix_cache.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
+        length = self.policy.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
         return seq.token_ids[:length]
 
     def _waits_for_prefill_in_flight(self, request: Request) -> bool:
         """Invariant 7: True when ``request`` should wait for a running prefill to share."""
-        cache = self.prefix_cache
-        if cache is None or not self._prefill_order:
+        prefilling = self._by_admission(SlotState.PREFILLING)
+        if not self.prefix_cache.enabled or not prefilling:
             return False
-        prompt = request.prompt_token_ids
-        cached = cache.reusable_length(cache.match(prompt).length, len(prompt))
-        for slot in self._prefill_order:
+        policy, prompt = self.policy, request.prompt_token_ids
+        cached = policy.reusable_length(self.prefix_cache.match(prompt).length, len(prompt))
+        for slot in prefilling:
             seq = _sequence(slot)
             # What the running prefill will leave in the cache that this prompt can take.
-            will_cache = cache.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
+            will_cache = policy.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
             shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
-            shared = cache.reusable_length(shared, len(prompt))
+            shared = policy.reusable_length(shared, len(prompt))
             if shared >= self.config.prefix_wait_min_tokens and shared > cached:
                 return True
         return False
@@ -184,8 +170,8 @@ class Scheduler:
                     slot.index, seq.token_ids[pos : pos + 1], pos, True
                 )
                 budget -= 1
-        prefill = list(self._prefill_order)
-        for slot, size in zip(prefill, self._prefill_sizes(budget), strict=True):
+        prefill = self._by_admission(SlotState.PREFILLING)
+        for slot, size in zip(prefill, self._prefill_sizes(prefill, budget), strict=True):
             if size == 0 or slot.state is not SlotState.PREFILLING:
                 continue
             seq = _sequence(slot)
@@ -213,7 +199,7 @@ class Scheduler:
     def _make_room(self, slot: int, num_tokens: int) -> bool:
         """Reserves KV, evicting unused cached prefixes (LRU) while that helps."""
         while not self.kv.reserve_kv(slot, num_tokens):
-            if self.prefix_cache is None or self.prefix_cache.evict_unused() == 0:
+            if self.prefix_cache.evict_unused() == 0:
                 return False
         return True
 
@@ -223,51 +209,31 @@ class Scheduler:
         ]
 
     def _preempt(self, slot: Slot) -> None:
-        if slot in self._prefill_order:
-            self._prefill_order.remove(slot)
         self._give_back_kv(slot)
         slot.move_to(SlotState.PREEMPTED)
-        self._preempted.append(slot)
-        self._preempted.sort(key=lambda s: s.admission)
         self.num_preemptions += 1
 
     def _give_back_kv(self, slot: Slot) -> None:
         """Frees a running (or just re-attached) slot's KV; with the prefix cache its computed
         tokens stay behind as evictable cache, so a resume may find them again."""
         seq = _sequence(slot)
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
-        else:
-            self.kv.trim_kv(slot.index, 0)
+        self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
         seq.num_computed_tokens = 0
 
-    def _prefill_sizes(self, budget: int) -> list[int]:
+    def _prefill_sizes(self, prefill: list[Slot], budget: int) -> list[int]:
         """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
-        grain = self.prefill_grain
         sizes: list[int] = []
+        rests: list[int] = []
         truncated = False
-        for slot in self._prefill_order:
+        for slot in prefill:
             seq = _sequence(slot)
             rest = seq.num_tokens - seq.num_computed_tokens
-            size = _chunk_size(rest, budget, self._max_chunk, grain)
+            size = self.policy.chunk_size(rest, budget, self._max_chunk)
             truncated = truncated or size < min(rest, self._max_chunk)
             sizes.append(size)
+            rests.append(rest)
             budget -= size
-        if self.equal_prefill_chunks:
-            # Invariant 6: trim ragged chunk ends to the shortest whole chunk. A chunk the
-            # budget cut short does not count as whole (trimming the others to it would stall
-            # them), but is trimmed like the rest, as far as invariant 8 allows.
-            scheduled = [size for size in sizes if size > 0]
-            whole = scheduled[:-1] if truncated else scheduled
-            if len(scheduled) > 1 and whole:
-                shortest = min(whole)
-                sizes = [
-                    (_chunk_size(_rest(slot), shortest, shortest, grain) or size)
-                    if size > shortest
-                    else size
-                    for slot, size in zip(self._prefill_order, sizes, strict=True)
-                ]
-        return sizes
+        return self.policy.equalize(sizes, rests, truncated)
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:
         """Advances the sequence's counter after the forward pass; returns the sequence."""
@@ -275,34 +241,29 @@ class Scheduler:
         seq = _sequence(slot)
         seq.num_computed_tokens += len(chunk.token_ids)
         if slot.state is SlotState.PREFILLING:
-            slot.chunks_done += 1
-            if self.prefix_cache is not None:
-                # Shareable at once by requests queued behind (invariant 7).
-                self.prefix_cache.extend(slot.index, self._cacheable_tokens(seq))
+            # Shareable at once by requests queued behind (invariant 7).
+            self.prefix_cache.extend(slot.index, self._cacheable_tokens(seq))
             if seq.num_computed_tokens == seq.num_tokens:
-                self._prefill_order.remove(slot)
                 slot.move_to(SlotState.GENERATING)
         return seq
 
     def finish(self, seq: Sequence) -> None:
         """Marks a placed sequence's slot DRAINING (``release`` then frees or caches its KV)."""
         assert seq.slot is not None
-        slot = self.slots.slots[seq.slot]
-        if slot in self._prefill_order:
-            self._prefill_order.remove(slot)
-        if slot in self._preempted:
-            self._preempted.remove(slot)
-        self.slots.drain(slot)
+        self.slots.drain(self.slots.slots[seq.slot])
 
     def drained_slots(self) -> list[Slot]:
         return self.slots.in_state(SlotState.DRAINING)
+
+    def release_index(self, index: int) -> None:
+        self.release(self.slots.slots[index])
 
     def release(self, slot: Slot) -> None:
         """Frees a DRAINING slot; with the prefix cache its computed tokens stay cached."""
         seq = slot.sequence
         cache = self.prefix_cache
         # A sequence preempted before it ended has no KV of its own left: nothing to release.
-        if seq is not None and cache is not None and cache.is_running(slot.index):
+        if seq is not None and cache.is_running(slot.index):
             if seq.finish_reason == "error":
                 cache.drop(slot.index)  # its KV may be half written
             else:
@@ -310,6 +271,15 @@ class Scheduler:
         if seq is not None:
             seq.slot = None
         self.slots.release(slot)
+
+    def running_kv_tokens(self) -> dict[int, int]:
+        """Slots whose KV belongs to a running sequence, and the tokens it must hold (PREEMPTED
+        sequences gave theirs back)."""
+        return {
+            slot.index: slot.sequence.num_computed_tokens
+            for slot in self.slots.slots
+            if slot.sequence is not None and slot.state in _HOLDS_KV
+        }
 
     def remove_waiting(self, request: Request) -> bool:
         try:
@@ -321,28 +291,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
-
-
-def _chunk_size(rest: int, budget: int, max_chunk: int, grain: int) -> int:
-    """The longest prefill chunk that keeps invariant 8: at least a grain long (unless it is
-    the whole of a prompt shorter than that), leaving a whole number of grains after it (so
-    later chunks, and those of other prompts, come in multiples of the grain and batch
-    together). It fits ``budget``, and ``max_chunk`` too unless that cannot hold the odd part
-    and a grain: then it exceeds ``max_chunk`` by less than a grain. 0 when nothing fits."""
-    room = min(budget, max_chunk)
-    if rest <= room:
-        return rest
-    odd = rest % grain
-    size = odd + (room - odd) // grain * grain if room >= odd else 0
-    if size >= grain:
-        return size
-    size = odd + grain if odd else grain  # past the chunk cap by less than a grain
-    return size if size <= budget else 0
-
-
-def _rest(slot: Slot) -> int:
-    seq = _sequence(slot)
-    return seq.num_tokens - seq.num_computed_tokens
 
 
 def _sequence(slot: Slot) -> Sequence:

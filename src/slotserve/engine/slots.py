@@ -2,7 +2,7 @@
 
 ::
 
-    FREE ──acquire──▶ PREFILLING(chunks_done) ──prompt computed──▶ GENERATING
+    FREE ──acquire──▶ PREFILLING───────────── ──prompt computed──▶ GENERATING
       ▲                 │   ▲     │                                 │    │
       │                 │   │     └────── KV short: preempt ──┐     │    │
       │                 │ resume    ┌───── KV short: preempt ─┼─────┘    │
@@ -45,12 +45,23 @@ _ALLOWED = {
 }
 
 
+@dataclass(frozen=True)
+class SlotSnapshot:
+    """A slot as ``/v1/slots`` shows it."""
+
+    index: int
+    state: str
+    request_id: str | None
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
 @dataclass(eq=False)
 class Slot:
     index: int
     state: SlotState = SlotState.FREE
     sequence: Sequence | None = None
-    chunks_done: int = 0
     # When the sequence was placed (a pool-wide counter): the youngest is preempted first.
     admission: int = 0
 
@@ -84,12 +95,25 @@ class SlotPool:
             if slot.state is SlotState.FREE and index in (None, slot.index):
                 slot.move_to(SlotState.PREFILLING)
                 slot.sequence = sequence
-                slot.chunks_done = 0
                 self._admissions += 1
                 slot.admission = self._admissions
                 sequence.slot = slot.index
                 return slot
         raise RuntimeError("no free slot" if index is None else f"slot {index} is not free")
+
+    def snapshot(self) -> tuple[SlotSnapshot, ...]:
+        return tuple(
+            SlotSnapshot(
+                index=slot.index,
+                state=slot.state.value,
+                request_id=seq.request.request_id if seq else None,
+                num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
+                num_computed_tokens=seq.num_computed_tokens if seq else 0,
+                num_output_tokens=seq.num_output_tokens if seq else 0,
+            )
+            for slot in self.slots
+            for seq in (slot.sequence,)
+        )
 
     def drain(self, slot: Slot) -> None:
         slot.move_to(SlotState.DRAINING)
@@ -97,4 +121,3 @@ class SlotPool:
     def release(self, slot: Slot) -> None:
         slot.move_to(SlotState.FREE)
         slot.sequence = None
-        slot.chunks_done = 0

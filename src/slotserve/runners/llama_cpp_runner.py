@@ -29,6 +29,7 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import InvalidRequestError, RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
@@ -48,10 +49,8 @@ def init_llama_backend() -> None:
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
 
-# ggml's CPU flash attention switches from a per-row loop to 64-query tiles at 64 queries of
-# one sequence (GGML_FA_TILE_Q); each path rounds the same way whatever the chunk length, but
-# not the same as the other. Without flash attention, a one-token chunk differs from longer
-# ones. A 64-token grain keeps every prompt token on one path in both cases (invariant 8).
+# ggml's CPU flash attention switches to 64-query tiles at 64 queries of one sequence
+# (GGML_FA_TILE_Q): the grain of this runner's chunk policy (why: engine/chunk_policy.py).
 _FA_TILE_Q = 64
 # ggml takes its split-KV decode path from 512 KV cells, and llama.cpp pads a stream's cells
 # to multiples of 256: a lone query at position 256 or later can take it (margin of one).
@@ -140,8 +139,7 @@ class LlamaCppRunner:
             bos_token=self._tokenizer.special_token_text(llama.llama_vocab_bos(self._vocab)),
             eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
             runner="llama.cpp",
-            equal_prefill_chunks=True,
-            prefill_grain=_FA_TILE_Q,
+            chunk_policy=ChunkPolicy(grain=_FA_TILE_Q, equal_chunks=True),
             kv_bytes_per_token=self._kv_bytes_per_token(),
             prefix_cache_unsupported=self._why_no_prefix_sharing(),
         )
@@ -166,6 +164,10 @@ class LlamaCppRunner:
     @property
     def forward_seconds(self) -> float:
         return self._decode_seconds
+
+    @property
+    def paged_kv(self) -> None:
+        return None  # one KV stream per slot
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         grammar = grammar_for(spec)

@@ -18,11 +18,13 @@ Rules:
   the copy and returns ``(source, destination)`` pairs for the runner to apply before the
   forward that writes).
 * ``reserve`` allocates all it needs or nothing (None: the pool is short).
+* Besides slots, an owner outside (the prefix cache's radix tree) may **hold** blocks: a held
+  block stays allocated after every slot dropped it, and ``share`` hands it to a slot again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 
 
 class PagedKvTables:
@@ -33,7 +35,8 @@ class PagedKvTables:
         self.block_size = block_size
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         self.lengths = [0] * num_slots
-        self._refs = [0] * num_blocks
+        self._refs = [0] * num_blocks  # slot tables' references plus holds
+        self._held = [0] * num_blocks  # holds by the owner outside (the prefix cache)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
 
     @property
@@ -74,12 +77,43 @@ class PagedKvTables:
     def copy(self, src: int, dst: int, num_tokens: int) -> None:
         """``dst`` holds the first ``num_tokens`` positions of ``src`` by shared reference."""
         assert src != dst and num_tokens <= self.lengths[src]
-        shared = self.tables[src][: self.blocks_for(num_tokens)]
+        self.share(dst, self.tables[src], num_tokens)
+
+    def share(self, slot: int, blocks: Sequence[int], num_tokens: int) -> None:
+        """``slot``'s positions ``0 .. num_tokens - 1`` become those of ``blocks`` (shared by
+        reference; its earlier blocks are dropped)."""
+        shared = list(blocks[: self.blocks_for(num_tokens)])
+        assert len(shared) == self.blocks_for(num_tokens), "too few blocks for the positions"
         for block in shared:
+            assert self._refs[block] > 0, f"block {block} is free"
             self._refs[block] += 1
-        self.trim(dst, 0)
-        self.tables[dst] = list(shared)
-        self.lengths[dst] = num_tokens
+        self.trim(slot, 0)
+        self.tables[slot] = shared
+        self.lengths[slot] = num_tokens
+
+    def table(self, slot: int) -> list[int]:
+        """The blocks holding ``slot``'s positions, in order (do not modify)."""
+        return self.tables[slot]
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Keeps ``blocks`` allocated for the owner outside until :meth:`unhold`."""
+        for block in blocks:
+            assert self._refs[block] > 0, f"block {block} is free"
+            self._refs[block] += 1
+            self._held[block] += 1
+
+    def drop_holds(self) -> None:
+        """Gives back every hold (a new prefix cache starts from nothing)."""
+        for block, holds in enumerate(self._held):
+            for _ in range(holds):
+                self._unref(block)
+        self._held = [0] * self.num_blocks
+
+    def unhold(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            assert self._held[block] > 0, f"block {block} is not held"
+            self._held[block] -= 1
+            self._unref(block)
 
     def trim(self, slot: int, num_tokens: int) -> None:
         """Keeps positions ``0 .. num_tokens - 1``; later blocks lose this slot's reference."""
@@ -94,13 +128,18 @@ class PagedKvTables:
         """Distinct blocks the slots reference."""
         return len({block for slot in slots for block in self.tables[slot]})
 
-    def check_integrity(self) -> None:
-        counts = [0] * self.num_blocks
+    def check_integrity(self, held: Mapping[int, int] | None = None) -> None:
+        """Raises ``AssertionError`` when reference counts disagree with the tables and the
+        holds; ``held`` (block -> holds), when given, is what the outside owner believes."""
+        counts = list(self._held)
         for slot, table in enumerate(self.tables):
             assert self.blocks_for(self.lengths[slot]) <= len(table), f"slot {slot} overruns"
             for block in table:
                 counts[block] += 1
         assert counts == self._refs, "reference counts disagree with the block tables"
+        if held is not None:
+            actual = {block: n for block, n in enumerate(self._held) if n}
+            assert actual == {b: n for b, n in held.items() if n}, "holds disagree with the owner"
         free = sorted(self._free)
         assert free == [b for b in range(self.num_blocks) if counts[b] == 0], "free list"
 

@@ -137,6 +137,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         still in the old engine end with an error first."""
         await host.load()
         if host.state is not ModelState.READY:
+            ctx.metrics.count_error(500, "internal_server_error")  # counted like every error
             return error_response(
                 500, f"Reloading the model failed: {host.load_error}.", "internal_server_error"
             )
@@ -158,7 +159,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             "steps": stats.steps,
             "step_seconds": stats.step_seconds,
             "execute_seconds": stats.execute_seconds,
-            "forward_seconds": model.engine.core.runner.forward_seconds,
+            "forward_seconds": model.engine.forward_seconds,
             "generated_tokens": stats.generated_tokens,
             "requests_submitted": stats.requests_submitted,
             "requests_finished": stats.requests_finished,
@@ -201,7 +202,12 @@ def _engine_sample(ctx: ServingContext) -> EngineSample:
 
 
 def _prefix_stats(ctx: ServingContext) -> PrefixCacheStats:
-    model = ctx.host.model
-    if model is None:
-        return PrefixCacheStats(False, "the model is not loaded")
-    return model.stats.prefix_cache
+    """The current engine's cache, its counters summed since the server started (a reload
+    must not make a Prometheus counter go back)."""
+    host = ctx.host
+    current = (
+        host.model.stats.prefix_cache
+        if host.model is not None
+        else PrefixCacheStats(False, "the model is not loaded")
+    )
+    return host.retired.with_prefix_counters(current)

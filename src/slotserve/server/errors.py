@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.server.model_host import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
 
 logger = logging.getLogger(__name__)
@@ -23,15 +24,37 @@ class ModelNotFoundError(Exception):
 
 
 class GenerationFailed(Exception):
-    """The engine ended the request with an error; ``unhealthy``: because the model broke."""
+    """The engine ended the request early (``output.failure`` says why)."""
 
-    def __init__(self, message: str, unhealthy: bool) -> None:
-        super().__init__(message)
-        self.unhealthy = unhealthy
+    def __init__(self, output: RequestOutput, timeout_s: float | None) -> None:
+        super().__init__(output.error or "the request was ended early")
+        self.output = output
+        self.timeout_s = timeout_s
 
 
-class RequestTimedOut(Exception):
-    """The engine ended the request at the server's time limit (``--request-timeout``)."""
+def failure_error(
+    output: RequestOutput, request_id: str, timeout_s: float | None
+) -> tuple[int, str, str, str | None]:
+    """The one mapping from why the engine ended a request to ``(status, message, type,
+    code)``, for a JSON response and for a stream's error event alike."""
+    detail = output.error or "no detail"
+    match output.failure:
+        case FailureKind.TIMED_OUT:
+            limit = f"{timeout_s:g} s" if timeout_s is not None else "its limit"
+            message = (
+                f"The request did not finish within the server's time limit of {limit} "
+                "(--request-timeout) and was cancelled."
+            )
+            return 408, message, "timeout_error", "request_timeout"
+        case FailureKind.MODEL_UNHEALTHY:
+            message = f"The model failed while serving this request ({detail}); {RELOAD_HINT}."
+            return 503, message, "service_unavailable", "model_unhealthy"
+        case FailureKind.ENGINE_STOPPED:
+            message = f"The request was ended because {detail}; retry it."
+            return 503, message, "service_unavailable", "model_unavailable"
+        case _:
+            message = f"Generation failed: {detail} (request id {request_id})."
+            return 500, message, "internal_server_error", None
 
 
 def error_body(
@@ -132,10 +155,6 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
             headers={"Retry-After": str(exc.retry_after_s)},
         )
 
-    @app.exception_handler(RequestTimedOut)
-    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
-        return respond(408, str(exc), "timeout_error", None, "request_timeout")
-
     @app.exception_handler(ModelUnavailableError)
     async def _unavailable(request: Request, exc: ModelUnavailableError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
@@ -153,18 +172,10 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
 
     @app.exception_handler(GenerationFailed)
     async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
-        request_id = request_id_of(request)
-        if exc.unhealthy:
-            return respond(
-                503,
-                f"The model failed while serving this request ({exc}); {RELOAD_HINT}.",
-                "service_unavailable",
-                None,
-                "model_unhealthy",
-            )
-        return respond(
-            500, f"Generation failed: {exc} (request id {request_id}).", "internal_server_error"
+        status, message, type_, code = failure_error(
+            exc.output, request_id_of(request), exc.timeout_s
         )
+        return respond(status, message, type_, None, code)
 
     @app.exception_handler(ReloadConflictError)
     async def _reload_conflict(request: Request, exc: ReloadConflictError) -> JSONResponse:

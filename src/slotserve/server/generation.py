@@ -16,8 +16,7 @@ from slotserve.engine.async_engine import AsyncEngine, RequestStream
 from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.runner_interface import Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.server.errors import GenerationFailed, RequestTimedOut, error_body
-from slotserve.server.model_host import RELOAD_HINT
+from slotserve.server.errors import GenerationFailed, error_body, failure_error
 
 
 def submit_prompts(
@@ -138,28 +137,6 @@ class _Totals:
         return usage(sum(self.prompt), sum(self.completion), sum(self.cached))
 
 
-def _timeout_message(engine: AsyncEngine) -> str:
-    limit = engine.core.config.request_timeout_s
-    return (
-        f"The request did not finish within the server's time limit of {limit:g} s "
-        "(--request-timeout) and was cancelled."
-    )
-
-
-def _failure_event(engine: AsyncEngine, output: RequestOutput) -> dict[str, Any]:
-    """The SSE error frame for a request the engine ended early."""
-    if output.timed_out:
-        return error_body(_timeout_message(engine), "timeout_error", code=408)
-    assert output.error is not None
-    if engine.unhealthy is not None:
-        return error_body(
-            f"The model failed while serving this request ({output.error}); {RELOAD_HINT}.",
-            "service_unavailable",
-            code=503,
-        )
-    return error_body(output.error, "internal_server_error", code=500)
-
-
 async def collect(
     engine: AsyncEngine, raw: Request, streams: list[RequestStream], n: int
 ) -> Collected:
@@ -168,10 +145,8 @@ async def collect(
     totals = _Totals(len(streams))
     async with abort_on_disconnect(raw, abort_all(streams)) as gone:
         async for k, output in merge_outputs(streams):
-            if output.timed_out:
-                raise RequestTimedOut(_timeout_message(engine))
-            if output.error is not None:
-                raise GenerationFailed(output.error, unhealthy=engine.unhealthy is not None)
+            if output.failure is not None:
+                raise GenerationFailed(output, engine.config.request_timeout_s)
             for delta in output.deltas:
                 choices[k * n + delta.index].add(delta)
             totals.update(k, output)
@@ -195,8 +170,11 @@ async def stream_events(
         for frame in opening:
             yield frame
         async for k, output in merge_outputs(streams):
-            if output.error is not None or output.timed_out:
-                yield sse(_failure_event(engine, output))
+            if output.failure is not None:
+                status, message, type_, _ = failure_error(
+                    output, output.request_id, engine.config.request_timeout_s
+                )
+                yield sse(error_body(message, type_, code=status))  # vLLM: the status as code
                 yield SSE_DONE
                 return
             for delta in output.deltas:

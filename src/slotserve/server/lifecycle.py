@@ -3,7 +3,8 @@
 On the first SIGTERM or SIGINT the server stops admitting work (generation requests and
 readiness get 503), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds,
 aborts what is left (each stream ends with ``finish_reason: "abort"``), then closes the
-listener and exits with status 0. A second signal skips the wait.
+listener and exits with status 0. A second signal skips the wait (the aborted streams still
+end properly); a third exits at once.
 
 uvicorn's own handling would stop listening at once (new clients see a refused connection,
 not a 503) and re-raise the signal after shutting down, so the process would end by the
@@ -36,6 +37,7 @@ class GracefulServer(uvicorn.Server):
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Future[None] | None = None
+        self._skip_wait = asyncio.Event()
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
@@ -66,9 +68,15 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining is not None or self._loop is None:
-            logger.warning("second signal: exiting without waiting for requests")
+        if self._loop is None or self._skip_wait.is_set():  # a third signal: leave at once
+            logger.warning("exiting without waiting for requests")
             self.should_exit = self.force_exit = True
+            return
+        if self._draining is not None:
+            # The second signal skips the wait: in-flight requests are aborted now, their
+            # streams still end with finish_reason "abort" and [DONE].
+            logger.warning("second signal: aborting requests in flight")
+            self._loop.call_soon_threadsafe(self._skip_wait.set)
             return
         self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
 
@@ -85,7 +93,7 @@ class GracefulServer(uvicorn.Server):
             in_flight,
         )
         try:
-            aborted = await self._host.drain(self._shutdown_timeout_s)
+            aborted = await self._host.drain(self._shutdown_timeout_s, self._skip_wait)
             logger.info(
                 "drained: %d requests finished, %d aborted", max(0, in_flight - aborted), aborted
             )

@@ -65,7 +65,7 @@ class LoadedModel:
 
     @property
     def stats(self) -> EngineStats:
-        return self.engine.core.stats
+        return self.engine.stats
 
 
 @dataclass
@@ -172,8 +172,7 @@ class ModelHost:
                 raise
 
         engine = await AsyncEngine.launch(build_core, self.on_outputs)
-        runner = engine.core.runner
-        info = runner.model_info
+        info = engine.model_info
         try:
             source = (
                 self.chat_template_file.read_text()
@@ -184,7 +183,7 @@ class ModelHost:
         except BaseException:
             await engine.shutdown()
             raise
-        return LoadedModel(engine, runner.tokenizer, info, template)
+        return LoadedModel(engine, engine.tokenizer, info, template)
 
     async def _retire(self, model: LoadedModel) -> None:
         """Stops an engine; whatever is still in it ends with an error."""
@@ -209,13 +208,17 @@ class ModelHost:
     def num_in_flight(self) -> int:
         return self.model.engine.num_in_flight if self.model is not None else 0
 
-    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
-        """Waits up to ``timeout_s`` for in-flight requests to finish, then aborts the rest
-        (each gets its final output, ``finish_reason`` "abort") and waits for their streams to
-        close; returns how many were aborted."""
+    async def drain(
+        self, timeout_s: float, cut_short: asyncio.Event | None = None, poll_s: float = 0.05
+    ) -> int:
+        """Waits up to ``timeout_s`` (or until ``cut_short`` is set) for in-flight requests to
+        finish, then aborts the rest (each gets its final output, ``finish_reason`` "abort")
+        and waits for their streams to close; returns how many were aborted."""
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         while self.num_in_flight and time.monotonic() < deadline:
+            if cut_short is not None and cut_short.is_set():
+                break
             await asyncio.sleep(poll_s)
         aborted = self.model.engine.abort_all() if self.model is not None else 0
         if aborted:
@@ -235,6 +238,6 @@ class ModelHost:
 
 def _forward_seconds(model: LoadedModel) -> float:
     try:
-        return float(model.engine.core.runner.forward_seconds)
-    except Exception:
+        return model.engine.forward_seconds
+    except Exception:  # a broken device may fail to answer
         return 0.0

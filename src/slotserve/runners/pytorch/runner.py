@@ -3,9 +3,10 @@
 One forward pass per engine step over a flattened batch: every scheduled chunk's tokens go
 through the projections and MLPs together; attention runs per group (all one-token chunks in
 one group, each longer chunk in its own) over the paged KV pool; only the rows that sample get
-logits. A slot's KV is its block table: a prefix-cache hit shares blocks by reference
-(``copy_kv``), a write into a shared block copies it first, and a pool that runs short answers
-``reserve_kv`` with False so the engine evicts or preempts.
+logits. A slot's KV is its block table: the prefix cache holds the blocks of cached prefixes
+and shares them into a slot on a hit (``paged_kv``), a write into a shared block copies it
+first, and a pool that runs short answers ``reserve_kv`` with False so the engine evicts or
+preempts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from slotserve.engine.errors import InvalidRequestError, RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
 from slotserve.runners.pytorch.kv_cache import KvPool
@@ -112,10 +114,18 @@ class TorchRunner:
         else:
             tensors = safetensors_tensors(path)
         load_into(self.model, tensors)
-        # Batch invariance (E4) on CPU holds in bfloat16 only (see attention.py).
-        self.batch_invariant = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if self.batch_invariant:
+        # Batch invariance (E4) on CPU holds in bfloat16 only (see attention.py), and only where
+        # oneDNN has native bf16 kernels: on a CPU without AVX-512 BF16 (measured: an AMD EPYC
+        # without AVX-512) a row's result depends on how many rows share the matmul.
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if cpu_bf16:
             self.model.make_batch_invariant()
+        self.batch_invariant = cpu_bf16 and cpu_has_native_bf16()
+        if cpu_bf16 and not self.batch_invariant:
+            logger.warning(
+                "this CPU lacks AVX-512 BF16: bfloat16 results may depend on the batch "
+                "(greedy output alone and batched can differ); see ARCHITECTURE.md"
+            )
         bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
         num_blocks = self._kv_blocks(bytes_per_token)
         self.pool = KvPool(
@@ -133,7 +143,6 @@ class TorchRunner:
             bos_token=self._tokenizer.bos_token,
             eos_token=self._tokenizer.eos_token,
             runner="torch",
-            prefill_grain=1,
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
         )
@@ -186,6 +195,10 @@ class TorchRunner:
     @property
     def forward_seconds(self) -> float:
         return self._forward_seconds
+
+    @property
+    def paged_kv(self) -> PagedKvTables:
+        return self.pool.tables
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         raise InvalidRequestError(
@@ -292,6 +305,16 @@ class TorchRunner:
     def close(self) -> None:
         self._samplers.clear()
         self.pool.layers.clear()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has the bf16 dot-product instructions oneDNN's batch-invariant
+    bfloat16 kernels rely on (AVX-512 BF16 or AMX); read from ``/proc/cpuinfo`` (Linux)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _open_gguf(path: Path) -> Any:
