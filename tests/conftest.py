@@ -45,26 +45,36 @@ class ServerProcess:
         return dict(httpx.get(f"{self.base_url}/v1/slots", timeout=10).json())
 
 
-def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    tmp_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    module: str = "slotserve.cli",
+    until: str = "ready",
+) -> ServerProcess:
+    """Spawns ``python -m module serve --port P *args`` and waits (bounded) until it is
+    ``"ready"`` (``/ready`` answers 200) or only ``"listening"`` (``/health`` answers)."""
     port = _free_port()
     log_path = tmp_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "slotserve.cli", "serve", "--port", str(port), *args]
+    command = [sys.executable, "-m", module, "serve", "--port", str(port), *args]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
     base_url = f"http://127.0.0.1:{port}"
+    probe = "/ready" if until == "ready" else "/health"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited early:\n{log_path.read_text()}")
         try:
-            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
+            if httpx.get(f"{base_url}{probe}", timeout=1).status_code == 200:
                 return ServerProcess(base_url, process, log_path)
         except httpx.TransportError:
             pass
         time.sleep(0.2)  # polling for start-up, not synchronising with work
     process.kill()
+    process.wait()
     raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
 
 

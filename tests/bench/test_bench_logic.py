@@ -57,11 +57,15 @@ def test_percentile_interpolates_like_numpy() -> None:
 def test_poisson_gaps_have_the_asked_mean_rate() -> None:
     gaps = list(itertools.islice(poisson_gaps(4.0, seed=1), 20_000))
     assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
-    assert all(g >= 0 for g in gaps)
+    # Exponential gaps: the spread equals the mean (fixed 1/rate gaps would have none).
+    assert statistics.pstdev(gaps) == pytest.approx(0.25, rel=0.05)
     assert list(itertools.islice(poisson_gaps(float("inf"), 0), 3)) == [0.0, 0.0, 0.0]
     assert list(itertools.islice(poisson_gaps(2.0, 7), 5)) == list(
         itertools.islice(poisson_gaps(2.0, 7), 5)
     )
+    assert list(itertools.islice(poisson_gaps(2.0, 7), 5)) != list(
+        itertools.islice(poisson_gaps(2.0, 8), 5)
+    ), "the seed matters"
 
 
 def test_random_dataset_is_distinct_seeded_and_sized() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,12 +127,19 @@ def test_unknown_route_is_an_openai_shaped_404(server: ServerProcess) -> None:
 def test_responses_carry_a_request_id(server: ServerProcess) -> None:
     response = httpx.get(f"{server.api_url}/models", headers={"x-request-id": "abc-123"})
     assert response.headers["x-request-id"] == "abc-123"
-    assert httpx.get(f"{server.api_url}/models").headers["x-request-id"]
+    # Without one (or with one unfit for logs) each response gets a fresh id of its own.
+    generated = [httpx.get(f"{server.api_url}/models").headers["x-request-id"] for _ in range(2)]
+    unfit = httpx.get(f"{server.api_url}/models", headers={"x-request-id": "bad id\tx"})
+    generated.append(unfit.headers["x-request-id"])
+    assert len(set(generated)) == 3 and "abc-123" not in generated
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in generated), generated
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server: ServerProcess) -> None:
-    async def main() -> tuple[str, dict[str, Any]]:
+    async def main() -> tuple[str, dict[str, Any], list[bool]]:
         async with httpx.AsyncClient(base_url=server.api_url, timeout=120) as http:
+            generating = asyncio.Event()  # the stream has produced its first token
+            finished = asyncio.Event()
 
             async def good() -> tuple[str, dict[str, Any]]:
                 text, usage = "", {}
@@ -141,29 +151,51 @@ def test_bad_requests_do_not_disturb_a_running_stream(server: ServerProcess) -> 
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                async with http.stream("POST", "/chat/completions", json=body) as response:
-                    assert response.status_code == 200
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = httpx.Response(200, content=line[6:]).json()
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                        for choice in chunk["choices"]:
-                            text += choice["delta"].get("content") or ""
+                try:
+                    async with http.stream("POST", "/chat/completions", json=body) as response:
+                        assert response.status_code == 200
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[6:])
+                            if chunk.get("usage"):
+                                usage = chunk["usage"]
+                            for choice in chunk["choices"]:
+                                text += choice["delta"].get("content") or ""
+                            if text:
+                                generating.set()
+                finally:
+                    generating.set()  # never leave bad() waiting
+                    finished.set()
                 return text, usage
 
-            async def bad() -> None:
+            async def bad() -> list[bool]:
+                """Sends every bad body once the stream runs; notes for each answer whether
+                the stream was still running when it came."""
+                await generating.wait()
+                overlapped = []
                 for _, body, _ in BAD_CHAT_BODIES:
                     response = await http.post("/chat/completions", json=body)
                     assert response.status_code == 400
+                    overlapped.append(not finished.is_set())
+                return overlapped
 
             task = asyncio.ensure_future(good())
-            await bad()
-            return await task
+            overlapped = await bad()
+            text, usage = await task
+            return text, usage, overlapped
 
-    text, usage = asyncio.run(main())
+    text, usage, overlapped = asyncio.run(main())
+    assert overlapped[0], "the bad requests were answered while the stream was running"
     assert text and usage["completion_tokens"] == 48
+    assert text == _greedy_chat(server, 48), "the stream's text is what it is alone"
+
+
+def _greedy_chat(server: ServerProcess, max_tokens: int) -> str:
+    body = {"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server.api_url}/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200
+    return str(response.json()["choices"][0]["message"]["content"])
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +254,18 @@ def test_streaming_disconnect_frees_the_slot(tiny_server: ServerProcess) -> None
 
 def test_non_streaming_disconnect_frees_the_slot(tiny_server: ServerProcess) -> None:
     aborted_before = tiny_server.slots()["requests_aborted"]
-    body = {"messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_server.api_url}/chat/completions", json=body, timeout=1.5)
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True}).encode()
+    host, port = tiny_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        # The client leaves once its request is generating (a state, not a guess of time).
+        assert wait_until(lambda: tiny_server.slots()["slots"][0]["state"] == "generating")
     assert wait_until(lambda: tiny_server.slots()["requests_aborted"] == aborted_before + 1)
     assert tiny_server.slots()["slots"][0]["state"] == "free"
     ok = httpx.post(

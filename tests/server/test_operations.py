@@ -218,32 +218,46 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(
     tmp_path: Path,
 ) -> None:
     proc = start_server(tmp_path, "--slots", "2", "--shutdown-timeout", "60")
-    reader, events = _start_stream(proc, max_tokens=60)
-    proc.process.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: _ready_status(proc) == 503), "readiness fails while draining"
-    refused = httpx.post(f"{proc.api_url}/completions", json={"prompt": "Hi", "max_tokens": 2})
-    assert refused.status_code == 503
-    assert "shutting down" in refused.json()["error"]["message"]
-    reader.join(timeout=120)
-    assert events[-1] == "data: [DONE]"
-    assert '"finish_reason":"length"' in events[-2], "the in-flight stream ran to its end"
-    assert proc.process.wait(timeout=60) == 0
+    try:
+        # Long enough to be in flight when the signal lands; the drain log proves it was.
+        reader, events = _start_stream(proc, max_tokens=200)
+        proc.process.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: _ready_status(proc) == 503), "readiness fails while draining"
+        refused = httpx.post(f"{proc.api_url}/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 503
+        assert "shutting down" in refused.json()["error"]["message"]
+        reader.join(timeout=120)
+        assert not reader.is_alive(), "the stream ended"
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in events[-2], "the in-flight stream ran to its end"
+        assert proc.process.wait(timeout=60) == 0
+        log = proc.log_path.read_text()
+        assert "waiting up to 60 s for 1 in flight" in log, "the stream was in flight"
+        assert "drained: 1 requests finished, 0 aborted" in log
+    finally:
+        if proc.process.poll() is None:
+            stop_server(proc)
 
 
 def test_streams_past_the_shutdown_deadline_end_with_finish_reason_abort(
     tmp_path: Path,
 ) -> None:
     proc = start_server(tmp_path, "--slots", "2", "--shutdown-timeout", "0.5")
-    reader, events = _start_stream(proc, max_tokens=1500)
-    started = time.monotonic()
-    proc.process.send_signal(signal.SIGTERM)
-    reader.join(timeout=60)
-    assert events[-1] == "data: [DONE]"
-    assert '"finish_reason":"abort"' in events[-2]
-    assert proc.process.wait(timeout=60) == 0
-    assert time.monotonic() - started < 30
-    log = proc.log_path.read_text()
-    assert "aborting 1 requests" in log
+    try:
+        reader, events = _start_stream(proc, max_tokens=1500)
+        started = time.monotonic()
+        proc.process.send_signal(signal.SIGTERM)
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the stream ended"
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason":"abort"' in events[-2]
+        assert proc.process.wait(timeout=60) == 0
+        assert time.monotonic() - started < 30
+        log = proc.log_path.read_text()
+        assert "aborting 1 requests" in log
+    finally:
+        if proc.process.poll() is None:
+            stop_server(proc)
 
 
 def _ready_status(proc: ServerProcess) -> int:

@@ -117,6 +117,7 @@ def test_structured_output_is_refused_with_a_400(torch_server: ServerProcess) ->
 
 
 def test_a_streaming_disconnect_frees_the_slot(torch_server: ServerProcess) -> None:
+    aborted_before = torch_server.slots()["requests_aborted"]
     body = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{torch_server.api_url}/completions", json=body) as response:
         for line in response.iter_lines():
@@ -127,4 +128,6 @@ def test_a_streaming_disconnect_frees_the_slot(torch_server: ServerProcess) -> N
         return all(s["state"] == "free" for s in torch_server.slots()["slots"])
 
     assert wait_until(all_free)
+    # Freed by the abort, not by running its 500 tokens out.
+    assert torch_server.slots()["requests_aborted"] == aborted_before + 1
     assert torch_server.slots()["kv_used_tokens"] == 0

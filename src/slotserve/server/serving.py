@@ -39,10 +39,14 @@ def require_chat_template(model: LoadedModel) -> ChatTemplate:
     return model.chat_template
 
 
-def engine_request_id(model: LoadedModel, prefix: str, http_request_id: str) -> str:
+def engine_request_id(
+    model: LoadedModel, prefix: str, http_request_id: str, num_prompts: int = 1
+) -> str:
     """``chatcmpl-<x-request-id>``: the engine's id names the HTTP request in its log lines.
-    Two clients may send the same ``x-request-id``; the second gets a suffix."""
+    Two clients may send the same ``x-request-id``; the second gets a suffix. A request with
+    several prompts holds ``<id>-0``, ``<id>-1``, ... in the engine, so those are checked too."""
     request_id = f"{prefix}-{http_request_id}"
-    if model.engine.has_request(request_id):
+    held = [request_id] if num_prompts == 1 else [f"{request_id}-{k}" for k in range(num_prompts)]
+    if any(model.engine.has_request(rid) for rid in held):
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     return request_id

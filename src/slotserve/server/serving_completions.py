@@ -59,8 +59,8 @@ async def create_completion(
     ctx.check_model(body.model)
     body.reject_unsupported()
     model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
-    request_id = engine_request_id(model, "cmpl", http_request_id)
     prompts, prompt_texts = _prompts(model, body)
+    request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
     params = sampling_params_of(
         body, max_tokens=body.max_tokens, logprobs=body.logprobs, structured_output=None
     )

@@ -1,0 +1,43 @@
+"""``python -m tests.server.gated_serve serve ...``: the real ``slotserve`` CLI whose model load
+waits until the file named by ``$SLOTSERVE_TEST_LOAD_GATE`` exists, so a test can act while the
+server listens with its model still loading (the window is otherwise about a second long).
+
+Only the runner factory is wrapped: the server, its routes and its engine are the real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slotserve import cli, serve_command
+
+GATE_ENV = "SLOTSERVE_TEST_LOAD_GATE"
+GATE_TIMEOUT_S = 120.0
+
+_factory = serve_command.runner_factory
+
+
+def _gated_factory(*args: Any, **kwargs: Any) -> Any:
+    build = _factory(*args, **kwargs)
+    gate = Path(os.environ[GATE_ENV])
+
+    def gated_build() -> Any:
+        # Runs on the engine's loader thread; the event loop keeps serving meanwhile.
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the test never opened the load gate {gate}")
+            time.sleep(0.02)  # polling the gate file (a state), bounded by the deadline
+        return build()
+
+    return gated_build
+
+
+serve_command.runner_factory = _gated_factory
+
+if __name__ == "__main__":
+    sys.exit(cli.main())
