@@ -57,14 +57,3 @@ def any_runner(request: pytest.FixtureRequest) -> Runner:
 def hf_checkpoint(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped GGUF as an HF safetensors folder (float32, dequantised by transformers)."""
     return convert_gguf_to_hf(model_path, tmp_path_factory.mktemp("hf-smollm2"))
-
-
-def require_batch_invariance(runner: Runner) -> None:
-    """Skips a test that compares a sequence alone and batched token for token when the runner
-    cannot promise it here: the PyTorch runner's bfloat16 kernels are batch-invariant on CPUs
-    with AVX-512 BF16 only (``TorchRunner.batch_invariant``)."""
-    if getattr(runner, "batch_invariant", True) is False:
-        pytest.skip(
-            "bfloat16 batch invariance of the PyTorch runner needs a CPU with AVX-512 BF16 "
-            "(oneDNN's native bf16 kernels); this CPU lacks it, so alone and batched may differ"
-        )

@@ -39,13 +39,6 @@ def test_models_report_the_torch_runner(torch_server: ServerProcess) -> None:
 
 
 def test_greedy_chat_is_identical_alone_and_concurrent(torch_server: ServerProcess) -> None:
-    from slotserve.runners.pytorch.runner import cpu_has_native_bf16
-
-    if not cpu_has_native_bf16():
-        pytest.skip(
-            "bfloat16 batch invariance of the PyTorch runner needs a CPU with AVX-512 BF16; "
-            "this CPU lacks it, so alone and concurrent may differ"
-        )
     client = openai.OpenAI(base_url=torch_server.api_url, api_key="x", max_retries=0)
 
     def ask(prompt: str) -> str:

@@ -10,16 +10,16 @@ Per group and layer: new K/V are written, the group's K/V rows are gathered into
 ``[batch * kv_heads, kv_len, head_dim]`` (padding with the zero block), and attention is plain
 ``bmm → mask → softmax (float32) → bmm``. Why not ``scaled_dot_product_attention``: its CPU
 kernel picks block sizes from the padded length, so a sequence's result would depend on the
-longest sequence beside it. Measured on the CPU here (torch 2.13, bfloat16, oneDNN): ``bmm`` and
-``linear`` give every row the same bits whatever the batch, row count or zero padding of the
-reduced dimension, and float32 softmax is unchanged by ``-inf`` padding; so every token is
-computed identically alone, batched, as a decode step or inside any prefill chunk (grain 1).
-Float32 matmuls (MKL) do not have this property: in float32 the runner is not batch-invariant.
+longest sequence beside it. ``bmm`` and ``linear`` in bfloat16 give every row the same bits
+whatever the batch, and zero padding of the reduced dimension is exact in whole blocks of 16
+(not in part blocks), so ``kv_len`` is always whole pool blocks: every token is computed
+identically alone, batched, as a decode step or inside any prefill chunk (grain 1). The
+measurements: ARCHITECTURE.md, "Batch invariance (E4) on CPU".
 
 ::
 
     pool rows (block_size 4):  [b0: p0 p1 p2 p3][b1: p4 p5 . .] ... [zero block]
-    sequence table [b0, b1], 6 positions, kv_len padded to 8:
+    sequence table [b0, b1], 6 positions, kv_len padded to 8 (whole blocks):
     gather rows  = b0*4+0 .. b0*4+3, b1*4+0, b1*4+1, zero, zero   (× kv_heads, head-major)
 """
 
@@ -69,8 +69,10 @@ def build_group(
     positions ``starts`` (all decode tokens: q_len 1; a prefill chunk: batch 1)."""
     batch = len(tables)
     lengths = [s + q_len for s in starts]
-    kv_len = max(lengths)
-    blocks_per_row = -(-kv_len // block_size)
+    # Whole blocks: the reduced dimension of ``probs @ values`` must not depend on the
+    # neighbours' lengths (see the module docstring).
+    blocks_per_row = -(-max(lengths) // block_size)
+    kv_len = blocks_per_row * block_size
     padded = []
     for b, blocks in enumerate(tables):
         used = blocks[: -(-lengths[b] // block_size)]

@@ -114,18 +114,8 @@ class TorchRunner:
         else:
             tensors = safetensors_tensors(path)
         load_into(self.model, tensors)
-        # Batch invariance (E4) on CPU holds in bfloat16 only (see attention.py), and only where
-        # oneDNN has native bf16 kernels: on a CPU without AVX-512 BF16 (measured: an AMD EPYC
-        # without AVX-512) a row's result depends on how many rows share the matmul.
-        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if cpu_bf16:
-            self.model.make_batch_invariant()
-        self.batch_invariant = cpu_bf16 and cpu_has_native_bf16()
-        if cpu_bf16 and not self.batch_invariant:
-            logger.warning(
-                "this CPU lacks AVX-512 BF16: bfloat16 results may depend on the batch "
-                "(greedy output alone and batched can differ); see ARCHITECTURE.md"
-            )
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
         bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
         num_blocks = self._kv_blocks(bytes_per_token)
         self.pool = KvPool(
@@ -305,16 +295,6 @@ class TorchRunner:
     def close(self) -> None:
         self._samplers.clear()
         self.pool.layers.clear()
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has the bf16 dot-product instructions oneDNN's batch-invariant
-    bfloat16 kernels rely on (AVX-512 BF16 or AMX); read from ``/proc/cpuinfo`` (Linux)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _open_gguf(path: Path) -> Any:
