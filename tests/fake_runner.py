@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import InvalidRequestError
@@ -65,6 +66,7 @@ class FakeRunner:
     fail_with: Exception | None = None  # raised by the next execute, once
     fail_add_sequence: bool = False  # a request-level failure (a grammar the runner rejects)
     drop_samples_once: bool = False  # the next execute returns no tokens: breaks the engine loop
+    drop_samples_at_step: int = 0  # ... the same at this execute (for a runner in a process)
 
     def __post_init__(self) -> None:
         for slot in range(self.num_slots):
@@ -156,7 +158,7 @@ class FakeRunner:
             held.extend(chunk.token_ids)
             if chunk.sample:
                 sampled[chunk.slot] = SampledToken(self._next(held))
-        if self.drop_samples_once:
+        if self.drop_samples_once or len(self.batches) == self.drop_samples_at_step:
             self.drop_samples_once = False
             return {}
         return sampled
@@ -221,3 +223,31 @@ class FakeRunner:
                 done = len(held) - len(prompt_ids)
                 return reply[done] if done < len(reply) else EOS
         return ord("a") + len(held) % 26
+
+
+class FakeFrontend:
+    """What the API process keeps of the fake model in engine-process mode."""
+
+    tokenizer = ByteTokenizer()
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        raise InvalidRequestError("no grammar support in the fake runner", "response_format")
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class FakeSpec:
+    """A picklable recipe for a :class:`FakeRunner` built in an engine process."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    load_error: str | None = None
+
+    def __call__(self) -> FakeRunner:
+        if self.load_error is not None:
+            raise RuntimeError(self.load_error)
+        return FakeRunner(**self.options)
+
+    def frontend(self) -> FakeFrontend:
+        return FakeFrontend()

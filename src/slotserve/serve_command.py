@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from slotserve.engine.runner_interface import Runner
+from slotserve.engine.runner_interface import RunnerSpec
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
+from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +135,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
     )
     parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("ENGINE_PROCESS", True),
+        help="run the scheduler and the runner in a process of their own, apart from HTTP, "
+        "tokenization and SSE (default on; --no-engine-process: a thread of the server)",
+    )
+    parser.add_argument(
         "--runner",
         choices=["auto", "llama.cpp", "torch"],
         default=env("RUNNER", "auto"),
@@ -183,9 +191,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def runner_factory(
-    args: argparse.Namespace, model_path: Path, model_name: str
-) -> Callable[[], Runner]:
+def runner_factory(args: argparse.Namespace, model_path: Path, model_name: str) -> RunnerSpec:
     """What ``--runner`` (or the model's form) picks; validates the choice before any load."""
     kind = args.runner
     if kind == "auto":
@@ -193,9 +199,7 @@ def runner_factory(
     if kind == "llama.cpp":
         if not model_path.is_file():
             raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
-        from slotserve.runners.llama_cpp_runner import LlamaCppRunner
-
-        return lambda: LlamaCppRunner(
+        return LlamaCppSpec(
             model_path,
             num_slots=args.slots,
             ctx_size=args.ctx_size,
@@ -205,11 +209,7 @@ def runner_factory(
             model_name=model_name,
         )
     try:
-        from slotserve.runners.pytorch.runner import (
-            TorchLoadConfig,
-            TorchRunner,
-            read_model_config,
-        )
+        from slotserve.runners.pytorch.runner import TorchLoadConfig, read_model_config
     except ImportError as exc:
         raise ValueError(
             f"the PyTorch runner needs its dependencies ({exc.name} is missing): "
@@ -231,7 +231,7 @@ def runner_factory(
         model_name=model_name,
     )
     read_model_config(model_path)  # unsupported architectures fail here, before any weight
-    return lambda: TorchRunner(load)
+    return TorchSpec(load)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -274,7 +274,15 @@ def serve(args: argparse.Namespace) -> int:
         print(f"slotserve: {exc}", file=sys.stderr)
         return 2
     metrics = ServerMetrics(model_name)
-    host = ModelHost(model_name, build_runner, config, template_file, metrics.observe)
+    host = ModelHost(
+        model_name,
+        build_runner,
+        config,
+        template_file,
+        metrics.observe,
+        engine_process=args.engine_process,
+        process_setup=functools.partial(configure_logging, args.log_level),
+    )
     ctx = ServingContext(host, metrics, api_key=args.api_key or None)
     uvicorn_config = uvicorn.Config(
         create_app(ctx),

@@ -1,7 +1,10 @@
-"""Bench logic without a server: percentiles, arrivals, datasets, report schema, targets."""
+"""Bench logic without a server: percentiles, arrivals, datasets, report schema (flat, vLLM's
+keys), targets, and the vLLM peers' command lines."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import itertools
 import json
 import statistics
@@ -9,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from slotserve.bench.datasets import (
     multi_turn_dataset,
@@ -16,9 +20,11 @@ from slotserve.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from slotserve.bench.loadgen import poisson_gaps
+from slotserve.bench.loadgen import LoadConfig, poisson_gaps
 from slotserve.bench.metrics import RequestResult, isolation_failures, percentile, summarize
 from slotserve.bench.report import Targets
+from slotserve.bench.runner import vllm_header, write_run_json
+from slotserve.bench.vllm_peer import VllmPeer, prepare_vllm, vllm_env, vllm_spec
 
 VLLM_KEYS = {
     "completed",
@@ -43,6 +49,20 @@ VLLM_KEYS = {
     "p99_e2el_ms",
     "p95_ttft_ms",
     "p50_itl_ms",
+}
+# What `vllm bench serve --save-result` writes before its metrics (vllm/benchmarks/serve.py).
+VLLM_HEADER_KEYS = {
+    "date",
+    "endpoint_type",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "request_goodput",
 }
 
 
@@ -169,9 +189,9 @@ def test_isolation_check_flags_identical_greedy_outputs_of_distinct_prompts() ->
 
 def test_targets_report_every_miss(tmp_path: Path) -> None:
     baseline = tmp_path / "base.json"
-    baseline.write_text(json.dumps({"summary": {"output_throughput": 100.0}}))
+    baseline.write_text(json.dumps({"output_throughput": 100.0}))  # flat, as vLLM writes it
     report: dict[str, Any] = {
-        "summary": summarize([_result("a", "x" * 20)], 1.0),
+        **summarize([_result("a", "x" * 20)], 1.0),
         "isolation_failures": [],
     }
     assert Targets().missed(report) == []
@@ -181,3 +201,80 @@ def test_targets_report_every_miss(tmp_path: Path) -> None:
     assert len(misses) == 2 and report["speedup_vs_baseline"] == pytest.approx(0.11)
     report["isolation_failures"] = [{"prompt_ids": ["a", "b"], "text": "t"}]
     assert any("isolation" in m for m in Targets().missed(report))
+
+
+def test_targets_read_a_baseline_from_before_the_flat_schema(tmp_path: Path) -> None:
+    baseline = tmp_path / "old.json"
+    baseline.write_text(json.dumps({"summary": {"output_throughput": 5.5}}))
+    report: dict[str, Any] = {**summarize([_result("a", "x" * 20)], 1.0), "isolation_failures": []}
+    assert Targets(speedup_baseline=baseline).missed(report) == []
+    assert report["speedup_vs_baseline"] == pytest.approx(2.0)
+
+
+def test_run_json_is_flat_with_vllm_keys(tmp_path: Path) -> None:
+    config = LoadConfig("http://127.0.0.1:1/v1", model="m", endpoint="completions", concurrency=16)
+    report = {
+        **vllm_header(config, "random ×16", 32),
+        **summarize([_result("a", "x" * 20), _result("b", "y" * 20)], 2.0),
+        "isolation_failures": [],
+        "samples": {"ttft_ms": [100.0], "itl_ms": []},
+    }
+    path = tmp_path / "runs" / "run.json"
+    write_run_json(report, path)
+    saved = json.loads(path.read_text())
+    assert set(saved) >= VLLM_KEYS | VLLM_HEADER_KEYS
+    assert "summary" not in saved and "samples" not in saved
+    assert saved["max_concurrency"] == 16 and saved["num_prompts"] == 32
+    assert saved["backend"] == "openai" and saved["model_id"] == "m"
+    assert saved["request_rate"] == "inf"  # vLLM's spelling of "all at once"
+    assert saved["completed"] == 2 and saved["output_throughput"] == pytest.approx(11.0)
+    chat = vllm_header(LoadConfig("u", request_rate=2.0), "", 1)
+    assert chat["backend"] == "openai-chat" and chat["request_rate"] == 2.0
+
+
+def test_vllm_cpu_binds_every_core_and_the_default_variant_leaves_vllm_to_choose() -> None:
+    both = vllm_env("vllm-cpu", threads=2)
+    assert both["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert both["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert both["HF_HUB_OFFLINE"] == "1" and both["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert vllm_env("vllm-cpu", threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    default = vllm_env("vllm-cpu-default", threads=2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in default
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in default
+    assert default["HF_HUB_OFFLINE"] == "1"
+    with pytest.raises(ValueError, match="unknown vLLM peer"):
+        vllm_env("vllm-gpu", threads=2)
+
+
+def test_vllm_spec_command_line() -> None:
+    spec = vllm_spec("vllm-cpu", Path("/p/bin/python"), Path("/hf/smol"), "smol.Q4_1", 64, 2, 2048)
+    command = spec.command
+    assert command[:3] == ["/p/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def flag(name: str) -> str:
+        return command[command.index(name) + 1]
+
+    assert flag("--model") == "/hf/smol" and flag("--served-model-name") == "smol.Q4_1"
+    assert flag("--dtype") == "bfloat16" and flag("--max-model-len") == "2048"
+    assert flag("--max-num-seqs") == "64" and flag("--host") == "127.0.0.1"
+    assert flag("--port") == str(spec.port)
+    assert spec.name == "vllm-cpu" and spec.ready_path == "/v1/models"
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert spec.start_timeout_s >= 600  # vLLM's start-up takes minutes on 2 cores
+    peer = VllmPeer(Path("/p/bin/python"), Path("/hf/smol"), "smol.Q4_1")
+    other = peer.spec("vllm-cpu-default", 16, 2)
+    assert other.name == "vllm-cpu-default" and "VLLM_CPU_OMP_THREADS_BIND" not in other.env
+    assert other.command[other.command.index("--max-model-len") + 1] == "4096"
+
+
+def test_a_vllm_peer_that_is_not_installed_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    args = argparse.Namespace(vllm_python=tmp_path / "missing" / "python", hf_folder=None)
+    model = tmp_path / "m.gguf"
+    assert prepare_vllm(["vllm-cpu", "vllm-cpu-default"], model, args, console) is None
+    assert "vLLM not installed" in out.getvalue()
+    assert "skipping vllm-cpu, vllm-cpu-default" in out.getvalue()
+    out.truncate(0)
+    assert prepare_vllm(["llama-server"], model, args, console) is None  # none wanted
+    assert out.getvalue() == ""

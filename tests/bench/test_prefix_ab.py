@@ -8,13 +8,15 @@ from slotserve.cli import build_prefix_ab_parser
 
 
 def _run(round_index: int, config: str, ttft_ms: float, tps: float) -> dict[str, object]:
-    summary = {
+    # Runs are flat: the run's metrics (vLLM's keys) beside its round and configuration.
+    return {
+        "round": round_index,
+        "config": config,
         "median_ttft_ms": ttft_ms,
         "p90_ttft_ms": ttft_ms * 2,
         "output_throughput": tps,
         "failed": 0,
     }
-    return {"round": round_index, "config": config, "summary": summary}
 
 
 def test_ratios_are_medians_of_paired_rounds() -> None:
@@ -29,6 +31,17 @@ def test_ratios_are_medians_of_paired_rounds() -> None:
     assert result["ratios"]["on"]["ttft_p50_speedup_vs_off"] == (5.0 + 3.0) / 2
     assert result["ratios"]["on"]["throughput_vs_off"] == (4.0 + 3.0) / 2
     assert result["medians"]["off"]["median_ttft_ms"] == 35_000
-    assert result["workload"]["users"] == 4
+    assert result["workload"]["users"] == 4 and result["workload"]["requests"] == 4
     table = _markdown(result)
     assert "| on | 9000 | 18000 | 38.0 | 4.00 | 3.50 |" in table
+
+
+def test_peers_and_a_request_count_apart_from_the_concurrency() -> None:
+    parser = build_prefix_ab_parser()
+    args = parser.parse_args(
+        ["--users", "16", "--requests", "32", "--peers", "vllm-cpu", "vllm-cpu-default"]
+    )
+    assert args.requests == 32 and args.users == 16
+    assert args.peers == ["vllm-cpu", "vllm-cpu-default"] and args.peer
+    assert parser.parse_args([]).peers == ["llama-server"]
+    assert parser.parse_args([]).requests is None

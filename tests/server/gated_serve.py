@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +22,28 @@ GATE_TIMEOUT_S = 120.0
 _factory = serve_command.runner_factory
 
 
-def _gated_factory(*args: Any, **kwargs: Any) -> Any:
-    build = _factory(*args, **kwargs)
-    gate = Path(os.environ[GATE_ENV])
+@dataclass(frozen=True)
+class GatedSpec:
+    """The real runner spec whose build first waits for the gate file; picklable, so it
+    works in the engine process (which builds the runner) as on an engine thread."""
 
-    def gated_build() -> Any:
-        # Runs on the engine's loader thread; the event loop keeps serving meanwhile.
+    inner: Any
+    gate: Path
+
+    def __call__(self) -> Any:
         deadline = time.monotonic() + GATE_TIMEOUT_S
-        while not gate.exists():
+        while not self.gate.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the test never opened the load gate {gate}")
+                raise TimeoutError(f"the test never opened the load gate {self.gate}")
             time.sleep(0.02)  # polling the gate file (a state), bounded by the deadline
-        return build()
+        return self.inner()
 
-    return gated_build
+    def frontend(self) -> Any:
+        return self.inner.frontend()
+
+
+def _gated_factory(*args: Any, **kwargs: Any) -> GatedSpec:
+    return GatedSpec(_factory(*args, **kwargs), Path(os.environ[GATE_ENV]))
 
 
 serve_command.runner_factory = _gated_factory

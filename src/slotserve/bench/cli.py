@@ -131,7 +131,7 @@ def main_bench(args: argparse.Namespace) -> int:
         show_progress=not args.no_progress,
         label=f"{args.dataset} ×{args.concurrency}",
     )
-    render_table(report["summary"], f"slotserve bench: {config.base_url}", Console())
+    render_table(report, f"slotserve bench: {config.base_url}", Console())
     for failure in report["isolation_failures"]:
         console.print(f"[red]isolation: prompts {failure['prompt_ids']} returned the same text")
     for error in report["errors"]:

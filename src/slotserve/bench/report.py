@@ -23,6 +23,7 @@ def rss_bytes(pid: int) -> int | None:
 
 
 def render_table(summary: dict[str, Any], title: str, console: Console | None = None) -> None:
+    """``summary``: a run report (its metrics are top-level keys, vLLM's names)."""
     console = console or Console()
     table = Table(title=title)
     table.add_column("metric")
@@ -64,7 +65,7 @@ class Targets:
     isolation: bool = True
 
     def missed(self, report: dict[str, Any]) -> list[str]:
-        summary = report["summary"]
+        summary = report  # flat: vLLM's metric keys at the top level
         misses = []
         if self.min_output_tps is not None and summary["output_throughput"] < self.min_output_tps:
             misses.append(
@@ -73,6 +74,7 @@ class Targets:
             )
         if self.speedup_baseline is not None:
             base = json.loads(self.speedup_baseline.read_text())
+            # Flat (ours, vLLM's) or nested under "summary" (our files before they were flat).
             base_tps = (base.get("summary") or base)["output_throughput"]
             speedup = summary["output_throughput"] / base_tps if base_tps else float("inf")
             report["speedup_vs_baseline"] = speedup

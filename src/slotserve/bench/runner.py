@@ -1,10 +1,17 @@
-"""One benchmark run: workload in, report dict out (used by ``slotserve bench`` and sweeps)."""
+"""One benchmark run: workload in, report dict out (used by ``slotserve bench`` and sweeps).
+
+The report is flat like the JSON ``vllm bench serve --save-result`` writes (``completed``,
+``output_throughput``, ``mean_ttft_ms``, ``max_concurrency``... at the top level), so tools that
+read vLLM's results read ours; our own keys (``config``, ``isolation_failures``, ``errors``,
+``server_memory``, ``samples``) sit beside them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,7 @@ from slotserve.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from slotserve.bench.loadgen import LoadConfig, run_load
+from slotserve.bench.loadgen import LoadConfig, resolve_model_sync, run_load
 from slotserve.bench.metrics import RequestResult, isolation_failures, summarize
 from slotserve.bench.report import rss_bytes
 
@@ -58,7 +65,10 @@ def run_benchmark(
     show_progress: bool = True,
     label: str = "",
 ) -> dict[str, Any]:
-    """Runs the load and returns the report: config, summary, isolation check, memory."""
+    """Runs the load and returns the flat report: vLLM's result keys, then ours."""
+    if config.model is None:
+        # vLLM's results name the model; ask the server once instead of inside the load.
+        config = replace(config, model=resolve_model_sync(config))
     total = sum(len(c.user_turns) for c in conversations) if config.duration_s is None else None
     rss_before = rss_bytes(server_pid) if server_pid else None
     results: list[RequestResult]
@@ -76,15 +86,14 @@ def run_benchmark(
         )
     rss_after = rss_bytes(server_pid) if server_pid else None
     return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "label": label,
+        **vllm_header(config, label, total if total is not None else len(results)),
+        **summarize(results, duration),
         "config": {
             **asdict(config),
             "num_conversations": len(conversations),
             "warmup": warmup,
             "request_rate": None if config.request_rate == float("inf") else config.request_rate,
         },
-        "summary": summarize(results, duration),
         "isolation_failures": isolation_failures(results),
         "errors": sorted({r.error for r in results if r.error})[:20],
         "server_memory": {"rss_before_bytes": rss_before, "rss_after_bytes": rss_after},
@@ -94,3 +103,29 @@ def run_benchmark(
             "itl_ms": [gap * 1000 for r in results if r.success for gap in r.itl],
         },
     }
+
+
+def vllm_header(config: LoadConfig, label: str, num_prompts: int) -> dict[str, Any]:
+    """The run description ``vllm bench serve`` puts before its metrics, under its names."""
+    backend = "openai-chat" if config.endpoint == "chat" else "openai"
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"),  # vLLM's format
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": label,
+        "model_id": config.model,
+        "tokenizer_id": config.model,  # the server tokenizes; the client never loads one
+        "num_prompts": num_prompts,
+        "request_rate": "inf" if config.request_rate == float("inf") else config.request_rate,
+        "burstiness": 1.0,  # Poisson arrivals, as vLLM's default
+        "max_concurrency": config.concurrency,
+        "request_goodput": None,  # no goodput targets are set
+    }
+
+
+def write_run_json(report: dict[str, Any], path: Path) -> None:
+    """One run's report as its own file (without the per-request samples), readable as a
+    ``vllm bench serve`` result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {k: v for k, v in report.items() if k != "samples"}
+    path.write_text(json.dumps(flat, indent=2) + "\n")

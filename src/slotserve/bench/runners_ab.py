@@ -1,12 +1,13 @@
 """``slotserve bench runners``: the PyTorch runner against the llama.cpp runner through the
-server, and against HF transformers' own batched ``generate``, on the same weights, at several
-concurrencies (SPEC R2, B2).
+server, against HF transformers' own batched ``generate`` and, with ``--peers``, against vLLM's
+CPU backend, on the same weights, at several concurrencies (SPEC R2, B2).
 
-Per round, each server is started once (slots = the largest concurrency) and serves every
-concurrency in turn: ``--requests-per-client`` requests per concurrent client, fixed-length
-greedy output (``ignore_eos``), completions of random prompts. transformers runs in its own
-process per batch size, with the batch as the concurrency (left-padded prompts). Figures are
-medians over rounds; ratios are medians of per-round paired ratios.
+Per round, each server is started once (slots, or vLLM's ``--max-num-seqs``, = the largest
+concurrency) and serves every concurrency in turn: ``--requests-per-client`` requests per
+concurrent client, fixed-length greedy output (``ignore_eos``), completions of random prompts.
+transformers runs in its own process per batch size, with the batch as the concurrency
+(left-padded prompts). Figures are medians over rounds; ratios are medians of per-round paired
+ratios. Every served run is also written on its own to ``runs/`` as a vLLM-style result.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ from rich.table import Table
 
 from slotserve.bench.datasets import random_dataset
 from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark
-from slotserve.bench.servers import resolve_model_or_report, running, slotserve_spec
+from slotserve.bench.runner import run_benchmark, write_run_json
+from slotserve.bench.servers import ServerSpec, resolve_model_or_report, running, slotserve_spec
+from slotserve.bench.vllm_peer import (
+    VLLM_PEERS,
+    VllmPeer,
+    add_vllm_arguments,
+    hf_folder_for,
+    prepare_vllm,
+)
 
 RUNNERS = ("torch", "llama.cpp")
 
@@ -38,8 +46,8 @@ def add_runners_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hf-folder",
         type=Path,
-        help="the same weights as an HF folder for transformers (default: converted from "
-        "the GGUF into the output directory)",
+        help="the same weights as an HF folder for transformers and vLLM (default: the GGUF "
+        "converted once into .peers/hf/)",
     )
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="comma-separated")
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -50,6 +58,14 @@ def add_runners_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx-per-slot", type=int, default=512)
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     parser.add_argument("--torch-args", default="", help="extra flags for the torch server")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=VLLM_PEERS,
+        default=[],
+        help="other servers on the HF folder (skipped with a note when not installed)",
+    )
+    add_vllm_arguments(parser, hf_folder=False)
     parser.add_argument(
         "--output-dir",
         type=Path,
@@ -65,20 +81,15 @@ def main_runners_ab(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_folder = args.hf_folder
-    if args.hf and hf_folder is None:
-        from slotserve.bench.hf_reference import convert_gguf_to_hf
-
-        hf_folder = convert_gguf_to_hf(model, out_dir / "hf-model")
+    vllm = prepare_vllm(args.peers, model, args, console)
+    hf_folder = hf_folder_for(model, args.hf_folder) if args.hf else None
+    servers = [*RUNNERS, *(args.peers if vllm is not None else [])]
     runs: list[dict[str, Any]] = []
     slots = max(levels)
     for round_index in range(args.rounds):
-        order = list(RUNNERS) if round_index % 2 == 0 else list(reversed(RUNNERS))
-        for runner in order:
-            extra = ["--runner", runner, "--max-queue", "4096"]
-            if runner == "torch":
-                extra += ["--max-model-len", str(args.ctx_per_slot), *args.torch_args.split()]
-            spec = slotserve_spec(model, slots, args.threads, args.ctx_per_slot, extra)
+        order = servers if round_index % 2 == 0 else list(reversed(servers))
+        for name in order:
+            spec = _spec(name, model, slots, args, vllm)
             with running(spec, out_dir / "logs") as server:
                 for level in levels:
                     dataset = random_dataset(
@@ -93,15 +104,17 @@ def main_runners_ab(args: argparse.Namespace) -> int:
                         dataset,
                         warmup=min(level, 4),
                         server_pid=server.pid,
-                        label=f"round {round_index + 1} {runner} ×{level}",
+                        label=f"round {round_index + 1} {name} ×{level}",
                     )
-                    summary = report["summary"]
-                    runs.append(_run(round_index, runner, level, summary))
+                    write_run_json(
+                        report, out_dir / "runs" / f"{name}-x{level}-r{round_index}.json"
+                    )
+                    runs.append(_run(round_index, name, level, report))
                     console.print(
-                        f"round {round_index + 1} {runner:>9} ×{level:<3} "
-                        f"{summary['output_throughput']:7.1f} tok/s  failed {summary['failed']}"
+                        f"round {round_index + 1} {name:>16} ×{level:<3} "
+                        f"{report['output_throughput']:7.1f} tok/s  failed {report['failed']}"
                     )
-        if args.hf and hf_folder is not None:
+        if hf_folder is not None:
             for level in levels:
                 result = _hf_run(hf_folder, level, args, round_index)
                 runs.append(_run(round_index, "transformers", level, result))
@@ -117,14 +130,29 @@ def main_runners_ab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(round_index: int, name: str, level: int, summary: dict[str, Any]) -> dict[str, Any]:
+def _spec(
+    name: str, model: Path, slots: int, args: argparse.Namespace, vllm: VllmPeer | None
+) -> ServerSpec:
+    if name in VLLM_PEERS:
+        assert vllm is not None
+        return vllm.spec(name, slots, args.threads, args.ctx_per_slot)
+    extra = ["--runner", name, "--max-queue", "4096"]
+    if name == "torch":
+        extra += ["--max-model-len", str(args.ctx_per_slot), *args.torch_args.split()]
+    return slotserve_spec(model, slots, args.threads, args.ctx_per_slot, extra)
+
+
+def _run(round_index: int, name: str, level: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``runs``: which server, round and concurrency, then the run's flat metrics
+    (vLLM's keys; transformers' rows have only its throughput)."""
+    flat = {k: v for k, v in metrics.items() if k not in ("samples", "config")}
     return {
+        **flat,
         "round": round_index,
         "runner": name,
         "concurrency": level,
-        "output_throughput": float(summary["output_throughput"]),
-        "failed": int(summary.get("failed", 0)),
-        "summary": summary,
+        "output_throughput": float(metrics["output_throughput"]),
+        "failed": int(metrics.get("failed", 0)),
     }
 
 
@@ -216,19 +244,15 @@ def _markdown(result: dict[str, Any]) -> str:
 def _print_table(result: dict[str, Any], console: Console) -> None:
     table = Table(title="runners: output tok/s")
     names = list(result["medians"])
-    for column in ("concurrency", *names, "torch ÷ llama.cpp", "torch ÷ transformers"):
-        table.add_column(column)
     ratios = result["ratios"]
+    ratio_names = [k for k in ratios if k.startswith("torch_vs_")]
+    for column in ("concurrency", *names, *(f"torch ÷ {k[9:]}" for k in ratio_names)):
+        table.add_column(column)
     for level in result["workload"]["concurrency"]:
         key = str(level)
         table.add_row(
             key,
             *(f"{result['medians'][n][key]:.1f}" for n in names),
-            f"{ratios['torch_vs_llama.cpp'][key]:.2f}" if "torch_vs_llama.cpp" in ratios else "-",
-            (
-                f"{ratios['torch_vs_transformers'][key]:.2f}"
-                if "torch_vs_transformers" in ratios
-                else "-"
-            ),
+            *(f"{ratios[k][key]:.2f}" for k in ratio_names),
         )
     console.print(table)

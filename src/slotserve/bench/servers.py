@@ -1,5 +1,6 @@
-"""Servers started by a sweep: slotserve, llama.cpp's ``llama-server`` and llama-cpp-python's
-server, each on 127.0.0.1 only and always stopped (also on Ctrl-C or an error)."""
+"""Servers started by a sweep: slotserve, llama.cpp's ``llama-server``, llama-cpp-python's
+server and vLLM (``vllm_peer``), each on 127.0.0.1 only and always stopped (also on Ctrl-C or an
+error), children included."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 
 HOST = "127.0.0.1"
+# How long members of a server's process group may outlive its leader before SIGKILL.
+CHILD_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class ServerSpec:
     port: int
     # Answers 200 once the server can serve (slotserve listens while its model loads).
     ready_path: str = "/v1/models"
+    # Set on top of this process's environment (vLLM reads its CPU settings from there).
+    env: dict[str, str] = field(default_factory=dict)
+    # vLLM compiles and profiles for minutes on a small CPU before it answers.
+    start_timeout_s: float = 300.0
 
     @property
     def base_url(self) -> str:
@@ -139,8 +146,12 @@ def llama_cpp_python_spec(model: Path, threads: int, ctx: int) -> ServerSpec:
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator[RunningServer]:
-    """Starts the server, waits until it is ready, and always stops it."""
+def running(
+    spec: ServerSpec, log_dir: Path, timeout_s: float | None = None
+) -> Iterator[RunningServer]:
+    """Starts the server, waits until it is ready (``timeout_s``, else the spec's own start-up
+    limit), and always stops it."""
+    timeout_s = spec.start_timeout_s if timeout_s is None else timeout_s
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}-{spec.port}.log"
     with log_path.open("wb") as log:
@@ -149,7 +160,8 @@ def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True,  # its own process group: stopping it reaches its children
+            env={**os.environ, **spec.env} if spec.env else None,
         )
     try:
         deadline = time.monotonic() + timeout_s
@@ -170,16 +182,53 @@ def running(spec: ServerSpec, log_dir: Path, timeout_s: float = 300) -> Iterator
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
+    """SIGTERM to the server's process group, SIGKILL after 20 s; then the same for members of
+    the group that outlive the leader (vLLM's engine-core process, multiprocessing workers)."""
+    group = process.pid  # start_new_session: the group id is the leader's pid
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+            process.wait()
+    if _wait_group(group, CHILD_GRACE_S):  # children finishing their own shutdown
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        os.killpg(group, signal.SIGKILL)
+    _wait_group(group, 5.0)  # SIGKILL takes effect asynchronously
+
+
+def _wait_group(group: int, seconds: float) -> bool:
+    """Whether the group emptied within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while _group_alive(group):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in the group; zombies count as stopped,
+    since whoever adopted them reaps them, not us."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: the kernel's answer, zombies included
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
 
 
 DEFAULT_LLAMA_SERVER = Path(__file__).resolve().parents[3] / ".peers"

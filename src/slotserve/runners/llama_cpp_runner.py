@@ -30,11 +30,11 @@ import llama_cpp as llama
 import numpy as np
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.errors import InvalidRequestError, RunnerFailure
+from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.runners.llama_cpp_sampling import build_chain, grammar_for
+from slotserve.runners.llama_cpp_sampling import build_chain, check_grammar
 from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 
 logger = logging.getLogger(__name__)
@@ -170,11 +170,7 @@ class LlamaCppRunner:
         return None  # one KV stream per slot
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
-        grammar = grammar_for(spec)
-        sampler = llama.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
-        if not sampler:
-            raise InvalidRequestError("The grammar could not be parsed.", param="response_format")
-        llama.llama_sampler_free(sampler)
+        check_grammar(self._vocab, spec)
 
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None

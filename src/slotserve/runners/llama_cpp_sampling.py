@@ -39,6 +39,14 @@ def grammar_for(spec: StructuredOutput) -> str:
         ) from exc
 
 
+def check_grammar(vocab: Any, spec: StructuredOutput) -> None:
+    """Raises ``InvalidRequestError`` unless llama.cpp's grammar sampler accepts ``spec``."""
+    sampler = llama.llama_sampler_init_grammar(vocab, grammar_for(spec).encode(), b"root")
+    if not sampler:
+        raise InvalidRequestError("The grammar could not be parsed.", param="response_format")
+    llama.llama_sampler_free(sampler)
+
+
 def build_chain(
     vocab: Any,
     n_vocab: int,

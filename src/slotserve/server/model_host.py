@@ -25,8 +25,9 @@ from pathlib import Path
 
 from slotserve.engine.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_process import ProcessCore
 from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.runner_interface import ModelInfo, Runner, Tokenizer
+from slotserve.engine.runner_interface import ModelInfo, Runner, RunnerSpec, Tokenizer
 from slotserve.engine.stats import EngineStats, EngineTotals
 from slotserve.server.chat_template import ChatTemplate
 
@@ -70,13 +71,20 @@ class LoadedModel:
 
 @dataclass
 class ModelHost:
-    """Owns the runner factory and the current engine; every route asks it for the model."""
+    """Owns the runner factory and the current engine; every route asks it for the model.
+
+    With ``engine_process`` the engine core runs in a process of its own
+    (``engine/core_process.py``): ``build_runner`` must then be a picklable ``RunnerSpec``, and
+    ``process_setup`` runs first in that process (logging). Otherwise it runs on an engine
+    thread of this process."""
 
     name: str
     build_runner: Callable[[], Runner]
     config: EngineConfig
     chat_template_file: Path | None = None
     on_outputs: OutputListener | None = None
+    engine_process: bool = False
+    process_setup: Callable[[], None] | None = None
     model: LoadedModel | None = None
     load_error: str | None = None
     loads: int = 0
@@ -171,7 +179,16 @@ class ModelHost:
                 runner.close()
                 raise
 
-        engine = await AsyncEngine.launch(build_core, self.on_outputs)
+        if self.engine_process:
+            spec = self.build_runner
+            if not isinstance(spec, RunnerSpec):
+                raise TypeError("an engine process needs a RunnerSpec to build its runner")
+            engine = await AsyncEngine.connect(
+                lambda deliver: ProcessCore.launch(spec, self.config, deliver, self.process_setup),
+                self.on_outputs,
+            )
+        else:
+            engine = await AsyncEngine.launch(build_core, self.on_outputs)
         info = engine.model_info
         try:
             source = (

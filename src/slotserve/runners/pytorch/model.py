@@ -202,16 +202,22 @@ class Decoder(nn.Module):
             sliding = c.is_sliding(index)
             residual = hidden
             x = layer.input_norm(hidden)
-            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, c.num_heads, c.head_dim)
-            k = k.view(-1, c.num_kv_heads, c.head_dim)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            qkv = layer.qkv(x)
+            v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+            local = sliding and c.rope_local_theta is not None
+            rotary = (local_cos, local_sin) if local else (cos, sin)
             if c.qk_norm:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            if sliding and c.rope_local_theta is not None:
-                q, k = apply_rotary(q, local_cos, local_sin), apply_rotary(k, local_cos, local_sin)
+                q = layer.q_norm(qkv[:, :q_size].view(-1, c.num_heads, c.head_dim))
+                k = layer.k_norm(
+                    qkv[:, q_size : q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
+                )
+                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             else:
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                # q and k heads side by side through one rotary pass (element-wise: the same
+                # bits as two passes, in half the operators).
+                qk = qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+                qk = apply_rotary(qk, *rotary)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             key_cache, value_cache = kv_layers[index]
             attn = attend(q, k, v, key_cache, value_cache, step, sliding, c)
             x = layer.o_proj(attn)

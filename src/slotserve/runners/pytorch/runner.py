@@ -85,6 +85,35 @@ def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
     return config_from_hf(json.loads(config_file.read_text()), name)
 
 
+def refuse_structured_output(spec: StructuredOutput) -> None:
+    raise InvalidRequestError(
+        "Structured output (response_format json_object / json_schema) is not supported by "
+        "the PyTorch runner; serve a GGUF model with the llama.cpp runner for it.",
+        param="response_format",
+    )
+
+
+class TorchFrontend:
+    """What the API process keeps when this runner lives in the engine process."""
+
+    def __init__(self, model_path: Path) -> None:
+        self._tokenizer = (
+            HfTokenizer.from_gguf(model_path)
+            if model_path.is_file()
+            else HfTokenizer.from_folder(model_path)
+        )
+
+    @property
+    def tokenizer(self) -> HfTokenizer:
+        return self._tokenizer
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        refuse_structured_output(spec)
+
+    def close(self) -> None:
+        pass
+
+
 class TorchRunner:
     def __init__(self, load: TorchLoadConfig) -> None:
         self.load = load
@@ -191,11 +220,7 @@ class TorchRunner:
         return self.pool.tables
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
-        raise InvalidRequestError(
-            "Structured output (response_format json_object / json_schema) is not supported by "
-            "the PyTorch runner; serve a GGUF model with the llama.cpp runner for it.",
-            param="response_format",
-        )
+        refuse_structured_output(spec)
 
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None

@@ -1,0 +1,89 @@
+"""The engine alone, no HTTP: decode throughput of a runner at several batch sizes.
+
+Builds the runner and an ``EngineCore`` in this process, admits B sequences at once (random
+64-token prompts, greedy, ``ignore_eos``) and steps until all have ``--max-tokens`` tokens.
+Reports decode tokens/s (prefill steps excluded) per batch size, and with ``--profile`` the
+torch profiler's top operators for the largest batch. Used to A/B runner changes before the
+server-level benchmarks (``slotserve bench runners``).
+
+    python benchmarks/engine_steps.py --runner torch --batch-sizes 1 16 64 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.model_source import embedded_model_path
+from slotserve.runners.specs import LlamaCppSpec, TorchSpec
+
+
+def build(runner: str, slots: int, threads: int) -> EngineCore:
+    path = embedded_model_path()
+    if runner == "torch":
+        from slotserve.runners.pytorch.runner import TorchLoadConfig
+
+        spec: TorchSpec | LlamaCppSpec = TorchSpec(
+            TorchLoadConfig(path, num_slots=slots, max_seq_len=512, threads=threads)
+        )
+    else:
+        spec = LlamaCppSpec(path, slots, slots * 512, 512, threads)
+    config = EngineConfig(num_slots=slots, max_batch_tokens=max(512, slots + 64))
+    return EngineCore(spec(), config)
+
+
+def run(core: EngineCore, batch: int, max_tokens: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    vocab = core.model_info.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
+        core.add_request(core.make_request(f"r{seed}-{i}", prompt, params))
+    decode_tokens, decode_seconds = 0, 0.0
+    while core.has_work:
+        started = time.perf_counter()
+        outputs = core.step()
+        elapsed = time.perf_counter() - started
+        produced = sum(len(d.token_ids) for o in outputs for d in o.deltas)
+        if core.stats.slots and all(s.num_output_tokens > 0 for s in core.stats.slots[:batch]):
+            decode_tokens += produced
+            decode_seconds += elapsed
+    return {"batch": batch, "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    core = build(args.runner, max(args.batch_sizes), args.threads)
+    run(core, 1, 4, seed=-1)  # warm-up
+    results = []
+    for round_index in range(args.rounds):
+        for batch in args.batch_sizes:
+            result = run(core, batch, args.max_tokens, seed=round_index * 1000 + batch)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    if args.profile:
+        import torch.profiler
+
+        with torch.profiler.profile() as prof:
+            run(core, args.batch_sizes[-1], 16, seed=99)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

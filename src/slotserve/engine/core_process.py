@@ -1,0 +1,398 @@
+"""The hand-off between the serving side and the engine core as a second process (vLLM v1's
+split): :class:`ProcessCore` in the API process, :func:`engine_process_main` in the engine-core
+process.
+
+The API process keeps HTTP, chat templates, tokenization and request validation (with its own
+copy of the tokenizer, :class:`~slotserve.engine.runner_interface.RunnerFrontend`); the engine
+process keeps the scheduler, the runner and the detokenizer (stop strings end a sequence in
+the step that produced them, so its slot is freed there and usage counts stay exact) and steps
+in a busy loop while it has work. Messages are ``wire.py``'s msgspec structs over two ZMQ
+PUSH/PULL sockets on IPC paths; a thread in the API process receives outputs and hands them to
+the event loop, as the in-thread client does.
+
+Failure handling: the receiving thread watches the process; if it dies (killed, segfault, out
+of memory), every request still in it ends with a ``MODEL_UNHEALTHY`` error within a second and
+:attr:`ProcessCore.unhealthy` says why, so health and readiness turn 503 and a reload starts a
+new process. The engine process asks the kernel to kill it when its parent dies
+(``PR_SET_PDEATHSIG``) and also polls its parent while idle, so no orphan outlives the server.
+It ignores SIGINT and SIGTERM: the API process drains and then stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from slotserve.engine import wire
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_client import Deliver
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.errors import EngineDeadError, QueueFullError
+from slotserve.engine.limits import make_request
+from slotserve.engine.outputs import FailureKind, RequestOutput
+from slotserve.engine.request import Request
+from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
+from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500  # how often an idle side checks that the other one is still there
+STOP_TIMEOUT_S = 30.0  # a stopping engine closes its runner; then it is killed
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start (its load error, or how it died)."""
+
+
+class ProcessCore:
+    """The API process's end: the same methods as ``InThreadCore``."""
+
+    def __init__(
+        self,
+        process: BaseProcess,
+        sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
+        workdir: str,
+        ready: wire.Ready,
+        frontend: RunnerFrontend,
+        config: EngineConfig,
+        deliver: Deliver,
+    ) -> None:
+        self.config = config
+        self.model_info: ModelInfo = ready.model_info
+        self.tokenizer: Tokenizer = frontend.tokenizer
+        self._frontend = frontend
+        self._process = process
+        self._to_engine, self._from_engine = sockets
+        self._workdir = workdir
+        self._deliver = deliver
+        self._lock = threading.Lock()  # the send socket, the live set, the 429 counters
+        self._published = ready.stats
+        self._forward_seconds = 0.0
+        self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
+        self._received = 0
+        self._live: set[str] = set()
+        self._stopping = False
+        self._dead: str | None = None
+        self._receiver = threading.Thread(target=self._receive, name="slotserve-engine-out")
+        self._receiver.daemon = True
+        self._receiver.start()
+
+    @classmethod
+    async def launch(
+        cls,
+        spec: RunnerSpec,
+        config: EngineConfig,
+        deliver: Deliver,
+        setup: Callable[[], None] | None = None,
+    ) -> ProcessCore:
+        """Starts the engine process (which loads the model) and the API side's tokenizer
+        beside it; returns when both are ready, or raises why the engine could not start.
+        ``setup`` runs first in the new process (logging)."""
+        workdir = tempfile.mkdtemp(prefix="slotserve-engine-")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        to_engine = context.socket(zmq.PUSH)
+        from_engine = context.socket(zmq.PULL)
+        addresses = (f"ipc://{workdir}/in", f"ipc://{workdir}/out")
+        for sock, address in zip((to_engine, from_engine), addresses, strict=True):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=engine_process_main,
+            args=(spec, config, addresses, os.getpid(), setup),
+            name="slotserve-engine-core",
+            daemon=True,
+        )
+        frontend_task = asyncio.create_task(asyncio.to_thread(spec.frontend))
+        try:
+            process.start()
+            ready = await asyncio.to_thread(_await_ready, from_engine, process)
+            frontend = await frontend_task
+        except BaseException:
+            frontend_task.add_done_callback(_close_frontend)
+            _kill(process)
+            to_engine.close()
+            from_engine.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        logger.info("engine process %d ready", process.pid)
+        sockets = (to_engine, from_engine)
+        return cls(process, sockets, workdir, ready, frontend, config, deliver)
+
+    # ---- the serving side (event loop) -----------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._published
+
+    @property
+    def unhealthy(self) -> str | None:
+        return self._published.unhealthy or self._dead
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._forward_seconds
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        self._frontend.check_structured_output(spec)
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        return make_request(self, self.config, request_id, prompt_token_ids, params)
+
+    def add_request(self, request: Request) -> None:
+        message = wire.AddRequest(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.arrival_time,
+            request.deadline,
+        )
+        with self._lock:
+            unhealthy = self.unhealthy
+            if unhealthy is not None or self._stopping:
+                raise EngineDeadError(unhealthy or "the engine is stopping")
+            published = self._published
+            waiting = self._sent - self._received + published.num_waiting
+            if waiting - published.num_free_slots >= self.config.max_queue:
+                raise QueueFullError(self.config.max_queue)
+            try:  # never blocks the event loop: a dead peer's socket refuses at once
+                self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine process is not taking requests") from None
+            self._sent += 1
+            self._live.add(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._live and self._dead is None:
+                self._send_quietly(wire.Abort([request_id]))
+
+    def stop(self) -> None:
+        """Asks the engine process to end its requests and exit."""
+        with self._lock:
+            if not self._stopping and self._dead is None:
+                self._send_quietly(wire.Stop())
+            self._stopping = True
+
+    def _send_quietly(self, message: wire.ToEngine) -> None:
+        """Under the lock. A peer that cannot take it is dead or dying: the receiving thread
+        sees that and ends every request."""
+        with contextlib.suppress(zmq.Again):
+            self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+
+    async def shutdown(self) -> None:
+        """Stops the engine process (killing it if it does not exit in time); requests still
+        in it end with an error output, so no caller waits forever."""
+        self.stop()
+        await asyncio.to_thread(self._receiver.join, STOP_TIMEOUT_S)
+        await asyncio.to_thread(self._process.join, 5.0)
+        _kill(self._process)
+        await asyncio.to_thread(self._receiver.join)
+        self._fail_live("the engine was stopped (shutdown or reload)", FailureKind.ENGINE_STOPPED)
+        self._to_engine.close()
+        self._from_engine.close()
+        self._frontend.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # ---- the receiving thread --------------------------------------------------------------
+
+    def _receive(self) -> None:
+        sock = self._from_engine
+        while True:
+            if not sock.poll(POLL_MS):
+                if not self._process.is_alive():
+                    self._on_death(None)
+                    return
+                continue
+            message = wire.decode_from_engine(sock.recv(copy=False).bytes)
+            if isinstance(message, wire.Stopped):
+                return
+            if isinstance(message, wire.Crashed):
+                self._on_death(message.error)
+                return
+            if not isinstance(message, wire.StepOutputs):
+                continue
+            with self._lock:
+                self._published, self._received = message.stats, message.received
+                self._forward_seconds = message.forward_seconds
+                for out in message.outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+            if message.outputs:
+                self._deliver(message.outputs)
+
+    def _on_death(self, error: str | None) -> None:
+        """The process died or its loop crashed: refuse new work, end every request."""
+        if error is None:
+            if self._stopping:
+                return
+            code = self._process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit {code}"
+            error = f"the engine process died ({how})"
+        message = error
+        logger.error("%s: failing its requests", message)
+        with self._lock:
+            self._dead = message
+        self._fail_live(message, FailureKind.MODEL_UNHEALTHY)
+
+    def _fail_live(self, message: str, kind: FailureKind) -> None:
+        with self._lock:
+            live, self._live = self._live, set()
+        if live:
+            outputs = [RequestOutput(i, finished=True, error=message, failure=kind) for i in live]
+            with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+                self._deliver(outputs)
+
+
+def _await_ready(sock: zmq.Socket[bytes], process: BaseProcess) -> wire.Ready:
+    while not sock.poll(POLL_MS):
+        if not process.is_alive():
+            raise EngineProcessError(f"the engine process exited ({process.exitcode}) loading")
+    message = wire.decode_from_engine(sock.recv())
+    if isinstance(message, wire.LoadFailed):
+        raise EngineProcessError(message.error)
+    assert isinstance(message, wire.Ready), message
+    return message
+
+
+def _close_frontend(task: asyncio.Task[RunnerFrontend]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
+def _kill(process: BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    if process.pid is not None:
+        process.join(5.0)
+
+
+# ---- the engine-core process ---------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def engine_process_main(
+    spec: RunnerSpec,
+    config: EngineConfig,
+    addresses: tuple[str, str],
+    parent_pid: int,
+    setup: Callable[[], None] | None,
+) -> None:
+    """Builds the runner and the core, then serves: take messages, step while there is work,
+    send each step's outputs and the published state."""
+    _die_with_parent(parent_pid)
+    if setup is not None:
+        setup()
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(addresses[0])
+    outbox.connect(addresses[1])
+    try:
+        core = EngineCore(spec(), config)
+    except BaseException as exc:
+        logger.exception("the engine process could not load the model")
+        outbox.send(wire.encode(wire.LoadFailed(f"{type(exc).__name__}: {exc}")))
+        outbox.close(linger=5000)
+        return
+    outbox.send(wire.encode(wire.Ready(core.model_info, core.snapshot())))
+    last_word: wire.FromEngine = wire.Stopped()
+    try:
+        _serve(core, inbox, outbox, parent_pid)
+    except Exception as exc:
+        logger.exception("engine loop crashed")
+        last_word = wire.Crashed(f"engine loop crashed: {type(exc).__name__}: {exc}")
+    finally:
+        with contextlib.suppress(Exception):
+            core.runner.close()
+        outbox.send(wire.encode(last_word))
+        outbox.close(linger=5000)
+        inbox.close(linger=0)
+
+
+def _serve(
+    core: EngineCore, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], parent_pid: int
+) -> None:
+    received = 0
+    while True:
+        if not core.has_work and not inbox.poll(POLL_MS):
+            if os.getppid() != parent_pid:
+                return  # the parent is gone (its death signal covers the rest)
+            continue
+        refused: list[RequestOutput] = []
+        while True:  # everything that arrived, before the step
+            try:
+                frame = inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            message = wire.decode_to_engine(frame.bytes)
+            if isinstance(message, wire.Stop):
+                outputs = core.fail_all(
+                    "the engine was stopped (shutdown or reload)", FailureKind.ENGINE_STOPPED
+                )
+                _publish(core, outbox, outputs, received)
+                return
+            if isinstance(message, wire.Abort):
+                for request_id in message.request_ids:
+                    core.abort(request_id)
+                continue
+            received += 1
+            refusal = _add(core, message)
+            if refusal is not None:
+                refused.append(refusal)
+        outputs = refused + core.step()
+        _publish(core, outbox, outputs, received)
+        if not core.has_work and core.unhealthy is None:
+            core.check_integrity_when_idle()
+            _publish(core, outbox, [], received)
+
+
+def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
+    """Adds a request; one the core refuses gets an error output instead of ending the loop."""
+    try:
+        request = core.make_request(message.request_id, message.prompt_token_ids, message.params)
+        request.arrival_time, request.deadline = message.arrival_time, message.deadline
+        core.add_request(request)
+        return None
+    except Exception as exc:
+        logger.exception("request %s refused by the engine core", message.request_id)
+        kind = FailureKind.MODEL_UNHEALTHY if core.unhealthy else FailureKind.REQUEST_FAILED
+        return RequestOutput(message.request_id, finished=True, error=str(exc), failure=kind)
+
+
+def _publish(
+    core: EngineCore, outbox: zmq.Socket[bytes], outputs: list[RequestOutput], received: int
+) -> None:
+    forward = float(core.runner.forward_seconds)
+    message = wire.StepOutputs(outputs, core.snapshot(), received, forward)
+    outbox.send(wire.encode(message), copy=False)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the parent dies (Linux), and no SIGINT/SIGTERM of our own: a Ctrl-C in the
+    terminal reaches the whole process group, and the parent drains before stopping us."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the death signal was set
+        os._exit(1)

@@ -1,0 +1,59 @@
+"""Picklable recipes for the runners (``engine.runner_interface.RunnerSpec``): the engine
+process is started with one and builds its runner from it; the API process asks it for the
+frontend it keeps (tokenizer, structured-output check). Imports of a backend happen only when
+its recipe is used, so a llama.cpp server never imports torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slotserve.engine.runner_interface import Runner, RunnerFrontend
+
+if TYPE_CHECKING:
+    from slotserve.runners.pytorch.runner import TorchLoadConfig
+
+
+@dataclass(frozen=True)
+class LlamaCppSpec:
+    model_path: Path
+    num_slots: int
+    ctx_size: int
+    max_batch_tokens: int
+    n_threads: int | None = None
+    flash_attn: bool = True
+    model_name: str | None = None
+
+    def __call__(self) -> Runner:
+        from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+
+        return LlamaCppRunner(
+            self.model_path,
+            num_slots=self.num_slots,
+            ctx_size=self.ctx_size,
+            max_batch_tokens=self.max_batch_tokens,
+            n_threads=self.n_threads,
+            flash_attn=self.flash_attn,
+            model_name=self.model_name,
+        )
+
+    def frontend(self) -> RunnerFrontend:
+        from slotserve.runners.llama_cpp_frontend import LlamaCppFrontend
+
+        return LlamaCppFrontend(self.model_path)
+
+
+@dataclass(frozen=True)
+class TorchSpec:
+    load: TorchLoadConfig
+
+    def __call__(self) -> Runner:
+        from slotserve.runners.pytorch.runner import TorchRunner
+
+        return TorchRunner(self.load)
+
+    def frontend(self) -> RunnerFrontend:
+        from slotserve.runners.pytorch.runner import TorchFrontend
+
+        return TorchFrontend(self.load.model_path)
