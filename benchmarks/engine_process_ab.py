@@ -89,7 +89,9 @@ def main() -> None:
         print(json.dumps(entry))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2))
+        args.output.write_text(
+            json.dumps({"args": vars(args), "summary": summary}, indent=2, default=str)
+        )
 
 
 if __name__ == "__main__":

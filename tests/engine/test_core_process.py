@@ -251,3 +251,26 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_messages_round_trip_the_engines_own_types() -> None:
+    from slotserve.engine import wire
+    from slotserve.engine.outputs import SampledToken, SequenceDelta
+    from slotserve.engine.stats import EngineStats
+
+    logprobs = [SampledToken(7, -0.5, ((7, -0.5), (9, -1.25)))]
+    outputs = [
+        RequestOutput("a", [SequenceDelta(0, "hé", [7], logprobs, "stop", "</s>")], True, 3),
+        RequestOutput("b", [SequenceDelta(1, "", [], None, "stop", 2)], finished=True),
+        RequestOutput("c", finished=True, error="boom", failure=FailureKind.TIMED_OUT),
+    ]
+    message = wire.StepOutputs(outputs, EngineStats(steps=4, num_waiting=2), 5, 1.5)
+    assert wire.decode_from_engine(wire.encode(message)) == message
+    params = SamplingParams(
+        max_tokens=3,
+        stop=("x",),
+        logit_bias=((1, 2.0),),
+        structured_output=StructuredOutput("grammar", 'root ::= "a"'),
+    )
+    request = wire.AddRequest("r", [1, 2], params, 12.5, None)
+    assert wire.decode_to_engine(wire.encode(request)) == request

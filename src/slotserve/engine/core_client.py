@@ -7,9 +7,10 @@ loops: take the inbox (new requests, aborts) → ``core.step()`` → hand the ou
 publish ``core.snapshot()``. Callers on other threads only touch the locked inbox and the last
 published snapshot; the core itself never sees a lock.
 
-The 429 decision reads what the core published with what is still in transit to it, under
-the inbox lock: ``waiting = inbox + taken but not yet published + published waiting``; one
-step stale at worst, and then too high (it errs towards refusing), never too low.
+The 429 decision (:func:`refuse_when_full`) reads what the core published with what is still
+in transit to it, under the client's lock: ``waiting = not yet counted by the core + published
+waiting``; one step stale at worst, and then too high (it errs towards refusing), never too
+low.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from slotserve.engine.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[list[RequestOutput]], None]  # called on the engine (or receiving) thread
+
+
+def refuse_when_full(in_transit: int, published: EngineStats, max_queue: int) -> None:
+    """The 429 decision (SPEC E2): requests the core has not yet counted in a published
+    snapshot plus those it last published as waiting, less the free slots that will take
+    some of them, against ``--max-queue``. Stale by a step at worst, and then too high."""
+    if in_transit + published.num_waiting - published.num_free_slots >= max_queue:
+        raise QueueFullError(max_queue)
 
 
 class CoreClient(Protocol):
@@ -156,10 +165,8 @@ class InThreadCore:
             unhealthy = self.unhealthy
             if unhealthy is not None or self._stopping:
                 raise EngineDeadError(unhealthy or "the engine is stopping")
-            published = self._published
-            waiting = len(self._inbox) + self._in_transit + published.num_waiting
-            if waiting - published.num_free_slots >= self.config.max_queue:
-                raise QueueFullError(self.config.max_queue)
+            in_transit = len(self._inbox) + self._in_transit
+            refuse_when_full(in_transit, self._published, self.config.max_queue)
             self._inbox.append(request)
             self._work_ready.notify()
 

@@ -1,6 +1,5 @@
 """The hand-off between the serving side and the engine core as a second process (vLLM v1's
-split): :class:`ProcessCore` in the API process, :func:`engine_process_main` in the engine-core
-process.
+split): :class:`ProcessCore` in the API process; ``engine_process.py`` is the other end.
 
 The API process keeps HTTP, chat templates, tokenization and request validation (with its own
 copy of the tokenizer, :class:`~slotserve.engine.runner_interface.RunnerFrontend`); the engine
@@ -22,12 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from collections.abc import Callable
@@ -37,9 +34,9 @@ import zmq
 
 from slotserve.engine import wire
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_client import Deliver
-from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.errors import EngineDeadError, QueueFullError
+from slotserve.engine.core_client import Deliver, refuse_when_full
+from slotserve.engine.engine_process import POLL_MS, engine_process_main
+from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.limits import make_request
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.request import Request
@@ -49,7 +46,6 @@ from slotserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 500  # how often an idle side checks that the other one is still there
 STOP_TIMEOUT_S = 30.0  # a stopping engine closes its runner; then it is killed
 
 
@@ -169,10 +165,7 @@ class ProcessCore:
             unhealthy = self.unhealthy
             if unhealthy is not None or self._stopping:
                 raise EngineDeadError(unhealthy or "the engine is stopping")
-            published = self._published
-            waiting = self._sent - self._received + published.num_waiting
-            if waiting - published.num_free_slots >= self.config.max_queue:
-                raise QueueFullError(self.config.max_queue)
+            refuse_when_full(self._sent - self._received, self._published, self.config.max_queue)
             try:  # never blocks the event loop: a dead peer's socket refuses at once
                 self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -215,6 +208,13 @@ class ProcessCore:
     # ---- the receiving thread --------------------------------------------------------------
 
     def _receive(self) -> None:
+        try:
+            self._receive_until_stopped()
+        except Exception as exc:  # a broken message or socket: nothing more will arrive
+            logger.exception("receiving from the engine process failed")
+            self._on_death(f"the engine process connection broke: {type(exc).__name__}: {exc}")
+
+    def _receive_until_stopped(self) -> None:
         sock = self._from_engine
         while True:
             if not sock.poll(POLL_MS):
@@ -283,116 +283,3 @@ def _kill(process: BaseProcess) -> None:
         process.kill()
     if process.pid is not None:
         process.join(5.0)
-
-
-# ---- the engine-core process ---------------------------------------------------------------
-
-_PR_SET_PDEATHSIG = 1
-
-
-def engine_process_main(
-    spec: RunnerSpec,
-    config: EngineConfig,
-    addresses: tuple[str, str],
-    parent_pid: int,
-    setup: Callable[[], None] | None,
-) -> None:
-    """Builds the runner and the core, then serves: take messages, step while there is work,
-    send each step's outputs and the published state."""
-    _die_with_parent(parent_pid)
-    if setup is not None:
-        setup()
-    context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inbox.connect(addresses[0])
-    outbox.connect(addresses[1])
-    try:
-        core = EngineCore(spec(), config)
-    except BaseException as exc:
-        logger.exception("the engine process could not load the model")
-        outbox.send(wire.encode(wire.LoadFailed(f"{type(exc).__name__}: {exc}")))
-        outbox.close(linger=5000)
-        return
-    outbox.send(wire.encode(wire.Ready(core.model_info, core.snapshot())))
-    last_word: wire.FromEngine = wire.Stopped()
-    try:
-        _serve(core, inbox, outbox, parent_pid)
-    except Exception as exc:
-        logger.exception("engine loop crashed")
-        last_word = wire.Crashed(f"engine loop crashed: {type(exc).__name__}: {exc}")
-    finally:
-        with contextlib.suppress(Exception):
-            core.runner.close()
-        outbox.send(wire.encode(last_word))
-        outbox.close(linger=5000)
-        inbox.close(linger=0)
-
-
-def _serve(
-    core: EngineCore, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], parent_pid: int
-) -> None:
-    received = 0
-    while True:
-        if not core.has_work and not inbox.poll(POLL_MS):
-            if os.getppid() != parent_pid:
-                return  # the parent is gone (its death signal covers the rest)
-            continue
-        refused: list[RequestOutput] = []
-        while True:  # everything that arrived, before the step
-            try:
-                frame = inbox.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            message = wire.decode_to_engine(frame.bytes)
-            if isinstance(message, wire.Stop):
-                outputs = core.fail_all(
-                    "the engine was stopped (shutdown or reload)", FailureKind.ENGINE_STOPPED
-                )
-                _publish(core, outbox, outputs, received)
-                return
-            if isinstance(message, wire.Abort):
-                for request_id in message.request_ids:
-                    core.abort(request_id)
-                continue
-            received += 1
-            refusal = _add(core, message)
-            if refusal is not None:
-                refused.append(refusal)
-        outputs = refused + core.step()
-        _publish(core, outbox, outputs, received)
-        if not core.has_work and core.unhealthy is None:
-            core.check_integrity_when_idle()
-            _publish(core, outbox, [], received)
-
-
-def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
-    """Adds a request; one the core refuses gets an error output instead of ending the loop."""
-    try:
-        request = core.make_request(message.request_id, message.prompt_token_ids, message.params)
-        request.arrival_time, request.deadline = message.arrival_time, message.deadline
-        core.add_request(request)
-        return None
-    except Exception as exc:
-        logger.exception("request %s refused by the engine core", message.request_id)
-        kind = FailureKind.MODEL_UNHEALTHY if core.unhealthy else FailureKind.REQUEST_FAILED
-        return RequestOutput(message.request_id, finished=True, error=str(exc), failure=kind)
-
-
-def _publish(
-    core: EngineCore, outbox: zmq.Socket[bytes], outputs: list[RequestOutput], received: int
-) -> None:
-    forward = float(core.runner.forward_seconds)
-    message = wire.StepOutputs(outputs, core.snapshot(), received, forward)
-    outbox.send(wire.encode(message), copy=False)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the parent dies (Linux), and no SIGINT/SIGTERM of our own: a Ctrl-C in the
-    terminal reaches the whole process group, and the parent drains before stopping us."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the death signal was set
-        os._exit(1)

