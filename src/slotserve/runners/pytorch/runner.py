@@ -145,7 +145,7 @@ class TorchRunner:
         load_into(self.model, tensors)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
-            if torch.backends.mkldnn.is_available():
+            if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                 self.model.prepack()
         bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
         num_blocks = self._kv_blocks(bytes_per_token)
