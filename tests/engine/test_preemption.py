@@ -5,7 +5,7 @@ holds, so a wrong resume changes the text."""
 
 from __future__ import annotations
 
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from slotserve.engine.engine_core import EngineCore
@@ -138,6 +138,9 @@ def test_new_requests_wait_behind_preempted_ones() -> None:
 
 
 @settings(max_examples=60, deadline=None)
+# Found by hypothesis: a hit ending inside a cached node's edge, then no KV for the slot's next
+# chunk; the slot's locked path once claimed the node's uncomputed positions.
+@example([("", "xx", 1, 0), *[("shared prefix one ", "x", 1, 0)] * 3, ("", "xx", 1, 0)], 14, True)
 @given(
     st.lists(
         st.tuples(

@@ -100,10 +100,16 @@ class PagedPrefixCache:
     ) -> int:
         assert slot not in self._end, f"slot {slot} is already running"
         length = self.policy.reusable_length(match.length, len(tokens))
+        node = match.node
+        if node.end != length:
+            # The match ends inside a node's edge (or the policy reuses less of it): lock a
+            # node ending exactly at the reused tokens (the edge is split), so the slot's
+            # path never claims positions it has not computed.
+            node = self.tree.insert(tokens[:length])
         if length:
-            self.paged.share(slot, self._path_blocks(match.node, length), length)
-        self._end[slot] = match.node
-        self.tree.lock(match.node)
+            self.paged.share(slot, self._path_blocks(node, length), length)
+        self._end[slot] = node
+        self.tree.lock(node)
         if count:
             self.counters.count_lookup(len(tokens), length)
         return length
