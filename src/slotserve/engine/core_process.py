@@ -37,7 +37,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core_client import Deliver, refuse_when_full
 from slotserve.engine.engine_process import POLL_MS, engine_process_main
 from slotserve.engine.errors import EngineDeadError
-from slotserve.engine.limits import make_request
+from slotserve.engine.limits import new_request, validate_request
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
@@ -151,7 +151,9 @@ class ProcessCore:
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        return make_request(self, self.config, request_id, prompt_token_ids, params)
+        """Validates here; the engine process builds the sequences (and detokenizers)."""
+        validate_request(self, self.config, prompt_token_ids, params)
+        return new_request(self.config, request_id, prompt_token_ids, params)
 
     def add_request(self, request: Request) -> None:
         message = wire.AddRequest(

@@ -16,7 +16,9 @@ import zmq
 from slotserve.engine import wire
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.limits import add_sequences
 from slotserve.engine.outputs import FailureKind, RequestOutput
+from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import RunnerSpec
 
 logger = logging.getLogger(__name__)
@@ -102,11 +104,17 @@ def _serve(
 
 
 def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
-    """Adds a request; one the core refuses gets an error output instead of ending the loop."""
+    """Adds a request the API process validated; one the core refuses gets an error output
+    instead of ending the loop."""
     try:
-        request = core.make_request(message.request_id, message.prompt_token_ids, message.params)
-        request.arrival_time, request.deadline = message.arrival_time, message.deadline
-        core.add_request(request)
+        request = Request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.params,
+            arrival_time=message.arrival_time,
+            deadline=message.deadline,
+        )
+        core.add_request(add_sequences(request, core.model_info, core.runner.tokenizer))
         return None
     except Exception as exc:
         logger.exception("request %s refused by the engine core", message.request_id)

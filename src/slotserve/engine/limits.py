@@ -11,7 +11,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Request, Sequence
-from slotserve.engine.runner_interface import ModelInfo, RequestChecker
+from slotserve.engine.runner_interface import ModelInfo, RequestChecker, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -57,6 +57,49 @@ def check_request(
     return room
 
 
+def validate_request(
+    checker: RequestChecker,
+    config: EngineConfig,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> None:
+    """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
+    spec included. Any thread: it only reads what the runner (or the API process's frontend)
+    fixed at load time."""
+    check_request(checker.model_info, config, prompt_token_ids, params)
+    if params.structured_output is not None:
+        checker.check_structured_output(params.structured_output)
+
+
+def new_request(
+    config: EngineConfig, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> Request:
+    """A request arriving now, its deadline set, its sequences not yet built."""
+    request = Request(request_id, list(prompt_token_ids), params)
+    if config.request_timeout_s is not None:
+        request.deadline = request.arrival_time + config.request_timeout_s
+    return request
+
+
+def add_sequences(request: Request, info: ModelInfo, tokenizer: Tokenizer) -> Request:
+    """Gives a validated request one sequence (and detokenizer) per choice."""
+    prompt = request.prompt_token_ids
+    room = info.max_seq_len - len(prompt)
+    params = request.params
+    for index in range(params.n):
+        request.sequences.append(
+            Sequence(
+                request=request,
+                index=index,
+                max_tokens=params.max_tokens or room,
+                detokenizer=IncrementalDetokenizer(tokenizer.token_bytes, params.stop),
+                token_ids=list(prompt),
+                num_prompt_tokens=len(prompt),
+            )
+        )
+    return request
+
+
 def make_request(
     runner: RequestChecker,
     config: EngineConfig,
@@ -65,24 +108,7 @@ def make_request(
     params: SamplingParams,
 ) -> Request:
     """Validates a request (``InvalidRequestError``) and builds it with one sequence per
-    choice. Any thread: it only reads what the runner (or the API process's frontend) fixed at
-    load time."""
-    room = check_request(runner.model_info, config, prompt_token_ids, params)
-    if params.structured_output is not None:
-        runner.check_structured_output(params.structured_output)
-    request = Request(request_id, list(prompt_token_ids), params)
-    if config.request_timeout_s is not None:
-        request.deadline = request.arrival_time + config.request_timeout_s
-    token_bytes = runner.tokenizer.token_bytes
-    for index in range(params.n):
-        request.sequences.append(
-            Sequence(
-                request=request,
-                index=index,
-                max_tokens=params.max_tokens or room,
-                detokenizer=IncrementalDetokenizer(token_bytes, params.stop),
-                token_ids=list(prompt_token_ids),
-                num_prompt_tokens=len(prompt_token_ids),
-            )
-        )
-    return request
+    choice. Any thread (see :func:`validate_request`)."""
+    validate_request(runner, config, prompt_token_ids, params)
+    request = new_request(config, request_id, prompt_token_ids, params)
+    return add_sequences(request, runner.model_info, runner.tokenizer)
