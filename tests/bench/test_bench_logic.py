@@ -185,6 +185,9 @@ def test_isolation_check_flags_identical_greedy_outputs_of_distinct_prompts() ->
     assert len(isolation_failures([_result("c1/0", same), _result("c2/0", same)])) == 1
     # A duration run resends the dataset: the repeat of c1 is the same prompt.
     assert isolation_failures([_result("c1/0", same), _result("c1#1/0", same)]) == []
+    # A degenerate loop of a few words is a small model's stock reply, not a leak.
+    loop = " to the way of" * 32
+    assert isolation_failures([_result("p1", loop), _result("p2", loop)]) == []
 
 
 def test_targets_report_every_miss(tmp_path: Path) -> None:

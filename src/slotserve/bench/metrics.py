@@ -90,10 +90,13 @@ def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]
     Turns of one conversation (``prompt_id`` = ``conversation/turn``) share their history, so a
     model may legitimately repeat itself there; only matches across conversations count. A
     duration run resends the dataset (``conversation#lap``): a repeat is the same prompt.
+    A small model's greedy completion of nonsense often falls into a loop of a few words (" what
+    what what ...", " to the way of the way of ..."), the same for many prompts: such a reply
+    (at most a quarter of its words distinct) says nothing about isolation and is skipped.
     """
     by_text: dict[str, list[RequestResult]] = {}
     for r in results:
-        if r.success and r.temperature == 0.0 and len(r.text) >= 16:
+        if r.success and r.temperature == 0.0 and len(r.text) >= 16 and not _looping(r.text):
             by_text.setdefault(r.text, []).append(r)
     failures = []
     for text, group in by_text.items():
@@ -101,6 +104,11 @@ def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]
         if len({_source_conversation(p) for p in prompts}) > 1:
             failures.append({"prompt_ids": prompts, "text": text[:200]})
     return failures
+
+
+def _looping(text: str) -> bool:
+    words = text.split()
+    return len(words) >= 8 and len(set(words)) * 4 <= len(words)
 
 
 def _source_conversation(prompt_id: str) -> str:
