@@ -137,7 +137,7 @@ class FakeRunner:
         self.active.add(slot)
         self.prompt_lengths[slot] = len(prompt_token_ids)
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         self.batches.append(list(chunks))
         if self.forward_seconds_per_step:
             time.sleep(self.forward_seconds_per_step)
@@ -146,7 +146,7 @@ class FakeRunner:
         if self.fail_with is not None:
             failure, self.fail_with = self.fail_with, None
             raise failure
-        sampled = {}
+        sampled: dict[int, list[SampledToken]] = {}
         for chunk in chunks:
             assert chunk.slot in self.active, f"slot {chunk.slot} has no sequence"
             held = self._held(chunk.slot)
@@ -156,8 +156,13 @@ class FakeRunner:
             if chunk.start_pos < prompt_length:
                 self.prompt_chunks.append((chunk.start_pos, len(chunk.token_ids), prompt_length))
             held.extend(chunk.token_ids)
-            if chunk.sample:
-                sampled[chunk.slot] = SampledToken(self._next(held))
+            if chunk.sample:  # verified in order, as the real runners do (ScheduledChunk)
+                tokens = sampled[chunk.slot] = []
+                for depth in range(chunk.num_drafts + 1):
+                    end = len(held) - chunk.num_drafts + depth
+                    tokens.append(SampledToken(self._next(held[:end])))
+                    if depth == chunk.num_drafts or tokens[-1].token_id != held[end]:
+                        break
         if self.drop_samples_once or len(self.batches) == self.drop_samples_at_step:
             self.drop_samples_once = False
             return {}

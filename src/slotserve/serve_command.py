@@ -87,6 +87,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "prefilled waits for them to be computed and reuses their KV (default 256)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=env("SPECULATIVE_CONFIG"),
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(also disable_by_batch_size, default 4, and min_acceptance_rate, default 0.2); "
+        "greedy and seeded outputs are the same as without it (default off)",
+    )
+    parser.add_argument(
         "--chat-template",
         default=env("CHAT_TEMPLATE"),
         help="Jinja2 chat template file overriding the model's own",
@@ -238,6 +246,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from slotserve.engine.config import EngineConfig
+    from slotserve.engine.speculative import SpeculativeConfig
     from slotserve.model_source import ModelUnavailableError, resolve_model_path
     from slotserve.server.app import create_app
     from slotserve.server.lifecycle import GracefulServer
@@ -262,6 +271,11 @@ def serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout or None,
             slow_step_warn_s=args.slow_step_warn,
             slow_queue_warn_s=args.slow_queue_warn,
+            speculative=(
+                SpeculativeConfig.from_json(args.speculative_config)
+                if args.speculative_config
+                else None
+            ),
         )
         template_file = Path(args.chat_template) if args.chat_template else None
         if template_file is not None and not template_file.is_file():

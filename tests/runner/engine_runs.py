@@ -57,6 +57,6 @@ class Recording:
     def __getattr__(self, name: str) -> object:
         return getattr(self._runner, name)
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         self._batches.append([len(c.token_ids) for c in chunks])
         return self._runner.execute(chunks)

@@ -227,14 +227,16 @@ def test_shared_blocks_survive_their_first_owners_end(torch_runner: TorchRunner)
         out, position, token = [], len(prompt), first
         for _ in range(steps):
             assert runner.reserve_kv(slot, position + 1)
-            token = runner.execute([ScheduledChunk(slot, [token], position, True)])[slot].token_id
+            token = runner.execute([ScheduledChunk(slot, [token], position, True)])[slot][
+                0
+            ].token_id
             out.append(token)
             position += 1
         return out
 
     runner.add_sequence(0, params, prompt, None)
     assert runner.reserve_kv(0, len(prompt))
-    first = runner.execute([ScheduledChunk(0, prompt, 0, True)])[0].token_id
+    first = runner.execute([ScheduledChunk(0, prompt, 0, True)])[0][0].token_id
     runner.copy_kv(0, 1, len(prompt) - 5)  # a cache hit: shares blocks, the last one partly
     shared = set(tables.tables[0]) & set(tables.tables[1])
     assert len(shared) == -(-(len(prompt) - 5) // runner.pool.block_size)
@@ -246,7 +248,7 @@ def test_shared_blocks_survive_their_first_owners_end(torch_runner: TorchRunner)
     runner.add_sequence(1, params, prompt, None)
     tail = prompt[len(prompt) - 5 :]
     assert runner.reserve_kv(1, len(prompt))  # writes into the shared last block: a copy
-    again = runner.execute([ScheduledChunk(1, tail, len(prompt) - 5, True)])[1].token_id
+    again = runner.execute([ScheduledChunk(1, tail, len(prompt) - 5, True)])[1][0].token_id
     assert again == first and decode(1, again, 6) == expected
     runner.remove_sequence(1)
     runner.trim_kv(1, 0)

@@ -42,7 +42,7 @@ class FaultInjectingRunner:
     def arm(self, kind: str) -> None:
         self.armed = kind
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         kind, self.armed = self.armed, None
         if kind == "raise":
             raise RuntimeError("injected device fault")

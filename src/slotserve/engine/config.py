@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slotserve.engine.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,6 +23,8 @@ class EngineConfig:
     ``request_timeout_s`` ends a request that has not finished that long after it arrived
     (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
     queue wait longer than ``slow_queue_warn_s`` are logged as warnings.
+
+    ``speculative``: speculative decoding (``speculative.py``); None: off.
     """
 
     num_slots: int = 8
@@ -34,6 +38,7 @@ class EngineConfig:
     request_timeout_s: float | None = None
     slow_step_warn_s: float = 5.0
     slow_queue_warn_s: float = 30.0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

@@ -24,6 +24,7 @@ from slotserve.engine.output_processor import (
     output_for,
     stamped,
     take_delta,
+    warn_slow_step,
 )
 from slotserve.engine.outputs import FailureKind, FinishReason, RequestOutput, SampledToken
 from slotserve.engine.prefix_cache import build_prefix_cache
@@ -32,6 +33,7 @@ from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.slots import SlotState
+from slotserve.engine.speculative import build_speculator
 from slotserve.engine.stats import EngineCounters, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,10 @@ class EngineCore:
         if runner.paged_kv is not None:  # ... and holds no cached block of an earlier engine
             runner.paged_kv.drop_holds()
         self.prefix_cache = build_prefix_cache(runner, config)
-        self.scheduler = Scheduler(config, runner, info.chunk_policy, self.prefix_cache)
+        self.speculator = build_speculator(config.speculative, info)
+        self.scheduler = Scheduler(
+            config, runner, info.chunk_policy, self.prefix_cache, self.speculator
+        )
         self.counters = EngineCounters()
         self.unhealthy: str | None = None  # why the engine was poisoned (SPEC E11)
         self._live: dict[str, Request] = {}
@@ -122,7 +127,7 @@ class EngineCore:
         elapsed = time.perf_counter() - started
         self.counters.step_seconds += elapsed
         if elapsed > self.config.slow_step_warn_s:
-            self._warn_slow_step(chunks, elapsed)
+            warn_slow_step(self.scheduler.slots.slots, chunks, elapsed)
         return stamped(outputs)
 
     def fail_all(self, message: str, kind: FailureKind) -> list[RequestOutput]:
@@ -178,7 +183,7 @@ class EngineCore:
     def _update_from_output(
         self,
         chunks: SequenceOf[ScheduledChunk],
-        sampled: dict[int, SampledToken],
+        sampled: dict[int, list[SampledToken]],
         outputs: Outputs,
     ) -> None:
         eog = self.model_info.eog_token_ids
@@ -186,8 +191,14 @@ class EngineCore:
             seq = self.scheduler.on_chunk_computed(chunk)
             if not chunk.sample:
                 continue
-            append_token(seq, sampled[chunk.slot], eog)
-            self.counters.generated_tokens += 1
+            tokens = sampled[chunk.slot]
+            for token in tokens:  # a verification chunk's accepted drafts, then one more
+                append_token(seq, token, eog)
+                self.counters.generated_tokens += 1
+                if seq.finish_reason is not None:
+                    break  # a stop inside an accepted run: the rest is not output
+            if chunk.num_drafts:
+                self.scheduler.settle_drafts(seq, chunk, len(tokens) - 1)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             self._emit(seq, outputs)
@@ -242,20 +253,6 @@ class EngineCore:
                         raise
                     logger.warning("could not free slot %d after the runner failed", slot.index)
 
-    def _warn_slow_step(self, chunks: SequenceOf[ScheduledChunk], elapsed: float) -> None:
-        slots = self.scheduler.slots.slots
-        request_ids = ",".join(
-            sorted({s.request.request_id for c in chunks if (s := slots[c.slot].sequence)})
-        )
-        logger.warning(
-            "slow step: %.2f s for %d chunks, %d tokens (requests %s)",
-            elapsed,
-            len(chunks),
-            sum(len(c.token_ids) for c in chunks),
-            request_ids,
-            extra={"request_id": request_ids},
-        )
-
     def check_integrity_when_idle(self) -> None:
         """Runs :meth:`check_integrity`, counting and logging a failure instead of raising."""
         self.counters.integrity_checks += 1
@@ -297,4 +294,5 @@ class EngineCore:
             kv_capacity_tokens=self.model_info.kv_capacity,
             prefix_cache=self.prefix_cache.stats(),
             unhealthy=self.unhealthy,
+            spec_decode=self.speculator.counters.plus(None) if self.speculator else None,
         )

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as SequenceOf
 from collections.abc import Set
 
 from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.request import Request, Sequence
+from slotserve.engine.runner_interface import ScheduledChunk
+from slotserve.engine.slots import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -97,4 +100,20 @@ def log_end(request: Request, how: str, error: str | None = None) -> None:
         (now - request.arrival_time) * 1000,
         f" ({error})" if error else "",
         extra={"request_id": request.request_id},
+    )
+
+
+def warn_slow_step(
+    slots: SequenceOf[Slot], chunks: SequenceOf[ScheduledChunk], elapsed: float
+) -> None:
+    request_ids = ",".join(
+        sorted({s.request.request_id for c in chunks if (s := slots[c.slot].sequence)})
+    )
+    logger.warning(
+        "slow step: %.2f s for %d chunks, %d tokens (requests %s)",
+        elapsed,
+        len(chunks),
+        sum(len(c.token_ids) for c in chunks),
+        request_ids,
+        extra={"request_id": request_ids},
     )

@@ -55,6 +55,9 @@ class Sequence:
     # Since the last emitted delta; the step loop drains these into a SequenceDelta.
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[SampledToken] = field(default_factory=list)
+    # Speculative decoding (engine/speculative.py): this sequence's drafts and acceptances.
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

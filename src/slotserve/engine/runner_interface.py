@@ -23,12 +23,19 @@ class ScheduledChunk:
     ``token_ids`` occupy positions ``start_pos .. start_pos + len(token_ids) - 1`` of the
     sequence held by ``slot``. When ``sample`` is true the runner samples the next token from
     the logits of the chunk's last position.
+
+    A verification chunk (speculative decoding, ``engine/speculative.py``) ends with
+    ``num_drafts`` draft tokens: the runner samples the last ``num_drafts + 1`` positions in
+    order with the sequence's sampler and stops at the first sample that differs from the
+    draft after it, returning the accepted drafts followed by that sample (or by the token
+    after the last draft when all were accepted).
     """
 
     slot: int
     token_ids: Sequence[int]
     start_pos: int
     sample: bool
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,8 +163,10 @@ class Runner(Protocol):
     * ``slot`` indices are ``0 .. num_slots - 1`` and name independent sequences: work for one
       slot never changes another slot's results (batch invariance under greedy sampling, and a
       seeded sampler's draws depend only on its own sequence).
-    * ``execute`` runs **one** forward pass over all chunks and returns one token for every
-      chunk with ``sample=True``, keyed by slot. It is only called from the engine thread.
+    * ``execute`` runs **one** forward pass over all chunks and returns, keyed by slot, the
+      tokens of every chunk with ``sample=True``: one, or for a verification chunk the
+      accepted drafts and one more (see :class:`ScheduledChunk`). It is only called from the
+      engine thread.
     * A slot's KV is positions ``0 .. n-1`` of one token list. It outlives the sequence:
       ``remove_sequence`` frees only sampler state, and the engine decides with ``trim_kv`` and
       ``copy_kv`` what the KV holds when the slot is next used (the prefix cache reuses it).
@@ -201,7 +210,7 @@ class Runner(Protocol):
         """Prepares sampler state for a new sequence in a slot (its KV is left as it is)."""
         ...
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         """Runs one batched forward over ``chunks`` and samples where asked."""
         ...
 

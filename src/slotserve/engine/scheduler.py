@@ -4,7 +4,9 @@ Works on ints and lists only: slot indices, token counts and token-id slices.
 
 Batch-construction invariants:
 
-1. Every GENERATING slot contributes exactly one decode token, every step.
+1. Every GENERATING slot contributes exactly one decode token, every step; with speculative
+   decoding (``speculative.py``) it may be followed by draft tokens, taken from the budget
+   before any prefill and never past the sequence's length limit.
 2. PREFILLING slots then share what is left of ``max_batch_tokens``, oldest admission first,
    each taking at most ``prefill_chunk`` tokens; so running streams wait at most one chunk.
 3. A sequence appears at most once per batch, with contiguous positions starting at its
@@ -48,6 +50,7 @@ from slotserve.engine.radix_tree import common_prefix_length
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.slots import Slot, SlotPool, SlotState
+from slotserve.engine.speculative import Speculator
 
 _HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
 
@@ -67,6 +70,7 @@ class Scheduler:
         kv: KvAllocator,
         policy: ChunkPolicy,
         prefix_cache: PrefixCache,
+        speculator: Speculator | None = None,
     ) -> None:
         self._max_chunk = policy.max_chunk(config.prefill_chunk)
         if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
@@ -79,6 +83,7 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.prefix_cache = prefix_cache
+        self.speculator = speculator
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
@@ -160,16 +165,23 @@ class Scheduler:
         """Builds the next batch; an empty list means there is nothing to run."""
         chunks: dict[int, ScheduledChunk] = {}  # by slot: a preempted slot's chunk is removed
         budget = self.config.max_batch_tokens
-        for slot in self.slots.in_state(SlotState.GENERATING):
+        generating = self.slots.in_state(SlotState.GENERATING)
+        drafts: dict[int, list[int]] = {}
+        if self.speculator is not None:
+            # Drafts never take the room prefill needs to progress (invariant 5).
+            room = budget - len(generating) - self.policy.min_batch_tokens(0)
+            drafts = self.speculator.plan([_sequence(s) for s in generating], room)
+        for slot in generating:
             if slot.state is not SlotState.GENERATING:
                 continue  # preempted to make room for an older sequence
             seq = _sequence(slot)
             pos = seq.num_computed_tokens
-            if self._reserve(slot, pos + 1, chunks):
+            draft = drafts.get(slot.index, [])
+            if self._reserve(slot, pos + 1 + len(draft), chunks):
                 chunks[slot.index] = ScheduledChunk(
-                    slot.index, seq.token_ids[pos : pos + 1], pos, True
+                    slot.index, [seq.token_ids[pos], *draft], pos, True, len(draft)
                 )
-                budget -= 1
+                budget -= 1 + len(draft)
         prefill = self._by_admission(SlotState.PREFILLING)
         for slot, size in zip(prefill, self._prefill_sizes(prefill, budget), strict=True):
             if size == 0 or slot.state is not SlotState.PREFILLING:
@@ -246,6 +258,16 @@ class Scheduler:
             if seq.num_computed_tokens == seq.num_tokens:
                 slot.move_to(SlotState.GENERATING)
         return seq
+
+    def settle_drafts(self, seq: Sequence, chunk: ScheduledChunk, accepted: int) -> None:
+        """After a verification chunk: the KV of rejected drafts (and of drafts past a stop)
+        is dropped, so the slot holds exactly the positions before its last token."""
+        assert self.speculator is not None
+        self.speculator.verified(seq, chunk.num_drafts, accepted)
+        computed = min(chunk.start_pos + 1 + accepted, seq.num_tokens - 1)
+        if computed < seq.num_computed_tokens:
+            seq.num_computed_tokens = computed
+            self.kv.trim_kv(chunk.slot, computed)
 
     def finish(self, seq: Sequence) -> None:
         """Marks a placed sequence's slot DRAINING (``release`` then frees or caches its KV)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from slotserve.engine.prefix_cache import PrefixCacheStats
 from slotserve.engine.slots import SlotSnapshot
+from slotserve.engine.speculative import SpecCounters
 
 
 @dataclass
@@ -42,6 +43,7 @@ class EngineStats(EngineCounters):
     kv_capacity_tokens: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(False))
     unhealthy: str | None = None  # why the engine was poisoned (SPEC E11); None while healthy
+    spec_decode: SpecCounters | None = None  # speculative decoding's counters; None when off
 
     @property
     def kv_usage(self) -> float:
@@ -61,6 +63,7 @@ class EngineTotals:
     integrity_checks: int = 0
     integrity_failures: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(False))
+    spec_decode: SpecCounters | None = None
 
     def plus(self, stats: EngineStats, forward_seconds: float) -> EngineTotals:
         return EngineTotals(
@@ -71,6 +74,7 @@ class EngineTotals:
             self.integrity_checks + stats.integrity_checks,
             self.integrity_failures + stats.integrity_failures,
             self.with_prefix_counters(stats.prefix_cache),
+            stats.spec_decode.plus(self.spec_decode) if stats.spec_decode else self.spec_decode,
         )
 
     def with_prefix_counters(self, current: PrefixCacheStats) -> PrefixCacheStats:

@@ -187,7 +187,7 @@ class LlamaCppRunner:
             )
         self._params[slot] = params
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         # One llama_decode per chunk length. With per-sequence KV streams llama.cpp cuts a
         # batch into sub-batches taking the same number of tokens from each of a run of
         # consecutive sequence ids, so chunks of different lengths in one call would be cut
@@ -201,7 +201,7 @@ class LlamaCppRunner:
             # Multiples of 64 may share a call: llama.cpp's cuts then fall on multiples of 64.
             key = _FA_TILE_Q if length % _FA_TILE_Q == 0 else length
             by_length.setdefault(key, []).append(chunk)
-        sampled: dict[int, SampledToken] = {}
+        sampled: dict[int, list[SampledToken]] = {}
         for length, group in by_length.items():
             sampled.update(self._decode(group, self._ballast_for(group) if length == 1 else []))
         return sampled
@@ -236,10 +236,10 @@ class LlamaCppRunner:
 
     def _decode(
         self, chunks: Sequence[ScheduledChunk], ballast: Sequence[ScheduledChunk] = ()
-    ) -> dict[int, SampledToken]:
+    ) -> dict[int, list[SampledToken]]:
         batch = self._batch
         row = 0
-        sample_rows: list[tuple[int, int]] = []  # (slot, batch row)
+        sampling: list[tuple[ScheduledChunk, int]] = []  # (chunk, batch row of its first sample)
         for chunk in sorted([*chunks, *ballast], key=lambda c: c.slot):
             size = len(chunk.token_ids)
             end = row + size
@@ -250,9 +250,9 @@ class LlamaCppRunner:
             self._wants_logits[row:end] = 0
             for i in range(row, end):
                 self._seq_id_rows[i][0] = chunk.slot
-            if chunk.sample:
-                self._wants_logits[end - 1] = 1
-                sample_rows.append((chunk.slot, end - 1))
+            if chunk.sample:  # the last position, and a verification chunk's draft positions
+                self._wants_logits[end - 1 - chunk.num_drafts : end] = 1
+                sampling.append((chunk, end - 1 - chunk.num_drafts))
             row = end
         self._n_seq_ids[:row] = 1
         batch.n_tokens = row
@@ -263,7 +263,19 @@ class LlamaCppRunner:
             self.trim_kv(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
-        return {slot: self._sample(slot, batch_row) for slot, batch_row in sample_rows}
+        return {chunk.slot: self._sample_in_order(chunk, row) for chunk, row in sampling}
+
+    def _sample_in_order(self, chunk: ScheduledChunk, first_row: int) -> list[SampledToken]:
+        """The chunk's samples position by position, stopping at the first that differs from
+        the draft after it (``ScheduledChunk``): the sampler chain accepts only produced tokens."""
+        tokens: list[SampledToken] = []
+        drafts = list(chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts :])
+        for depth in range(chunk.num_drafts + 1):
+            token = self._sample(chunk.slot, first_row + depth)
+            tokens.append(token)
+            if depth == chunk.num_drafts or token.token_id != drafts[depth]:
+                break
+        return tokens
 
     def remove_sequence(self, slot: int) -> None:
         chain = self._chains.pop(slot, None)

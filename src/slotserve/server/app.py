@@ -167,6 +167,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             "requests_failed": stats.requests_failed,
             "requests_timed_out": stats.requests_timed_out,
             "preemptions": stats.preemptions,
+            "spec_decode": asdict(stats.spec_decode) if stats.spec_decode else None,
         }
 
     @app.get("/v1/prefix_cache_stats")

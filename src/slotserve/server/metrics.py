@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.engine.speculative import SpecCounters
 from slotserve.engine.stats import EngineStats, EngineTotals
 
 # ---- vLLM's names ---------------------------------------------------------------------------
@@ -50,6 +51,10 @@ MODEL_LOADS = "slotserve:model_loads"
 SLOTS = "slotserve:slots"
 KV_CACHE_USED_TOKENS = "slotserve:kv_cache_used_tokens"
 KV_CACHE_CAPACITY_TOKENS = "slotserve:kv_cache_capacity_tokens"
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 ENGINE_STEPS = "slotserve:engine_steps"
 ENGINE_STEP_SECONDS = "slotserve:engine_step_seconds"
 RUNNER_FORWARD_SECONDS = "slotserve:runner_forward_seconds"
@@ -290,6 +295,7 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric([self._model], value)
             yield counter
+        yield from self._spec_decode(t.spec_decode)
         slots = GaugeMetricFamily(SLOTS, "Slots by state.", labels=["model_name", "state"])
         for state in SLOT_STATES:
             slots.add_metric([self._model, state], sum(1 for x in stats.slots if x.state == state))
@@ -300,6 +306,27 @@ class EngineCollector(Collector):
         for state in MODEL_STATES:
             model_state.add_metric([self._model, state], float(state == s.model_state))
         yield model_state
+
+    def _spec_decode(self, spec: SpecCounters | None) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, when speculation is configured."""
+        if spec is None:
+            return
+        for name, documentation, value in (
+            (SPEC_DRAFTS, "Verification chunks (draft runs) scheduled.", spec.num_drafts),
+            (SPEC_DRAFT_TOKENS, "Draft tokens proposed.", spec.num_draft_tokens),
+            (SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", spec.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric([self._model], value)
+            yield counter
+        per_position = CounterMetricFamily(
+            SPEC_ACCEPTED_PER_POS,
+            "Draft tokens accepted, by position in the draft.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self._model, str(position)], value)
+        yield per_position
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])

@@ -250,7 +250,7 @@ class TorchRunner:
         return self.pool.used_tokens(slots)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, SampledToken]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         started = time.perf_counter()
         # One-token chunks (decode steps) attend as one group, first; each longer chunk alone.
         ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, c.slot))
@@ -263,8 +263,8 @@ class TorchRunner:
             tokens.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
             write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
-            if chunk.sample:
-                sample_rows.append(len(tokens) - 1)
+            if chunk.sample:  # the last position, and a verification chunk's draft positions
+                sample_rows.extend(range(len(tokens) - 1 - chunk.num_drafts, len(tokens)))
         step = StepAttention(
             torch.tensor(write_rows, dtype=torch.int64, device=self.device),
             self._groups(ordered),
@@ -280,18 +280,42 @@ class TorchRunner:
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
         sampling = [c for c in ordered if c.sample]
-        result: dict[int, SampledToken] = {}
+        result: dict[int, list[SampledToken]] = {}
         if sampling:
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
             # One reduction: NaN or an infinity anywhere makes a row's sum non-finite.
             if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
                 raise RunnerFailure("non-finite logits")
-            samplers = [self._samplers[c.slot] for c in sampling]
-            for chunk, token in zip(sampling, sample(logits, samplers), strict=True):
-                result[chunk.slot] = token
+            result = self._sample_in_order(sampling, logits)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self._forward_seconds += time.perf_counter() - started
+        return result
+
+    def _sample_in_order(
+        self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor
+    ) -> dict[int, list[SampledToken]]:
+        """Samples each chunk's rows of ``logits`` (``num_drafts + 1`` per chunk, in order),
+        position by position, each sequence stopping at its first sample that differs from the
+        draft after it: a sequence's sampler sees exactly the tokens it produces."""
+        firsts, row = [], 0
+        for chunk in chunks:
+            firsts.append(row)
+            row += chunk.num_drafts + 1
+        result: dict[int, list[SampledToken]] = {chunk.slot: [] for chunk in chunks}
+        alive = list(range(len(chunks)))
+        depth = 0
+        while alive:
+            rows = torch.tensor([firsts[i] + depth for i in alive], device=logits.device)
+            samplers = [self._samplers[chunks[i].slot] for i in alive]
+            still = []
+            for i, token in zip(alive, sample(logits[rows], samplers), strict=True):
+                chunk = chunks[i]
+                result[chunk.slot].append(token)
+                draft_at = len(chunk.token_ids) - chunk.num_drafts + depth
+                if depth < chunk.num_drafts and token.token_id == chunk.token_ids[draft_at]:
+                    still.append(i)
+            alive, depth = still, depth + 1
         return result
 
     def _groups(self, ordered: Sequence[ScheduledChunk]) -> list[AttentionGroup]:

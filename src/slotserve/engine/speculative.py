@@ -1,0 +1,233 @@
+"""Speculative decoding (SPEC E12): draft tokens proposed per sequence, verified by the runner
+inside the step's one batched forward.
+
+A generating sequence's decode chunk becomes ``[last token, d1 .. dk]``. The runner computes
+logits at all ``k + 1`` positions and samples them **in order with the sequence's own
+sampler**, stopping at the first sample that differs from the next draft; it returns the
+accepted drafts and that one more token. For a greedy sequence that is the usual greedy
+acceptance plus the correction token. For a sampled one it is the standard rule for a
+one-hot draft: the draft is accepted with probability p(draft), and a rejection leaves a
+sample of p conditioned on "not the draft". Because each produced token costs the sampler
+exactly one draw, as without speculation, and both runners compute a token the same way
+whatever else runs in the step (E4), a request's tokens, logprobs and seeded samples are the
+same with and without speculation.
+
+What this module owns: the configuration (vLLM's ``--speculative-config`` keys), the
+:class:`Proposer` interface with the n-gram prompt-lookup proposer, the per-step and
+per-sequence switches that turn drafting off where it does not pay, and the counters. A draft
+model or MTP heads plug in as another :class:`Proposer`; the verification path needs nothing
+else from them (the seed's MTP heads need checkpoints that ship them; none of the offline
+models does).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as TokenIds
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from slotserve.engine.request import Sequence
+from slotserve.engine.runner_interface import ModelInfo
+
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "min_acceptance_rate",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's keys, plus ``min_acceptance_rate``: a sequence whose drafts are accepted less
+    often than this (after ``probe_tokens`` drafted tokens) stops drafting.
+    ``disable_by_batch_size`` (vLLM's name): no drafts in a step with more generating
+    sequences than this."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+    min_acceptance_rate: float = 0.2
+    probe_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "[ngram]"):
+            raise ValueError(f"speculative method {self.method!r} is not supported (ngram)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError("min_acceptance_rate must be in [0, 1]")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parses ``--speculative-config`` (a JSON object); ``ValueError`` says what is wrong."""
+        try:
+            raw: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown} (known: {sorted(_KEYS)})"
+            )
+        if "method" not in raw:
+            raise ValueError('--speculative-config needs "method" (only "ngram" is supported)')
+        kinds: dict[str, type | tuple[type, ...]] = {
+            "method": str,
+            "min_acceptance_rate": (int, float),
+        }
+        for key, value in raw.items():
+            kind = kinds.get(key, int)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"--speculative-config: {key} has the wrong type")
+        raw.setdefault("prompt_lookup_max", max(raw.get("prompt_lookup_min", 2), 4))
+        return cls(**raw)
+
+
+class Proposer(Protocol):
+    """Drafts for one sequence: up to ``limit`` tokens likely to follow ``token_ids``."""
+
+    def propose(self, token_ids: TokenIds[int], limit: int) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Prompt lookup: the longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens)
+    that occurred earlier; the tokens that followed its latest earlier occurrence."""
+
+    min_n: int
+    max_n: int
+
+    def propose(self, token_ids: TokenIds[int], limit: int) -> list[int]:
+        total = len(token_ids)
+        if limit <= 0:
+            return []
+        tokens = list(token_ids)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n :]
+            # Latest occurrence first: recent text predicts best (and copying loops resolve).
+            for start in range(total - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + limit]
+                    if follow:
+                        return follow
+        return []
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec-decode counters: drafts (verification chunks), drafted and accepted tokens,
+    and accepted tokens by draft position (position 0 = the first draft token)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def plus(self, other: SpecCounters | None) -> SpecCounters:
+        """The sum, as a new object (``plus(None)``: a copy)."""
+        other = other or SpecCounters()
+        longest = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (longest - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (longest - len(other.accepted_per_position))
+        return SpecCounters(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [a + b for a, b in zip(mine, theirs, strict=True)],
+        )
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        missing = drafted - len(self.accepted_per_position)
+        if missing > 0:
+            self.accepted_per_position.extend([0] * missing)
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+class Speculator:
+    """Decides, per step and sequence, how many drafts to verify, and keeps the counts. A
+    sequence's own record (``Sequence.num_drafted_tokens`` and ``num_accepted_tokens``) drives
+    its switch-off."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_seq_len: int,
+        equal_drafts: bool = False,
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.equal_drafts = equal_drafts  # the runner's chunk policy asks for equal chunks
+        self.proposer = proposer or NgramProposer(
+            config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self.counters = SpecCounters()
+
+    def plan(self, generating: list[Sequence], budget: int) -> dict[int, list[int]]:
+        """Drafts by slot for this step's generating sequences, ``budget`` tokens at most in
+        all. None above ``disable_by_batch_size`` sequences: drafts pay at small batches only
+        (a batched decode step already uses the weights it reads many times over; measured on
+        the 2-core VM, benchmarks/RESULTS.md)."""
+        if not generating or len(generating) > self.config.disable_by_batch_size:
+            return {}
+        planned: dict[int, list[int]] = {}
+        for seq in generating:
+            assert seq.slot is not None
+            # Room for the drafts and the token after them: the length limit and the context.
+            limit = min(
+                budget,
+                seq.max_tokens - seq.num_output_tokens - 1,
+                self.max_seq_len - seq.num_computed_tokens - 1,
+            )
+            drafts = self.drafts(seq, limit)
+            if drafts:
+                planned[seq.slot] = drafts
+                budget -= len(drafts)
+        return equalize_drafts(planned) if self.equal_drafts else planned
+
+    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to ``limit`` (and the configured count of) drafts for ``seq``; none once its
+        drafts were accepted too rarely."""
+        config = self.config
+        if seq.num_drafted_tokens >= config.probe_tokens and (
+            seq.num_accepted_tokens < config.min_acceptance_rate * seq.num_drafted_tokens
+        ):
+            return []
+        return self.proposer.propose(seq.token_ids, min(limit, config.num_speculative_tokens))
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.counters.record(drafted, accepted)
+        seq.num_drafted_tokens += drafted
+        seq.num_accepted_tokens += accepted
+
+
+def build_speculator(config: SpeculativeConfig | None, info: ModelInfo) -> Speculator | None:
+    if config is None:
+        return None
+    return Speculator(config, info.max_seq_len, info.chunk_policy.equal_chunks)
+
+
+def equalize_drafts(drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+    """All drafting sequences of a step cut to the shortest draft (runners that run one
+    forward call per chunk length, llama.cpp's, then verify them in one call)."""
+    lengths = [len(d) for d in drafts.values() if d]
+    if not lengths:
+        return drafts
+    shortest = min(lengths)
+    return {key: d[:shortest] for key, d in drafts.items()}

@@ -1,0 +1,88 @@
+"""Speculative decoding on both real runners (SPEC E12): tokens and log-probabilities are the
+same with and without drafts, alone and beside other sequences; seeded samples too; the KV of
+rejected drafts is rolled back (the engine's integrity check runs after every step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.runner_interface import Runner
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.speculative import SpeculativeConfig
+from tests.prompts import PROMPTS
+
+# Input-grounded: the model copies text it was given, so prompt lookup finds its drafts.
+GROUNDED = (
+    "Copy the list exactly.\nList: red apple, green pear, blue plum, red apple, green pear, "
+    "blue plum, red apple, green pear, blue plum.\nCopy: red apple, green pear,"
+)
+
+Result = tuple[list[int], list[float], str | None]
+
+
+def run(
+    runner: Runner,
+    speculative: SpeculativeConfig | None,
+    jobs: dict[str, tuple[str, SamplingParams]],
+) -> tuple[dict[str, Result], EngineCore]:
+    core = EngineCore(
+        runner, EngineConfig(num_slots=8, prefix_cache=False, speculative=speculative)
+    )
+    results: dict[str, Result] = {rid: ([], [], None) for rid in jobs}
+    for rid, (prompt, params) in jobs.items():
+        core.add_request(core.make_request(rid, runner.tokenizer.encode(prompt), params))
+    while core.has_work:
+        for out in core.step():
+            tokens, logprobs, _ = results[out.request_id]
+            for delta in out.deltas:
+                tokens.extend(delta.token_ids)
+                logprobs.extend(s.logprob or 0.0 for s in delta.logprobs or [])
+                if delta.finish_reason is not None:
+                    results[out.request_id] = (tokens, logprobs, delta.finish_reason)
+            assert out.error is None, out.error
+        core.check_integrity()  # each slot's KV is exactly what its sequence computed
+    return results, core
+
+
+def greedy(n: int = 48, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1, **extra)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_tokens_and_logprobs_match_without_drafts(any_runner: Runner, k: int) -> None:
+    config = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=8)
+    alone_jobs = {"grounded": (GROUNDED, greedy())}
+    batched_jobs = {**alone_jobs, "p0": (PROMPTS[0], greedy(24)), "p1": (PROMPTS[1], greedy(40))}
+    plain, _ = run(any_runner, None, batched_jobs)
+    alone, core = run(any_runner, config, alone_jobs)
+    assert alone["grounded"] == plain["grounded"]
+    counters = core.stats.spec_decode
+    assert counters is not None and counters.num_accepted_tokens > 0, "no draft was accepted"
+    batched, core = run(any_runner, config, batched_jobs)
+    assert batched == plain
+    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_drafts > 0
+
+
+def test_seeded_samples_match_without_drafts(any_runner: Runner) -> None:
+    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8)
+    params = SamplingParams(max_tokens=40, temperature=0.7, seed=11, ignore_eos=True, logprobs=1)
+    jobs = {"grounded": (GROUNDED, params), "other": (PROMPTS[2], params)}
+    plain, _ = run(any_runner, None, jobs)
+    drafted, core = run(any_runner, config, jobs)
+    assert drafted == plain
+    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_drafts > 0
+
+
+def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner) -> None:
+    plain, _ = run(any_runner, None, {"g": (GROUNDED, greedy())})
+    stop_token = plain["g"][0][12]  # a token of the copied list, well inside the output
+    jobs = {"g": (GROUNDED, greedy(stop_token_ids=[stop_token]))}
+    expected, _ = run(any_runner, None, jobs)
+    assert expected["g"][2] == "stop"
+    drafted, core = run(any_runner, SpeculativeConfig(num_speculative_tokens=8), jobs)
+    assert drafted == expected
+    # With the cache off every slot's KV is freed at the end: nothing of the drafts is left.
+    assert all(any_runner.kv_tokens(slot) == 0 for slot in range(8))
+    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_accepted_tokens > 0
