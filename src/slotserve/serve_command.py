@@ -91,7 +91,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("SPECULATIVE_CONFIG"),
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(also disable_by_batch_size, default 4, and min_acceptance_rate, default 0.2); "
+        "(also disable_by_batch_size, default 2, and min_acceptance_rate, default 0.2); "
         "greedy and seeded outputs are the same as without it (default off)",
     )
     parser.add_argument(

@@ -5,8 +5,11 @@ accepted run, the switches and the counters. The real runners: tests/runner/test
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.speculative import NgramProposer, SpecCounters, SpeculativeConfig
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
@@ -79,13 +82,15 @@ def test_counters_add_per_position() -> None:
 # ---- in the engine --------------------------------------------------------------------------
 
 
-def _generate(speculative: SpeculativeConfig | None, jobs: dict[str, dict[str, object]]) -> dict:
+def _generate(
+    speculative: SpeculativeConfig | None, jobs: dict[str, dict[str, object]]
+) -> dict[str, Any]:
     core, runner = make_core(FakeRunner(num_slots=4), speculative=speculative)
     for rid, job in jobs.items():
         params = dict(job)
         prompt = str(params.pop("prompt"))
         submit(core, rid, prompt, **params)
-    outputs: dict[str, list] = {}
+    outputs: dict[str, list[RequestOutput]] = {}
     while core.has_work:
         for out in core.step():
             outputs.setdefault(out.request_id, []).append(out)

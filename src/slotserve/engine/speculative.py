@@ -51,7 +51,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int = 4
+    disable_by_batch_size: int = 2
     min_acceptance_rate: float = 0.2
     probe_tokens: int = 16
 

@@ -298,6 +298,10 @@ class TorchRunner:
         """Samples each chunk's rows of ``logits`` (``num_drafts + 1`` per chunk, in order),
         position by position, each sequence stopping at its first sample that differs from the
         draft after it: a sequence's sampler sees exactly the tokens it produces."""
+        if not any(chunk.num_drafts for chunk in chunks):  # no drafts: one row each, no copy
+            samplers = [self._samplers[chunk.slot] for chunk in chunks]
+            tokens = sample(logits, samplers)
+            return {chunk.slot: [token] for chunk, token in zip(chunks, tokens, strict=True)}
         firsts, row = [], 0
         for chunk in chunks:
             firsts.append(row)
