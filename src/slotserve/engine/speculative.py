@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any, Protocol
 
 from slotserve.engine.request import Sequence
@@ -138,14 +139,14 @@ class SpecCounters:
     def plus(self, other: SpecCounters | None) -> SpecCounters:
         """The sum, as a new object (``plus(None)``: a copy)."""
         other = other or SpecCounters()
-        longest = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        mine = self.accepted_per_position + [0] * (longest - len(self.accepted_per_position))
-        theirs = other.accepted_per_position + [0] * (longest - len(other.accepted_per_position))
+        per_position = zip_longest(
+            self.accepted_per_position, other.accepted_per_position, fillvalue=0
+        )
         return SpecCounters(
             self.num_drafts + other.num_drafts,
             self.num_draft_tokens + other.num_draft_tokens,
             self.num_accepted_tokens + other.num_accepted_tokens,
-            [a + b for a, b in zip(mine, theirs, strict=True)],
+            [a + b for a, b in per_position],
         )
 
     def record(self, drafted: int, accepted: int) -> None:
