@@ -12,11 +12,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.structured_output import allowed_mask
 from slotserve.runners.paged_kv import PagedKvTables
 
 EOS = 256
@@ -65,6 +67,7 @@ class FakeRunner:
     prompt_chunks: list[tuple[int, int, int]] = field(default_factory=list)
     fail_with: Exception | None = None  # raised by the next execute, once
     fail_add_sequence: bool = False  # a request-level failure (a grammar the runner rejects)
+    prompt_scores: dict[int, list[SampledToken]] = field(default_factory=dict)
     drop_samples_once: bool = False  # the next execute returns no tokens: breaks the engine loop
     drop_samples_at_step: int = 0  # ... the same at this execute (for a runner in a process)
 
@@ -121,9 +124,6 @@ class FakeRunner:
     def forward_seconds(self) -> float:
         return 0.0
 
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        raise InvalidRequestError("no grammar support in the fake runner", "response_format")
-
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
@@ -156,17 +156,25 @@ class FakeRunner:
             if chunk.start_pos < prompt_length:
                 self.prompt_chunks.append((chunk.start_pos, len(chunk.token_ids), prompt_length))
             held.extend(chunk.token_ids)
+            for offset, target in enumerate(chunk.prompt_logprob_targets):
+                # A made-up score that names its position, so tests can see order and gaps.
+                score = SampledToken(target, -float(chunk.start_pos + offset + 1))
+                self.prompt_scores.setdefault(chunk.slot, []).append(score)
             if chunk.sample:  # verified in order, as the real runners do (ScheduledChunk)
                 tokens = sampled[chunk.slot] = []
                 for depth in range(chunk.num_drafts + 1):
                     end = len(held) - chunk.num_drafts + depth
-                    tokens.append(SampledToken(self._next(held[:end])))
+                    tokens.append(SampledToken(self._allowed(self._next(held[:end]), chunk)))
                     if depth == chunk.num_drafts or tokens[-1].token_id != held[end]:
                         break
         if self.drop_samples_once or len(self.batches) == self.drop_samples_at_step:
             self.drop_samples_once = False
             return {}
         return sampled
+
+    def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
+        scored, self.prompt_scores = self.prompt_scores, {}
+        return scored
 
     def remove_sequence(self, slot: int) -> None:
         self.removed.append(slot)
@@ -221,6 +229,13 @@ class FakeRunner:
     def close(self) -> None:
         pass
 
+    def _allowed(self, token_id: int, chunk: ScheduledChunk) -> int:
+        """The planned token if the chunk's grammar mask allows it, else the first allowed."""
+        if chunk.allowed_tokens is None:
+            return token_id
+        allowed = allowed_mask(chunk.allowed_tokens, self.model_info.vocab_size)
+        return token_id if allowed[token_id] else int(np.flatnonzero(allowed)[0])
+
     def _next(self, held: list[int]) -> int:
         for prompt, reply in self.replies.items():
             prompt_ids = list(prompt.encode("utf-8"))
@@ -234,9 +249,6 @@ class FakeFrontend:
     """What the API process keeps of the fake model in engine-process mode."""
 
     tokenizer = ByteTokenizer()
-
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        raise InvalidRequestError("no grammar support in the fake runner", "response_format")
 
     def close(self) -> None:
         pass

@@ -11,6 +11,8 @@ from pathlib import Path
 from slotserve.engine.runner_interface import RunnerSpec
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
+from slotserve.server.reasoning import REASONING_PARSERS
+from slotserve.server.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +100,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         default=env("CHAT_TEMPLATE"),
         help="Jinja2 chat template file overriding the model's own",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=env("TOOL_CALL_PARSER"),
+        choices=TOOL_PARSERS,
+        help="format of the model's tool calls (vLLM's names; default: chosen from the chat "
+        "template: <tool_call> → hermes, [TOOL_CALLS] → mistral, Llama 3 → llama3_json, "
+        "none → generic, a JSON format described to the model in a system message)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=env("REASONING_PARSER"),
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -253,6 +274,7 @@ def serve(args: argparse.Namespace) -> int:
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
     from slotserve.server.model_host import ModelHost
+    from slotserve.server.reasoning import get_reasoning_parser
     from slotserve.server.serving import ServingContext
 
     configure_logging(args.log_level)
@@ -297,7 +319,15 @@ def serve(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         process_setup=functools.partial(configure_logging, args.log_level),
     )
-    ctx = ServingContext(host, metrics, api_key=args.api_key or None)
+    ctx = ServingContext(
+        host,
+        metrics,
+        api_key=args.api_key or None,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=(
+            get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+        ),
+    )
     uvicorn_config = uvicorn.Config(
         create_app(ctx),
         host=args.host,

@@ -88,8 +88,8 @@ def test_validation_happens_in_the_api_process() -> None:
         try:
             with pytest.raises(InvalidRequestError, match="maximum context length"):
                 engine.submit("a", [1] * 300, SamplingParams())
-            grammar = StructuredOutput("json_object")
-            with pytest.raises(InvalidRequestError, match="no grammar support"):
+            grammar = StructuredOutput("regex", "a(b")
+            with pytest.raises(InvalidRequestError, match="unclosed group"):
                 engine.submit("b", [1], SamplingParams(structured_output=grammar))
             assert engine.model_info.name == "fake" and engine.tokenizer.encode("hi") == [104, 105]
         finally:

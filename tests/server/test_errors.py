@@ -29,7 +29,7 @@ BAD_CHAT_BODIES: list[tuple[str, Any, str | None]] = [
     ("logit_bias key not an id", {"messages": MESSAGES, "logit_bias": {"hi": 1}}, "logit_bias"),
     ("logit_bias outside vocab", {"messages": MESSAGES, "logit_bias": {"999999": 1}}, "logit_bias"),
     ("unknown field", {"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
-    ("tools", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ("tools", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
     ("top_logprobs without logprobs", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     (
         "top_logprobs too many",
@@ -65,7 +65,6 @@ BAD_COMPLETION_BODIES: list[tuple[str, Any, str | None]] = [
     ("token id outside vocab", {"prompt": [1, 2, 10**7]}, "prompt"),
     ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("best_of differs from n", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("echo with logprobs", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ("prompt too long", {"prompt": "word " * 5000}, "prompt"),
     ("logprobs too large", {"prompt": "x", "logprobs": 99}, "logprobs"),
 ]

@@ -96,19 +96,6 @@ def test_streaming_with_usage_and_cached_tokens(torch_server: ServerProcess) -> 
     assert details is not None and details.cached_tokens == usages[1].prompt_tokens - 1
 
 
-def test_structured_output_is_refused_with_a_400(torch_server: ServerProcess) -> None:
-    response = httpx.post(
-        f"{torch_server.api_url}/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "JSON please"}],
-            "response_format": {"type": "json_object"},
-        },
-    )
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "response_format"
-    assert "llama.cpp runner" in response.json()["error"]["message"]
-
-
 def test_a_streaming_disconnect_frees_the_slot(torch_server: ServerProcess) -> None:
     aborted_before = torch_server.slots()["requests_aborted"]
     body = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}

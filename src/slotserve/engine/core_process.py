@@ -41,7 +41,7 @@ from slotserve.engine.limits import new_request, validate_request
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -144,9 +144,6 @@ class ProcessCore:
     @property
     def pid(self) -> int | None:
         return self._process.pid
-
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        self._frontend.check_structured_output(spec)
 
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -20,6 +20,7 @@ from slotserve.engine.limits import make_request
 from slotserve.engine.output_processor import (
     Outputs,
     append_token,
+    log_admitted,
     log_end,
     output_for,
     stamped,
@@ -35,6 +36,7 @@ from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.slots import SlotState
 from slotserve.engine.speculative import build_speculator
 from slotserve.engine.stats import EngineCounters, EngineStats
+from slotserve.engine.structured_output import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class EngineCore:
             runner.paged_kv.drop_holds()
         self.prefix_cache = build_prefix_cache(runner, config)
         self.speculator = build_speculator(config.speculative, info)
+        self.grammars = GrammarMasks(runner.tokenizer, info)
         self.scheduler = Scheduler(
             config, runner, info.chunk_policy, self.prefix_cache, self.speculator
         )
@@ -112,6 +115,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return stamped(outputs)
+        chunks = self.grammars.attach(chunks, [s.sequence for s in self.scheduler.slots.slots])
         execute_started = time.perf_counter()
         try:
             sampled = self.runner.execute(chunks)
@@ -121,6 +125,9 @@ class EngineCore:
             self._fail_live(self.unhealthy, FailureKind.MODEL_UNHEALTHY, outputs)
             return stamped(outputs)
         self.counters.execute_seconds += time.perf_counter() - execute_started
+        for slot, scored in self.runner.take_prompt_logprobs().items():
+            if (seq := self.scheduler.slots.slots[slot].sequence) is not None:
+                seq.prompt_logprobs.extend(scored)
         self._update_from_output(chunks, sampled, outputs)
         self._release_drained()
         self.counters.steps += 1
@@ -156,20 +163,15 @@ class EngineCore:
             request = seq.request
             if request.admitted_time is None:
                 request.admitted_time = now
-                wait = now - request.arrival_time
-                log = logger.warning if wait > self.config.slow_queue_warn_s else logger.debug
-                log(
-                    "request %s admitted after %.1f ms queued",
-                    request.request_id,
-                    wait * 1000,
-                    extra={"request_id": request.request_id},
-                )
+                log_admitted(request, self.config.slow_queue_warn_s)
             if seq.finish_reason is not None:
                 continue  # a sibling failed to start
             assert seq.slot is not None
             params = request.params
             seed = None if params.seed is None else params.seed + seq.index
             try:
+                if params.structured_output is not None and seq.grammar is None:
+                    seq.grammar = self.grammars.matcher(params.structured_output)
                 self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
             except Exception as exc:
                 logger.exception(

@@ -13,6 +13,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ModelInfo, RequestChecker, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.structured_output import check_structured_output
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -68,7 +69,7 @@ def validate_request(
     fixed at load time."""
     check_request(checker.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
-        checker.check_structured_output(params.structured_output)
+        check_structured_output(params.structured_output)
 
 
 def new_request(

@@ -12,6 +12,7 @@ from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken, 
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.slots import Slot
+from slotserve.engine.structured_output import advance_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,9 @@ def append_token(seq: Sequence, sampled: SampledToken, eog_token_ids: Set[int]) 
     """Appends a sampled token to ``seq`` and decides whether the sequence has finished.
 
     Order of checks: stop token ids, end-of-generation tokens (unless ``ignore_eos``), stop
-    strings (the text is cut where the stop string starts), then the length limit. Stop and
-    end-of-generation tokens are counted as output tokens but contribute no text.
+    strings (the text is cut where the stop string starts), the end of the sequence's grammar
+    (structured output), then the length limit. Stop and end-of-generation tokens are counted
+    as output tokens but contribute no text.
     """
     params = seq.request.params
     token_id = sampled.token_id
@@ -41,6 +43,8 @@ def append_token(seq: Sequence, sampled: SampledToken, eog_token_ids: Set[int]) 
         seq.detokenizer.add_token(token_id)
         if seq.detokenizer.matched_stop is not None:
             reason, seq.stop_reason = "stop", seq.detokenizer.matched_stop
+    if reason is None and seq.grammar is not None and advance_grammar(seq, token_id):
+        reason = "stop"  # the grammar is complete: only the end could follow
     if reason is None and seq.num_output_tokens >= seq.max_tokens:
         reason = "length"
     seq.finish_reason = reason
@@ -58,6 +62,8 @@ def take_delta(seq: Sequence) -> SequenceDelta:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
+    if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+        delta.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
     seq.pending_tokens = []
     seq.pending_logprobs = []
     return delta
@@ -84,6 +90,17 @@ def stamped(outputs: Outputs) -> list[RequestOutput]:
     for out in outputs.values():
         out.time = now
     return list(outputs.values())
+
+
+def log_admitted(request: Request, slow_queue_warn_s: float) -> None:
+    wait = (request.admitted_time or time.monotonic()) - request.arrival_time
+    log = logger.warning if wait > slow_queue_warn_s else logger.debug
+    log(
+        "request %s admitted after %.1f ms queued",
+        request.request_id,
+        wait * 1000,
+        extra={"request_id": request.request_id},
+    )
 
 
 def log_end(request: Request, how: str, error: str | None = None) -> None:

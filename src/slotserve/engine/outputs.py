@@ -42,6 +42,9 @@ class SequenceDelta:
     finish_reason: FinishReason | None = None
     # The stop string or stop token id that ended the sequence, when one did.
     stop_reason: str | int | None = None
+    # Prompt log-probabilities (``SamplingParams.prompt_logprobs``), in the first delta of
+    # choice 0: one per prompt token after the first, in order.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 @dataclass(slots=True)

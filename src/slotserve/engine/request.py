@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.outputs import FinishReason, SampledToken
@@ -58,6 +59,17 @@ class Sequence:
     # Speculative decoding (engine/speculative.py): this sequence's drafts and acceptances.
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Structured output (engine/structured_output.py): llguidance's matcher, fed every output
+    # token; None when unconstrained.
+    grammar: Any = None
+    # Prompt log-probabilities computed so far (``SamplingParams.prompt_logprobs``, choice 0),
+    # and whether they went out with a delta.
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.index == 0 and self.request.params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

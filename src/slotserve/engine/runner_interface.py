@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,11 @@ class ScheduledChunk:
     order with the sequence's sampler and stops at the first sample that differs from the
     draft after it, returning the accepted drafts followed by that sample (or by the token
     after the last draft when all were accepted).
+
+    ``allowed_tokens`` (structured output, ``engine/structured_output.py``): the tokens the
+    sequence's grammar allows at the sampled position, as llguidance's packed bitmask (bit
+    ``t % 32`` of int32 word ``t // 32``). The runner sets the other logits of that row to
+    ``-inf`` before its sampler (log-probabilities stay those of the raw logits).
     """
 
     slot: int
@@ -36,6 +43,11 @@ class ScheduledChunk:
     start_pos: int
     sample: bool
     num_drafts: int = 0
+    allowed_tokens: np.ndarray[Any, Any] | None = None
+    # Prompt log-probabilities: the prompt tokens at positions ``start_pos + 1`` onwards; the
+    # runner scores each with the logits of the position before it (see
+    # ``Runner.take_prompt_logprobs``).
+    prompt_logprob_targets: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -98,19 +110,13 @@ class RequestChecker(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        """Raises ``InvalidRequestError`` if ``spec`` cannot be enforced."""
-        ...
-
 
 class RunnerFrontend(Protocol):
     """The part of a runner the API process needs when the runner lives in the engine
-    process: the model's tokenizer and the check of structured-output specs."""
+    process: the model's tokenizer."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
-
-    def check_structured_output(self, spec: StructuredOutput) -> None: ...
 
     def close(self) -> None: ...
 
@@ -200,10 +206,6 @@ class Runner(Protocol):
         holds blocks itself); None when every slot owns one KV stream (llama.cpp)."""
         ...
 
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        """Raises ``InvalidRequestError`` if ``spec`` cannot be enforced. Thread-safe."""
-        ...
-
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
@@ -212,6 +214,12 @@ class Runner(Protocol):
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         """Runs one batched forward over ``chunks`` and samples where asked."""
+        ...
+
+    def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
+        """By slot, the log-probabilities the last ``execute`` computed for chunks with
+        ``prompt_logprob_targets`` (one per target, with the slot's ``prompt_logprobs`` top
+        alternatives); cleared by the call."""
         ...
 
     def remove_sequence(self, slot: int) -> None:

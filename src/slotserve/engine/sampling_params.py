@@ -17,14 +17,17 @@ MAX_N = 16
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the generated text, enforced by the runner's grammar sampler.
+    """A constraint on the generated text, enforced with a token mask at every sampling step
+    (``engine/structured_output.py``).
 
-    ``kind`` is ``json_object`` (any JSON object), ``json_schema`` (``spec`` holds the schema as
-    JSON text) or ``grammar`` (``spec`` holds a GBNF grammar).
+    ``kind``: ``json_object`` (any JSON object), ``json_schema`` (``spec`` holds the schema as
+    JSON text), ``regex``, ``choice`` (``spec``: a JSON list of strings), ``grammar`` (Lark or
+    llama.cpp's GBNF) or ``lark``. ``param`` is the request field that error messages name.
     """
 
-    kind: Literal["json_object", "json_schema", "grammar"]
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar", "lark"]
     spec: str | None = None
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    # Log-probabilities of the prompt's tokens (each given the ones before it), with the top
+    # ``k`` alternatives; None: not computed (the prefix cache is then not used: cached
+    # positions have no logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -97,6 +104,11 @@ class SamplingParams:
             "logprobs",
             f"must be between 0 and {MAX_TOP_LOGPROBS}",
         )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "prompt_logprobs",
+            f"must be between 0 and {MAX_TOP_LOGPROBS}",
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -112,13 +124,9 @@ class SamplingParams:
 
     @property
     def needs_sampler_chain(self) -> bool:
-        """False when the next token is a plain argmax over the raw logits."""
-        return not (
-            self.is_greedy
-            and not self.has_penalties
-            and not self.logit_bias
-            and self.structured_output is None
-        )
+        """False when the next token is a plain argmax over the logits (a structured-output
+        mask, when there is one, is applied to them first)."""
+        return not (self.is_greedy and not self.has_penalties and not self.logit_bias)
 
     def validate_against_vocab(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""

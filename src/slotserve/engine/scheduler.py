@@ -119,8 +119,10 @@ class Scheduler:
         """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
         seq = _sequence(slot)
         cache = self.prefix_cache
+        if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = []  # scored again from the start: no cached positions
         seq.num_computed_tokens = cache.attach(
-            slot.index, seq.token_ids, cache.match(seq.token_ids), count=False
+            slot.index, seq.token_ids, cache.match(_reusable(seq)), count=False
         )
         first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
         if not self._make_room(slot.index, first_chunk_end):
@@ -133,7 +135,7 @@ class Scheduler:
         cache = self.prefix_cache
         # Match, choose and attach one sequence at a time: attaching can drop cached content
         # of the chosen slot that an earlier match would have pointed at.
-        match = cache.match(sequence.token_ids)
+        match = cache.match(_reusable(sequence))
         free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
         slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
         cached = cache.attach(slot.index, sequence.token_ids, match)
@@ -147,7 +149,7 @@ class Scheduler:
     def _waits_for_prefill_in_flight(self, request: Request) -> bool:
         """Invariant 7: True when ``request`` should wait for a running prefill to share."""
         prefilling = self._by_admission(SlotState.PREFILLING)
-        if not self.prefix_cache.enabled or not prefilling:
+        if not self.prefix_cache.enabled or not prefilling or request.params.prompt_logprobs:
             return False
         policy, prompt = self.policy, request.prompt_token_ids
         cached = policy.reusable_length(self.prefix_cache.match(prompt).length, len(prompt))
@@ -190,8 +192,15 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + size
             if self._reserve(slot, end, chunks):
+                targets: list[int] = []
+                if seq.wants_prompt_logprobs:
+                    targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
                 chunks[slot.index] = ScheduledChunk(
-                    slot.index, seq.token_ids[start:end], start, end == seq.num_tokens
+                    slot.index,
+                    seq.token_ids[start:end],
+                    start,
+                    end == seq.num_tokens,
+                    prompt_logprob_targets=targets,
                 )
         return list(chunks.values())
 
@@ -313,6 +322,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
+
+
+def _reusable(seq: Sequence) -> list[int]:
+    """What the prefix cache may supply: nothing while prompt log-probabilities are wanted
+    and not yet delivered (cached positions have no logits to score)."""
+    if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+        return []
+    return seq.token_ids
 
 
 def _sequence(slot: Slot) -> Sequence:

@@ -206,6 +206,8 @@ class Speculator:
         """Up to ``limit`` (and the configured count of) drafts for ``seq``; none once its
         drafts were accepted too rarely."""
         config = self.config
+        if seq.grammar is not None:
+            return []  # a draft may break the grammar; the mask covers one position a step
         if seq.num_drafted_tokens >= config.probe_tokens and (
             seq.num_accepted_tokens < config.min_acceptance_rate * seq.num_drafted_tokens
         ):

@@ -1,6 +1,6 @@
 """What the API process keeps of a GGUF model when the llama.cpp runner lives in the engine
 process: its vocabulary alone (llama.cpp's ``vocab_only`` load reads no weights), for the
-tokenizer and the grammar check of structured-output requests."""
+tokenizer."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from pathlib import Path
 
 import llama_cpp as llama
 
-from slotserve.engine.sampling_params import StructuredOutput
 from slotserve.runners.llama_cpp_runner import init_llama_backend
-from slotserve.runners.llama_cpp_sampling import check_grammar
 from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 
 
@@ -29,9 +27,6 @@ class LlamaCppFrontend:
     @property
     def tokenizer(self) -> LlamaCppTokenizer:
         return self._tokenizer
-
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        check_grammar(self._vocab, spec)
 
     def close(self) -> None:
         if self._model:

@@ -33,8 +33,9 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.runners.llama_cpp_sampling import build_chain, check_grammar
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.structured_output import allowed_mask
+from slotserve.runners.llama_cpp_sampling import build_chain
 from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class LlamaCppRunner:
         self._seq_id_rows = [self._batch.seq_id[i] for i in range(max_batch_tokens)]
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
+        self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._decode_seconds = 0.0
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
@@ -168,9 +170,6 @@ class LlamaCppRunner:
     @property
     def paged_kv(self) -> None:
         return None  # one KV stream per slot
-
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        check_grammar(self._vocab, spec)
 
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
@@ -240,6 +239,7 @@ class LlamaCppRunner:
         batch = self._batch
         row = 0
         sampling: list[tuple[ScheduledChunk, int]] = []  # (chunk, batch row of its first sample)
+        scoring: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row): prompt logprobs
         for chunk in sorted([*chunks, *ballast], key=lambda c: c.slot):
             size = len(chunk.token_ids)
             end = row + size
@@ -253,6 +253,9 @@ class LlamaCppRunner:
             if chunk.sample:  # the last position, and a verification chunk's draft positions
                 self._wants_logits[end - 1 - chunk.num_drafts : end] = 1
                 sampling.append((chunk, end - 1 - chunk.num_drafts))
+            if chunk.prompt_logprob_targets:
+                self._wants_logits[row : row + len(chunk.prompt_logprob_targets)] = 1
+                scoring.append((chunk, row))
             row = end
         self._n_seq_ids[:row] = 1
         batch.n_tokens = row
@@ -263,7 +266,22 @@ class LlamaCppRunner:
             self.trim_kv(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
+        for chunk, first in scoring:
+            top = self._params[chunk.slot].prompt_logprobs or 0
+            self._prompt_logprobs.setdefault(chunk.slot, []).extend(
+                _with_logprobs(target, self._logits_at(first + i), top)
+                for i, target in enumerate(chunk.prompt_logprob_targets)
+            )
         return {chunk.slot: self._sample_in_order(chunk, row) for chunk, row in sampling}
+
+    def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
+        scored, self._prompt_logprobs = self._prompt_logprobs, {}
+        return scored
+
+    def _logits_at(self, batch_row: int) -> np.ndarray[Any, Any]:
+        return np.ctypeslib.as_array(
+            llama.llama_get_logits_ith(self._ctx, batch_row), shape=(self._n_vocab,)
+        )
 
     def _sample_in_order(self, chunk: ScheduledChunk, first_row: int) -> list[SampledToken]:
         """The chunk's samples position by position, stopping at the first that differs from
@@ -271,7 +289,7 @@ class LlamaCppRunner:
         tokens: list[SampledToken] = []
         drafts = list(chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts :])
         for depth in range(chunk.num_drafts + 1):
-            token = self._sample(chunk.slot, first_row + depth)
+            token = self._sample(chunk.slot, first_row + depth, chunk.allowed_tokens)
             tokens.append(token)
             if depth == chunk.num_drafts or token.token_id != drafts[depth]:
                 break
@@ -348,23 +366,28 @@ class LlamaCppRunner:
             return "sliding-window layers discard early positions, so a prefix cannot be reused"
         return None
 
-    def _sample(self, slot: int, batch_row: int) -> SampledToken:
+    def _sample(
+        self, slot: int, batch_row: int, allowed: np.ndarray[Any, Any] | None
+    ) -> SampledToken:
         params = self._params[slot]
         chain = self._chains.get(slot)
-        logits = np.ctypeslib.as_array(
-            llama.llama_get_logits_ith(self._ctx, batch_row), shape=(self._n_vocab,)
-        )
+        logits = self._logits_at(batch_row)
         # One pass: NaN and infinities both make the sum non-finite (finite logits are far
         # too small to overflow it). Broken weights or a device fault must not become tokens.
         if not math.isfinite(float(logits.sum())):
             raise RunnerFailure(f"non-finite logits for sequence {slot}")
+        raw = logits
+        if allowed is not None:  # structured output: the sampler reads the buffer, masked here
+            if params.logprobs is not None:
+                raw = logits.copy()
+            logits[~allowed_mask(allowed, self._n_vocab)] = -np.inf
         if chain is None:
             token_id = int(logits.argmax())
         else:
             token_id = llama.llama_sampler_sample(chain, self._ctx, batch_row)
         if params.logprobs is None:
             return SampledToken(token_id)
-        return _with_logprobs(token_id, logits, params.logprobs)
+        return _with_logprobs(token_id, raw, params.logprobs)
 
 
 def _with_logprobs(token_id: int, logits: np.ndarray[Any, Any], top_k: int) -> SampledToken:

@@ -1,8 +1,9 @@
 """Per-sequence sampler chains built from llama.cpp's sampler API, so sampling runs in C.
 
-Chain order (as llama.cpp's own server builds it): logit bias → grammar → penalties →
-top-k → top-p → min-p → temperature → draw. Greedy requests with no bias, penalty or grammar
-never get a chain: the runner takes the argmax of the logits directly.
+Chain order (as llama.cpp's own server builds it): logit bias → penalties → top-k → top-p →
+min-p → temperature → draw. Greedy requests with no bias or penalty never get a chain: the
+runner takes the argmax of the logits directly. A structured-output grammar is not in the
+chain: the engine's token mask is applied to the logits before it (engine/structured_output.py).
 
 Penalties follow the OpenAI / vLLM meaning: presence and frequency penalties count generated
 tokens only, the repetition penalty counts prompt and generated tokens. llama.cpp has one
@@ -16,35 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp as llama
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-
-
-def grammar_for(spec: StructuredOutput) -> str:
-    """GBNF text for a structured-output request; raises ``InvalidRequestError``."""
-    if spec.kind == "json_object":
-        return str(JSON_GBNF)
-    if spec.kind == "grammar":
-        if not spec.spec:
-            raise InvalidRequestError("The grammar must not be empty.", param="grammar")
-        return spec.spec
-    try:
-        return str(json_schema_to_gbnf(spec.spec or "{}"))
-    # The converter reports unsupported schemas with assertions and whatever else it hits.
-    except Exception as exc:
-        raise InvalidRequestError(
-            f"Unsupported JSON schema: {exc}", param="response_format"
-        ) from exc
-
-
-def check_grammar(vocab: Any, spec: StructuredOutput) -> None:
-    """Raises ``InvalidRequestError`` unless llama.cpp's grammar sampler accepts ``spec``."""
-    sampler = llama.llama_sampler_init_grammar(vocab, grammar_for(spec).encode(), b"root")
-    if not sampler:
-        raise InvalidRequestError("The grammar could not be parsed.", param="response_format")
-    llama.llama_sampler_free(sampler)
+from slotserve.engine.sampling_params import SamplingParams
 
 
 def build_chain(
@@ -64,9 +39,6 @@ def build_chain(
                 biases[i].token = token_id
                 biases[i].bias = bias
             _add(chain, llama.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
-        if params.structured_output is not None:
-            grammar = grammar_for(params.structured_output).encode()
-            _add(chain, llama.llama_sampler_init_grammar(vocab, grammar, b"root"))
         if params.repetition_penalty != 1.0:
             repetition = llama.llama_sampler_init_penalties(
                 n_vocab, max_seq_len, params.repetition_penalty, 0.0, 0.0
@@ -101,5 +73,5 @@ def build_chain(
 
 def _add(chain: Any, sampler: Any) -> None:
     if not sampler:
-        raise InvalidRequestError("llama.cpp refused the sampling parameters (bad grammar?).")
+        raise InvalidRequestError("llama.cpp refused the sampling parameters.")
     llama.llama_sampler_chain_add(chain, sampler)

@@ -22,9 +22,12 @@ from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheC
 from slotserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from slotserve.server.model_host import ModelState
 from slotserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from slotserve.server.response_store import ResponseStore
+from slotserve.server.responses_protocol import ResponsesRequest
 from slotserve.server.serving import ServingContext
 from slotserve.server.serving_chat import create_chat_completion
 from slotserve.server.serving_completions import create_completion
+from slotserve.server.serving_responses import create_response, get_response
 
 
 class ErrorDetail(BaseModel):
@@ -87,13 +90,25 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, body, raw, request_id_of(raw))
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    response_store = ResponseStore()
+
+    @app.post("/v1/responses", responses=_GENERATION_ERRORS)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(ctx, body, raw, request_id_of(raw), response_store)
+
+    @app.get("/v1/responses/{response_id}", responses={404: {"model": ErrorResponse}})
+    async def stored_response(response_id: str) -> Response:
+        return get_response(response_store, response_id, ctx.metrics.count_error)
+
+    def model_card() -> dict[str, Any]:
+        """The served model as vLLM describes it, with our state, runner and slots."""
         entry: dict[str, Any] = {
             "id": ctx.model_name,
             "object": "model",
             "created": ctx.created,
             "owned_by": "slotserve",
+            "root": ctx.model_name,
+            "parent": None,
             "state": host.state.value,
         }
         if host.reason:
@@ -105,7 +120,17 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 "runner": model.info.runner,
                 "slots": model.info.num_slots,
             }
-        return {"object": "list", "data": [entry]}
+        return entry
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    # ``:path``: model ids hold "/" (an HF repo id such as "org/name").
+    @app.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse}})
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> JSONResponse:

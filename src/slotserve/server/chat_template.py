@@ -41,15 +41,40 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._eos_token = eos_token
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt text. ``extra`` holds the request's ``chat_template_kwargs`` (e.g.
+        Qwen3's ``enable_thinking``); ``continue_final_message`` cuts the text right after
+        the last (assistant) message's content, so the model continues it."""
+        variables = dict(extra or {})
+        variables.update(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self._eos_token,
+        )
+        if tools is not None:
+            variables["tools"] = tools
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self._eos_token,
-            )
+            text = self._template.render(**variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"The chat template failed: {exc}", param="messages") from exc
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise ChatTemplateError(
+                    "The chat template did not render the final message's content, so it "
+                    "cannot be continued.",
+                    param="continue_final_message",
+                )
+            text = text[: cut + len(final)]
+        return text

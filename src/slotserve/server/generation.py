@@ -102,9 +102,12 @@ class ChoiceAccumulator:
     text: list[str] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[SampledToken] | None = None
 
     def add(self, delta: SequenceDelta) -> None:
         self.text.append(delta.text)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -212,6 +215,57 @@ def chat_logprobs(tokenizer: Tokenizer, tokens: list[SampledToken]) -> dict[str,
         item["top_logprobs"] = [entry(t, lp) for t, lp in sampled.top_logprobs]
         content.append(item)
     return {"content": content}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer, scores: list[SampledToken] | None
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a map from
+    token id to its logprob and text (the prompt's token first, then the top alternatives)."""
+    if scores is None:
+        return None
+    entries: list[dict[str, Any] | None] = [None]
+    for scored in scores:
+        entry = {
+            str(scored.token_id): {
+                "logprob": scored.logprob,
+                "rank": None,
+                "decoded_token": tokenizer.token_text(scored.token_id),
+            }
+        }
+        for rank, (token_id, logprob) in enumerate(scored.top_logprobs, start=1):
+            entry.setdefault(
+                str(token_id),
+                {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.token_text(token_id)},
+            )
+            if token_id == scored.token_id:
+                entry[str(token_id)]["rank"] = rank
+        entries.append(entry)
+    return entries
+
+
+def echo_logprobs(
+    tokenizer: Tokenizer, prompt_ids: list[int], scores: list[SampledToken]
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs of an echoed prompt: the first token has none."""
+    texts = [tokenizer.token_text(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [None, *(s.logprob for s in scores)],
+        "top_logprobs": [
+            None,
+            *({tokenizer.token_text(t): lp for t, lp in s.top_logprobs} for s in scores),
+        ],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first}
 
 
 def completion_logprobs(

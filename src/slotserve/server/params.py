@@ -6,7 +6,7 @@ import json
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.server.protocol import ResponseFormat, SamplingFields
+from slotserve.server.protocol import SamplingFields
 
 
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -24,17 +24,46 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def structured_output_of(fmt: ResponseFormat | None) -> StructuredOutput | None:
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return StructuredOutput("json_object")
-    if fmt.json_schema is None:
+def structured_output_of(body: SamplingFields) -> StructuredOutput | None:
+    """The request's one constraint on the output text; 400 when it names several."""
+    found: list[StructuredOutput] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(StructuredOutput("json_object"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequestError(
+                "response_format of type 'json_schema' needs a 'json_schema' object.",
+                param="response_format",
+            )
+        found.append(StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        param = "structured_outputs"
+        if so.json_ is not None:
+            schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+            found.append(StructuredOutput("json_schema", schema, param))
+        if so.regex is not None:
+            found.append(StructuredOutput("regex", so.regex, param))
+        if so.choice is not None:
+            found.append(StructuredOutput("choice", json.dumps(so.choice), param))
+        if so.grammar is not None:
+            found.append(StructuredOutput("grammar", so.grammar, param))
+        if so.json_object:
+            found.append(StructuredOutput("json_object", None, param))
+        if not found:
+            raise InvalidRequestError("structured_outputs names no constraint.", param=param)
+    if body.regex is not None:
+        found.append(StructuredOutput("regex", body.regex, "regex"))
+    if body.ebnf is not None:
+        found.append(StructuredOutput("grammar", body.ebnf, "ebnf"))
+    if len(found) > 1:
         raise InvalidRequestError(
-            "response_format of type 'json_schema' needs a 'json_schema' object.",
-            param="response_format",
+            "Give one output constraint: response_format, structured_outputs (one key), "
+            "regex or ebnf.",
+            param=found[1].param,
         )
-    return StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_))
+    return found[0] if found else None
 
 
 def sampling_params_of(
@@ -42,6 +71,7 @@ def sampling_params_of(
     max_tokens: int | None,
     logprobs: int | None,
     structured_output: StructuredOutput | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
@@ -61,4 +91,5 @@ def sampling_params_of(
         n=body.n,
         logprobs=logprobs,
         structured_output=structured_output,
+        prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
     )

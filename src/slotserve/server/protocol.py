@@ -44,13 +44,55 @@ class UserMessage(_Strict):
     name: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Strict):
     role: Literal["assistant"]
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's field; not shown to the template
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -63,6 +105,16 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Strict):
@@ -86,6 +138,13 @@ class SamplingFields(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, SGLang's regex
+    # and ebnf (server/params.py admits one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -94,17 +153,30 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    # Declared so the refusal can say why: tool calling is not implemented yet.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat-template controls.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("Tool calling is not supported.", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("Tool calling is not supported.", param="tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "'continue_final_message' needs 'add_generation_prompt' set to false.",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError(
+                "'continue_final_message' needs the last message to be the assistant's.",
+                param="continue_final_message",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "'prompt_logprobs' is not available with streaming chat completions.",
+                param="prompt_logprobs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
@@ -130,11 +202,6 @@ class CompletionRequest(SamplingFields):
             )
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("'best_of' must equal 'n' when given.", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError(
-                "'echo' with 'logprobs' needs prompt log-probabilities, which are not supported.",
-                param="echo",
-            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "'stream_options' is only allowed when 'stream' is true.", param="stream_options"

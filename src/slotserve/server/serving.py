@@ -11,6 +11,7 @@ from slotserve.server.chat_template import ChatTemplate
 from slotserve.server.errors import ModelNotFoundError
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.model_host import LoadedModel, ModelHost
+from slotserve.server.reasoning import ReasoningParser
 
 
 @dataclass
@@ -19,6 +20,9 @@ class ServingContext:
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # --tool-call-parser (None: chosen from the chat template) and --reasoning-parser.
+    tool_call_parser: str | None = None
+    reasoning_parser: ReasoningParser | None = None
 
     @property
     def model_name(self) -> str:

@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions (SPEC S1)."""
+"""POST /v1/chat/completions (SPEC S1): messages through the chat template, tools planned
+(``tool_calling.py``), the reply shaped into content, reasoning and tool calls
+(``chat_output.py``)."""
 
 from __future__ import annotations
 
@@ -10,27 +12,19 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SequenceDelta
+from slotserve.server.chat_output import DeltaShaper, finish_reason_of, message_of
 from slotserve.server.generation import (
     chat_logprobs,
     collect,
     sse,
     stream_events,
     submit_prompts,
+    vllm_prompt_logprobs,
 )
 from slotserve.server.params import sampling_params_of, structured_output_of
 from slotserve.server.protocol import ChatCompletionRequest
 from slotserve.server.serving import ServingContext, engine_request_id, require_chat_template
-
-
-def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    messages = []
-    for message in body.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content or ""})
-    return messages
+from slotserve.server.tool_calling import plan_tools, template_messages
 
 
 async def create_chat_completion(
@@ -41,14 +35,30 @@ async def create_chat_completion(
     model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     template = require_chat_template(model)
-    prompt_text = template.render(_message_dicts(body), add_generation_prompt=True)
+    plan = plan_tools(body, template, ctx.tool_call_parser)
+    prompt_text = template.render(
+        template_messages(body, plan),
+        add_generation_prompt=body.add_generation_prompt,
+        tools=plan.template_tools,
+        extra=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message,
+    )
     add_bos = not (template.bos_token and prompt_text.startswith(template.bos_token))
     prompt = model.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
+    constraint = structured_output_of(body)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                "An output constraint cannot be combined with a forced tool call "
+                "(tool_choice 'required' or a named function).",
+                param=constraint.param,
+            )
+        constraint = plan.constraint
     params = sampling_params_of(
         body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        structured_output=structured_output_of(body.response_format),
+        structured_output=constraint,
     )
     try:
         streams = submit_prompts(model.engine, request_id, [prompt], params)
@@ -63,9 +73,11 @@ async def create_chat_completion(
         "created": created,
         "model": ctx.model_name,
     }
+    reasoning = ctx.reasoning_parser
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        shapers = [DeltaShaper(plan, reasoning) for _ in range(body.n)]
 
         def frame(
             index: int,
@@ -77,10 +89,21 @@ async def create_chat_completion(
             return sse({**base, "choices": [choice], **extra})
 
         def render(index: int, d: SequenceDelta) -> str | None:
-            if not d.text and d.finish_reason is None and not d.logprobs:
-                return None
+            shaper = shapers[index]
+            deltas = shaper.feed(d.text) if d.text else []
+            if d.finish_reason is not None:
+                deltas += shaper.finish()
             logprobs = chat_logprobs(model.tokenizer, d.logprobs) if d.logprobs else None
-            return frame(index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs)
+            if logprobs is not None and not deltas:
+                deltas = [{}]  # the tokens' logprobs go out even while their text is held
+            frames = [
+                frame(index, delta, None, logprobs if k == 0 else None)
+                for k, delta in enumerate(deltas)
+            ]
+            if d.finish_reason is not None:
+                reason = finish_reason_of(plan, d.finish_reason, shaper.has_calls)
+                frames.append(frame(index, {}, reason))
+            return "".join(frames) or None
 
         opening = [frame(i, {"role": "assistant", "content": ""}, None) for i in range(body.n)]
         usage_event = (
@@ -93,23 +116,27 @@ async def create_chat_completion(
     result = await collect(model.engine, raw, streams, body.n)
     if result.disconnected:
         return Response(status_code=499)
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": ctx.model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": chat_logprobs(model.tokenizer, c.logprobs)
-                    if body.logprobs
-                    else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(result.choices)
-            ],
-            "usage": result.usage,
-        }
-    )
+    choices = []
+    for i, c in enumerate(result.choices):
+        message, has_calls = message_of("".join(c.text), plan, reasoning)
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(model.tokenizer, c.logprobs) if body.logprobs else None,
+                "finish_reason": finish_reason_of(plan, c.finish_reason, has_calls),
+            }
+        )
+    response: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": result.usage,
+    }
+    if body.prompt_logprobs is not None:  # vLLM's extension: the rendered prompt's tokens
+        response["prompt_logprobs"] = vllm_prompt_logprobs(
+            model.tokenizer, result.choices[0].prompt_logprobs
+        )
+    return JSONResponse(response)

@@ -9,16 +9,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.outputs import SequenceDelta
+from slotserve.engine.outputs import SampledToken, SequenceDelta
 from slotserve.server.generation import (
     collect,
     completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
     sse,
     stream_events,
     submit_prompts,
+    vllm_prompt_logprobs,
 )
 from slotserve.server.model_host import LoadedModel
-from slotserve.server.params import sampling_params_of
+from slotserve.server.params import sampling_params_of, structured_output_of
 from slotserve.server.protocol import CompletionRequest
 from slotserve.server.serving import ServingContext, engine_request_id
 
@@ -61,8 +64,15 @@ async def create_completion(
     model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
     prompts, prompt_texts = _prompts(model, body)
     request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
+    # echo + logprobs: the prompt's tokens are scored too (OpenAI's legacy completions).
+    echo_scored = body.logprobs if body.echo and body.logprobs is not None else None
+    asked = [v for v in (body.prompt_logprobs, echo_scored) if v is not None]
     params = sampling_params_of(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, structured_output=None
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        structured_output=structured_output_of(body),
+        prompt_logprobs=max(asked) if asked else None,
     )
     streams = submit_prompts(model.engine, request_id, prompts, params)
     created = int(time.time())
@@ -73,27 +83,40 @@ async def create_completion(
         "model": ctx.model_name,
     }
     n = body.n
+    tokenizer = model.tokenizer
     echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
+
+    def logprobs_of(
+        index: int, tokens: list[SampledToken] | None, scores: list[SampledToken] | None, at: int
+    ) -> dict[str, Any] | None:
+        """Completion logprobs from text offset ``at``, after the echoed prompt's own."""
+        if body.logprobs is None:
+            return None
+        shaped = completion_logprobs(tokenizer, tokens or [], at)
+        if echo_scored is not None and scores is not None:
+            return join_logprobs(echo_logprobs(tokenizer, prompts[index // n], scores), shaped)
+        return shaped if tokens else None
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         extra: dict[str, Any] = {"usage": None} if include_usage else {}
         offsets = [0] * (len(prompts) * n)
 
         def render(index: int, d: SequenceDelta) -> str | None:
-            text = echo[index] + d.text
-            echo[index] = ""
+            echoed, echo[index] = echo[index], ""
+            text = echoed + d.text
             if not text and d.finish_reason is None and not d.logprobs:
                 return None
-            logprobs = None
-            if d.logprobs:
-                logprobs = completion_logprobs(model.tokenizer, d.logprobs, offsets[index])
-            offsets[index] += len(text)
-            choice = {
+            at = offsets[index] + len(echoed)
+            choice: dict[str, Any] = {
                 "index": index,
                 "text": text,
-                "logprobs": logprobs,
+                "logprobs": logprobs_of(index, d.logprobs, d.prompt_logprobs, at),
                 "finish_reason": d.finish_reason,
             }
+            if body.prompt_logprobs is not None and d.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, d.prompt_logprobs)
+            offsets[index] += len(text)
             return sse({**base, "choices": [choice], **extra})
 
         usage_event = (
@@ -108,15 +131,14 @@ async def create_completion(
         return Response(status_code=499)
     choices = []
     for i, choice in enumerate(result.choices):
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(model.tokenizer, choice.logprobs, len(echo[i]))
-        choices.append(
-            {
-                "index": i,
-                "text": echo[i] + "".join(choice.text),
-                "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-            }
-        )
+        scores = result.choices[i - i % n].prompt_logprobs  # the prompt's first choice has them
+        entry: dict[str, Any] = {
+            "index": i,
+            "text": echo[i] + "".join(choice.text),
+            "logprobs": logprobs_of(i, choice.logprobs, scores, len(echo[i])),
+            "finish_reason": choice.finish_reason,
+        }
+        if body.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, scores)
+        choices.append(entry)
     return JSONResponse({**base, "choices": choices, "usage": result.usage})

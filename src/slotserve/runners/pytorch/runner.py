@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from slotserve.engine.errors import InvalidRequestError, RunnerFailure
+from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
-from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
+from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
@@ -85,14 +85,6 @@ def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
     return config_from_hf(json.loads(config_file.read_text()), name)
 
 
-def refuse_structured_output(spec: StructuredOutput) -> None:
-    raise InvalidRequestError(
-        "Structured output (response_format json_object / json_schema) is not supported by "
-        "the PyTorch runner; serve a GGUF model with the llama.cpp runner for it.",
-        param="response_format",
-    )
-
-
 class TorchFrontend:
     """What the API process keeps when this runner lives in the engine process."""
 
@@ -106,9 +98,6 @@ class TorchFrontend:
     @property
     def tokenizer(self) -> HfTokenizer:
         return self._tokenizer
-
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        refuse_structured_output(spec)
 
     def close(self) -> None:
         pass
@@ -153,6 +142,7 @@ class TorchRunner:
             config, num_blocks, load.block_size, load.num_slots, self.dtype, self.device
         )
         self._samplers: dict[int, SequenceSampler] = {}
+        self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
         self._info = ModelInfo(
             name=load.model_name or config.name,
@@ -221,9 +211,6 @@ class TorchRunner:
     def paged_kv(self) -> PagedKvTables:
         return self.pool.tables
 
-    def check_structured_output(self, spec: StructuredOutput) -> None:
-        refuse_structured_output(spec)
-
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
@@ -258,8 +245,11 @@ class TorchRunner:
         positions: list[int] = []
         write_rows: list[int] = []
         sample_rows: list[int] = []
+        scoring: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row): prompt logprobs
         for chunk in ordered:
             end = chunk.start_pos + len(chunk.token_ids)
+            if chunk.prompt_logprob_targets:
+                scoring.append((chunk, len(tokens)))
             tokens.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
             write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
@@ -279,6 +269,8 @@ class TorchRunner:
         )
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
+        for chunk, first in scoring:
+            self._score_prompt(chunk, hidden[first : first + len(chunk.prompt_logprob_targets)])
         sampling = [c for c in ordered if c.sample]
         result: dict[int, list[SampledToken]] = {}
         if sampling:
@@ -292,6 +284,25 @@ class TorchRunner:
         self._forward_seconds += time.perf_counter() - started
         return result
 
+    def _score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(self.model.logits(hidden).float(), dim=-1)
+        targets = torch.tensor(list(chunk.prompt_logprob_targets), device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top = self._samplers[chunk.slot].params.prompt_logprobs or 0
+        best_values, best_ids = logprobs.topk(top, dim=-1) if top else (None, None)
+        scored = self._prompt_logprobs.setdefault(chunk.slot, [])
+        for i, target in enumerate(chunk.prompt_logprob_targets):
+            alternatives: tuple[tuple[int, float], ...] = ()
+            if best_ids is not None and best_values is not None:
+                alternatives = tuple(
+                    zip(best_ids[i].tolist(), best_values[i].tolist(), strict=True)
+                )
+            scored.append(SampledToken(target, chosen[i], alternatives))
+
+    def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
+        scored, self._prompt_logprobs = self._prompt_logprobs, {}
+        return scored
+
     def _sample_in_order(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor
     ) -> dict[int, list[SampledToken]]:
@@ -300,7 +311,7 @@ class TorchRunner:
         draft after it: a sequence's sampler sees exactly the tokens it produces."""
         if not any(chunk.num_drafts for chunk in chunks):  # no drafts: one row each, no copy
             samplers = [self._samplers[chunk.slot] for chunk in chunks]
-            tokens = sample(logits, samplers)
+            tokens = sample(logits, samplers, [chunk.allowed_tokens for chunk in chunks])
             return {chunk.slot: [token] for chunk, token in zip(chunks, tokens, strict=True)}
         firsts, row = [], 0
         for chunk in chunks:
@@ -313,7 +324,9 @@ class TorchRunner:
             rows = torch.tensor([firsts[i] + depth for i in alive], device=logits.device)
             samplers = [self._samplers[chunks[i].slot] for i in alive]
             still = []
-            for i, token in zip(alive, sample(logits[rows], samplers), strict=True):
+            # Constrained sequences are never drafted: their one mask is at depth 0.
+            allowed = [chunks[i].allowed_tokens if depth == 0 else None for i in alive]
+            for i, token in zip(alive, sample(logits[rows], samplers, allowed), strict=True):
                 chunk = chunks[i]
                 result[chunk.slot].append(token)
                 draft_at = len(chunk.token_ids) - chunk.num_drafts + depth

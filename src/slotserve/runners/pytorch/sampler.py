@@ -1,9 +1,10 @@
 """Batched sampling on the device (SPEC E5), one row per sequence that needs a token.
 
-Order, as vLLM applies it: logit bias → penalties → (greedy: argmax) → temperature → top-k →
-top-p → min-p → draw. Penalties follow OpenAI / vLLM: presence and frequency count generated
-tokens; the repetition penalty (divide positive logits, multiply negative ones) counts prompt
-and generated tokens. Log-probabilities come from the raw logits, before any of this.
+Order, as vLLM applies it: logit bias → penalties → structured-output mask → (greedy: argmax)
+→ temperature → top-k → top-p → min-p → draw. Penalties follow OpenAI / vLLM: presence and
+frequency count generated tokens; the repetition penalty (divide positive logits, multiply
+negative ones) counts prompt and generated tokens. Log-probabilities come from the raw
+logits, before any of this.
 
 The draw is an inverse-CDF lookup of one uniform number from the sequence's own generator
 (seeded with ``seed + choice index``, else from the OS): a seeded sequence draws the same
@@ -15,11 +16,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.structured_output import allowed_mask
 
 
 @dataclass
@@ -56,20 +60,31 @@ def new_sequence_sampler(
     return SequenceSampler(params, generator, counts, seen, bias_ids, bias_values)
 
 
-def sample(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[SampledToken]:
-    """``logits``: float32 [rows, vocab], row ``i`` for ``samplers[i]``."""
-    if all(_plain_greedy(s) for s in samplers):
+def sample(
+    logits: torch.Tensor,
+    samplers: Sequence[SequenceSampler],
+    allowed: Sequence[np.ndarray[Any, Any] | None] = (),
+) -> list[SampledToken]:
+    """``logits``: float32 [rows, vocab], row ``i`` for ``samplers[i]``; ``allowed[i]``, when
+    given and not None, is row ``i``'s structured-output bitmask (``ScheduledChunk``)."""
+    masked = [row for row, mask in enumerate(allowed) if mask is not None]
+    if not masked and all(_plain_greedy(s) for s in samplers):
         return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
     rows = len(samplers)
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in samplers):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     adjusted = logits
-    if any(_modifies(s.params) for s in samplers):
+    if masked or any(_modifies(s.params) for s in samplers):
         adjusted = logits.clone()
         for row, s in enumerate(samplers):
             if _modifies(s.params):
                 _apply_bias_and_penalties(adjusted[row], s)
+    if masked:
+        vocab = logits.shape[-1]
+        keep = np.stack([allowed_mask(allowed[row], vocab) for row in masked])  # type: ignore[arg-type]
+        keep_rows = torch.from_numpy(keep).to(logits.device)
+        adjusted[masked] = adjusted[masked].masked_fill(~keep_rows, float("-inf"))
     chosen = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
     if greedy:
