@@ -1,5 +1,5 @@
-"""Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve reload``, ``slotserve bench``,
-``slotserve bench sweep`` (SPEC C1, S5, B1, B2).
+"""Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve chat``, ``slotserve reload``,
+``slotserve bench``, ``slotserve bench sweep`` (SPEC C1, S5, B1, B2).
 
 Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
 ``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
@@ -27,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     from slotserve.serve_command import add_serve_arguments
 
     add_serve_arguments(serve)
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a model in the terminal (in-process, or a running server with --url)",
+    )
+    from slotserve.chat.command import add_chat_arguments
+
+    add_chat_arguments(chat)
     reload = commands.add_parser(
         "reload", help="ask a running server to reload its model (recovers an unhealthy one)"
     )
@@ -110,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slotserve.serve_command import serve
 
         return serve(args)
+    if args.command == "chat":
+        from slotserve.chat.command import chat
+
+        return chat(args)
     if args.command == "reload":
         return reload(args)
     if args.command == "bench":
