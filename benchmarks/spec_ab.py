@@ -62,6 +62,8 @@ def one_run(
     extra = ["--runner", runner]
     if spec_on:
         limit = f', "disable_by_batch_size": {args.disable_by_batch_size}'
+        if args.min_acceptance_rate is not None:
+            limit += f', "min_acceptance_rate": {args.min_acceptance_rate}'
         extra += ["--speculative-config", SPEC % (args.k, limit)]
     spec = slotserve_spec(embedded_model_path(), max(args.concurrency), args.threads, 1024, extra)
     num = concurrency * args.requests_per_client
@@ -85,7 +87,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--workloads", nargs="+", default=["grounded", "open"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--disable-by-batch-size", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=2)
+    parser.add_argument(
+        "--min-acceptance-rate", type=float, help="default: the server's (0.2, or per runner)"
+    )
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

@@ -5,12 +5,18 @@ accepted run, the switches and the counters. The real runners: tests/runner/test
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.speculative import NgramProposer, SpecCounters, SpeculativeConfig
+from slotserve.engine.speculative import (
+    NgramProposer,
+    SpecCounters,
+    SpeculativeConfig,
+    build_speculator,
+)
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -171,3 +177,14 @@ def test_run_to_completion_helper_still_works_with_drafts() -> None:
     submit(core, "a", ALPHABET, max_tokens=20, temperature=0.0)
     outputs = run_to_completion(core)
     assert text_of(outputs["a"]) == ALPHABET[:20]
+
+
+def test_the_acceptance_floor_defaults_to_the_runners_break_even() -> None:
+    info = FakeRunner().model_info
+    runner_floor = replace(info, min_draft_acceptance=0.5)
+    speculator = build_speculator(spec(), runner_floor)
+    assert speculator is not None and speculator.min_acceptance_rate == 0.5
+    configured = build_speculator(spec(min_acceptance_rate=0.3), runner_floor)
+    assert configured is not None and configured.min_acceptance_rate == 0.3
+    plain = build_speculator(spec(), info)
+    assert plain is not None and plain.min_acceptance_rate == 0.2

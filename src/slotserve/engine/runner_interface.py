@@ -75,6 +75,10 @@ class ModelInfo:
     # every slot owning a fixed stream). A pooled runner may hold fewer than its slots could
     # ask for; the engine then preempts (see ``Runner.reserve_kv``).
     kv_capacity_tokens: int = 0
+    # Speculative decoding: the draft acceptance rate under which verifying drafts costs this
+    # runner more than it saves (the default of ``min_acceptance_rate``; measured on the
+    # 2-core VM, benchmarks/RESULTS.md).
+    min_draft_acceptance: float = 0.2
 
     @property
     def kv_capacity(self) -> int:

@@ -44,7 +44,8 @@ _KEYS = {
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's keys, plus ``min_acceptance_rate``: a sequence whose drafts are accepted less
-    often than this (after ``probe_tokens`` drafted tokens) stops drafting.
+    often than this (after ``probe_tokens`` drafted tokens) stops drafting; None takes the
+    runner's break-even rate (``ModelInfo.min_draft_acceptance``, measured per runner).
     ``disable_by_batch_size`` (vLLM's name): no drafts in a step with more generating
     sequences than this."""
 
@@ -53,7 +54,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 2
-    min_acceptance_rate: float = 0.2
+    min_acceptance_rate: float | None = None
     probe_tokens: int = 16
 
     def __post_init__(self) -> None:
@@ -65,7 +66,7 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
-        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+        if self.min_acceptance_rate is not None and not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError("min_acceptance_rate must be in [0, 1]")
 
     @classmethod
@@ -171,9 +172,16 @@ class Speculator:
         max_seq_len: int,
         equal_drafts: bool = False,
         proposer: Proposer | None = None,
+        min_acceptance_rate: float = 0.2,
     ) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
+        # The configured rate, else the runner's break-even one.
+        self.min_acceptance_rate = (
+            min_acceptance_rate
+            if config.min_acceptance_rate is None
+            else config.min_acceptance_rate
+        )
         self.equal_drafts = equal_drafts  # the runner's chunk policy asks for equal chunks
         self.proposer = proposer or NgramProposer(
             config.prompt_lookup_min, config.prompt_lookup_max
@@ -209,7 +217,7 @@ class Speculator:
         if seq.grammar is not None:
             return []  # a draft may break the grammar; the mask covers one position a step
         if seq.num_drafted_tokens >= config.probe_tokens and (
-            seq.num_accepted_tokens < config.min_acceptance_rate * seq.num_drafted_tokens
+            seq.num_accepted_tokens < self.min_acceptance_rate * seq.num_drafted_tokens
         ):
             return []
         return self.proposer.propose(seq.token_ids, min(limit, config.num_speculative_tokens))
@@ -223,7 +231,12 @@ class Speculator:
 def build_speculator(config: SpeculativeConfig | None, info: ModelInfo) -> Speculator | None:
     if config is None:
         return None
-    return Speculator(config, info.max_seq_len, info.chunk_policy.equal_chunks)
+    return Speculator(
+        config,
+        info.max_seq_len,
+        info.chunk_policy.equal_chunks,
+        min_acceptance_rate=info.min_draft_acceptance,
+    )
 
 
 def equalize_drafts(drafts: dict[int, list[int]]) -> dict[int, list[int]]:
