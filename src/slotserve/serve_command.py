@@ -305,7 +305,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"chat template file not found: {template_file}")
         if args.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
-        model_name = args.served_model_name or _default_name(model_path)
+        model_name = args.served_model_name or default_model_name(model_path)
         build_runner = runner_factory(args, model_path, model_name)
     except (ModelUnavailableError, ValueError, FileNotFoundError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
@@ -344,7 +344,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_name(model_path: Path) -> str:
+def default_model_name(model_path: Path) -> str:
     if model_path.is_file():
         return model_path.stem
     # An HF cache snapshot: models--org--name/snapshots/<revision>

@@ -175,7 +175,7 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
 
     from slotserve.engine.config import EngineConfig
     from slotserve.model_source import resolve_model_path
-    from slotserve.serve_command import _default_name, add_serve_arguments, runner_factory
+    from slotserve.serve_command import add_serve_arguments, default_model_name, runner_factory
 
     serve_parser = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve_parser)
@@ -183,7 +183,7 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
     for name in _ENGINE_FLAGS:
         setattr(serve_args, name, getattr(args, name))
     model_path = resolve_model_path(args.model or env("MODEL"))
-    name = _default_name(model_path)
+    name = default_model_name(model_path)
     spec = runner_factory(serve_args, model_path, name)
     config = EngineConfig(
         num_slots=serve_args.slots,
