@@ -115,7 +115,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return stamped(outputs)
-        chunks = self.grammars.attach(chunks, [s.sequence for s in self.scheduler.slots.slots])
+        chunks = self.grammars.attach(chunks, self.scheduler.slots.slots)
         execute_started = time.perf_counter()
         try:
             sampled = self.runner.execute(chunks)

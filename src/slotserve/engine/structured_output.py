@@ -25,6 +25,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Sequence
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk, Tokenizer
 from slotserve.engine.sampling_params import StructuredOutput
+from slotserve.engine.slots import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,17 @@ def closed_objects(schema: Any) -> Any:
 
 
 def grammar_of(spec: StructuredOutput) -> str:
-    """The llguidance grammar for ``spec``; ``InvalidRequestError`` naming the problem."""
+    """The llguidance grammar for ``spec``, validated; ``InvalidRequestError`` naming the
+    problem."""
+    grammar = _converted(spec)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise InvalidRequestError(f"Invalid {spec.kind}: {problem.strip()}", spec.param)
+    return grammar
+
+
+def _converted(spec: StructuredOutput) -> str:
+    """``spec`` in llguidance's grammar format, not yet validated."""
     text = '{"type": "object"}' if spec.kind == "json_object" else spec.spec
     if not text or not text.strip():
         raise InvalidRequestError(f"The {spec.kind} constraint must not be empty.", spec.param)
@@ -80,13 +91,9 @@ def grammar_of(spec: StructuredOutput) -> str:
         except ValueError as exc:
             raise InvalidRequestError(f"The JSON schema is not JSON: {exc}", spec.param) from exc
     try:
-        grammar = llguidance.grammar_from(_FORMATS[spec.kind], text)
+        return llguidance.grammar_from(_FORMATS[spec.kind], text)
     except Exception as exc:  # the converters raise ValueError and their own parse errors
         raise InvalidRequestError(f"Invalid {spec.kind}: {exc}", spec.param) from exc
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise InvalidRequestError(f"Invalid {spec.kind}: {problem.strip()}", spec.param)
-    return grammar
 
 
 def check_structured_output(spec: StructuredOutput) -> None:
@@ -125,39 +132,40 @@ def _llg_tokenizer(tokenizer: Tokenizer, info: ModelInfo) -> llguidance.LLTokeni
 
 
 class GrammarMasks:
-    """The engine's matchers and masks: the llguidance vocabulary is built on first use (a
-    fraction of a second), so a server that never sees a constraint never pays for it."""
+    """The engine's matchers and masks: the llguidance vocabulary (a fraction of a second)
+    and the executor's threads are made on first use, so a server that never sees a
+    constraint never pays for them."""
 
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo) -> None:
         self._tokenizer = tokenizer
         self._info = info
-        self._llg_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor = llguidance.LLExecutor()
+        self._llg: tuple[llguidance.LLTokenizer, llguidance.LLExecutor] | None = None
 
     def matcher(self, spec: StructuredOutput) -> Any:
-        """A new matcher at the start of ``spec``'s grammar; ``InvalidRequestError``."""
-        if self._llg_tokenizer is None:
-            self._llg_tokenizer = _llg_tokenizer(self._tokenizer, self._info)
-        matcher = llguidance.LLMatcher(self._llg_tokenizer, grammar_of(spec), log_level=0)
+        """A new matcher at the start of ``spec``'s grammar, which the request's validation
+        (``check_structured_output``) already passed; ``InvalidRequestError`` if the model's
+        vocabulary still makes it fail."""
+        if self._llg is None:
+            self._llg = (_llg_tokenizer(self._tokenizer, self._info), llguidance.LLExecutor())
+        matcher = llguidance.LLMatcher(self._llg[0], _converted(spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"Invalid {spec.kind}: {matcher.get_error()}", spec.param)
         return matcher
 
-    def attach(
-        self, chunks: SequenceOf[ScheduledChunk], sequence_of: SequenceOf[Sequence | None]
-    ) -> list[ScheduledChunk]:
+    def attach(self, chunks: list[ScheduledChunk], slots: SequenceOf[Slot]) -> list[ScheduledChunk]:
         """``chunks`` with the allowed-token mask set on each one that samples for a
-        constrained sequence (``sequence_of[slot]``); the others unchanged."""
+        constrained sequence; the same list when there is none."""
         rows = [
             (i, seq.grammar)
             for i, chunk in enumerate(chunks)
-            if chunk.sample and (seq := sequence_of[chunk.slot]) and seq.grammar is not None
+            if chunk.sample and (seq := slots[chunk.slot].sequence) and seq.grammar is not None
         ]
         if not rows:
-            return list(chunks)
+            return chunks
+        assert self._llg is not None  # a matcher exists, so they were made
         masks = llg_numpy.allocate_token_bitmask(len(rows), self._info.vocab_size)
         llg_numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, row) for row, (_, m) in enumerate(rows)], masks
+            self._llg[1], [(m, row) for row, (_, m) in enumerate(rows)], masks
         )
         attached = list(chunks)
         for row, (i, _) in enumerate(rows):

@@ -248,20 +248,7 @@ def echo_logprobs(
     tokenizer: Tokenizer, prompt_ids: list[int], scores: list[SampledToken]
 ) -> dict[str, Any]:
     """OpenAI's completion logprobs of an echoed prompt: the first token has none."""
-    texts = [tokenizer.token_text(t) for t in prompt_ids]
-    offsets, offset = [], 0
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [None, *(s.logprob for s in scores)],
-        "top_logprobs": [
-            None,
-            *({tokenizer.token_text(t): lp for t, lp in s.top_logprobs} for s in scores),
-        ],
-        "text_offset": offsets,
-    }
+    return completion_logprobs(tokenizer, [SampledToken(prompt_ids[0]), *scores], 0)
 
 
 def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +266,11 @@ def completion_logprobs(
     return {
         "tokens": texts,
         "token_logprobs": [s.logprob for s in tokens],
-        "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in s.top_logprobs} for s in tokens],
+        # None where the token has no logprob at all: an echoed prompt's first token.
+        "top_logprobs": [
+            None if s.logprob is None else {tokenizer.token_text(t): lp for t, lp in s.top_logprobs}
+            for s in tokens
+        ],
         "text_offset": offsets,
     }
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 
-from slotserve.server.tool_parsers.base import FunctionTool, ParsedMessage, ToolCallStream
+from slotserve.server.tool_parsers.base import FunctionTool
 from slotserve.server.tool_parsers.grammar import call_schema, json_rule
 from slotserve.server.tool_parsers.json_scan import JsonStringDecoder
-from slotserve.server.tool_parsers.section_stream import SectionStream, State
+from slotserve.server.tool_parsers.section_stream import SectionParser, SectionStream, State
 
 
 class GenericStream(SectionStream):
@@ -36,14 +36,7 @@ class GenericStream(SectionStream):
         return self._start
 
     def _start(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == "{":
-            self._open_section(self._emitted)
-            self._state = self._key_open
-            return True
-        self._state = self._tail
-        return False
+        return self._open_whole_output(c, "{", self._key_open)
 
     def _key_open(self, c: str) -> bool:
         if c.isspace():
@@ -121,14 +114,9 @@ class GenericStream(SectionStream):
             self._end_section(committed=self._state in finished)
 
 
-class GenericParser:
+class GenericParser(SectionParser):
     name = "generic"
-
-    def parse(self, text: str) -> ParsedMessage:
-        return GenericStream.parse(text)
-
-    def stream(self) -> ToolCallStream:
-        return GenericStream()
+    stream_class = GenericStream
 
     def grammar(self, tools: list[FunctionTool], required: bool, parallel: bool) -> str:
         """The ``tool_calls`` form (one call unless ``parallel``); with ``required=False``,

@@ -12,9 +12,9 @@ stop string or the token limit) is a call if its JSON object is complete.
 
 from __future__ import annotations
 
-from slotserve.server.tool_parsers.base import FunctionTool, ParsedMessage, ToolCallStream
+from slotserve.server.tool_parsers.base import FunctionTool
 from slotserve.server.tool_parsers.grammar import call_schema, check_tools, json_rule, repeat
-from slotserve.server.tool_parsers.section_stream import SectionStream, State
+from slotserve.server.tool_parsers.section_stream import SectionParser, SectionStream, State
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -72,14 +72,9 @@ class HermesStream(SectionStream):
             self._end_section(committed=self._state == self._block_close)
 
 
-class HermesParser:
+class HermesParser(SectionParser):
     name = "hermes"
-
-    def parse(self, text: str) -> ParsedMessage:
-        return HermesStream.parse(text)
-
-    def stream(self) -> ToolCallStream:
-        return HermesStream()
+    stream_class = HermesStream
 
     def grammar(self, tools: list[FunctionTool], required: bool, parallel: bool) -> str:
         """``<tool_call>`` blocks, one per line, each holding one call to one of ``tools``."""

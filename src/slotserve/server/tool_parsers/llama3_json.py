@@ -8,9 +8,9 @@ another call, or any call that does not parse, makes the whole stretch content. 
 
 from __future__ import annotations
 
-from slotserve.server.tool_parsers.base import FunctionTool, ParsedMessage, ToolCallStream
+from slotserve.server.tool_parsers.base import FunctionTool
 from slotserve.server.tool_parsers.grammar import call_schema, check_tools, json_rule, repeat
-from slotserve.server.tool_parsers.section_stream import SectionStream, State
+from slotserve.server.tool_parsers.section_stream import SectionParser, SectionStream, State
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -61,14 +61,9 @@ class Llama3JsonStream(SectionStream):
             self._end_section(committed=self._state == self._next)
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(SectionParser):
     name = "llama3_json"
-
-    def parse(self, text: str) -> ParsedMessage:
-        return Llama3JsonStream.parse(text)
-
-    def stream(self) -> ToolCallStream:
-        return Llama3JsonStream()
+    stream_class = Llama3JsonStream
 
     def grammar(self, tools: list[FunctionTool], required: bool, parallel: bool) -> str:
         """The calls as Llama writes them unprompted: ``parameters``, joined by ``"; "``."""

@@ -6,9 +6,9 @@ any part of it is not a call, everything from the marker to the end is content.
 
 from __future__ import annotations
 
-from slotserve.server.tool_parsers.base import FunctionTool, ParsedMessage, ToolCallStream
+from slotserve.server.tool_parsers.base import FunctionTool
 from slotserve.server.tool_parsers.grammar import call_schema, check_tools, json_rule, repeat
-from slotserve.server.tool_parsers.section_stream import SectionStream
+from slotserve.server.tool_parsers.section_stream import SectionParser, SectionStream
 
 MARKER = "[TOOL_CALLS]"
 
@@ -46,14 +46,9 @@ class MistralStream(SectionStream):
             self._end_section(committed=False)
 
 
-class MistralParser:
+class MistralParser(SectionParser):
     name = "mistral"
-
-    def parse(self, text: str) -> ParsedMessage:
-        return MistralStream.parse(text)
-
-    def stream(self) -> ToolCallStream:
-        return MistralStream()
+    stream_class = MistralStream
 
     def grammar(self, tools: list[FunctionTool], required: bool, parallel: bool) -> str:
         check_tools(tools, required)

@@ -15,9 +15,9 @@ import json
 import math
 from typing import Any
 
-from slotserve.server.tool_parsers.base import FunctionTool, ParsedMessage, ToolCallStream
+from slotserve.server.tool_parsers.base import FunctionTool
 from slotserve.server.tool_parsers.pythonic_grammar import pythonic_grammar
-from slotserve.server.tool_parsers.section_stream import SectionStream, State
+from slotserve.server.tool_parsers.section_stream import SectionParser, SectionStream, State
 
 
 class PythonicStream(SectionStream):
@@ -34,14 +34,7 @@ class PythonicStream(SectionStream):
         return self._start
 
     def _start(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == "[":
-            self._open_section(self._emitted)
-            self._state = self._item
-            return True
-        self._state = self._tail
-        return False
+        return self._open_whole_output(c, "[", self._item)
 
     def _item(self, c: str) -> bool:
         if c.isspace():
@@ -152,14 +145,9 @@ def _literal(node: ast.expr) -> Any:
     raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
 
 
-class PythonicParser:
+class PythonicParser(SectionParser):
     name = "pythonic"
-
-    def parse(self, text: str) -> ParsedMessage:
-        return PythonicStream.parse(text)
-
-    def stream(self) -> ToolCallStream:
-        return PythonicStream()
+    stream_class = PythonicStream
 
     def grammar(self, tools: list[FunctionTool], required: bool, parallel: bool) -> str:
         return pythonic_grammar(tools, required, parallel)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from slotserve.server.tool_parsers.base import ParsedMessage, StreamEvent
+from slotserve.server.tool_parsers.base import ParsedMessage, StreamEvent, ToolCallStream
 from slotserve.server.tool_parsers.events import EventSink, collect
 from slotserve.server.tool_parsers.json_call import CallStatus, JsonCallReader
 
@@ -130,6 +130,18 @@ class SectionStream:
         self._section_start = start
         self._out.open_section()
 
+    def _open_whole_output(self, c: str, opener: str, then: State) -> bool:
+        """For formats whose calls are the whole output: past leading whitespace ``opener``
+        opens the section and ``then`` reads on; any other character makes it all content."""
+        if c.isspace():
+            return True
+        if c == opener:
+            self._open_section(self._emitted)
+            self._state = then
+            return True
+        self._state = self._tail
+        return False
+
     def _commit(self, end: int) -> None:
         self._out.commit()
         self._emitted = end
@@ -202,3 +214,17 @@ class SectionStream:
 
     def _no_op(self) -> None:
         pass
+
+
+class SectionParser:
+    """A format's parser: ``parse`` and ``stream`` are its ``SectionStream`` (fed the whole
+    text, or piece by piece); each format adds its ``name``, machine and ``grammar``."""
+
+    name: str
+    stream_class: type[SectionStream]
+
+    def parse(self, text: str) -> ParsedMessage:
+        return self.stream_class.parse(text)
+
+    def stream(self) -> ToolCallStream:
+        return self.stream_class()
