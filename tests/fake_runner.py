@@ -16,7 +16,7 @@ import numpy as np
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.structured_output import allowed_mask
 from slotserve.runners.paged_kv import PagedKvTables
@@ -268,3 +268,6 @@ class FakeSpec:
 
     def frontend(self) -> FakeFrontend:
         return FakeFrontend()
+
+    def memory_needed(self) -> MemoryNeed:
+        return MemoryNeed(weights_bytes=0, kv_bytes=0, kv_tokens=0, overhead_bytes=0)

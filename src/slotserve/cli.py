@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reload.add_argument("--url", default=env("URL", "http://127.0.0.1:8000"))
     reload.add_argument("--api-key", default=env("API_KEY"))
+    reload.add_argument("--model", help="the model to reload (default: the server's default)")
     bench = commands.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
@@ -90,7 +91,10 @@ def reload(args: argparse.Namespace) -> int:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        response = httpx.post(f"{args.url}/admin/reload", headers=headers, timeout=600)
+        params = {"model": args.model} if args.model else {}
+        response = httpx.post(
+            f"{args.url}/admin/reload", params=params, headers=headers, timeout=600
+        )
     except httpx.HTTPError as exc:
         print(f"slotserve: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1

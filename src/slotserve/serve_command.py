@@ -1,5 +1,5 @@
-"""``slotserve serve``: its flags, the runner chosen for the model, and the server's start
-(SPEC C1, S5, R1, R2)."""
+"""``slotserve serve``: its flags and the server's start (SPEC C1, S2, S5); how each model
+is built from the flags is ``model_launch.py``'s."""
 
 from __future__ import annotations
 
@@ -8,11 +8,21 @@ import functools
 import sys
 from pathlib import Path
 
-from slotserve.engine.runner_interface import RunnerSpec
+from slotserve.model_launch import (
+    DTYPES,
+    LOAD_FORMATS,
+    RUNNERS,
+    build_launch,
+    default_model_name,
+    launch_factory,
+    runner_factory,
+    startup_models,
+)
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
-from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 from slotserve.server.reasoning import REASONING_PARSERS
 from slotserve.server.tool_parsers import TOOL_PARSERS
+
+__all__ = ["add_serve_arguments", "default_model_name", "runner_factory", "serve"]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +31,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=env("MODEL"),
         help="a GGUF file, an HF model folder, or an HF model id in the local cache "
-        "(default: the embedded SmolLM2-135M-Instruct GGUF)",
+        "(default: the embedded SmolLM2-135M-Instruct GGUF, unless --model or --models-dir "
+        "names models)",
+    )
+    parser.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        metavar="PATH[=NAME]",
+        help="serve this model too, under NAME (default: its file name); repeat for several. "
+        "Each has its own engine, slots and runner, built from the flags below",
+    )
+    parser.add_argument(
+        "--models-dir",
+        default=env("MODELS_DIR"),
+        help="a folder of models served by name (a GGUF file by its name without .gguf, a "
+        "sub-folder by its name); loaded on first use",
+    )
+    parser.add_argument(
+        "--models-autoload",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("MODELS_AUTOLOAD", True),
+        help="load a --models-dir model when a request names it (default on; "
+        "--no-models-autoload: only POST /models/load loads)",
+    )
+    parser.add_argument(
+        "--models-max",
+        type=int,
+        default=env_int("MODELS_MAX", 4),
+        help="models loaded at once; loading one more unloads the least recently used idle "
+        "model (default 4; 0: no limit)",
+    )
+    parser.add_argument(
+        "--unload-timeout",
+        type=float,
+        default=env_float("UNLOAD_TIMEOUT", 30.0),
+        help="seconds POST /models/unload lets a model's requests in flight finish before "
+        "cutting them off (default 30)",
     )
     parser.add_argument("--host", default=env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=env_int("PORT", 8000))
@@ -173,19 +219,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--runner",
-        choices=["auto", "llama.cpp", "torch"],
+        choices=RUNNERS,
         default=env("RUNNER", "auto"),
         help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
     )
     parser.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
         default=env("DTYPE", "auto"),
         help="torch: weight and KV type (auto: bfloat16, batch-invariant on CPU)",
     )
     parser.add_argument(
         "--load-format",
-        choices=["auto", "dummy"],
+        choices=LOAD_FORMATS,
         default=env("LOAD_FORMAT", "auto"),
         help="torch: dummy builds random weights from the config (benchmarks)",
     )
@@ -221,114 +267,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def runner_factory(args: argparse.Namespace, model_path: Path, model_name: str) -> RunnerSpec:
-    """What ``--runner`` (or the model's form) picks; validates the choice before any load."""
-    kind = args.runner
-    if kind == "auto":
-        kind = "llama.cpp" if model_path.is_file() else "torch"
-    if kind == "llama.cpp":
-        if not model_path.is_file():
-            raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
-        return LlamaCppSpec(
-            model_path,
-            num_slots=args.slots,
-            ctx_size=args.ctx_size,
-            max_batch_tokens=args.max_batch_tokens,
-            n_threads=args.threads or None,
-            flash_attn=args.flash_attn,
-            model_name=model_name,
-        )
-    try:
-        from slotserve.runners.pytorch.runner import TorchLoadConfig, read_model_config
-    except ImportError as exc:
-        raise ValueError(
-            f"the PyTorch runner needs its dependencies ({exc.name} is missing): "
-            "pip install -e '.[torch]' (make install-torch)"
-        ) from exc
-
-    load = TorchLoadConfig(
-        model_path,
-        num_slots=args.slots,
-        max_batch_tokens=args.max_batch_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_seq_len=args.max_model_len,
-        kv_memory_bytes=args.kv_memory or 0,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        block_size=args.block_size,
-        threads=args.threads,
-        model_name=model_name,
-    )
-    read_model_config(model_path)  # unsupported architectures fail here, before any weight
-    return TorchSpec(load)
-
-
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from slotserve.engine.config import EngineConfig
-    from slotserve.engine.speculative import SpeculativeConfig
-    from slotserve.model_source import ModelUnavailableError, resolve_model_path
+    from slotserve.model_source import ModelUnavailableError
     from slotserve.server.app import create_app
     from slotserve.server.lifecycle import GracefulServer
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
-    from slotserve.server.model_host import ModelHost
-    from slotserve.server.reasoning import get_reasoning_parser
+    from slotserve.server.model_registry import ModelRegistry
     from slotserve.server.serving import ServingContext
 
     configure_logging(args.log_level)
+    metrics = ServerMetrics()
     try:
-        model_path = resolve_model_path(args.model)
-        budget_tokens, budget_bytes = args.prefix_cache_budget or (None, None)
-        config = EngineConfig(
-            num_slots=args.slots,
-            max_batch_tokens=args.max_batch_tokens,
-            prefill_chunk=args.prefill_chunk,
-            max_queue=args.max_queue,
-            prefix_cache=args.prefix_cache,
-            prefix_cache_budget_tokens=budget_tokens,
-            prefix_cache_budget_bytes=budget_bytes,
-            prefix_wait_min_tokens=args.prefix_wait_min_tokens,
-            request_timeout_s=args.request_timeout or None,
-            slow_step_warn_s=args.slow_step_warn,
-            slow_queue_warn_s=args.slow_queue_warn,
-            speculative=(
-                SpeculativeConfig.from_json(args.speculative_config)
-                if args.speculative_config
-                else None
-            ),
-        )
-        template_file = Path(args.chat_template) if args.chat_template else None
-        if template_file is not None and not template_file.is_file():
-            raise ValueError(f"chat template file not found: {template_file}")
         if args.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
-        model_name = args.served_model_name or default_model_name(model_path)
-        build_runner = runner_factory(args, model_path, model_name)
+        models_dir = Path(args.models_dir) if args.models_dir else None
+        if models_dir is not None and not models_dir.is_dir():
+            raise ValueError(f"--models-dir {models_dir} is not a folder")
+        registry = ModelRegistry(
+            launch_factory(args),
+            on_outputs=metrics.observe,
+            models_dir=models_dir,
+            autoload=args.models_autoload,
+            models_max=args.models_max,
+            unload_timeout_s=args.unload_timeout,
+            engine_process=args.engine_process,
+            process_setup=functools.partial(configure_logging, args.log_level),
+        )
+        for model_path, name in startup_models(args):
+            registry.add(build_launch(args, model_path, name, at_startup=True))
     except (ModelUnavailableError, ValueError, FileNotFoundError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
         return 2
-    metrics = ServerMetrics(model_name)
-    host = ModelHost(
-        model_name,
-        build_runner,
-        config,
-        template_file,
-        metrics.observe,
-        engine_process=args.engine_process,
-        process_setup=functools.partial(configure_logging, args.log_level),
-    )
-    ctx = ServingContext(
-        host,
-        metrics,
-        api_key=args.api_key or None,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=(
-            get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
-        ),
-    )
+    ctx = ServingContext(registry, metrics, api_key=args.api_key or None)
     uvicorn_config = uvicorn.Config(
         create_app(ctx),
         host=args.host,
@@ -338,16 +311,5 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    GracefulServer(uvicorn_config, host, args.shutdown_timeout).run()
-    if host.load_error is not None and host.loads == 0:
-        return 1  # the model never loaded
-    return 0
-
-
-def default_model_name(model_path: Path) -> str:
-    if model_path.is_file():
-        return model_path.stem
-    # An HF cache snapshot: models--org--name/snapshots/<revision>
-    if model_path.parent.name == "snapshots":
-        return model_path.parent.parent.name.removeprefix("models--").replace("--", "/")
-    return model_path.name
+    GracefulServer(uvicorn_config, registry, args.shutdown_timeout).run()
+    return 1 if registry.startup_error is not None else 0

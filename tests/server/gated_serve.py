@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slotserve import cli, serve_command
+from slotserve import cli, model_launch
 
 GATE_ENV = "SLOTSERVE_TEST_LOAD_GATE"
 GATE_TIMEOUT_S = 120.0
 
-_factory = serve_command.runner_factory
+_factory = model_launch.runner_factory
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,15 @@ class GatedSpec:
     def frontend(self) -> Any:
         return self.inner.frontend()
 
+    def memory_needed(self) -> Any:
+        return self.inner.memory_needed()
+
 
 def _gated_factory(*args: Any, **kwargs: Any) -> GatedSpec:
     return GatedSpec(_factory(*args, **kwargs), Path(os.environ[GATE_ENV]))
 
 
-serve_command.runner_factory = _gated_factory
+model_launch.runner_factory = _gated_factory
 
 if __name__ == "__main__":
     sys.exit(cli.main())

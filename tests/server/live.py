@@ -15,7 +15,8 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
-from slotserve.server.model_host import ModelHost
+from slotserve.server.model_host import ModelHost, ModelLaunch
+from slotserve.server.model_registry import ModelRegistry
 from slotserve.server.serving import ServingContext
 from tests.conftest import _free_port, wait_until
 
@@ -34,12 +35,13 @@ class LiveServer:
 def live_server(
     build_runner: Callable[[], Runner], config: EngineConfig, name: str = "live"
 ) -> Iterator[LiveServer]:
-    metrics = ServerMetrics(name)
-    host = ModelHost(name, build_runner, config, None, metrics.observe)
+    metrics = ServerMetrics()
+    models = ModelRegistry(on_outputs=metrics.observe)
+    host = models.add(ModelLaunch(name, build_runner, config))
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(ServingContext(host, metrics)),
+            create_app(ServingContext(models, metrics)),
             host="127.0.0.1",
             port=port,
             log_level="warning",

@@ -14,16 +14,18 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
-from slotserve.server.model_host import ModelHost
+from slotserve.server.model_host import ModelLaunch
+from slotserve.server.model_registry import ModelRegistry
 from slotserve.server.serving import ServingContext
 from tests.conftest import wait_until
 from tests.fake_runner import FakeRunner
 
 
 def make_client(build_runner: object) -> TestClient:
-    metrics = ServerMetrics("fake")
-    host = ModelHost("fake", build_runner, EngineConfig(num_slots=2), None, metrics.observe)  # type: ignore[arg-type]
-    return TestClient(create_app(ServingContext(host, metrics)), raise_server_exceptions=False)
+    metrics = ServerMetrics()
+    models = ModelRegistry(on_outputs=metrics.observe)
+    models.add(ModelLaunch("fake", build_runner, EngineConfig(num_slots=2)))  # type: ignore[arg-type]
+    return TestClient(create_app(ServingContext(models, metrics)), raise_server_exceptions=False)
 
 
 def ready(http: TestClient) -> bool:
@@ -67,7 +69,8 @@ def test_runner_failure_makes_the_model_unhealthy_until_reloaded(
     # Recovery.
     runner.fail_on_execute = False
     reloaded = http.post("/admin/reload")
-    assert reloaded.status_code == 200 and reloaded.json() == {"status": "ready", "loads": 2}
+    assert reloaded.status_code == 200
+    assert reloaded.json() == {"status": "ready", "model": "fake", "loads": 2}
     assert http.get("/health").json() == {"status": "ok"}
     ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "cde"

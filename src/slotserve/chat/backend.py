@@ -82,9 +82,9 @@ class EngineBackend:
         config: EngineConfig,
         chat_template_file: Path | None,
     ) -> EngineBackend:
-        from slotserve.server.model_host import ModelHost
+        from slotserve.server.model_host import ModelHost, ModelLaunch
 
-        host = ModelHost(name, spec, config, chat_template_file, engine_process=False)
+        host = ModelHost(ModelLaunch(name, spec, config, chat_template_file))
         await host.load()
         if host.model is None:
             raise ChatBackendError(f"the model failed to load ({host.load_error})")

@@ -23,7 +23,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core_client import CoreClient, Deliver, InThreadCore
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
-from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
 from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.stats import EngineStats
@@ -104,10 +104,10 @@ class AsyncEngine:
         """True while the engine holds a request with this id."""
         return request_id in self._busy
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, reason: str = STOPPED_REASON) -> None:
         """Stops the engine and closes the runner; requests still in it end with an error
-        output (their streams close), so no caller waits forever."""
-        await self.client.shutdown()
+        output saying ``reason`` (their streams close), so no caller waits forever."""
+        await self.client.shutdown(reason)
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -25,7 +25,7 @@ from typing import Protocol
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError, QueueFullError
-from slotserve.engine.outputs import FailureKind, RequestOutput
+from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
@@ -78,8 +78,8 @@ class CoreClient(Protocol):
 
     def stop(self) -> None: ...
 
-    async def shutdown(self) -> None:
-        """Stops the core; requests still in it end with an error output."""
+    async def shutdown(self, reason: str = STOPPED_REASON) -> None:
+        """Stops the core; requests still in it end with an error output saying ``reason``."""
         ...
 
 
@@ -181,7 +181,7 @@ class InThreadCore:
             self._stopping = True
             self._work_ready.notify_all()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, reason: str = STOPPED_REASON) -> None:
         """Stops the engine thread and closes the runner. Requests still in the engine end
         with an error output (their streams close), so no caller waits forever."""
         self.stop()
@@ -192,8 +192,7 @@ class InThreadCore:
             pending, self._inbox = self._inbox, []
         for request in pending:
             self.core.add_request(request)
-        message = "the engine was stopped (shutdown or reload)"
-        self._deliver(self.core.fail_all(message, FailureKind.ENGINE_STOPPED))
+        self._deliver(self.core.fail_all(reason, FailureKind.ENGINE_STOPPED))
         self.core.runner.close()
 
     # ---- engine thread ----------------------------------------------------------------------

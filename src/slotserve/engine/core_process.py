@@ -38,7 +38,7 @@ from slotserve.engine.core_client import Deliver, refuse_when_full
 from slotserve.engine.engine_process import POLL_MS, engine_process_main
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.limits import new_request, validate_request
-from slotserve.engine.outputs import FailureKind, RequestOutput
+from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
@@ -177,11 +177,11 @@ class ProcessCore:
             if request_id in self._live and self._dead is None:
                 self._send_quietly(wire.Abort([request_id]))
 
-    def stop(self) -> None:
-        """Asks the engine process to end its requests and exit."""
+    def stop(self, reason: str = STOPPED_REASON) -> None:
+        """Asks the engine process to end its requests (saying ``reason``) and exit."""
         with self._lock:
             if not self._stopping and self._dead is None:
-                self._send_quietly(wire.Stop())
+                self._send_quietly(wire.Stop(reason))
             self._stopping = True
 
     def _send_quietly(self, message: wire.ToEngine) -> None:
@@ -190,15 +190,15 @@ class ProcessCore:
         with contextlib.suppress(zmq.Again):
             self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, reason: str = STOPPED_REASON) -> None:
         """Stops the engine process (killing it if it does not exit in time); requests still
         in it end with an error output, so no caller waits forever."""
-        self.stop()
+        self.stop(reason)
         await asyncio.to_thread(self._receiver.join, STOP_TIMEOUT_S)
         await asyncio.to_thread(self._process.join, 5.0)
         _kill(self._process)
         await asyncio.to_thread(self._receiver.join)
-        self._fail_live("the engine was stopped (shutdown or reload)", FailureKind.ENGINE_STOPPED)
+        self._fail_live(reason, FailureKind.ENGINE_STOPPED)
         self._to_engine.close()
         self._from_engine.close()
         self._frontend.close()

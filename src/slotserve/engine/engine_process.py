@@ -83,9 +83,7 @@ def _serve(
                 break
             message = wire.decode_to_engine(frame.bytes)
             if isinstance(message, wire.Stop):
-                outputs = core.fail_all(
-                    "the engine was stopped (shutdown or reload)", FailureKind.ENGINE_STOPPED
-                )
+                outputs = core.fail_all(message.reason, FailureKind.ENGINE_STOPPED)
                 _publish(core, outbox, outputs, received)
                 return
             if isinstance(message, wire.Abort):

@@ -9,6 +9,10 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# What requests still in a stopped engine are told (an unload may say more).
+STOPPED_REASON = "the engine was stopped (shutdown or reload)"
+
+
 class FailureKind(enum.Enum):
     """Why the engine ended a request early; the server maps each to one HTTP status."""
 

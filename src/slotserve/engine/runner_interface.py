@@ -125,14 +125,41 @@ class RunnerFrontend(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What building a runner will take, estimated from the model's metadata before any
+    weight is read (the server's pre-flight before loading a model)."""
+
+    weights_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    overhead_bytes: int  # compute buffers, logits
+    gpu: bool = False  # the bytes are device memory, not RAM
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"{self.total_bytes / gib:.2f} GiB of {'GPU memory' if self.gpu else 'RAM'} "
+            f"(weights {self.weights_bytes / gib:.2f} GiB + KV cache {self.kv_bytes / gib:.2f} "
+            f"GiB for {self.kv_tokens} tokens + buffers {self.overhead_bytes / gib:.2f} GiB)"
+        )
+
+
 @runtime_checkable
 class RunnerSpec(Protocol):
-    """A picklable recipe for a runner: called in the engine process to build it, and asked
-    for the frontend the API process keeps beside it (``engine/core_process.py``)."""
+    """A picklable recipe for a runner: called in the engine process to build it, asked for
+    the frontend the API process keeps beside it (``engine/core_process.py``) and for the
+    memory the runner will take."""
 
     def __call__(self) -> Runner: ...
 
     def frontend(self) -> RunnerFrontend: ...
+
+    def memory_needed(self) -> MemoryNeed: ...
 
 
 class PagedKv(Protocol):

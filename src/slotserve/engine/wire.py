@@ -36,7 +36,10 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
-    """End every request with an error, close the runner, say :class:`Stopped`, exit."""
+    """End every request with an error saying ``reason``, close the runner, say
+    :class:`Stopped`, exit."""
+
+    reason: str
 
 
 ToEngine = AddRequest | Abort | Stop

@@ -41,6 +41,11 @@ from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 logger = logging.getLogger(__name__)
 
 
+def default_ctx_size(num_slots: int, n_ctx_train: int) -> int:
+    """``--ctx-size 0``: every slot gets the trained context, at most 4096 tokens."""
+    return num_slots * min(n_ctx_train, 4096)
+
+
 @functools.cache
 def init_llama_backend() -> None:
     """Initialises llama.cpp once per process, with its logging routed to ours."""
@@ -93,7 +98,7 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not load the model at {path}")
         n_ctx_train = llama.llama_model_n_ctx_train(self._model)
         if ctx_size <= 0:
-            ctx_size = num_slots * min(n_ctx_train, 4096)
+            ctx_size = default_ctx_size(num_slots, n_ctx_train)
         threads = n_threads or os.cpu_count() or 1
         ctx_params = llama.llama_context_default_params()
         ctx_params.n_ctx = ctx_size

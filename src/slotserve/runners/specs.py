@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slotserve.engine.runner_interface import Runner, RunnerFrontend
+from slotserve.engine.runner_interface import MemoryNeed, Runner, RunnerFrontend
 
 if TYPE_CHECKING:
     from slotserve.runners.pytorch.runner import TorchLoadConfig
@@ -43,6 +43,13 @@ class LlamaCppSpec:
 
         return LlamaCppFrontend(self.model_path)
 
+    def memory_needed(self) -> MemoryNeed:
+        from slotserve.runners.llama_cpp_frontend import estimate_memory
+
+        return estimate_memory(
+            self.model_path, self.num_slots, self.ctx_size, self.max_batch_tokens
+        )
+
 
 @dataclass(frozen=True)
 class TorchSpec:
@@ -57,3 +64,8 @@ class TorchSpec:
         from slotserve.runners.pytorch.runner import TorchFrontend
 
         return TorchFrontend(self.load.model_path)
+
+    def memory_needed(self) -> MemoryNeed:
+        from slotserve.runners.pytorch.runner import estimate_memory
+
+        return estimate_memory(self.load)

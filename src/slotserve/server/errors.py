@@ -14,13 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.server.model_host import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
+from slotserve.server.model_registry import ModelLoadError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
-
-
-class ModelNotFoundError(Exception):
-    def __init__(self, requested: str, served: str) -> None:
-        super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'.")
 
 
 class GenerationFailed(Exception):
@@ -112,14 +108,22 @@ def request_id_of(request: Request) -> str:
     return str(getattr(request.state, "request_id", "unknown"))
 
 
-ErrorCounter = Callable[[int, str], None]
+# (status, OpenAI error type, the model the request named when it was found)
+ErrorCounter = Callable[[int, str, str | None], None]
+
+_LOAD_ERROR_TYPES = {
+    404: "not_found_error",
+    409: "conflict_error",
+    500: "internal_server_error",
+}
 
 
 def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> None:
-    """Maps every exception a route can raise to OpenAI's error shape; ``count(status, type)``
-    sees each error response (the ``slotserve:http_errors`` metric)."""
+    """Maps every exception a route can raise to OpenAI's error shape; ``count(status, type,
+    model)`` sees each error response (the ``slotserve:http_errors`` metric)."""
 
     def respond(
+        request: Request,
         status: int,
         message: str,
         type_: str,
@@ -128,25 +132,26 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
         headers: dict[str, str] | None = None,
     ) -> JSONResponse:
         if count is not None:
-            count(status, type_)
+            count(status, type_, getattr(request.state, "model_name", None))
         return error_response(status, message, type_, param, code, headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return respond(400, message, "invalid_request_error", param)
+        return respond(request, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid_param(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return respond(400, exc.message, "invalid_request_error", exc.param, exc.code)
+        return respond(request, 400, exc.message, "invalid_request_error", exc.param, exc.code)
 
     @app.exception_handler(ModelNotFoundError)
     async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return respond(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return respond(request, 404, str(exc), "invalid_request_error", "model", "model_not_found")
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         return respond(
+            request,
             429,
             str(exc),
             "rate_limit_error",
@@ -158,11 +163,14 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
     @app.exception_handler(ModelUnavailableError)
     async def _unavailable(request: Request, exc: ModelUnavailableError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-        return respond(503, str(exc), "service_unavailable", None, "model_unavailable", headers)
+        return respond(
+            request, 503, str(exc), "service_unavailable", None, "model_unavailable", headers
+        )
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return respond(
+            request,
             503,
             f"The model is unhealthy ({exc}); {RELOAD_HINT}.",
             "service_unavailable",
@@ -175,21 +183,29 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
         status, message, type_, code = failure_error(
             exc.output, request_id_of(request), exc.timeout_s
         )
-        return respond(status, message, type_, None, code)
+        return respond(request, status, message, type_, None, code)
+
+    @app.exception_handler(ModelLoadError)
+    async def _load_refused(request: Request, exc: ModelLoadError) -> JSONResponse:
+        kind = _LOAD_ERROR_TYPES.get(exc.status, "invalid_request_error")
+        return respond(request, exc.status, str(exc), kind, "model")
 
     @app.exception_handler(ReloadConflictError)
     async def _reload_conflict(request: Request, exc: ReloadConflictError) -> JSONResponse:
-        return respond(409, f"Cannot reload now: {exc}.", "conflict_error")
+        return respond(request, 409, f"Cannot reload now: {exc}.", "conflict_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(exc.status_code, str(exc.detail), kind)
+        return respond(request, exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request_id_of(request)
         logger.exception("request %s failed", request_id)
         return respond(
-            500, f"Internal server error (request id {request_id}).", "internal_server_error"
+            request,
+            500,
+            f"Internal server error (request id {request_id}).",
+            "internal_server_error",
         )

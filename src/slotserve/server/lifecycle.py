@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from slotserve.server.model_host import ModelHost
+from slotserve.server.model_registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, host: ModelHost, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, models: ModelRegistry, shutdown_timeout_s: float):
         super().__init__(config)
-        self._host = host
+        self._models = models
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Future[None] | None = None
@@ -41,18 +41,18 @@ class GracefulServer(uvicorn.Server):
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
-        watcher = asyncio.ensure_future(self._exit_if_the_model_never_loads())
+        watcher = asyncio.ensure_future(self._exit_if_a_model_never_loads())
         try:
             await super().serve(sockets)  # type: ignore[arg-type]
         finally:
             watcher.cancel()
 
-    async def _exit_if_the_model_never_loads(self) -> None:
-        # A server whose model cannot load at start-up is misconfigured: exit (status 1)
-        # rather than answer 503 forever. A failed *reload* keeps serving health and reload.
-        await self._host.first_load_done.wait()
-        if self._host.loads == 0:
-            logger.error("the model failed to load (%s); exiting", self._host.load_error)
+    async def _exit_if_a_model_never_loads(self) -> None:
+        # A server whose start-up model cannot load is misconfigured: exit (status 1) rather
+        # than answer 503 forever. A failed *reload* keeps serving health and reload.
+        await self._models.startup_done.wait()
+        if self._models.startup_error is not None:
+            logger.error("the model failed to load (%s); exiting", self._models.startup_error)
             self.should_exit = True
 
     @contextlib.contextmanager
@@ -85,7 +85,7 @@ class GracefulServer(uvicorn.Server):
             self._draining = asyncio.ensure_future(self._drain(signal_name))
 
     async def _drain(self, signal_name: str) -> None:
-        in_flight = self._host.num_in_flight
+        in_flight = self._models.num_in_flight
         logger.info(
             "%s: no longer admitting requests; waiting up to %.0f s for %d in flight",
             signal_name,
@@ -93,7 +93,7 @@ class GracefulServer(uvicorn.Server):
             in_flight,
         )
         try:
-            aborted = await self._host.drain(self._shutdown_timeout_s, self._skip_wait)
+            aborted = await self._models.drain(self._shutdown_timeout_s, self._skip_wait)
             logger.info(
                 "drained: %d requests finished, %d aborted", max(0, in_flight - aborted), aborted
             )

@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.prefix_cache import PrefixCacheStats
-from slotserve.engine.speculative import SpecCounters
 from slotserve.engine.stats import EngineStats, EngineTotals
 
 # ---- vLLM's names ---------------------------------------------------------------------------
@@ -156,20 +155,18 @@ class _RequestTimes:
 
 
 class ServerMetrics:
-    """The registry behind ``/metrics`` and the per-request observations that feed it."""
+    """The registry behind ``/metrics`` and the per-request observations that feed it; every
+    series is labelled with the model it is about."""
 
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
-        def counter(name: str, documentation: str) -> Any:
-            return Counter(name, documentation, labels, registry=self.registry).labels(model_name)
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, labels, registry=self.registry)
 
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(
-                name, documentation, labels, buckets=buckets, registry=self.registry
-            ).labels(model_name)
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
         self.prompt_tokens = counter(PROMPT_TOKENS, "Prompt tokens processed.")
         self.generation_tokens = counter(GENERATION_TOKENS, "Tokens generated.")
@@ -206,45 +203,47 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             REQUEST_GENERATION_TOKENS, "Generated tokens per finished request.", _TOKEN_BUCKETS
         )
-        self._live: dict[str, _RequestTimes] = {}
+        # By (model, request id): two models' engines may hold the same request id.
+        self._live: dict[tuple[str, str], _RequestTimes] = {}
 
     def register(self, collector: Collector) -> None:
         self.registry.register(collector)
 
-    def count_error(self, status: int, error_type: str) -> None:
-        self._http_errors.labels(self.model_name, str(status), error_type).inc()
+    def count_error(self, status: int, error_type: str, model_name: str) -> None:
+        self._http_errors.labels(model_name, str(status), error_type).inc()
 
-    def observe(self, outputs: list[RequestOutput]) -> None:
-        """Event loop: one step's outputs (see ``AsyncEngine``'s ``on_outputs``)."""
+    def observe(self, model: str, outputs: list[RequestOutput]) -> None:
+        """Event loop: one step's outputs of ``model``'s engine (``AsyncEngine.on_outputs``)."""
         for out in outputs:
-            times = self._live.get(out.request_id)
+            key = (model, out.request_id)
+            times = self._live.get(key)
             if times is None:
-                times = self._live[out.request_id] = _RequestTimes(out.arrival_time)
+                times = self._live[key] = _RequestTimes(out.arrival_time)
             if out.queue_seconds is not None and not times.queued_observed:
                 times.queued_observed = True
-                self.queue_time.observe(out.queue_seconds)
+                self.queue_time.labels(model).observe(out.queue_seconds)
             new_tokens = sum(len(d.token_ids) for d in out.deltas)
             if new_tokens:
                 if times.last_token is None:
-                    self.ttft.observe(out.time - times.arrival)
-                    self.prompt_tokens.inc(out.num_prompt_tokens)
+                    self.ttft.labels(model).observe(out.time - times.arrival)
+                    self.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
                 else:
-                    self.itl.observe(out.time - times.last_token)
+                    self.itl.labels(model).observe(out.time - times.last_token)
                 times.last_token = out.time
-                self.generation_tokens.inc(new_tokens)
+                self.generation_tokens.labels(model).inc(new_tokens)
             if out.finished:
-                del self._live[out.request_id]
-                self._finished(out, times)
+                del self._live[key]
+                self._finished(model, out, times)
 
-    def _finished(self, out: RequestOutput, times: _RequestTimes) -> None:
-        self.e2e.observe(out.time - times.arrival)
-        self.request_prompt_tokens.observe(out.num_prompt_tokens)
-        self.request_generation_tokens.observe(out.num_output_tokens)
+    def _finished(self, model: str, out: RequestOutput, times: _RequestTimes) -> None:
+        self.e2e.labels(model).observe(out.time - times.arrival)
+        self.request_prompt_tokens.labels(model).observe(out.num_prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(out.num_output_tokens)
         if out.timed_out:
-            self.timeouts.inc()
+            self.timeouts.labels(model).inc()
         reasons = [d.finish_reason for d in out.deltas if d.finish_reason is not None]
         reason = "error" if out.error is not None else (reasons[0] if reasons else "abort")
-        self._success.labels(self.model_name, reason).inc()
+        self._success.labels(model, reason).inc()
 
 
 @dataclass(frozen=True)
@@ -258,32 +257,45 @@ class EngineSample:
 
 
 class EngineCollector(Collector):
-    """Gauges and engine counters from the snapshot the engine thread last published."""
+    """Gauges and engine counters of every model, from the snapshots their engines last
+    published."""
 
-    def __init__(self, sample: Callable[[], EngineSample], model_name: str) -> None:
-        self._sample = sample
-        self._model = model_name
+    def __init__(self, samples: Callable[[], list[tuple[str, EngineSample]]]) -> None:
+        self._samples = samples
 
     def collect(self) -> Iterator[Metric]:
-        s = self._sample()
+        samples = self._samples()
+        families: dict[str, Any] = {}
+
+        def family(kind: Any, name: str, documentation: str, *labels: str) -> Any:
+            if name not in families:
+                families[name] = kind(name, documentation, labels=["model_name", *labels])
+            return families[name]
+
+        for model, s in samples:
+            self._add(model, s, family)
+        yield from families.values()
+
+    def _add(self, model: str, s: EngineSample, family: Callable[..., Any]) -> None:
         stats, t = s.stats or EngineStats(), s.totals
-        yield self._gauge(
-            NUM_REQUESTS_RUNNING, "Requests prefilling or generating.", stats.num_running
-        )
-        yield self._gauge(NUM_REQUESTS_WAITING, "Requests queued or preempted.", stats.num_waiting)
-        yield self._gauge(
-            KV_CACHE_USAGE,
-            "Fraction of KV capacity held by running requests "
-            "(cached prefixes not counted); 1 means full.",
-            stats.kv_usage,
-        )
-        yield self._gauge(
-            KV_CACHE_USED_TOKENS, "KV positions held by running requests.", stats.kv_used_tokens
-        )
-        yield self._gauge(
-            KV_CACHE_CAPACITY_TOKENS, "KV positions the runner can hold.", stats.kv_capacity_tokens
-        )
         for name, documentation, value in (
+            (NUM_REQUESTS_RUNNING, "Requests prefilling or generating.", stats.num_running),
+            (NUM_REQUESTS_WAITING, "Requests queued or preempted.", stats.num_waiting),
+            (
+                KV_CACHE_USAGE,
+                "Fraction of KV capacity held by running requests "
+                "(cached prefixes not counted); 1 means full.",
+                stats.kv_usage,
+            ),
+            (KV_CACHE_USED_TOKENS, "KV positions held by running requests.", stats.kv_used_tokens),
+            (
+                KV_CACHE_CAPACITY_TOKENS,
+                "KV positions the runner can hold.",
+                stats.kv_capacity_tokens,
+            ),
+        ):
+            family(GaugeMetricFamily, name, documentation).add_metric([model], value)
+        counters = [
             (NUM_PREEMPTIONS, "Sequences preempted because KV ran short.", t.preemptions),
             (ENGINE_STEPS, "Engine steps that ran a forward pass.", t.steps),
             (ENGINE_STEP_SECONDS, "Time spent in engine steps.", t.step_seconds),
@@ -291,83 +303,74 @@ class EngineCollector(Collector):
             (KV_INTEGRITY_CHECKS, "Idle-time KV integrity checks run.", t.integrity_checks),
             (KV_INTEGRITY_FAILURES, "KV integrity checks that failed.", t.integrity_failures),
             (MODEL_LOADS, "Successful model loads (the first and every reload).", s.loads),
-        ):
-            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
-            counter.add_metric([self._model], value)
-            yield counter
-        yield from self._spec_decode(t.spec_decode)
-        slots = GaugeMetricFamily(SLOTS, "Slots by state.", labels=["model_name", "state"])
+        ]
+        spec = t.spec_decode
+        if spec is not None:  # vLLM's speculative-decoding counters, when configured
+            counters += [
+                (SPEC_DRAFTS, "Verification chunks (draft runs) scheduled.", spec.num_drafts),
+                (SPEC_DRAFT_TOKENS, "Draft tokens proposed.", spec.num_draft_tokens),
+                (SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", spec.num_accepted_tokens),
+            ]
+            per_position = family(
+                CounterMetricFamily,
+                SPEC_ACCEPTED_PER_POS,
+                "Draft tokens accepted, by position in the draft.",
+                "position",
+            )
+            for position, value in enumerate(spec.accepted_per_position):
+                per_position.add_metric([model, str(position)], value)
+        for name, documentation, value in counters:
+            family(CounterMetricFamily, name, documentation).add_metric([model], value)
+        slots = family(GaugeMetricFamily, SLOTS, "Slots by state.", "state")
         for state in SLOT_STATES:
-            slots.add_metric([self._model, state], sum(1 for x in stats.slots if x.state == state))
-        yield slots
-        model_state = GaugeMetricFamily(
-            MODEL_STATE, "1 for the model's current state.", labels=["model_name", "state"]
+            slots.add_metric([model, state], sum(1 for x in stats.slots if x.state == state))
+        model_state = family(
+            GaugeMetricFamily, MODEL_STATE, "1 for the model's current state.", "state"
         )
         for state in MODEL_STATES:
-            model_state.add_metric([self._model, state], float(state == s.model_state))
-        yield model_state
-
-    def _spec_decode(self, spec: SpecCounters | None) -> Iterator[Metric]:
-        """vLLM's speculative-decoding counters, when speculation is configured."""
-        if spec is None:
-            return
-        for name, documentation, value in (
-            (SPEC_DRAFTS, "Verification chunks (draft runs) scheduled.", spec.num_drafts),
-            (SPEC_DRAFT_TOKENS, "Draft tokens proposed.", spec.num_draft_tokens),
-            (SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", spec.num_accepted_tokens),
-        ):
-            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
-            counter.add_metric([self._model], value)
-            yield counter
-        per_position = CounterMetricFamily(
-            SPEC_ACCEPTED_PER_POS,
-            "Draft tokens accepted, by position in the draft.",
-            labels=["model_name", "position"],
-        )
-        for position, value in enumerate(spec.accepted_per_position):
-            per_position.add_metric([self._model, str(position)], value)
-        yield per_position
-
-    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
-        gauge.add_metric([self._model], value)
-        return gauge
+            model_state.add_metric([model, state], float(state == s.model_state))
 
 
 class PrefixCacheCollector(Collector):
-    """Exposes :class:`PrefixCacheStats` to a ``prometheus_client`` registry."""
+    """Exposes every model's :class:`PrefixCacheStats` to a ``prometheus_client`` registry."""
 
-    def __init__(self, stats: Callable[[], PrefixCacheStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], list[tuple[str, PrefixCacheStats]]]) -> None:
         self._stats = stats
-        self._labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        counters = [
-            (PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", s.query_tokens),
-            (PREFIX_CACHE_HITS, "Prompt tokens whose KV the prefix cache supplied.", s.hit_tokens),
-            (PREFIX_CACHE_LOOKUP_HITS, "Admitted sequences that reused cached KV.", s.hits),
-            (PREFIX_CACHE_LOOKUP_MISSES, "Admitted sequences that reused nothing.", s.misses),
-            (PREFIX_CACHE_EVICTIONS, "Prefix-cache tree nodes evicted.", s.evictions),
-            (PREFIX_CACHE_EVICTED_TOKENS, "Tokens evicted from the cache.", s.evicted_tokens),
-        ]
-        gauges = [
-            (PREFIX_CACHE_ENABLED, "1 when the prefix cache is on.", int(s.enabled)),
-            (PREFIX_CACHE_TOKENS, "Distinct tokens held in the prefix cache.", s.cached_tokens),
-            (
-                PREFIX_CACHE_EVICTABLE_TOKENS,
-                "Cached tokens no running request uses (evictable).",
-                s.evictable_tokens,
-            ),
-            (PREFIX_CACHE_BYTES, "KV bytes of the cached tokens.", s.cached_bytes),
-            (PREFIX_CACHE_NODES, "Nodes of the prefix-cache radix tree.", s.nodes),
-            (PREFIX_CACHE_BUDGET_TOKENS, "Evictable tokens kept at most.", s.budget_tokens),
-        ]
-        for name, documentation, value in counters:
-            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
-            counter.add_metric(self._labels, value)
-            yield counter
-        for name, documentation, value in gauges:
-            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
-            gauge.add_metric(self._labels, value)
-            yield gauge
+        families: dict[str, Any] = {}
+        for model, s in self._stats():
+            counters = [
+                (
+                    PREFIX_CACHE_QUERIES,
+                    "Prompt tokens looked up in the prefix cache.",
+                    s.query_tokens,
+                ),
+                (
+                    PREFIX_CACHE_HITS,
+                    "Prompt tokens whose KV the prefix cache supplied.",
+                    s.hit_tokens,
+                ),
+                (PREFIX_CACHE_LOOKUP_HITS, "Admitted sequences that reused cached KV.", s.hits),
+                (PREFIX_CACHE_LOOKUP_MISSES, "Admitted sequences that reused nothing.", s.misses),
+                (PREFIX_CACHE_EVICTIONS, "Prefix-cache tree nodes evicted.", s.evictions),
+                (PREFIX_CACHE_EVICTED_TOKENS, "Tokens evicted from the cache.", s.evicted_tokens),
+            ]
+            gauges = [
+                (PREFIX_CACHE_ENABLED, "1 when the prefix cache is on.", int(s.enabled)),
+                (PREFIX_CACHE_TOKENS, "Distinct tokens held in the prefix cache.", s.cached_tokens),
+                (
+                    PREFIX_CACHE_EVICTABLE_TOKENS,
+                    "Cached tokens no running request uses (evictable).",
+                    s.evictable_tokens,
+                ),
+                (PREFIX_CACHE_BYTES, "KV bytes of the cached tokens.", s.cached_bytes),
+                (PREFIX_CACHE_NODES, "Nodes of the prefix-cache radix tree.", s.nodes),
+                (PREFIX_CACHE_BUDGET_TOKENS, "Evictable tokens kept at most.", s.budget_tokens),
+            ]
+            for kind, rows in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+                for name, documentation, value in rows:
+                    if name not in families:
+                        families[name] = kind(name, documentation, labels=["model_name"])
+                    families[name].add_metric([model], value)
+        yield from families.values()

@@ -58,11 +58,12 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the API (``/v1/...``) and admin routes;
-    health, readiness and metrics stay open for probes and scrapers. A refusal is a 401 in
-    OpenAI's shape. The key is compared in constant time and never logged or echoed."""
+    """Requires ``Authorization: Bearer <key>`` on the API (``/v1/...``), model management
+    (``/models``, ``/models/load``, ``/models/unload``) and admin routes; health, readiness
+    and metrics stay open for probes and scrapers. A refusal is a 401 in OpenAI's shape.
+    The key is compared in constant time and never logged or echoed."""
 
-    PROTECTED = ("/v1/", "/admin/")
+    PROTECTED = ("/v1/", "/admin/", "/models")
 
     def __init__(
         self, app: ASGIApp, api_key: str, on_refused: Callable[[], None] | None = None

@@ -1,16 +1,18 @@
-"""The served model's life cycle (SPEC S2, S3, S7, E11): loading in the background, serving,
-unhealthy after a runner failure, reloading, draining at shutdown.
+"""One served model's life cycle (SPEC S2, S3, S7, E11): loading in the background, serving,
+unhealthy after a runner failure, reloading, unloading, draining at shutdown.
 
 ::
 
     loading ──▶ ready ──runner failure──▶ unhealthy ──reload──▶ loading ──▶ ready
        │          │                                                 ▲
        ▼          └──────────────────── reload ─────────────────────┘
-     failed (load error; reload retries)          any ──SIGTERM──▶ draining ──▶ stopped
+     failed (load error; reload retries)
+    any ──unload──▶ unloading ──▶ (gone)       any ──SIGTERM──▶ draining ──▶ stopped
 
 The HTTP server listens from the start: while the model loads, readiness fails and generation
 requests get a 503 that says so. A reload builds a new runner and a new engine; requests still
-in the old engine end first (their streams get an error).
+in the old engine end first (their streams get an error). The models of a server, and which
+of them are loaded, are the registry's (``model_registry.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from slotserve.engine.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core_process import ProcessCore
 from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.runner_interface import ModelInfo, Runner, RunnerSpec, Tokenizer
+from slotserve.engine.outputs import STOPPED_REASON
+from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, RunnerSpec, Tokenizer
 from slotserve.engine.stats import EngineStats, EngineTotals
 from slotserve.server.chat_template import ChatTemplate
+from slotserve.server.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class ModelState(enum.Enum):
     READY = "ready"
     UNHEALTHY = "unhealthy"
     FAILED = "failed"
+    UNLOADING = "unloading"
     DRAINING = "draining"
     STOPPED = "stopped"
 
@@ -69,32 +74,50 @@ class LoadedModel:
         return self.engine.stats
 
 
-@dataclass
-class ModelHost:
-    """Owns the runner factory and the current engine; every route asks it for the model.
-
-    With ``engine_process`` the engine core runs in a process of its own
-    (``engine/core_process.py``): ``build_runner`` must then be a picklable ``RunnerSpec``, and
-    ``process_setup`` runs first in that process (logging). Otherwise it runs on an engine
-    thread of this process."""
+@dataclass(frozen=True)
+class ModelLaunch:
+    """How to build one served model: from the command line, or from ``POST /models/load``
+    with its own options (``model_launch.py`` makes these)."""
 
     name: str
-    build_runner: Callable[[], Runner]
+    build_runner: Callable[[], Runner]  # a RunnerSpec when the engine runs in a process
     config: EngineConfig
     chat_template_file: Path | None = None
+    tool_call_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: ReasoningParser | None = None
+    memory: MemoryNeed | None = None  # the pre-flight estimate (None: not known)
+
+
+@dataclass
+class ModelHost:
+    """Owns one model's runner recipe and current engine; routes reach it through the
+    registry.
+
+    With ``engine_process`` the engine core runs in a process of its own
+    (``engine/core_process.py``): ``launch.build_runner`` must then be a picklable
+    ``RunnerSpec``, and ``process_setup`` runs first in that process (logging). Otherwise it
+    runs on an engine thread of this process."""
+
+    launch: ModelLaunch
     on_outputs: OutputListener | None = None
     engine_process: bool = False
     process_setup: Callable[[], None] | None = None
     model: LoadedModel | None = None
     load_error: str | None = None
     loads: int = 0
-    retired: EngineTotals = field(default_factory=EngineTotals)  # engines reloaded away
+    # Counters of engines reloaded away (and of this name's earlier loads, after an unload).
+    retired: EngineTotals = field(default_factory=EngineTotals)
+    last_used: float = field(default_factory=time.monotonic)  # for --models-max's LRU
+    keep_alive_s: float | None = None  # Ollama's keep_alive: unload when idle this long
     _loading: bool = False
+    _unloading: bool = False
     _draining: bool = False
     _stopped: bool = False
     _load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Set when the first load has succeeded or failed (the CLI exits if it failed).
-    first_load_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
 
     @property
     def state(self) -> ModelState:
@@ -102,6 +125,8 @@ class ModelHost:
             return ModelState.STOPPED
         if self._draining:
             return ModelState.DRAINING
+        if self._unloading:
+            return ModelState.UNLOADING
         if self._loading:
             return ModelState.LOADING
         if self.model is None:
@@ -123,6 +148,8 @@ class ModelHost:
             return f"the model failed to load ({self.load_error})"
         if state is ModelState.LOADING:
             return "the model is loading"
+        if state is ModelState.UNLOADING:
+            return "the model is being unloaded"
         return "the server is shutting down"
 
     def require_ready(self) -> LoadedModel:
@@ -136,12 +163,16 @@ class ModelHost:
             raise ModelUnavailableError(f"{reason}; {RELOAD_HINT}.")
         if state is ModelState.LOADING:
             raise ModelUnavailableError(f"{reason}; retry shortly.", retry_after_s=5)
+        if state is ModelState.UNLOADING:
+            raise ModelUnavailableError(f"{reason}; load it again to use it (POST /models/load).")
         raise ModelUnavailableError(f"{reason}; no new requests are accepted.")
 
     async def load(self) -> None:
         """Loads (or reloads) the model; on failure the state is FAILED with the reason."""
         if self._draining or self._stopped:
             raise ReloadConflictError("the server is shutting down")
+        if self._unloading:
+            raise ReloadConflictError(f"the model {self.name} is being unloaded")
         if self._load_lock.locked():
             raise ReloadConflictError("a load is already in progress")
         async with self._load_lock:
@@ -161,30 +192,33 @@ class ModelHost:
                     self.loads,
                 )
             except Exception as exc:
-                logger.exception("loading the model failed")
+                logger.exception("loading the model %s failed", self.name)
                 self.load_error = f"{type(exc).__name__}: {exc}"
             finally:
                 self._loading = False
-                self.first_load_done.set()
 
     async def _build(self) -> LoadedModel:
         """The runner (slow: reads the weights) and an engine over it, built on the engine's
         own thread (see ``AsyncEngine.launch``), which then starts serving."""
 
+        launch = self.launch
+
         def build_core() -> EngineCore:
-            runner = self.build_runner()
+            runner = launch.build_runner()
             try:
-                return EngineCore(runner, self.config)
+                return EngineCore(runner, launch.config)
             except BaseException:
                 runner.close()
                 raise
 
         if self.engine_process:
-            spec = self.build_runner
+            spec = launch.build_runner
             if not isinstance(spec, RunnerSpec):
                 raise TypeError("an engine process needs a RunnerSpec to build its runner")
             engine = await AsyncEngine.connect(
-                lambda deliver: ProcessCore.launch(spec, self.config, deliver, self.process_setup),
+                lambda deliver: ProcessCore.launch(
+                    spec, launch.config, deliver, self.process_setup
+                ),
                 self.on_outputs,
             )
         else:
@@ -192,8 +226,8 @@ class ModelHost:
         info = engine.model_info
         try:
             source = (
-                self.chat_template_file.read_text()
-                if self.chat_template_file
+                launch.chat_template_file.read_text()
+                if launch.chat_template_file
                 else info.chat_template
             )
             template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
@@ -202,11 +236,11 @@ class ModelHost:
             raise
         return LoadedModel(engine, engine.tokenizer, info, template)
 
-    async def _retire(self, model: LoadedModel) -> None:
-        """Stops an engine; whatever is still in it ends with an error."""
+    async def _retire(self, model: LoadedModel, reason: str = STOPPED_REASON) -> None:
+        """Stops an engine; whatever is still in it ends with an error saying ``reason``."""
         self.retired = self.retired.plus(model.stats, _forward_seconds(model))
         try:
-            await model.engine.shutdown()
+            await model.engine.shutdown(reason)
         except Exception:  # a broken device may fail to free; the new runner starts clean
             logger.exception("closing the old runner failed")
 
@@ -251,6 +285,23 @@ class ModelHost:
         if model is not None:
             await self._retire(model)
         self._stopped = True
+
+    async def unload(self, timeout_s: float, force: bool) -> int:
+        """Refuses new requests (503), lets those in flight finish for up to ``timeout_s``
+        (``force``: not at all), then stops the engine: what is still running ends with an
+        error saying the model was unloaded. Returns how many requests were cut off."""
+        self._unloading = True
+        deadline = time.monotonic() + (0.0 if force else timeout_s)
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut_off = self.num_in_flight
+        async with self._load_lock:  # a load in progress finishes (or fails) first
+            model, self.model = self.model, None
+            if model is not None:
+                how = "with force" if force else f"after waiting {timeout_s:g} s"
+                await self._retire(model, f"the model {self.name} was unloaded ({how})")
+        self._stopped = True
+        return cut_off
 
 
 def _forward_seconds(model: LoadedModel) -> float:

@@ -121,6 +121,8 @@ class SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
+    # Ollama's: how long the model stays loaded once idle (seconds or "5m"; 0 unloads).
+    keep_alive: float | str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)

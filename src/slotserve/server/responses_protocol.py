@@ -126,6 +126,7 @@ class ReasoningConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's, as on the chat path
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

@@ -1,36 +1,64 @@
-"""State shared by the routes: the model host, the metrics, the served model's name."""
+"""State shared by the routes: the models, the metrics, the API key."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.server.chat_template import ChatTemplate
-from slotserve.server.errors import ModelNotFoundError
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.model_host import LoadedModel, ModelHost
-from slotserve.server.reasoning import ReasoningParser
+from slotserve.server.model_registry import ModelRegistry
 
 
 @dataclass
 class ServingContext:
-    host: ModelHost
+    models: ModelRegistry
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    # --tool-call-parser (None: chosen from the chat template) and --reasoning-parser.
-    tool_call_parser: str | None = None
-    reasoning_parser: ReasoningParser | None = None
 
-    @property
-    def model_name(self) -> str:
-        return self.host.name
+    async def acquire(
+        self, requested: str | None, raw: Request, keep_alive: float | str | None = None
+    ) -> tuple[ModelHost, LoadedModel]:
+        """The model a request names, ready (404 unknown, 503 not ready); its name labels the
+        request's error metrics. Nothing awaits between this and the request's submission,
+        so the model cannot be unloaded in between."""
+        host = await self.models.acquire(requested, parse_keep_alive(keep_alive))
+        raw.state.model_name = host.name
+        return host, host.require_ready()
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise ModelNotFoundError(requested, self.model_name)
+    def count_error(self, status: int, error_type: str, model_name: str | None = None) -> None:
+        self.metrics.count_error(status, error_type, model_name or self.models.default_name or "")
+
+
+_DURATION_PART = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: float | str | None) -> float | None:
+    """Ollama's ``keep_alive``: seconds, or a Go duration ("5m", "1h30m", "300ms"); negative
+    keeps the model loaded; 0 unloads it once idle. None: the model's current setting."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise InvalidRequestError(
+            f"Invalid keep_alive {value!r}: a number of seconds or a duration such as '5m', "
+            "'1h30m' or '-1' (keep loaded).",
+            param="keep_alive",
+        )
+    return sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
 
 
 def require_chat_template(model: LoadedModel) -> ChatTemplate:

@@ -30,12 +30,11 @@ from slotserve.server.tool_calling import plan_tools, template_messages
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, raw: Request, http_request_id: str
 ) -> Response:
-    ctx.check_model(body.model)
     body.reject_unsupported()
-    model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
+    host, model = await ctx.acquire(body.model, raw, body.keep_alive)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     template = require_chat_template(model)
-    plan = plan_tools(body, template, ctx.tool_call_parser)
+    plan = plan_tools(body, template, host.launch.tool_call_parser)
     prompt_text = template.render(
         template_messages(body, plan),
         add_generation_prompt=body.add_generation_prompt,
@@ -71,9 +70,9 @@ async def create_chat_completion(
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
-        "model": ctx.model_name,
+        "model": host.name,
     }
-    reasoning = ctx.reasoning_parser
+    reasoning = host.launch.reasoning_parser
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         extra: dict[str, Any] = {"usage": None} if include_usage else {}
@@ -131,7 +130,7 @@ async def create_chat_completion(
         "id": request_id,
         "object": "chat.completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": host.name,
         "choices": choices,
         "usage": result.usage,
     }

@@ -59,9 +59,8 @@ def _prompts(model: LoadedModel, body: CompletionRequest) -> tuple[list[list[int
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, raw: Request, http_request_id: str
 ) -> Response:
-    ctx.check_model(body.model)
     body.reject_unsupported()
-    model = ctx.host.require_ready()  # 503 while loading, unhealthy or draining
+    host, model = await ctx.acquire(body.model, raw, body.keep_alive)
     prompts, prompt_texts = _prompts(model, body)
     request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
     # echo + logprobs: the prompt's tokens are scored too (OpenAI's legacy completions).
@@ -80,7 +79,7 @@ async def create_completion(
         "id": request_id,
         "object": "text_completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": host.name,
     }
     n = body.n
     tokenizer = model.tokenizer

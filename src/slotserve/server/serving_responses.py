@@ -64,13 +64,14 @@ async def create_response(
     if body.previous_response_id is not None:
         previous = _lookup(store, body.previous_response_id, "previous_response_id")
         if previous is None:
-            ctx.metrics.count_error(404, "invalid_request_error")
+            ctx.count_error(404, "invalid_request_error")
             return _not_found(body.previous_response_id, "previous_response_id")
         history = previous.messages
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = chat_request_of(body, system + conversation)
-    shell = response_shell(body, new_id("resp"), int(time.time()), ctx.model_name)
+    host, _ = await ctx.acquire(body.model, raw, body.keep_alive)
+    shell = response_shell(body, new_id("resp"), int(time.time()), host.name)
     try:
         result = await create_chat_completion(ctx, chat, raw, http_request_id)
     except InvalidRequestError as exc:
@@ -99,7 +100,7 @@ def get_response(
     stored = _lookup(store, response_id, "response_id")
     if stored is None:
         if count is not None:
-            count(404, "invalid_request_error")
+            count(404, "invalid_request_error", None)
         return _not_found(response_id, "response_id")
     return JSONResponse(stored.response)
 
@@ -155,6 +156,7 @@ def chat_request_of(
     """Only the fields the client set are passed on, so the chat path's defaults apply."""
     fields: dict[str, Any] = {
         "model": body.model,
+        "keep_alive": body.keep_alive,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

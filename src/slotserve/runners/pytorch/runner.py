@@ -24,7 +24,7 @@ import torch
 
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
@@ -83,6 +83,38 @@ def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
     return config_from_hf(json.loads(config_file.read_text()), name)
+
+
+def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:
+    """KV bytes on CPU: ``--kv-memory``, else every slot's ``max_seq_len`` within a quarter of
+    RAM."""
+    if load.kv_memory_bytes:
+        return load.kv_memory_bytes
+    wanted = load.num_slots * max_seq_len * bytes_per_token
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(wanted, ram // 4)
+
+
+def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
+    """Weights in the runner's dtype, the KV pool and buffers, from the configuration alone
+    (unsupported architectures fail here, before any weight is read). On a GPU the KV pool
+    takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit."""
+    config = read_model_config(load.model_path)
+    dtype_bytes = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype].itemsize
+    max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    per_layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * config.intermediate_size
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    weights = (embeddings + config.num_layers * per_layer) * dtype_bytes
+    per_token = config.kv_bytes_per_token(dtype_bytes)
+    on_gpu = load.device.startswith("cuda") or (load.device == "auto" and torch.cuda.is_available())
+    if on_gpu and not load.kv_memory_bytes:
+        kv = max_seq_len * per_token
+    else:
+        kv = cpu_kv_budget(load, max_seq_len, per_token)
+    buffers = load.max_batch_tokens * config.vocab_size * 4 + 128 * 2**20
+    return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
 
 
 class TorchFrontend:
@@ -181,9 +213,7 @@ class TorchRunner:
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(free - total * (1 - load.gpu_memory_fraction))
         else:
-            wanted = load.num_slots * self.max_seq_len * bytes_per_token
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(wanted, ram // 4)
+            budget = cpu_kv_budget(load, self.max_seq_len, bytes_per_token)
         blocks = budget // (block * bytes_per_token)
         if blocks * block < self.max_seq_len:
             raise ValueError(
@@ -361,8 +391,13 @@ class TorchRunner:
         return groups
 
     def close(self) -> None:
+        """Drops the KV pool and the weights; on CUDA the allocator's cache is emptied too,
+        so an unloaded model's device memory goes back to the GPU (and to other models)."""
         self._samplers.clear()
         self.pool.layers.clear()
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _open_gguf(path: Path) -> Any:

@@ -1,0 +1,212 @@
+"""Routes about the served models (SPEC S2, S3, E11): the model list, loading and unloading
+at run time (llama-server's router-mode endpoints), reload, and each model's slots and prefix
+cache."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.server.errors import error_response
+from slotserve.server.model_host import ModelHost, ModelState
+from slotserve.server.serving import ServingContext
+
+# llama-server's router reports loaded / loading / unloaded.
+_ROUTER_STATUS = {ModelState.LOADING: "loading", ModelState.UNLOADING: "unloading"}
+
+
+class LoadModelRequest(BaseModel):
+    """``POST /models/load``: a name from ``--models-dir``, or a name and a path, with any of
+    ``slotserve serve``'s per-model options (unset ones are the server's own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    path: str | None = None
+    runner: str | None = None
+    slots: int | None = Field(default=None, ge=1)
+    ctx_size: int | None = Field(default=None, ge=0)
+    max_model_len: int | None = Field(default=None, ge=0)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    prefill_chunk: int | None = Field(default=None, ge=1)
+    max_queue: int | None = Field(default=None, ge=0)
+    prefix_cache: bool | None = None
+    threads: int | None = Field(default=None, ge=0)
+    flash_attn: bool | None = None
+    dtype: str | None = None
+    device: str | None = None
+    kv_memory: str | int | None = None
+    load_format: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    speculative_config: str | dict[str, Any] | None = None
+
+
+class UnloadModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    force: bool = False  # cancel requests in flight at once (they end with an error)
+    timeout: float | None = Field(default=None, ge=0)  # seconds to wait (default: the server's)
+
+
+def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
+    """A model as vLLM describes it, with our state, runner, context and slots."""
+    state = host.state
+    entry: dict[str, Any] = {
+        "id": host.name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "slotserve",
+        "root": host.name,
+        "parent": None,
+        "state": state.value,
+        "status": {"value": _ROUTER_STATUS.get(state, "loaded")},
+    }
+    if host.reason:
+        entry["reason"] = host.reason
+    model = host.model
+    if model is not None:
+        entry |= {
+            "max_model_len": model.info.max_seq_len,
+            "runner": model.info.runner,
+            "slots": model.info.num_slots,
+        }
+    if host.keep_alive_s is not None:
+        entry["keep_alive"] = host.keep_alive_s
+    return entry
+
+
+def model_list(ctx: ServingContext) -> dict[str, Any]:
+    """Every model served, then those of ``--models-dir`` not loaded (state "unloaded")."""
+    data = [model_card(ctx, host) for host in ctx.models.hosts.values()]
+    data += [
+        unloaded_card(ctx, name) for name in ctx.models.available() if name not in ctx.models.hosts
+    ]
+    return {"object": "list", "data": data}
+
+
+def unloaded_card(ctx: ServingContext, name: str) -> dict[str, Any]:
+    """A model of ``--models-dir`` that is not loaded."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "slotserve",
+        "root": name,
+        "parent": None,
+        "state": "unloaded",
+        "status": {"value": "unloaded"},
+    }
+
+
+def prefix_stats(host: ModelHost) -> PrefixCacheStats:
+    """The current engine's cache, its counters summed since the model was first loaded (a
+    reload must not make a Prometheus counter go back)."""
+    current = (
+        host.model.stats.prefix_cache
+        if host.model is not None
+        else PrefixCacheStats(False, "the model is not loaded")
+    )
+    return host.retired.with_prefix_counters(current)
+
+
+def model_routes(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
+    models = ctx.models
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return model_list(ctx)
+
+    @router.get("/models")  # llama-server's router lists its models here
+    async def list_models_router() -> dict[str, Any]:
+        return model_list(ctx)
+
+    # ``:path``: model ids hold "/" (an HF repo id such as "org/name").
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id not in models.hosts and model_id in models.available():
+            return unloaded_card(ctx, model_id)
+        return model_card(ctx, models.host(model_id))
+
+    @router.post("/models/load")
+    async def load(body: LoadModelRequest) -> JSONResponse:
+        """Loads a model and answers once it is ready (400 bad options or too big for the
+        memory left, 404 not in the models dir, 409 name taken, 500 the load failed)."""
+        options = body.model_dump(exclude_unset=True, exclude={"model", "path"})
+        host = await models.load(body.model, Path(body.path) if body.path else None, options)
+        return JSONResponse({"success": True, "model": model_card(ctx, host)})
+
+    @router.post("/models/unload")
+    async def unload(body: UnloadModelRequest) -> JSONResponse:
+        """Refuses new requests for the model at once, lets those in flight finish (up to
+        ``timeout``; ``force``: none), then frees its memory."""
+        cut_off = await models.unload(body.model, body.force, body.timeout)
+        return JSONResponse({"success": True, "model": body.model, "requests_cut_off": cut_off})
+
+    @router.post("/admin/reload")
+    async def reload(model: str | None = None) -> JSONResponse:
+        """Builds a new runner and engine for a model (SPEC E11): recovers an unhealthy one.
+        Requests still in the old engine end with an error first."""
+        host = models.host(model)
+        await host.load()
+        if host.state is not ModelState.READY:
+            ctx.count_error(500, "internal_server_error", host.name)  # counted like every error
+            return error_response(
+                500, f"Reloading the model failed: {host.load_error}.", "internal_server_error"
+            )
+        return JSONResponse({"status": "ready", "model": host.name, "loads": host.loads})
+
+    @router.get("/v1/slots")
+    async def slots(model: str | None = None) -> dict[str, Any]:
+        host = models.host(model)
+        loaded = host.model
+        if loaded is None:
+            return {"model": host.name, "state": host.state.value, "slots": []}
+        stats = loaded.stats
+        return {
+            "model": host.name,
+            "state": host.state.value,
+            "slots": [asdict(s) for s in stats.slots],
+            "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+            "kv_used_tokens": stats.kv_used_tokens,
+            "kv_capacity_tokens": stats.kv_capacity_tokens,
+            "steps": stats.steps,
+            "step_seconds": stats.step_seconds,
+            "execute_seconds": stats.execute_seconds,
+            "forward_seconds": loaded.engine.forward_seconds,
+            # The engine-core process (None: an engine thread of the server's process).
+            "engine_pid": getattr(loaded.engine.client, "pid", None),
+            "generated_tokens": stats.generated_tokens,
+            "requests_submitted": stats.requests_submitted,
+            "requests_finished": stats.requests_finished,
+            "requests_aborted": stats.requests_aborted,
+            "requests_failed": stats.requests_failed,
+            "requests_timed_out": stats.requests_timed_out,
+            "preemptions": stats.preemptions,
+            "spec_decode": asdict(stats.spec_decode) if stats.spec_decode else None,
+        }
+
+    @router.get("/v1/prefix_cache_stats")
+    async def prefix_cache_stats(model: str | None = None) -> dict[str, Any]:
+        # Reads the snapshot the engine published after its last step: never blocks it.
+        host = models.host(model)
+        stats = host.model.stats if host.model is not None else None
+        return {
+            "model": host.name,
+            **prefix_stats(host).as_dict(),
+            "integrity_checks": stats.integrity_checks if stats else 0,
+            "integrity_failures": stats.integrity_failures if stats else 0,
+            "last_integrity_error": stats.last_integrity_error if stats else None,
+        }
+
+    return router
