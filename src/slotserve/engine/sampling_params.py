@@ -67,9 +67,7 @@ class SamplingParams:
             "temperature",
             "must be between 0 and 2",
         )
-        _check(
-            -1 <= self.top_k < 2**31, "top_k", "must be -1, 0 (disabled) or a positive integer"
-        )
+        _check(-1 <= self.top_k < 2**31, "top_k", "must be -1, 0 (disabled) or a positive integer")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(
