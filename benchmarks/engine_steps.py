@@ -27,7 +27,7 @@ from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 def build(runner: str, slots: int, threads: int) -> EngineCore:
     path = embedded_model_path()
     if runner == "torch":
-        from slotserve.runners.pytorch.runner import TorchLoadConfig
+        from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
         spec: TorchSpec | LlamaCppSpec = TorchSpec(
             TorchLoadConfig(path, num_slots=slots, max_seq_len=512, threads=threads)

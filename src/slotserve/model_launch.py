@@ -43,7 +43,7 @@ def runner_factory(args: argparse.Namespace, model_path: Path, model_name: str) 
             model_name=model_name,
         )
     try:
-        from slotserve.runners.pytorch.runner import TorchLoadConfig
+        from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
     except ImportError as exc:
         raise ValueError(
             f"the PyTorch runner needs its dependencies ({exc.name} is missing): "

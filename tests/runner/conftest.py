@@ -36,7 +36,8 @@ def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
 
 @pytest.fixture(scope="session")
 def torch_runner(model_path: Path) -> Iterator[Runner]:
-    from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner
+    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.runner import TorchRunner
 
     r = TorchRunner(
         TorchLoadConfig(model_path, num_slots=8, max_batch_tokens=512, max_seq_len=2048)

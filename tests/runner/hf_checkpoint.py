@@ -10,7 +10,7 @@ import torch
 
 from slotserve.bench.hf_reference import convert_gguf_to_hf
 
-__all__ = ["convert_gguf_to_hf", "tiny_random_checkpoint"]
+__all__ = ["convert_gguf_to_hf", "qwen3_moe_gguf", "tiny_random_checkpoint"]
 
 
 def tiny_random_checkpoint(
@@ -39,6 +39,19 @@ def tiny_random_checkpoint(
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 48}),
+        # A dense first layer, then sparse ones: both MLP kinds and the router in one model.
+        "qwen3_moe": (
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            {
+                "head_dim": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [0],
+            },
+        ),
         "gemma3_text": (
             "Gemma3TextConfig",
             "Gemma3ForCausalLM",
@@ -62,3 +75,59 @@ def tiny_random_checkpoint(
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
     return out_dir
+
+
+def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
+    """A tiny Qwen3-MoE HF folder written as llama.cpp's converter writes it (float32): the
+    ``qwen3moe`` architecture, every expert's gate/up/down stacked on a new first axis."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    hp = json.loads((folder / "config.json").read_text())
+    layers = hp["num_hidden_layers"]
+    experts = hp.get("num_experts") or hp["num_local_experts"]
+    arch = gguf.MODEL_ARCH.QWEN3MOE
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(layers)
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(hp["num_key_value_heads"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(hp["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+
+    def gguf_name(hf_name: str) -> str:
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        assert name is not None, hf_name
+        return name
+
+    tensors = {
+        gguf_name(name): value for name, value in weights.items() if ".mlp.experts." not in name
+    }
+    for block in range(layers):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            stacked = torch.stack(
+                [
+                    weights[f"model.layers.{block}.mlp.experts.{e}.{part}.weight"]
+                    for e in range(experts)
+                ]
+            )
+            tensors[gguf_name(f"model.layers.{block}.mlp.experts.{part}.weight")] = stacked
+    for name, value in tensors.items():
+        writer.add_tensor(name, value.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

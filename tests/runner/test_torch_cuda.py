@@ -12,7 +12,8 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
-from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner
+from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import generate, greedy
 

@@ -16,11 +16,12 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.config import UnsupportedModelError
-from slotserve.runners.pytorch.runner import TorchLoadConfig, TorchRunner, read_model_config
+from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.config import UnsupportedModelError, config_from_gguf
+from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import generate, greedy
-from tests.runner.hf_checkpoint import tiny_random_checkpoint
+from tests.runner.hf_checkpoint import qwen3_moe_gguf, tiny_random_checkpoint
 
 PARITY_TOKENS = 32
 # Float32, CPU: our attention (bmm, float32 softmax) and HF's SDPA sum in different orders;
@@ -125,7 +126,9 @@ def test_logprobs_match_hf_within_tolerance(fp32_runner: TorchRunner, hf_checkpo
     _assert_close(tops, _hf_top_logprobs(model, prompt + tokens, len(prompt), 5))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
+)
 def test_every_family_matches_hf_on_a_tiny_random_model(
     family: str, hf_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -139,6 +142,55 @@ def test_every_family_matches_hf_on_a_tiny_random_model(
     assert tokens == _hf_greedy(model, prompt, 12)
     _assert_close(tops, _hf_top_logprobs(model, prompt + tokens, len(prompt), 5))
     runner.close()
+
+
+def test_mixture_of_experts_is_batch_invariant_in_bfloat16(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Tokens routed to the same expert share its matmul; each token's result must not
+    depend on who else was routed there (bfloat16 on CPU is the batch-invariant mode)."""
+    folder = tiny_random_checkpoint("qwen3_moe", hf_checkpoint, tmp_path / "moe")
+    runner = _runner(folder, num_slots=8)
+    assert runner.config.sparse_layers == (False, True, True, True)
+    core = EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False))
+    prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
+    alone: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        alone.update(generate(core, {f"p{i}": (prompt, greedy(16))}))
+    together = generate(core, {f"p{i}": (p, greedy(16)) for i, p in enumerate(prompts)})
+    assert together == alone
+    assert len({tuple(t) for t in alone.values()}) > 1
+    runner.close()
+
+
+def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    from gguf import GGUFReader
+
+    from slotserve.runners.pytorch.checkpoint import gguf_metadata
+    from slotserve.runners.pytorch.model import Decoder
+    from slotserve.runners.pytorch.weights import gguf_tensors, load_into, safetensors_tensors
+
+    # llama.cpp makes every qwen3moe layer sparse and renormalises the top-k weights.
+    folder = tiny_random_checkpoint(
+        "qwen3_moe", hf_checkpoint, tmp_path / "moe", mlp_only_layers=[], norm_topk_prob=True
+    )
+    reader = GGUFReader(str(qwen3_moe_gguf(folder, tmp_path / "moe.gguf")))
+    from_gguf = config_from_gguf(gguf_metadata(reader), "moe")
+    from_hf = read_model_config(folder)
+    assert from_gguf.model_type == "qwen3_moe"
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sparse_layers"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.norm_topk_prob and from_gguf.qk_norm
+    models = []
+    for tensors in (safetensors_tensors(folder), gguf_tensors(reader, from_gguf)):
+        model = Decoder(from_hf, torch.float32, 64)
+        load_into(model, tensors)
+        models.append(model.state_dict())
+    assert models[0].keys() == models[1].keys()
+    for name, value in models[0].items():
+        assert torch.equal(value, models[1][name]), name
 
 
 def test_sharded_folder_gguf_and_folder_load_the_same_weights(

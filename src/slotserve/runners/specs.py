@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from slotserve.engine.runner_interface import MemoryNeed, Runner, RunnerFrontend
 
 if TYPE_CHECKING:
-    from slotserve.runners.pytorch.runner import TorchLoadConfig
+    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,6 @@ class TorchSpec:
         return TorchFrontend(self.load.model_path)
 
     def memory_needed(self) -> MemoryNeed:
-        from slotserve.runners.pytorch.runner import estimate_memory
+        from slotserve.runners.pytorch.checkpoint import estimate_memory
 
         return estimate_memory(self.load)

@@ -8,6 +8,10 @@ defaults of the families that do not have them:
   (with Llama 3's or linear scaling), grouped-query attention.
 * Qwen2 (``qwen2``): biases on the q/k/v projections.
 * Qwen3 (``qwen3``): RMSNorm on each head's queries and keys.
+* Qwen3-MoE (``qwen3_moe``): Qwen3's attention; the MLP of sparse layers is a softmax
+  router over ``num_experts`` SwiGLU experts of which ``num_experts_per_tok`` run per token
+  (weights renormalised when ``norm_topk_prob``); ``mlp_only_layers`` and
+  ``decoder_sparse_step`` name the dense ones.
 * Gemma 3 text (``gemma3_text``, ``gemma3``): embeddings scaled by sqrt(hidden), RMSNorm
   weights stored as (w - 1), four norms per layer, GeGLU (tanh GELU), query scaling from
   ``query_pre_attn_scalar``, sliding-window layers with their own rotary base.
@@ -20,7 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+    "gemma3",
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -68,6 +80,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE); per layer: True for a sparse (experts) MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def num_query_groups(self) -> int:
@@ -83,6 +101,9 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
 
 
 def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
@@ -128,6 +149,15 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         sliding_layers = (True,) * layers
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    sparse_layers: tuple[bool, ...] = ()
+    if model_type == "qwen3_moe":
+        # transformers' rule: a layer is sparse unless listed dense or off the sparse step.
+        dense = set(raw.get("mlp_only_layers") or ())
+        step = int(raw.get("decoder_sparse_step") or 1)
+        sparse_layers = tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
     config = ModelConfig(
         model_type=model_type,
         name=name,
@@ -144,7 +174,7 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         rope_scaling=_rope_scaling(rope, name),
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3" or gemma,
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma,
         gemma_norms=gemma,
         scale_embeddings=gemma,
         hidden_activation=str(
@@ -159,6 +189,11 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         final_logit_softcapping=raw.get("final_logit_softcapping"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        num_experts=experts if any(sparse_layers) else 0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if any(sparse_layers) else 0,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=sparse_layers if any(sparse_layers) else (),
     )
     _check(config)
     return config
@@ -193,6 +228,13 @@ def _check(config: ModelConfig) -> None:
         problems.append("layer_types does not list every layer")
     if config.sliding_layers and any(config.sliding_layers) and not config.sliding_window:
         problems.append("sliding-window layers without a sliding_window size")
+    if config.sparse_layers and not (
+        0 < config.num_experts_per_tok <= config.num_experts and config.moe_intermediate_size > 0
+    ):
+        problems.append(
+            "mixture of experts needs 0 < num_experts_per_tok <= num_experts and "
+            "moe_intermediate_size > 0"
+        )
     if problems:
         raise UnsupportedModelError(f"{config.name}: " + "; ".join(problems))
 
@@ -202,6 +244,7 @@ _GGUF_ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
     "gemma3": "gemma3_text",
 }
 
@@ -211,8 +254,9 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
     arch = str(metadata.get("general.architecture"))
     if arch not in _GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner; "
-            f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
+            f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner "
+            f"(supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}); serve this file with "
+            "the llama.cpp runner (--runner llama.cpp, the default for a .gguf)"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -226,11 +270,12 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
     vocab = metadata.get(f"{arch}.vocab_size") or metadata.get("_vocab_tokens")
     if not vocab:
         raise UnsupportedModelError(f"{name}: GGUF metadata gives no vocabulary size")
+    experts = int(metadata.get(f"{arch}.expert_count") or 0)
     raw: dict[str, Any] = {
         "model_type": _GGUF_ARCHITECTURES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", 0 if experts else None)),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -245,6 +290,17 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
     scaling_kind = metadata.get(f"{arch}.rope.scaling.type")
     if scaling_kind == "linear":
         raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if arch == "qwen3moe":
+        # llama.cpp's graph renormalises the top-k weights and makes every layer sparse.
+        used = int(get("expert_used_count"))
+        raw |= {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": int(
+                get("expert_feed_forward_length", int(raw["intermediate_size"]) // used)
+            ),
+            "norm_topk_prob": True,
+        }
     if arch == "gemma3":
         window = int(get("attention.sliding_window"))
         raw |= {

@@ -5,6 +5,11 @@ paged KV pool (``attention.py``).
 
 Weights are fused where the math allows it (q/k/v in one projection, gate/up in one), which
 computes the same dot products as separate projections with fewer passes over the input.
+
+A mixture-of-experts layer (Qwen3-MoE) runs each expert once per step over the rows of the
+tokens routed to it (gathered, one matmul per projection) and sums each token's experts in
+float32 in expert order: a token's result depends only on its own routing, never on which
+other tokens share the step, so batch invariance holds as for the dense MLP.
 """
 
 from __future__ import annotations
@@ -138,6 +143,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+class Expert(nn.Module):
+    """One SwiGLU expert of a mixture-of-experts layer (gate and up fused, as the dense MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up = Projection(hidden, 2 * intermediate, bias=False, dtype=dtype)
+        self.down = Projection(intermediate, hidden, bias=False, dtype=dtype)
+
+
 class DecoderLayer(nn.Module):
     qkv: Projection
     o_proj: Projection
@@ -149,15 +163,27 @@ class DecoderLayer(nn.Module):
     post_mlp_norm: RmsNorm  # Gemma
     q_norm: RmsNorm  # Qwen3, Gemma
     k_norm: RmsNorm
+    router: Projection  # mixture of experts: hidden → one logit per expert
+    experts: list[Expert]
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, sparse: bool = False) -> None:
         super().__init__()
         c = config
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv = Projection(c.hidden_size, qkv_rows, bias=c.attention_bias, dtype=dtype)
         self.o_proj = Projection(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
-        self.gate_up = Projection(c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype)
-        self.down = Projection(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
+        self.sparse = sparse
+        if sparse:
+            self.router = Projection(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
+            self.experts = [
+                Expert(c.hidden_size, c.moe_intermediate_size, dtype) for _ in range(c.num_experts)
+            ]
+            self.expert_modules = nn.ModuleList(self.experts)  # registered; the list is typed
+        else:
+            self.gate_up = Projection(
+                c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype
+            )
+            self.down = Projection(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
         g, eps = c.gemma_norms, c.rms_norm_eps
         self.input_norm = RmsNorm(c.hidden_size, eps, g, dtype)
         self.post_attention_norm = RmsNorm(c.hidden_size, eps, g, dtype)
@@ -184,7 +210,7 @@ class Decoder(nn.Module):
         self.dtype = dtype
         c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.decoder_layers = [DecoderLayer(c, dtype) for _ in range(c.num_layers)]
+        self.decoder_layers = [DecoderLayer(c, dtype, c.is_sparse(i)) for i in range(c.num_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; the list is typed
         self.norm = RmsNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms, dtype)
         self.lm_head = Projection(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
@@ -270,8 +296,11 @@ class Decoder(nn.Module):
                 hidden = residual + x
                 residual = hidden
                 x = layer.post_attention_norm(hidden)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            x = layer.down(_activation(gate, c.hidden_activation) * up)
+            if layer.sparse:
+                x = _mixture_of_experts(layer, x, c)
+            else:
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                x = layer.down(_activation(gate, c.hidden_activation) * up)
             if c.gemma_norms:
                 x = layer.post_mlp_norm(x)
             hidden = residual + x
@@ -284,6 +313,25 @@ class Decoder(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _mixture_of_experts(layer: DecoderLayer, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    """Routes each token to its top-k experts (softmax over all experts in float32, as HF),
+    runs every chosen expert once over its tokens' rows and sums the weighted results in
+    float32 in expert order."""
+    probabilities = torch.softmax(layer.router(x).float(), dim=-1)
+    weights, chosen = torch.topk(probabilities, c.num_experts_per_tok, dim=-1)
+    if c.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert_id in sorted(set(chosen.flatten().tolist())):  # a fixed summation order
+        token_rows, rank = (chosen == expert_id).nonzero(as_tuple=True)
+        expert = layer.experts[expert_id]
+        gate, up = expert.gate_up(x[token_rows]).chunk(2, dim=-1)
+        y = expert.down(_activation(gate, c.hidden_activation) * up)
+        out.index_add_(0, token_rows, (y * weights[token_rows, rank, None]).float())
+    return out.to(x.dtype)
 
 
 def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -11,24 +11,26 @@ preempts.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
-from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
+from slotserve.runners.pytorch.checkpoint import (
+    DTYPES,
+    TorchLoadConfig,
+    cpu_kv_budget,
+    open_gguf,
+    read_model_config,
+)
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.model import Decoder
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
@@ -41,80 +43,6 @@ from slotserve.runners.pytorch.weights import (
 )
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TorchLoadConfig:
-    """How to build the runner; validated before any weight is read."""
-
-    model_path: Path  # an HF folder or a .gguf file
-    num_slots: int = 8
-    max_batch_tokens: int = 512
-    dtype: str = "auto"  # auto: bfloat16 (batch-invariant kernels on CPU; fast on GPUs)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    load_format: str = "auto"  # auto | dummy (random weights of the config)
-    max_seq_len: int = 0  # 0: min(trained context, 4096)
-    kv_memory_bytes: int = 0  # 0: every slot's max_seq_len, within a quarter of RAM (CPU)
-    gpu_memory_fraction: float = 0.9
-    block_size: int = 16
-    threads: int = 0
-    model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError("--load-format must be auto or dummy")
-        if self.block_size < 1 or self.num_slots < 1:
-            raise ValueError("block size and slots must be >= 1")
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError("--gpu-memory-fraction must be in (0, 1]")
-
-
-def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
-    """The checkpoint's configuration, checked, without reading a weight (a GGUF file's
-    ``GGUFReader`` may be passed in: opening one parses the whole header, ~2 s here)."""
-    name = path.stem if path.is_file() else path.name
-    if path.is_file():
-        return config_from_gguf(_gguf_metadata(gguf_reader or _open_gguf(path)), name)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json")
-    return config_from_hf(json.loads(config_file.read_text()), name)
-
-
-def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:
-    """KV bytes on CPU: ``--kv-memory``, else every slot's ``max_seq_len`` within a quarter of
-    RAM."""
-    if load.kv_memory_bytes:
-        return load.kv_memory_bytes
-    wanted = load.num_slots * max_seq_len * bytes_per_token
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(wanted, ram // 4)
-
-
-def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
-    """Weights in the runner's dtype, the KV pool and buffers, from the configuration alone
-    (unsupported architectures fail here, before any weight is read). On a GPU the KV pool
-    takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit."""
-    config = read_model_config(load.model_path)
-    dtype_bytes = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype].itemsize
-    max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
-    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
-    kv_dim = config.num_kv_heads * config.head_dim
-    per_layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * config.intermediate_size
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    weights = (embeddings + config.num_layers * per_layer) * dtype_bytes
-    per_token = config.kv_bytes_per_token(dtype_bytes)
-    on_gpu = load.device.startswith("cuda") or (load.device == "auto" and torch.cuda.is_available())
-    if on_gpu and not load.kv_memory_bytes:
-        kv = max_seq_len * per_token
-    else:
-        kv = cpu_kv_budget(load, max_seq_len, per_token)
-    buffers = load.max_batch_tokens * config.vocab_size * 4 + 128 * 2**20
-    return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
 
 
 class TorchFrontend:
@@ -147,7 +75,7 @@ class TorchRunner:
         )
         self.dtype = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype]
         path = load.model_path
-        reader = _open_gguf(path) if path.is_file() else None  # read once: config and weights
+        reader = open_gguf(path) if path.is_file() else None  # read once: config and weights
         self.config = config = read_model_config(path, reader)
         self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
         started = time.monotonic()
@@ -398,29 +326,3 @@ class TorchRunner:
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _open_gguf(path: Path) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(str(path))
-
-
-def _gguf_metadata(reader: object) -> dict[str, object]:
-    """GGUF key/value metadata as plain Python values (and the tensor names)."""
-    metadata: dict[str, object] = {}
-    for key, field in reader.fields.items():  # type: ignore[attr-defined]
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-        ):
-            continue  # the vocabulary: large, and the tokenizer reads it itself
-        try:
-            metadata[key] = field.contents()
-        except Exception:  # a field type this reader cannot turn into Python values
-            continue
-    metadata["_tensor_names"] = [t.name for t in reader.tensors]  # type: ignore[attr-defined]
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
-    if tokens is not None:
-        metadata["_vocab_tokens"] = len(tokens.data)
-    return metadata

@@ -3,7 +3,9 @@ with the ``gguf`` package), or random values of the right shapes (``--load-forma
 
 Every source yields ``(hf_name, tensor)`` pairs in HF's naming; :func:`load_into` copies each
 into its place, the q/k/v and gate/up pieces into their rows of the fused projections, so no
-second full copy of the model is ever held.
+second full copy of the model is ever held. Experts are named one by one
+(``mlp.experts.{e}.gate_proj.weight``, as HF checkpoints store them); stacked expert tensors
+(GGUF's ``ffn_*_exps``, a fused ``mlp.experts.gate_up_proj``) are cut into those names first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from slotserve.runners.pytorch.config import ModelConfig
 from slotserve.runners.pytorch.model import Decoder
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # Multimodal checkpoints (Gemma 3 4B+) keep the text model under a prefix.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 
@@ -30,7 +33,7 @@ def load_into(model: Decoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> No
     c = model.config
     expected = _expected_names(c)
     seen: set[str] = set()
-    for raw_name, tensor in tensors:
+    for raw_name, tensor in _per_expert(tensors):
         name = _normalise(raw_name)
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -66,19 +69,33 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
         raise ValueError(f"unexpected tensor {name}")
     layer = model.decoder_layers[int(match.group(1))]
     part = match.group(2)
+    expert = _EXPERT.match(part)
+    if layer.sparse and expert is not None and int(expert.group(1)) < c.num_experts:
+        mlp = layer.experts[int(expert.group(1))]
+        inter = c.moe_intermediate_size
+        return {
+            "gate": mlp.gate_up.weight[:inter],
+            "up": mlp.gate_up.weight[inter:],
+            "down": mlp.down.weight,
+        }[expert.group(2)]
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    inter = c.intermediate_size
     pieces: dict[str, torch.Tensor] = {
         "self_attn.q_proj.weight": layer.qkv.weight[:q],
         "self_attn.k_proj.weight": layer.qkv.weight[q : q + kv],
         "self_attn.v_proj.weight": layer.qkv.weight[q + kv :],
         "self_attn.o_proj.weight": layer.o_proj.weight,
-        "mlp.gate_proj.weight": layer.gate_up.weight[:inter],
-        "mlp.up_proj.weight": layer.gate_up.weight[inter:],
-        "mlp.down_proj.weight": layer.down.weight,
         "input_layernorm.weight": layer.input_norm.weight,
         "post_attention_layernorm.weight": layer.post_attention_norm.weight,
     }
+    if layer.sparse:
+        pieces["mlp.gate.weight"] = layer.router.weight
+    else:
+        inter = c.intermediate_size
+        pieces |= {
+            "mlp.gate_proj.weight": layer.gate_up.weight[:inter],
+            "mlp.up_proj.weight": layer.gate_up.weight[inter:],
+            "mlp.down_proj.weight": layer.down.weight,
+        }
     if c.attention_bias:
         pieces |= {
             "self_attn.q_proj.bias": layer.qkv.bias[:q],
@@ -106,9 +123,6 @@ def _expected_names(c: ModelConfig) -> set[str]:
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
     ]
@@ -122,7 +136,41 @@ def _expected_names(c: ModelConfig) -> set[str]:
     if not c.tie_word_embeddings:
         names.add("lm_head.weight")
     names |= {f"model.layers.{i}.{p}" for i in range(c.num_layers) for p in per_layer}
+    dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    sparse_mlp = ["mlp.gate.weight"] + [
+        f"mlp.experts.{e}.{p}_proj.weight"
+        for e in range(c.num_experts)
+        for p in ("gate", "up", "down")
+    ]
+    for i in range(c.num_layers):
+        names |= {f"model.layers.{i}.{p}" for p in (sparse_mlp if c.is_sparse(i) else dense_mlp)}
     return names
+
+
+_STACKED = re.compile(
+    r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$"
+)
+
+
+def _per_expert(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cuts stacked expert tensors ([experts, rows, columns]) into one tensor per expert under
+    HF's per-expert names; a fused ``gate_up_proj`` holds each expert's gate rows then its up
+    rows."""
+    for name, tensor in tensors:
+        stacked = _STACKED.match(name)
+        if stacked is None or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, kind = stacked.group(1), stacked.group(2)
+        for expert, rows in enumerate(tensor):
+            if kind == "gate_up_proj":
+                gate, up = rows.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{expert}.{kind}.weight", rows
 
 
 # ---- sources --------------------------------------------------------------------------------
@@ -175,12 +223,18 @@ def _shapes(c: ModelConfig) -> Any:
         "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "mlp.gate.weight": (c.num_experts, c.hidden_size),
     }
+    moe = c.moe_intermediate_size
+    by_expert_part = {"gate": (moe, c.hidden_size), "up": (moe, c.hidden_size)}
 
     def shape(name: str) -> tuple[int, ...]:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (c.vocab_size, c.hidden_size)
         match = _LAYER.match(name)
+        expert = _EXPERT.match(match.group(2)) if match else None
+        if expert is not None:
+            return by_expert_part.get(expert.group(2), (c.hidden_size, moe))
         if match is None or match.group(2) not in by_part:
             return (c.hidden_size,)  # the norms
         return by_part[match.group(2)]
@@ -206,6 +260,11 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # Qwen3-MoE: the router, and every expert stacked in one tensor (cut by _per_expert).
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj.weight",
 }
 _GGUF_LLAMA_NORMS = {"blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}
 _GGUF_GEMMA_NORMS = {
