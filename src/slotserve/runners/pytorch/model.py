@@ -317,20 +317,28 @@ class Decoder(nn.Module):
 
 def _mixture_of_experts(layer: DecoderLayer, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
     """Routes each token to its top-k experts (softmax over all experts in float32, as HF),
-    runs every chosen expert once over its tokens' rows and sums the weighted results in
-    float32 in expert order."""
+    gathers the rows of every (token, expert) pair sorted by expert, runs each chosen expert
+    once over its contiguous rows, and sums each token's weighted results in float32 in
+    expert order (``index_add_`` adds in index order)."""
     probabilities = torch.softmax(layer.router(x).float(), dim=-1)
     weights, chosen = torch.topk(probabilities, c.num_experts_per_tok, dim=-1)
     if c.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)  # by expert, then by token
+    token_rows = order // c.num_experts_per_tok
+    rows = x[token_rows]
+    counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+    results, start = [], 0
+    for expert_id, count in enumerate(counts):
+        if count:
+            expert = layer.experts[expert_id]
+            gate, up = expert.gate_up(rows[start : start + count]).chunk(2, dim=-1)
+            results.append(expert.down(_activation(gate, c.hidden_activation) * up))
+            start += count
+    scale = weights.to(x.dtype).flatten()[order, None]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for expert_id in sorted(set(chosen.flatten().tolist())):  # a fixed summation order
-        token_rows, rank = (chosen == expert_id).nonzero(as_tuple=True)
-        expert = layer.experts[expert_id]
-        gate, up = expert.gate_up(x[token_rows]).chunk(2, dim=-1)
-        y = expert.down(_activation(gate, c.hidden_activation) * up)
-        out.index_add_(0, token_rows, (y * weights[token_rows, rank, None]).float())
+    out.index_add_(0, token_rows, (torch.cat(results) * scale).float())
     return out.to(x.dtype)
 
 
