@@ -30,6 +30,7 @@ from slotserve.server.model_host import (
     ModelHost,
     ModelLaunch,
     ModelState,
+    ModelUnavailableError,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class ModelRegistry:
         host = self.hosts.get(name) if name else None
         if name and name in self._loads:
             host = await asyncio.shield(self._loads[name])
+        elif host is None and name in self._claimed:  # POST /models/load is at work on it
+            raise ModelUnavailableError(f"The model {name} is loading; retry shortly.", 5)
         elif host is None and name and self.autoload and name in self.available():
             host = await asyncio.shield(self._load_on_demand(name))
         if host is None:

@@ -1,0 +1,132 @@
+"""The model registry's rules with the fake runner (the real models are served in
+test_multi_model.py): how ``--models-dir`` names models, the memory pre-flight, which model
+``--models-max`` unloads, and requests during a load."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.server.model_catalog import scan_models_dir
+from slotserve.server.model_host import ModelLaunch, ModelUnavailableError
+from slotserve.server.model_registry import (
+    MemoryReading,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelRegistry,
+)
+from tests.fake_runner import FakeRunner
+
+GIB = 2**30
+
+
+def test_models_dir_names_models_as_llama_servers_router_does(tmp_path: Path) -> None:
+    for name in ("a.gguf", "big-00001-of-00002.gguf", "big-00002-of-00002.gguf", "mmproj-a.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    (tmp_path / ".hidden.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "hf-model").mkdir()
+    (tmp_path / "hf-model" / "config.json").write_text("{}")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "weights-q4.gguf").write_bytes(b"GGUF")
+    (tmp_path / "empty").mkdir()
+    found = scan_models_dir(tmp_path)
+    assert found == {
+        "a": tmp_path / "a.gguf",
+        "big": tmp_path / "big-00001-of-00002.gguf",
+        "folder": tmp_path / "folder" / "weights-q4.gguf",
+        "hf-model": tmp_path / "hf-model",
+    }
+    assert scan_models_dir(tmp_path / "missing") == {}
+
+
+def fake_launch(name: str, gib: float = 1.0) -> ModelLaunch:
+    need = MemoryNeed(int(gib * GIB), 0, 0, 0)
+    return ModelLaunch(
+        name, lambda: FakeRunner(num_slots=1), EngineConfig(num_slots=1), memory=need
+    )
+
+
+def registry(tmp_path: Path, **options: Any) -> ModelRegistry:
+    """Every file in ``tmp_path`` is a model of the dir; ``options`` set the registry's own."""
+    sizes: dict[str, float] = options.pop("sizes", {})
+
+    def make(name: str, path: Path, load_options: Mapping[str, Any]) -> ModelLaunch:
+        return fake_launch(name, sizes.get(name, 1.0))
+
+    memory = options.pop("memory", MemoryReading(64 * GIB, 64 * GIB))
+    return ModelRegistry(make, models_dir=tmp_path, read_memory=lambda: memory, **options)
+
+
+def models_dir(tmp_path: Path, *names: str) -> Path:
+    for name in names:
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
+    return tmp_path
+
+
+def test_the_preflight_refuses_what_does_not_fit_before_loading(tmp_path: Path) -> None:
+    async def main() -> None:
+        models = registry(
+            models_dir(tmp_path, "small", "huge"),
+            sizes={"small": 2.0, "huge": 7.9},
+            memory=MemoryReading(available_bytes=12 * GIB, total_bytes=10 * GIB),
+        )
+        await models.load("small")
+        with pytest.raises(ModelLoadError) as refused:
+            # Free: min(12 available, 10 total - 2 held by "small") = 8 GiB, minus headroom.
+            await models.load("huge", options={})
+        assert refused.value.status == 400 and "7.90 GiB" in str(refused.value)
+        assert "huge" not in models.hosts
+        await models.stop()
+
+    asyncio.run(main())
+
+
+def test_models_max_unloads_the_least_recently_used_idle_model(tmp_path: Path) -> None:
+    async def main() -> None:
+        models = registry(models_dir(tmp_path, "a", "b", "c", "d"), models_max=2)
+        await models.acquire("a")
+        await models.acquire("b")
+        await models.acquire("a")  # b is now the least recently used
+        await models.acquire("c")
+        assert list(models.hosts) == ["a", "c"]
+        # A model with a request in flight is never the one unloaded.
+        # (An unread stream keeps its request in flight.)
+        stream = (
+            models.hosts["a"]
+            .require_ready()
+            .engine.submit("busy", [1, 2, 3], SamplingParams(max_tokens=4))
+        )
+        await models.acquire("c")
+        await models.acquire("d")  # a is older but busy: c goes
+        assert sorted(models.hosts) == ["a", "d"]
+        stream.close()
+        await models.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_during_an_explicit_load_wait_or_get_a_503(tmp_path: Path) -> None:
+    async def main() -> None:
+        models = registry(models_dir(tmp_path, "a"))
+        loading = asyncio.ensure_future(models.load("a"))
+        await asyncio.sleep(0)  # the load has claimed the name
+        with pytest.raises(ModelUnavailableError):
+            await models.acquire("a")
+        with pytest.raises(ModelLoadError) as taken:
+            await models.load("a")
+        assert taken.value.status == 409
+        await loading
+        assert (await models.acquire("a")).name == "a"
+        with pytest.raises(ModelNotFoundError, match="loaded models: 'a'"):
+            await models.acquire("nope")
+        await models.stop()
+
+    asyncio.run(main())
