@@ -13,10 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
 from slotserve.engine.prefix_cache import PrefixCacheStats
-from slotserve.server.errors import install_error_handlers, request_id_of
+from slotserve.server.errors import ErrorResponse, install_error_handlers, request_id_of
 from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from slotserve.server.model_host import ModelState
@@ -28,18 +27,6 @@ from slotserve.server.serving import ServingContext
 from slotserve.server.serving_chat import create_chat_completion
 from slotserve.server.serving_completions import create_completion
 from slotserve.server.serving_responses import create_response, get_response
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}

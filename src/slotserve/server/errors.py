@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -17,6 +18,19 @@ from slotserve.server.model_host import RELOAD_HINT, ModelUnavailableError, Relo
 from slotserve.server.model_registry import ModelLoadError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for the OpenAPI schema."""
+
+    error: ErrorDetail
 
 
 class GenerationFailed(Exception):

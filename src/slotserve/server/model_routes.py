@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.engine.prefix_cache import PrefixCacheStats
-from slotserve.server.errors import error_response
+from slotserve.server.errors import ErrorResponse, error_response
 from slotserve.server.model_host import ModelHost, ModelState
 from slotserve.server.serving import ServingContext
 
@@ -57,19 +57,23 @@ class UnloadModelRequest(BaseModel):
     timeout: float | None = Field(default=None, ge=0)  # seconds to wait (default: the server's)
 
 
-def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
-    """A model as vLLM describes it, with our state, runner, context and slots."""
-    state = host.state
-    entry: dict[str, Any] = {
-        "id": host.name,
+def _card(ctx: ServingContext, name: str, state: str, router_status: str) -> dict[str, Any]:
+    return {
+        "id": name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "slotserve",
-        "root": host.name,
+        "root": name,
         "parent": None,
-        "state": state.value,
-        "status": {"value": _ROUTER_STATUS.get(state, "loaded")},
+        "state": state,
+        "status": {"value": router_status},
     }
+
+
+def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
+    """A model as vLLM describes it, with our state, runner, context and slots."""
+    state = host.state
+    entry = _card(ctx, host.name, state.value, _ROUTER_STATUS.get(state, "loaded"))
     if host.reason:
         entry["reason"] = host.reason
     model = host.model
@@ -84,6 +88,11 @@ def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
     return entry
 
 
+def unloaded_card(ctx: ServingContext, name: str) -> dict[str, Any]:
+    """A model of ``--models-dir`` that is not loaded."""
+    return _card(ctx, name, "unloaded", "unloaded")
+
+
 def model_list(ctx: ServingContext) -> dict[str, Any]:
     """Every model served, then those of ``--models-dir`` not loaded (state "unloaded")."""
     data = [model_card(ctx, host) for host in ctx.models.hosts.values()]
@@ -91,20 +100,6 @@ def model_list(ctx: ServingContext) -> dict[str, Any]:
         unloaded_card(ctx, name) for name in ctx.models.available() if name not in ctx.models.hosts
     ]
     return {"object": "list", "data": data}
-
-
-def unloaded_card(ctx: ServingContext, name: str) -> dict[str, Any]:
-    """A model of ``--models-dir`` that is not loaded."""
-    return {
-        "id": name,
-        "object": "model",
-        "created": ctx.created,
-        "owned_by": "slotserve",
-        "root": name,
-        "parent": None,
-        "state": "unloaded",
-        "status": {"value": "unloaded"},
-    }
 
 
 def prefix_stats(host: ModelHost) -> PrefixCacheStats:
@@ -116,6 +111,10 @@ def prefix_stats(host: ModelHost) -> PrefixCacheStats:
         else PrefixCacheStats(False, "the model is not loaded")
     )
     return host.retired.with_prefix_counters(current)
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
 
 
 def model_routes(ctx: ServingContext) -> APIRouter:
@@ -131,13 +130,13 @@ def model_routes(ctx: ServingContext) -> APIRouter:
         return model_list(ctx)
 
     # ``:path``: model ids hold "/" (an HF repo id such as "org/name").
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", responses=_errors(404))
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in models.hosts and model_id in models.available():
             return unloaded_card(ctx, model_id)
         return model_card(ctx, models.host(model_id))
 
-    @router.post("/models/load")
+    @router.post("/models/load", responses=_errors(400, 401, 404, 409, 500))
     async def load(body: LoadModelRequest) -> JSONResponse:
         """Loads a model and answers once it is ready (400 bad options or too big for the
         memory left, 404 not in the models dir, 409 name taken, 500 the load failed)."""
@@ -145,14 +144,14 @@ def model_routes(ctx: ServingContext) -> APIRouter:
         host = await models.load(body.model, Path(body.path) if body.path else None, options)
         return JSONResponse({"success": True, "model": model_card(ctx, host)})
 
-    @router.post("/models/unload")
+    @router.post("/models/unload", responses=_errors(401, 404))
     async def unload(body: UnloadModelRequest) -> JSONResponse:
         """Refuses new requests for the model at once, lets those in flight finish (up to
         ``timeout``; ``force``: none), then frees its memory."""
         cut_off = await models.unload(body.model, body.force, body.timeout)
         return JSONResponse({"success": True, "model": body.model, "requests_cut_off": cut_off})
 
-    @router.post("/admin/reload")
+    @router.post("/admin/reload", responses=_errors(404, 409, 500))
     async def reload(model: str | None = None) -> JSONResponse:
         """Builds a new runner and engine for a model (SPEC E11): recovers an unhealthy one.
         Requests still in the old engine end with an error first."""
@@ -165,7 +164,7 @@ def model_routes(ctx: ServingContext) -> APIRouter:
             )
         return JSONResponse({"status": "ready", "model": host.name, "loads": host.loads})
 
-    @router.get("/v1/slots")
+    @router.get("/v1/slots", responses=_errors(404))
     async def slots(model: str | None = None) -> dict[str, Any]:
         host = models.host(model)
         loaded = host.model
@@ -196,7 +195,7 @@ def model_routes(ctx: ServingContext) -> APIRouter:
             "spec_decode": asdict(stats.spec_decode) if stats.spec_decode else None,
         }
 
-    @router.get("/v1/prefix_cache_stats")
+    @router.get("/v1/prefix_cache_stats", responses=_errors(404))
     async def prefix_cache_stats(model: str | None = None) -> dict[str, Any]:
         # Reads the snapshot the engine published after its last step: never blocks it.
         host = models.host(model)
