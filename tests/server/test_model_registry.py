@@ -107,6 +107,15 @@ def test_models_max_unloads_the_least_recently_used_idle_model(tmp_path: Path) -
         await models.acquire("c")
         await models.acquire("d")  # a is older but busy: c goes
         assert sorted(models.hosts) == ["a", "d"]
+        # Both busy: a request for a third model is told to retry (503), not refused.
+        other = (
+            models.hosts["d"]
+            .require_ready()
+            .engine.submit("busy-too", [1, 2, 3], SamplingParams(max_tokens=4))
+        )
+        with pytest.raises(ModelUnavailableError, match="every one is serving"):
+            await models.acquire("b")
+        other.close()
         stream.close()
         await models.stop()
 

@@ -175,12 +175,17 @@ class ModelRegistry:
         not loaded and autoload is on; concurrent requests share one load), or 404 / 503."""
         name = requested or self.default_name
         host = self.hosts.get(name) if name else None
-        if name and name in self._loads:
-            host = await asyncio.shield(self._loads[name])
-        elif host is None and name in self._claimed:  # POST /models/load is at work on it
-            raise ModelUnavailableError(f"The model {name} is loading; retry shortly.", 5)
-        elif host is None and name and self.autoload and name in self.available():
-            host = await asyncio.shield(self._load_on_demand(name))
+        try:
+            if name and name in self._loads:
+                host = await asyncio.shield(self._loads[name])
+            elif host is None and name in self._claimed:  # POST /models/load is at work on it
+                raise ModelUnavailableError(f"The model {name} is loading; retry shortly.", 5)
+            elif host is None and name and self.autoload and name in self.available():
+                host = await asyncio.shield(self._load_on_demand(name))
+        except ModelLoadError as exc:
+            if exc.status == 409:  # --models-max reached and every model busy: not the client's
+                raise ModelUnavailableError(f"{exc} Retry shortly.", 5) from exc
+            raise
         if host is None:
             raise self._not_found(requested)
         host.require_ready()  # 503 while loading, unhealthy, unloading or draining
@@ -281,7 +286,9 @@ class ModelRegistry:
     async def _make_room(self, name: str) -> None:
         """At ``--models-max``, unloads the least recently used idle model."""
         active = [h for h in self.hosts.values() if h.state in _ACTIVE]
-        if self.models_max <= 0 or len(active) < self.models_max:
+        # Other loads still preparing count too, or two at once could both pass the limit.
+        preparing = {n for n in self._claimed if n not in self.hosts} - {name}
+        if self.models_max <= 0 or len(active) + len(preparing) < self.models_max:
             return
         idle = [h for h in active if h.num_in_flight == 0 and h.state is not ModelState.LOADING]
         if not idle:
