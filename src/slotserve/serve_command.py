@@ -13,16 +13,12 @@ from slotserve.model_launch import (
     LOAD_FORMATS,
     RUNNERS,
     build_launch,
-    default_model_name,
     launch_factory,
-    runner_factory,
     startup_models,
 )
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
 from slotserve.server.reasoning import REASONING_PARSERS
 from slotserve.server.tool_parsers import TOOL_PARSERS
-
-__all__ = ["add_serve_arguments", "default_model_name", "runner_factory", "serve"]
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

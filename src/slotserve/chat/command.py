@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slotserve.chat.backend import ChatBackend, ChatBackendError, GenerationOptions
+from slotserve.model_launch import DTYPES, RUNNERS
 from slotserve.options import env, env_int
 
 if TYPE_CHECKING:
@@ -74,9 +75,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens per reply (default: until the model stops or its context is full)",
     )
     local = parser.add_argument_group("the model in-process (as for serve)")
-    local.add_argument(
-        "--runner", choices=["auto", "llama.cpp", "torch"], default=env("RUNNER", "auto")
-    )
+    local.add_argument("--runner", choices=RUNNERS, default=env("RUNNER", "auto"))
     local.add_argument(
         "--slots",
         type=int,
@@ -108,9 +107,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("CHAT_TEMPLATE"),
         help="Jinja2 chat template file overriding the model's own",
     )
-    local.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=env("DTYPE", "auto")
-    )
+    local.add_argument("--dtype", choices=DTYPES, default=env("DTYPE", "auto"))
     local.add_argument("--device", default=env("DEVICE", "auto"), help="torch: cpu, cuda, cuda:N")
 
 
@@ -174,8 +171,9 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
         return await RemoteBackend.connect(args.url, args.api_key, args.model_name)
 
     from slotserve.engine.config import EngineConfig
+    from slotserve.model_launch import default_model_name, runner_factory
     from slotserve.model_source import resolve_model_path
-    from slotserve.serve_command import add_serve_arguments, default_model_name, runner_factory
+    from slotserve.serve_command import add_serve_arguments
 
     serve_parser = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(serve_parser)

@@ -266,11 +266,7 @@ class ModelHost:
         finish, then aborts the rest (each gets its final output, ``finish_reason`` "abort")
         and waits for their streams to close; returns how many were aborted."""
         self.begin_drain()
-        deadline = time.monotonic() + timeout_s
-        while self.num_in_flight and time.monotonic() < deadline:
-            if cut_short is not None and cut_short.is_set():
-                break
-            await asyncio.sleep(poll_s)
+        await self._wait_idle(timeout_s, cut_short, poll_s)
         aborted = self.model.engine.abort_all() if self.model is not None else 0
         if aborted:
             logger.warning("shutdown deadline reached: aborting %d requests", aborted)
@@ -278,6 +274,16 @@ class ModelHost:
             while self.num_in_flight and time.monotonic() < flush_deadline:
                 await asyncio.sleep(poll_s)
         return aborted
+
+    async def _wait_idle(
+        self, timeout_s: float, cut_short: asyncio.Event | None = None, poll_s: float = 0.05
+    ) -> None:
+        """Until no request is in flight, ``timeout_s`` passes or ``cut_short`` is set."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            if cut_short is not None and cut_short.is_set():
+                break
+            await asyncio.sleep(poll_s)
 
     async def stop(self) -> None:
         self._draining = True
@@ -291,9 +297,8 @@ class ModelHost:
         (``force``: not at all), then stops the engine: what is still running ends with an
         error saying the model was unloaded. Returns how many requests were cut off."""
         self._unloading = True
-        deadline = time.monotonic() + (0.0 if force else timeout_s)
-        while self.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if not force:
+            await self._wait_idle(timeout_s)
         cut_off = self.num_in_flight
         async with self._load_lock:  # a load in progress finishes (or fails) first
             model, self.model = self.model, None

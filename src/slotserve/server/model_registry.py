@@ -112,6 +112,7 @@ class ModelRegistry:
         self.startup_error: str | None = None
         self._loads: dict[str, asyncio.Future[ModelHost]] = {}  # on-demand loads in progress
         self._claimed: set[str] = set()  # names being loaded, not registered yet
+        self._from_dir: set[str] = set()  # loaded from --models-dir: a request reloads them
         self._retired: dict[str, EngineTotals] = {}  # counters of unloaded models, by name
         self._idle_watch: asyncio.Task[None] | None = None
 
@@ -197,7 +198,7 @@ class ModelRegistry:
     def _reloadable(self, name: str) -> bool:
         """Only a model the next request can load again obeys a request's ``keep_alive``:
         a client must not be able to take away a start-up model, or one loaded by path."""
-        return self.autoload and name in self.available()
+        return self.autoload and name in self._from_dir
 
     # ---- loading and unloading --------------------------------------------------------------
 
@@ -242,6 +243,7 @@ class ModelRegistry:
     async def _load(self, name: str, path: Path | None, options: Mapping[str, Any]) -> ModelHost:
         if self.make_launch is None:
             raise ModelLoadError(400, "This server cannot load models at run time.")
+        from_dir = path is None
         if path is None:
             path = self.available().get(name)
             if path is None:
@@ -259,6 +261,8 @@ class ModelRegistry:
             self.hosts.pop(name, None)
             self._retired[name] = host.retired
             raise ModelLoadError(500, f"Loading '{name}' failed: {host.load_error}.")
+        if from_dir:
+            self._from_dir.add(name)
         return host
 
     def _preflight(self, launch: ModelLaunch) -> None:
@@ -310,6 +314,7 @@ class ModelRegistry:
         cut_off = await host.unload(wait_s, force)
         if self.hosts.get(name) is host:
             del self.hosts[name]
+            self._from_dir.discard(name)
         self._retired[name] = host.retired
         logger.info("model %s unloaded (%d requests cut off)", name, cut_off)
         return cut_off
