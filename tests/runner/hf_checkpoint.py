@@ -13,6 +13,17 @@ from slotserve.bench.hf_reference import convert_gguf_to_hf
 __all__ = ["convert_gguf_to_hf", "qwen3_moe_gguf", "tiny_random_checkpoint"]
 
 
+QWEN3_5: dict[str, Any] = {
+    "head_dim": 32,
+    "full_attention_interval": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 24,
+    "linear_conv_kernel_dim": 4,
+}
+
+
 def tiny_random_checkpoint(
     family: str, tokenizer_dir: Path, out_dir: Path, **overrides: Any
 ) -> Path:
@@ -52,6 +63,19 @@ def tiny_random_checkpoint(
                 "mlp_only_layers": [0],
             },
         ),
+        # Gated DeltaNet and gated full attention alternating (layer_types from the interval).
+        "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5),
+        "qwen3_5_moe_text": (
+            "Qwen3_5MoeTextConfig",
+            "Qwen3_5MoeForCausalLM",
+            {
+                **QWEN3_5,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 96,
+            },
+        ),
         "gemma3_text": (
             "Gemma3TextConfig",
             "Gemma3ForCausalLM",
@@ -70,8 +94,12 @@ def tiny_random_checkpoint(
     model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():  # random norm weights too, so a misplaced norm shows
         for name, parameter in model.named_parameters():
+            # Gemma's and Qwen3.5's norms store (w - 1), but for the DeltaNet output's.
+            plus_one = family.startswith(("gemma3", "qwen3_5")) and "linear_attn" not in name
             if "norm" in name:
-                parameter.normal_(0.0 if family == "gemma3_text" else 1.0, 0.1)
+                parameter.normal_(0.0 if plus_one else 1.0, 0.1)
+            elif name.endswith(("A_log", "dt_bias")):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
     return out_dir

@@ -16,8 +16,12 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, read_model_config
-from slotserve.runners.pytorch.config import UnsupportedModelError, config_from_gguf
+from slotserve.runners.pytorch.checkpoint import (
+    TorchLoadConfig,
+    config_from_gguf,
+    read_model_config,
+)
+from slotserve.runners.pytorch.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import generate, greedy

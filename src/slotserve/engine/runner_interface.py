@@ -50,6 +50,11 @@ class ScheduledChunk:
     prompt_logprob_targets: Sequence[int] = ()
 
 
+RECURRENT_STATE_NO_ROLLBACK = (
+    "the model keeps a recurrent state, which cannot be rolled back past rejected drafts"
+)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the engine and server need to know about the loaded model."""
@@ -79,6 +84,9 @@ class ModelInfo:
     # runner more than it saves (the default of ``min_acceptance_rate``; measured on the
     # 2-core VM, benchmarks/RESULTS.md).
     min_draft_acceptance: float = 0.2
+    # Why drafts cannot be verified (a recurrent state cannot be rolled back to before a
+    # rejected draft); speculative decoding is then off. None when it works.
+    speculative_unsupported: str | None = None
 
     @property
     def kv_capacity(self) -> int:

@@ -23,6 +23,7 @@ models does).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from itertools import zip_longest
@@ -30,6 +31,8 @@ from typing import Any, Protocol
 
 from slotserve.engine.request import Sequence
 from slotserve.engine.runner_interface import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 _KEYS = {
     "method",
@@ -230,6 +233,9 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig | None, info: ModelInfo) -> Speculator | None:
     if config is None:
+        return None
+    if info.speculative_unsupported is not None:
+        logger.warning("speculative decoding disabled: %s", info.speculative_unsupported)
         return None
     return Speculator(
         config,

@@ -32,7 +32,11 @@ import numpy as np
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import (
+    RECURRENT_STATE_NO_ROLLBACK,
+    ModelInfo,
+    ScheduledChunk,
+)
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.structured_output import allowed_mask
 from slotserve.runners.llama_cpp_sampling import build_chain
@@ -149,6 +153,12 @@ class LlamaCppRunner:
             chunk_policy=ChunkPolicy(grain=_FA_TILE_Q, equal_chunks=True),
             kv_bytes_per_token=self._kv_bytes_per_token(),
             prefix_cache_unsupported=self._why_no_prefix_sharing(),
+            speculative_unsupported=(
+                RECURRENT_STATE_NO_ROLLBACK
+                if llama.llama_model_is_recurrent(self._model)
+                or llama.llama_model_is_hybrid(self._model)
+                else None
+            ),
             # A verification chunk costs llama.cpp more per token than a batched decode row:
             # at 0.2 open-ended replies lost 10-16% with drafts, at 0.5 they held 0.96-0.99.
             min_draft_acceptance=0.5,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.runner_interface import MemoryNeed
-from slotserve.runners.pytorch.config import ModelConfig, config_from_gguf, config_from_hf
+from slotserve.runners.pytorch.config import ModelConfig, UnsupportedModelError, config_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,9 +64,34 @@ def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int)
     RAM."""
     if load.kv_memory_bytes:
         return load.kv_memory_bytes
-    wanted = load.num_slots * max_seq_len * bytes_per_token
+    blocks_per_sequence = -(-max_seq_len // load.block_size)  # whole blocks, rounded up
+    wanted = load.num_slots * blocks_per_sequence * load.block_size * bytes_per_token
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(wanted, ram // 4)
+
+
+def kv_blocks(
+    load: TorchLoadConfig, device: torch.device, max_seq_len: int, bytes_per_token: int
+) -> int:
+    """KV pool blocks: ``--kv-memory``; on a GPU what ``--gpu-memory-fraction`` leaves free
+    after the weights (and any recurrent state); on CPU :func:`cpu_kv_budget`."""
+    block = load.block_size
+    if load.kv_memory_bytes:
+        budget = load.kv_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(free - total * (1 - load.gpu_memory_fraction))
+    else:
+        budget = cpu_kv_budget(load, max_seq_len, bytes_per_token)
+    blocks = budget // (block * bytes_per_token)
+    if blocks * block < max_seq_len:
+        raise ValueError(
+            f"the KV memory ({budget / 2**20:.0f} MiB) holds {blocks * block} tokens, "
+            f"less than one sequence of {max_seq_len}: raise --kv-memory or lower "
+            f"--max-model-len"
+        )
+    return int(blocks)
 
 
 def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
@@ -77,11 +103,17 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
     hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
-    attention = hidden * (2 * q_dim + 2 * kv_dim)
+    attention = hidden * ((3 if config.attn_output_gate else 2) * q_dim + 2 * kv_dim)
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    linear = hidden * (
+        config.linear_conv_channels + 2 * value_dim + 2 * config.linear_num_value_heads
+    )
     dense = 3 * hidden * config.intermediate_size
     experts = config.num_experts * (3 * hidden * config.moe_intermediate_size + hidden)
+    experts += (3 * hidden + 1) * config.shared_expert_intermediate_size
     layers = sum(
-        attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
+        (linear if config.is_linear(i) else attention) + (experts if config.is_sparse(i) else dense)
+        for i in range(config.num_layers)
     )
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
     weights = (embeddings + layers) * dtype_bytes
@@ -92,6 +124,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     else:
         kv = cpu_kv_budget(load, max_seq_len, per_token)
     buffers = load.max_batch_tokens * config.vocab_size * 4 + 128 * 2**20
+    buffers += load.num_slots * config.linear_state_bytes(dtype_bytes)  # DeltaNet state
     return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
 
 
@@ -119,3 +152,77 @@ def gguf_metadata(reader: object) -> dict[str, object]:
     if tokens is not None:
         metadata["_vocab_tokens"] = len(tokens.data)
     return metadata
+
+
+# GGUF architecture name → HF model_type; llama.cpp converts Mistral as "llama".
+_GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
+
+
+def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
+    """The same, from GGUF metadata (``general.architecture`` and ``<arch>.*`` keys)."""
+    arch = str(metadata.get("general.architecture"))
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner "
+            f"(supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}); serve this file with "
+            "the llama.cpp runner (--runner llama.cpp, the default for a .gguf)"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"{name}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = metadata.get(f"{arch}.vocab_size") or metadata.get("_vocab_tokens")
+    if not vocab:
+        raise UnsupportedModelError(f"{name}: GGUF metadata gives no vocabulary size")
+    experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    raw: dict[str, Any] = {
+        "model_type": _GGUF_ARCHITECTURES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", 0 if experts else None)),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in metadata.get("_tensor_names", ()),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling_kind = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_kind == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if arch == "qwen3moe":
+        # llama.cpp's graph renormalises the top-k weights and makes every layer sparse.
+        used = int(get("expert_used_count"))
+        raw |= {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": int(
+                get("expert_feed_forward_length", int(raw["intermediate_size"]) // used)
+            ),
+            "norm_topk_prob": True,
+        }
+    if arch == "gemma3":
+        window = int(get("attention.sliding_window"))
+        raw |= {
+            "sliding_window": window,
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": int(get("attention.key_length", hidden // heads)),
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    return config_from_hf(raw, name)

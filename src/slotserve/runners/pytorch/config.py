@@ -12,6 +12,11 @@ defaults of the families that do not have them:
   router over ``num_experts`` SwiGLU experts of which ``num_experts_per_tok`` run per token
   (weights renormalised when ``norm_topk_prob``); ``mlp_only_layers`` and
   ``decoder_sparse_step`` name the dense ones.
+* Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``, and their ``_text`` models): per ``layer_types``,
+  Gated DeltaNet linear-attention layers (``deltanet.py``) and full-attention layers whose
+  output is gated (``q_proj`` gives each head's query and gate) and whose rotary embedding
+  turns the first ``partial_rotary_factor`` of each head; RMSNorm weights stored as (w - 1);
+  the MoE variant renormalises its top-k and adds a shared expert gated by a sigmoid.
 * Gemma 3 text (``gemma3_text``, ``gemma3``): embeddings scaled by sqrt(hidden), RMSNorm
   weights stored as (w - 1), four norms per layer, GeGLU (tanh GELU), query scaling from
   ``query_pre_attn_scalar``, sliding-window layers with their own rotary base.
@@ -30,6 +35,10 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
     "gemma3_text",
     "gemma3",
 )
@@ -86,6 +95,17 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: one expert every token runs
+    # Qwen3.5: per layer, True for a Gated DeltaNet (linear attention) layer.
+    linear_layers: tuple[bool, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False  # q_proj yields [query | gate] per head
+    rotary_dim: int = 0  # dims of each head the rotary embedding turns; 0: all of them
+    centered_norms: bool = False  # (1 + w) RMSNorm weights without Gemma's four norms
 
     @property
     def num_query_groups(self) -> int:
@@ -96,8 +116,41 @@ class ModelConfig:
         scalar = self.query_pre_attn_scalar or self.head_dim
         return 1.0 / math.sqrt(scalar)
 
+    @property
+    def plus_one_norms(self) -> bool:
+        return self.gemma_norms or self.centered_norms
+
+    @property
+    def rotary_size(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers - sum(self.linear_layers)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V of one position in every full-attention layer (DeltaNet layers keep a
+        fixed-size state per sequence instead: ``linear_state_bytes``)."""
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """The causal convolution runs over the q, k and v channels of a DeltaNet layer."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def linear_state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's DeltaNet state over all linear layers: the convolution's last
+        ``kernel - 1`` inputs (model dtype) and the float32 recurrent matrix of each value
+        head (key dim × value dim)."""
+        conv = (self.linear_conv_kernel - 1) * self.linear_conv_channels * dtype_bytes
+        recurrent = (
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        )
+        return sum(self.linear_layers) * (conv + recurrent)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
@@ -109,9 +162,13 @@ class ModelConfig:
 def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
     """Validates an HF ``config.json`` (already parsed) without touching any weight."""
     model_type = raw.get("model_type")
-    if model_type == "gemma3" and "text_config" in raw:
-        raw = {**raw["text_config"], "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
+    if model_type in ("gemma3", "qwen3_5", "qwen3_5_moe") and "text_config" in raw:
+        # A multimodal checkpoint: its text model (the head's tying is set at the top).
+        tied = raw.get("tie_word_embeddings", raw["text_config"].get("tie_word_embeddings"))
+        model_type = f"{model_type}_text"
+        raw = {**raw["text_config"], "model_type": model_type}
+        if tied is not None:
+            raw["tie_word_embeddings"] = tied
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{name}: model_type {model_type!r} is not supported by the PyTorch runner; "
@@ -128,6 +185,7 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     head_dim = int(raw.get("head_dim") or hidden // heads)
     gemma = model_type in ("gemma3_text", "gemma3")
+    qwen35 = model_type.startswith("qwen3_5")
     layers = int(need("num_hidden_layers"))
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     local_rope: Mapping[str, Any] = {}
@@ -135,6 +193,7 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         local_rope = rope.get("sliding_attention") or {}
         rope = rope["full_attention"]
     theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    partial = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 0.25
     local_theta = raw.get("rope_local_base_freq") or local_rope.get("rope_theta") or 10000.0
     sliding_window = raw.get("sliding_window") if gemma or model_type == "mistral" else None
     sliding_layers: tuple[bool, ...] = ()
@@ -147,10 +206,24 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
             sliding_layers = tuple((i + 1) % pattern != 0 for i in range(layers))
     elif sliding_window:
         sliding_layers = (True,) * layers
+    linear_layers: tuple[bool, ...] = ()
+    if qwen35:
+        types = raw.get("layer_types") or [
+            "full_attention"
+            if (i + 1) % int(raw.get("full_attention_interval") or 4) == 0
+            else "linear_attention"
+            for i in range(layers)
+        ]
+        unknown = set(types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"{name}: layer types {sorted(unknown)} are not supported")
+        linear_layers = tuple(t == "linear_attention" for t in types)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     sparse_layers: tuple[bool, ...] = ()
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        sparse_layers = (experts > 0,) * layers  # every layer, top-k always renormalised
     if model_type == "qwen3_moe":
         # transformers' rule: a layer is sparse unless listed dense or off the sparse step.
         dense = set(raw.get("mlp_only_layers") or ())
@@ -163,7 +236,9 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         name=name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=int(
+            raw.get("intermediate_size") or 0 if any(sparse_layers) else need("intermediate_size")
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -174,7 +249,7 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         rope_scaling=_rope_scaling(rope, name),
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma,
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma or qwen35,
         gemma_norms=gemma,
         scale_embeddings=gemma,
         hidden_activation=str(
@@ -192,8 +267,18 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         num_experts=experts if any(sparse_layers) else 0,
         num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if any(sparse_layers) else 0,
         moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", qwen35)),
         sparse_layers=sparse_layers if any(sparse_layers) else (),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        linear_layers=linear_layers if any(linear_layers) else (),
+        linear_num_key_heads=int(raw.get("linear_num_key_heads") or 0),
+        linear_num_value_heads=int(raw.get("linear_num_value_heads") or 0),
+        linear_key_head_dim=int(raw.get("linear_key_head_dim") or 0),
+        linear_value_head_dim=int(raw.get("linear_value_head_dim") or 0),
+        linear_conv_kernel=int(raw.get("linear_conv_kernel_dim") or 0),
+        attn_output_gate=qwen35,  # always on in Qwen3.5 (transformers has no switch)
+        rotary_dim=int(head_dim * float(partial)) if qwen35 else 0,
+        centered_norms=qwen35,
     )
     _check(config)
     return config
@@ -235,79 +320,25 @@ def _check(config: ModelConfig) -> None:
             "mixture of experts needs 0 < num_experts_per_tok <= num_experts and "
             "moe_intermediate_size > 0"
         )
+    if config.rotary_size % 2 or config.rotary_size > config.head_dim:
+        problems.append("the rotary part of a head must be even and at most head_dim")
+    if config.linear_layers:
+        c = config
+        sizes = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+            c.linear_conv_kernel,
+        )
+        if len(c.linear_layers) != c.num_layers:
+            problems.append("layer_types does not list every layer")
+        elif all(c.linear_layers):
+            problems.append("at least one layer must be full attention")
+        elif min(sizes) < 1 or c.linear_num_value_heads % c.linear_num_key_heads:
+            problems.append(
+                "linear attention needs positive head counts and sizes, and value heads a "
+                "multiple of key heads"
+            )
     if problems:
         raise UnsupportedModelError(f"{config.name}: " + "; ".join(problems))
-
-
-# GGUF architecture name → HF model_type; llama.cpp converts Mistral as "llama".
-_GGUF_ARCHITECTURES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3moe": "qwen3_moe",
-    "gemma3": "gemma3_text",
-}
-
-
-def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
-    """The same, from GGUF metadata (``general.architecture`` and ``<arch>.*`` keys)."""
-    arch = str(metadata.get("general.architecture"))
-    if arch not in _GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner "
-            f"(supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}); serve this file with "
-            "the llama.cpp runner (--runner llama.cpp, the default for a .gguf)"
-        )
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise UnsupportedModelError(f"{name}: GGUF metadata has no {arch}.{key}")
-        return value
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = metadata.get(f"{arch}.vocab_size") or metadata.get("_vocab_tokens")
-    if not vocab:
-        raise UnsupportedModelError(f"{name}: GGUF metadata gives no vocabulary size")
-    experts = int(metadata.get(f"{arch}.expert_count") or 0)
-    raw: dict[str, Any] = {
-        "model_type": _GGUF_ARCHITECTURES[arch],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length", 0 if experts else None)),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in metadata.get("_tensor_names", ()),
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-    }
-    scaling_kind = metadata.get(f"{arch}.rope.scaling.type")
-    if scaling_kind == "linear":
-        raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    if arch == "qwen3moe":
-        # llama.cpp's graph renormalises the top-k weights and makes every layer sparse.
-        used = int(get("expert_used_count"))
-        raw |= {
-            "num_experts": experts,
-            "num_experts_per_tok": used,
-            "moe_intermediate_size": int(
-                get("expert_feed_forward_length", int(raw["intermediate_size"]) // used)
-            ),
-            "norm_topk_prob": True,
-        }
-    if arch == "gemma3":
-        window = int(get("attention.sliding_window"))
-        raw |= {
-            "sliding_window": window,
-            "sliding_window_pattern": 6,
-            "rope_local_base_freq": 10000.0,
-            "query_pre_attn_scalar": int(get("attention.key_length", hidden // heads)),
-            "hidden_activation": "gelu_pytorch_tanh",
-        }
-    return config_from_hf(raw, name)

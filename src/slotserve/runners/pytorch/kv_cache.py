@@ -29,15 +29,23 @@ class KvPool:
         self.tables = PagedKvTables(num_blocks, block_size, num_slots)
         self.zero_block = num_blocks
         rows = (num_blocks + 1) * block_size
-        shape = (rows, config.num_kv_heads, config.head_dim)
         # Zeroed: gathers read padding from the zero block, and a freed block's old contents
-        # are finite, so masked positions contribute exact zeros.
+        # are finite, so masked positions contribute exact zeros. A Gated DeltaNet layer keeps
+        # no KV (an empty entry keeps the list indexed by layer).
         self.layers = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(
+                    (0 if config.is_linear(i) else rows, config.num_kv_heads, config.head_dim),
+                    dtype=dtype,
+                    device=device,
+                ),
+                torch.zeros(
+                    (0 if config.is_linear(i) else rows, config.num_kv_heads, config.head_dim),
+                    dtype=dtype,
+                    device=device,
+                ),
             )
-            for _ in range(config.num_layers)
+            for i in range(config.num_layers)
         ]
         self._pending_copies: list[tuple[int, int]] = []
 

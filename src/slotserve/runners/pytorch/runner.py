@@ -15,22 +15,30 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import (
+    RECURRENT_STATE_NO_ROLLBACK,
+    ModelInfo,
+    ScheduledChunk,
+)
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.checkpoint import (
     DTYPES,
     TorchLoadConfig,
-    cpu_kv_budget,
+    kv_blocks,
     open_gguf,
     read_model_config,
 )
+from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.deltanet import BLOCK, LinearStatePool, LinearStep
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.model import Decoder
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
@@ -86,7 +94,7 @@ class TorchRunner:
             self.model = Decoder(config, self.dtype, self.max_seq_len)
         self.model.eval()
         if load.load_format == "dummy":
-            tensors = dummy_tensors(config)
+            tensors = dummy_tensors(self.model)
         elif reader is not None:
             tensors = gguf_tensors(reader, config)
         else:
@@ -96,8 +104,14 @@ class TorchRunner:
             self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
             if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                 self.model.prepack()
+        # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
+        self.linear_states = (
+            LinearStatePool(config, load.num_slots, self.dtype, self.device)
+            if config.linear_layers
+            else None
+        )
         bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
-        num_blocks = self._kv_blocks(bytes_per_token)
+        num_blocks = kv_blocks(load, self.device, self.max_seq_len, bytes_per_token)
         self.pool = KvPool(
             config, num_blocks, load.block_size, load.num_slots, self.dtype, self.device
         )
@@ -116,6 +130,7 @@ class TorchRunner:
             runner="torch",
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
+            **_recurrent_state_rules(config),
         )
         logger.info(
             "loaded %s (%s) on %s in %s: %d slots × %d tokens, KV pool %d blocks × %d "
@@ -131,25 +146,6 @@ class TorchRunner:
             num_blocks * load.block_size * bytes_per_token / 2**20,
             time.monotonic() - started,
         )
-
-    def _kv_blocks(self, bytes_per_token: int) -> int:
-        load, block = self.load, self.load.block_size
-        if load.kv_memory_bytes:
-            budget = load.kv_memory_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(free - total * (1 - load.gpu_memory_fraction))
-        else:
-            budget = cpu_kv_budget(load, self.max_seq_len, bytes_per_token)
-        blocks = budget // (block * bytes_per_token)
-        if blocks * block < self.max_seq_len:
-            raise ValueError(
-                f"the KV memory ({budget / 2**20:.0f} MiB) holds {blocks * block} tokens, "
-                f"less than one sequence of {self.max_seq_len}: raise --kv-memory or lower "
-                f"--max-model-len"
-            )
-        return int(blocks)
 
     # ---- Runner protocol --------------------------------------------------------------------
 
@@ -180,9 +176,17 @@ class TorchRunner:
         self._samplers.pop(slot, None)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        if self.linear_states is not None:
+            if num_tokens != self.pool.tables.lengths[src_slot]:
+                raise RuntimeError("a recurrent state holds all of its positions or none")
+            self.linear_states.copy(src_slot, dst_slot)
         self.pool.tables.copy(src_slot, dst_slot, num_tokens)
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
+        # A recurrent state cannot forget its last positions; a sequence starting again from
+        # position 0 zeroes it (``execute``).
+        if self.linear_states is not None and 0 < num_tokens < self.pool.tables.lengths[slot]:
+            raise RuntimeError(f"cannot roll slot {slot}'s recurrent state back to {num_tokens}")
         self.pool.tables.trim(slot, num_tokens)
 
     def kv_tokens(self, slot: int) -> int:
@@ -219,11 +223,16 @@ class TorchRunner:
         )
         device = self.device
         self.pool.apply_pending_copies()
+        linear_step = None
+        if self.linear_states is not None:
+            linear_step = self._linear_step(ordered)
         hidden = self.model(
             torch.tensor(tokens, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             step,
             self.pool.layers,
+            linear_step,
+            self.linear_states.layers if self.linear_states is not None else None,
         )
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
@@ -318,11 +327,43 @@ class TorchRunner:
             row += q_len * len(batch)
         return groups
 
+    def _linear_step(self, ordered: Sequence[ScheduledChunk]) -> LinearStep:
+        """The Gated DeltaNet layers' view of the step (one-token chunks first, as in
+        ``ordered``); a sequence starting at position 0 starts from a zero state."""
+        assert self.linear_states is not None
+        self.linear_states.reset([c.slot for c in ordered if c.start_pos == 0])
+        decode = [c.slot for c in ordered if len(c.token_ids) == 1]
+        prefills, row = [], len(decode)
+        for chunk in ordered[len(decode) :]:
+            prefills.append((row, len(chunk.token_ids), chunk.slot))
+            row += len(chunk.token_ids)
+        slots = torch.tensor(decode, dtype=torch.int64, device=self.device)
+        return LinearStep(slots, prefills)
+
     def close(self) -> None:
         """Drops the KV pool and the weights; on CUDA the allocator's cache is emptied too,
         so an unloaded model's device memory goes back to the GPU (and to other models)."""
         self._samplers.clear()
         self.pool.layers.clear()
+        if self.linear_states is not None:
+            self.linear_states.clear()
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _recurrent_state_rules(config: ModelConfig) -> dict[str, Any]:
+    """What a model with Gated DeltaNet layers changes in the engine's rules: chunks cut on
+    the chunked delta rule's block grid (batch invariance, ``deltanet.py``), no prefix cache
+    and no speculation (a recurrent state is neither shareable by position range nor
+    rewindable)."""
+    if not config.linear_layers:
+        return {}
+    return {
+        "chunk_policy": ChunkPolicy(grain=BLOCK),
+        "prefix_cache_unsupported": (
+            "the model's Gated DeltaNet layers keep a recurrent state, which cannot be shared "
+            "by position range"
+        ),
+        "speculative_unsupported": RECURRENT_STATE_NO_ROLLBACK,
+    }

@@ -20,12 +20,23 @@ import numpy as np
 import torch
 
 from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.model import Decoder
+from slotserve.runners.pytorch.model import Decoder, DecoderLayer
+from slotserve.runners.pytorch.moe import Expert
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-# Multimodal checkpoints (Gemma 3 4B+) keep the text model under a prefix.
+# Multimodal checkpoints (Gemma 3 4B+, Qwen3.5) keep the text model under a prefix.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+# What a text decoder does not use: vision towers and their projectors, Qwen3.5's
+# multi-token-prediction head (served models decode one token per step).
+_SKIPPED = (
+    "model.visual.",
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+    "mtp.",
+)
 
 
 def load_into(model: Decoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -37,7 +48,7 @@ def load_into(model: Decoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> No
         name = _normalise(raw_name)
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or name.startswith(_SKIPPED):
             continue
         target = _target(model, name)
         if target.shape != tensor.shape:
@@ -57,7 +68,6 @@ def _normalise(name: str) -> str:
 
 
 def _target(model: Decoder, name: str) -> torch.Tensor:
-    c = model.config
     if name == "model.embed_tokens.weight":
         return model.embed.weight
     if name == "model.norm.weight":
@@ -67,35 +77,52 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
     match = _LAYER.match(name)
     if match is None:
         raise ValueError(f"unexpected tensor {name}")
+    c = model.config
     layer = model.decoder_layers[int(match.group(1))]
     part = match.group(2)
-    expert = _EXPERT.match(part)
-    if layer.sparse and expert is not None and int(expert.group(1)) < c.num_experts:
-        mlp = layer.experts[int(expert.group(1))]
-        inter = c.moe_intermediate_size
+    pieces = _mixer_pieces(layer, c) | _mlp_pieces(layer, c, part)
+    pieces |= {
+        "input_layernorm.weight": layer.input_norm.weight,
+        "post_attention_layernorm.weight": layer.post_attention_norm.weight,
+    }
+    if c.gemma_norms:
+        pieces |= {
+            "pre_feedforward_layernorm.weight": layer.pre_mlp_norm.weight,
+            "post_feedforward_layernorm.weight": layer.post_mlp_norm.weight,
+        }
+    if part not in pieces:
+        raise ValueError(f"unexpected tensor {name}")
+    return pieces[part]
+
+
+def _mixer_pieces(layer: DecoderLayer, c: ModelConfig) -> dict[str, torch.Tensor]:
+    """Attention's (or a Gated DeltaNet layer's) tensors by HF name, as views of the fused
+    weights they go into."""
+    if layer.is_linear:
+        linear = layer.linear
+        channels, heads = c.linear_conv_channels, c.linear_num_value_heads
+        value_dim = heads * c.linear_value_head_dim
+        rows = linear.in_proj.weight
+        z_end = channels + value_dim
         return {
-            "gate": mlp.gate_up.weight[:inter],
-            "up": mlp.gate_up.weight[inter:],
-            "down": mlp.down.weight,
-        }[expert.group(2)]
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            "linear_attn.in_proj_qkv.weight": rows[:channels],
+            "linear_attn.in_proj_z.weight": rows[channels:z_end],
+            "linear_attn.in_proj_b.weight": rows[z_end : z_end + heads],
+            "linear_attn.in_proj_a.weight": rows[z_end + heads :],
+            "linear_attn.conv1d.weight": linear.conv_weight.view(channels, 1, -1),
+            "linear_attn.A_log": linear.A_log,
+            "linear_attn.dt_bias": linear.dt_bias,
+            "linear_attn.norm.weight": linear.norm.weight,
+            "linear_attn.out_proj.weight": linear.out_proj.weight,
+        }
+    kv = c.num_kv_heads * c.head_dim
+    q = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)
     pieces: dict[str, torch.Tensor] = {
         "self_attn.q_proj.weight": layer.qkv.weight[:q],
         "self_attn.k_proj.weight": layer.qkv.weight[q : q + kv],
         "self_attn.v_proj.weight": layer.qkv.weight[q + kv :],
         "self_attn.o_proj.weight": layer.o_proj.weight,
-        "input_layernorm.weight": layer.input_norm.weight,
-        "post_attention_layernorm.weight": layer.post_attention_norm.weight,
     }
-    if layer.sparse:
-        pieces["mlp.gate.weight"] = layer.router.weight
-    else:
-        inter = c.intermediate_size
-        pieces |= {
-            "mlp.gate_proj.weight": layer.gate_up.weight[:inter],
-            "mlp.up_proj.weight": layer.gate_up.weight[inter:],
-            "mlp.down_proj.weight": layer.down.weight,
-        }
     if c.attention_bias:
         pieces |= {
             "self_attn.q_proj.bias": layer.qkv.bias[:q],
@@ -107,43 +134,84 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
             "self_attn.q_norm.weight": layer.q_norm.weight,
             "self_attn.k_norm.weight": layer.k_norm.weight,
         }
-    if c.gemma_norms:
-        pieces |= {
-            "pre_feedforward_layernorm.weight": layer.pre_mlp_norm.weight,
-            "post_feedforward_layernorm.weight": layer.post_mlp_norm.weight,
+    return pieces
+
+
+def _mlp_pieces(layer: DecoderLayer, c: ModelConfig, part: str) -> dict[str, torch.Tensor]:
+    if not layer.sparse:
+        inter = c.intermediate_size
+        return {
+            "mlp.gate_proj.weight": layer.gate_up.weight[:inter],
+            "mlp.up_proj.weight": layer.gate_up.weight[inter:],
+            "mlp.down_proj.weight": layer.down.weight,
         }
-    if part not in pieces:
-        raise ValueError(f"unexpected tensor {name}")
-    return pieces[part]
+    moe = layer.moe
+    pieces = {"mlp.gate.weight": moe.router.weight}
+    expert = _EXPERT.match(part)
+    if expert is not None and int(expert.group(1)) < c.num_experts:
+        mlp = moe.experts[int(expert.group(1))]
+        pieces[part] = _expert_piece(mlp, expert.group(2), c.moe_intermediate_size)
+    if moe.shared is not None and moe.shared_gate is not None:
+        inter = c.shared_expert_intermediate_size
+        pieces["mlp.shared_expert_gate.weight"] = moe.shared_gate.weight
+        for kind in ("gate", "up", "down"):
+            pieces[f"mlp.shared_expert.{kind}_proj.weight"] = _expert_piece(moe.shared, kind, inter)
+    return pieces
+
+
+def _expert_piece(expert: Expert, kind: str, intermediate: int) -> torch.Tensor:
+    return {
+        "gate": expert.gate_up.weight[:intermediate],
+        "up": expert.gate_up.weight[intermediate:],
+        "down": expert.down.weight,
+    }[kind]
 
 
 def _expected_names(c: ModelConfig) -> set[str]:
-    per_layer = [
+    attention = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
     ]
     if c.attention_bias:
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if c.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    linear = [
+        f"linear_attn.{p}"
+        for p in (
+            "in_proj_qkv.weight",
+            "in_proj_z.weight",
+            "in_proj_b.weight",
+            "in_proj_a.weight",
+            "conv1d.weight",
+            "A_log",
+            "dt_bias",
+            "norm.weight",
+            "out_proj.weight",
+        )
+    ]
+    norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     if c.gemma_norms:
-        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not c.tie_word_embeddings:
-        names.add("lm_head.weight")
-    names |= {f"model.layers.{i}.{p}" for i in range(c.num_layers) for p in per_layer}
+        norms += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     sparse_mlp = ["mlp.gate.weight"] + [
         f"mlp.experts.{e}.{p}_proj.weight"
         for e in range(c.num_experts)
         for p in ("gate", "up", "down")
     ]
+    if c.shared_expert_intermediate_size:
+        sparse_mlp += ["mlp.shared_expert_gate.weight"] + [
+            f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")
+        ]
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not c.tie_word_embeddings:
+        names.add("lm_head.weight")
     for i in range(c.num_layers):
-        names |= {f"model.layers.{i}.{p}" for p in (sparse_mlp if c.is_sparse(i) else dense_mlp)}
+        parts = norms + (linear if c.is_linear(i) else attention)
+        parts += sparse_mlp if c.is_sparse(i) else dense_mlp
+        names |= {f"model.layers.{i}.{p}" for p in parts}
     return names
 
 
@@ -195,51 +263,23 @@ def safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, shard.get_tensor(name)
 
 
-def dummy_tensors(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights of the configuration's shapes (benchmarks without the real weights)."""
+def dummy_tensors(model: Decoder, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights of the model's shapes (benchmarks without the real weights): norms at
+    their neutral value, DeltaNet decays spread as HF initialises them."""
+    c = model.config
     generator = torch.Generator().manual_seed(seed)
-    norm_value = 0.0 if c.gemma_norms else 1.0  # Gemma stores (w - 1)
-    shapes = _shapes(c)
     for name in sorted(_expected_names(c)):
-        shape = shapes(name)
-        if "norm" in name:
-            yield name, torch.full(shape, norm_value)
+        shape = _target(model, name).shape
+        if name.endswith("linear_attn.norm.weight"):
+            yield name, torch.ones(shape)  # plain w even where the other norms are (1 + w)
+        elif "norm" in name:
+            yield name, torch.full(shape, 0.0 if c.plus_one_norms else 1.0)
+        elif name.endswith("A_log"):
+            yield name, torch.empty(shape).uniform_(1, 16, generator=generator).log()
+        elif name.endswith("dt_bias"):
+            yield name, torch.ones(shape)
         else:
             yield name, torch.randn(shape, generator=generator) * 0.02
-
-
-def _shapes(c: ModelConfig) -> Any:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    by_part = {
-        "self_attn.q_proj.weight": (q, c.hidden_size),
-        "self_attn.k_proj.weight": (kv, c.hidden_size),
-        "self_attn.v_proj.weight": (kv, c.hidden_size),
-        "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (c.hidden_size, q),
-        "self_attn.q_norm.weight": (c.head_dim,),
-        "self_attn.k_norm.weight": (c.head_dim,),
-        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        "mlp.gate.weight": (c.num_experts, c.hidden_size),
-    }
-    moe = c.moe_intermediate_size
-    by_expert_part = {"gate": (moe, c.hidden_size), "up": (moe, c.hidden_size)}
-
-    def shape(name: str) -> tuple[int, ...]:
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (c.vocab_size, c.hidden_size)
-        match = _LAYER.match(name)
-        expert = _EXPERT.match(match.group(2)) if match else None
-        if expert is not None:
-            return by_expert_part.get(expert.group(2), (c.hidden_size, moe))
-        if match is None or match.group(2) not in by_part:
-            return (c.hidden_size,)  # the norms
-        return by_part[match.group(2)]
-
-    return shape
 
 
 # GGUF tensor names (llama.cpp's) → HF names; ``{i}`` is the layer.

@@ -1,0 +1,61 @@
+"""Rotary position embeddings as HF builds them: Llama 3's and linear frequency scaling, and a
+partial rotary dim (Qwen3.5 turns only the first quarter of each head)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slotserve.runners.pytorch.config import ModelConfig
+
+
+def rotary_tables(
+    config: ModelConfig, theta: float, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, [max_positions, rotary dim], as HF builds them (the
+    rotary dim is the whole head except for Qwen3.5's partial rotary embedding)."""
+    dim = config.rotary_size
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: [tokens, heads, head_dim]; ``cos``/``sin``: [tokens, rotary dim]. Dims past the
+    rotary dim pass through unchanged."""
+    size = cos.shape[-1]
+    if size == x.shape[-1]:
+        return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    turned, kept = x[..., :size], x[..., size:]
+    turned = turned * cos[:, None, :] + _rotate_half(turned) * sin[:, None, :]
+    return torch.cat((turned, kept), dim=-1)
+
+
+def without_scaling(config: ModelConfig) -> ModelConfig:
+    from dataclasses import replace
+
+    from slotserve.runners.pytorch.config import RopeScaling
+
+    return replace(config, rope_scaling=RopeScaling())
