@@ -10,7 +10,7 @@ import torch
 
 from slotserve.bench.hf_reference import convert_gguf_to_hf
 
-__all__ = ["convert_gguf_to_hf", "qwen3_moe_gguf", "tiny_random_checkpoint"]
+__all__ = ["convert_gguf_to_hf", "qwen3_moe_gguf", "qwen35_gguf", "tiny_random_checkpoint"]
 
 
 QWEN3_5: dict[str, Any] = {
@@ -159,3 +159,110 @@ def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
+    """A tiny Qwen3.5 HF folder (text model) written as llama.cpp's converter writes it
+    (float32, ``qwen35`` / ``qwen35moe``): ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as
+    ``ssm_dt.bias``, the convolution squeezed, ``1 + w`` norms stored with the 1 added (not
+    the DeltaNet output norm), value heads reordered from grouped to tiled when there are
+    fewer key heads, experts stacked; the vocabulary copied from ``tokenizer_gguf``, so
+    llama.cpp can run it too."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    hp = json.loads((folder / "config.json").read_text())
+    layers, experts = hp["num_hidden_layers"], hp.get("num_experts", 0)
+    nk, nv = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
+    dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+    arch = gguf.MODEL_ARCH.QWEN35MOE if experts else gguf.MODEL_ARCH.QWEN35
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(layers)
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp.get("intermediate_size", 0))
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(hp["num_key_value_heads"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_rope_freq_base(hp["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(int(hp["head_dim"] * 0.25))
+    writer.add_rope_dimension_sections([int(hp["head_dim"] * 0.25) // 2, 0, 0, 0])
+    writer.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(nk)
+    writer.add_ssm_time_step_rank(nv)
+    writer.add_ssm_inner_size(nv * dv)
+    # The converter writes config.json's interval; transformers saves ``layer_types`` instead.
+    writer.add_full_attention_interval(hp["layer_types"].index("full_attention") + 1)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(hp["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+    _copy_vocabulary(gguf.GGUFReader(str(tokenizer_gguf)), writer)
+
+    def tiled(rows: torch.Tensor, block: int) -> torch.Tensor:
+        grouped = rows.reshape(nk, nv // nk, block, *rows.shape[1:])
+        return grouped.transpose(0, 1).reshape(rows.shape)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in weights.items():
+        if ".mlp.experts." in name:
+            continue
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            value = value + 1
+        if ".linear_attn." in name and nk != nv:
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                value = torch.cat([value[: 2 * nk * dk], tiled(value[2 * nk * dk :], dv)])
+            elif name.endswith("in_proj_z.weight"):
+                value = tiled(value, dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                value = tiled(value, 1)
+            elif name.endswith("out_proj.weight"):
+                value = tiled(value.T, dv).T
+        if name.endswith("A_log"):
+            value = -torch.exp(value)
+        elif name.endswith("dt_bias"):
+            name = name.replace("dt_bias", "dt_proj.bias")
+        elif "conv1d" in name:
+            value = value.squeeze(1)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))  # suffix kept
+        assert gguf_name is not None, name
+        tensors[gguf_name] = value
+    for block in range(layers if experts else 0):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            stacked = torch.stack(
+                [
+                    weights[f"model.layers.{block}.mlp.experts.{e}.{part}.weight"]
+                    for e in range(experts)
+                ]
+            )
+            stacked_name = names.get_name(f"model.layers.{block}.mlp.experts.{part}")
+            tensors[f"{stacked_name}.weight"] = stacked
+    for name, value in tensors.items():
+        writer.add_tensor(name, value.contiguous().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _copy_vocabulary(reader: Any, writer: Any) -> None:
+    fields = reader.fields
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+    if "tokenizer.ggml.pre" in fields:
+        writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())

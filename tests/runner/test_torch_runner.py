@@ -173,8 +173,9 @@ def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
     from gguf import GGUFReader
 
     from slotserve.runners.pytorch.checkpoint import gguf_metadata
+    from slotserve.runners.pytorch.gguf_weights import gguf_tensors
     from slotserve.runners.pytorch.model import Decoder
-    from slotserve.runners.pytorch.weights import gguf_tensors, load_into, safetensors_tensors
+    from slotserve.runners.pytorch.weights import load_into, safetensors_tensors
 
     # llama.cpp makes every qwen3moe layer sparse and renormalises the top-k weights.
     folder = tiny_random_checkpoint(

@@ -160,6 +160,8 @@ _GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
     "gemma3": "gemma3_text",
 }
 
@@ -215,6 +217,25 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
                 get("expert_feed_forward_length", int(raw["intermediate_size"]) // used)
             ),
             "norm_topk_prob": True,
+        }
+    if arch in ("qwen35", "qwen35moe"):
+        # llama.cpp's converter keeps the DeltaNet sizes under its SSM keys.
+        value_heads = int(get("ssm.time_step_rank"))
+        raw |= {
+            "linear_num_key_heads": int(get("ssm.group_count")),
+            "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": int(get("ssm.state_size")),
+            "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+            "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+            "full_attention_interval": int(get("full_attention_interval", 4)),
+            "rotary_dim": int(get("rope.dimension_count", int(raw["head_dim"]) // 4)),
+        }
+    if arch == "qwen35moe":
+        raw |= {
+            "num_experts": experts,
+            "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
         }
     if arch == "gemma3":
         window = int(get("attention.sliding_window"))

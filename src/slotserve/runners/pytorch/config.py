@@ -277,7 +277,8 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         linear_value_head_dim=int(raw.get("linear_value_head_dim") or 0),
         linear_conv_kernel=int(raw.get("linear_conv_kernel_dim") or 0),
         attn_output_gate=qwen35,  # always on in Qwen3.5 (transformers has no switch)
-        rotary_dim=int(head_dim * float(partial)) if qwen35 else 0,
+        # As transformers: int(head_dim × factor); a GGUF states the dim itself.
+        rotary_dim=int(raw.get("rotary_dim") or head_dim * float(partial)) if qwen35 else 0,
         centered_norms=qwen35,
     )
     _check(config)

@@ -39,16 +39,12 @@ from slotserve.runners.pytorch.checkpoint import (
 )
 from slotserve.runners.pytorch.config import ModelConfig
 from slotserve.runners.pytorch.deltanet import BLOCK, LinearStatePool, LinearStep
+from slotserve.runners.pytorch.gguf_weights import gguf_tensors
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.model import Decoder
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
-from slotserve.runners.pytorch.weights import (
-    dummy_tensors,
-    gguf_tensors,
-    load_into,
-    safetensors_tensors,
-)
+from slotserve.runners.pytorch.weights import dummy_tensors, load_into, safetensors_tensors
 
 logger = logging.getLogger(__name__)
 

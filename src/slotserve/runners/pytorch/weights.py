@@ -14,9 +14,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
 from slotserve.runners.pytorch.config import ModelConfig
@@ -280,79 +278,3 @@ def dummy_tensors(model: Decoder, seed: int = 0) -> Iterator[tuple[str, torch.Te
             yield name, torch.ones(shape)
         else:
             yield name, torch.randn(shape, generator=generator) * 0.02
-
-
-# GGUF tensor names (llama.cpp's) → HF names; ``{i}`` is the layer.
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-    # Qwen3-MoE: the router, and every expert stacked in one tensor (cut by _per_expert).
-    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
-    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_proj.weight",
-    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj.weight",
-    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj.weight",
-}
-_GGUF_LLAMA_NORMS = {"blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}
-_GGUF_GEMMA_NORMS = {
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def gguf_tensors(reader: Any, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised tensors of a ``gguf.GGUFReader`` under HF names.
-
-    llama.cpp's converter permutes the rows of Llama's q/k projections (its rotary embedding
-    pairs adjacent values; HF's pairs the two halves): they are permuted back. It also stores
-    Gemma's norm weights as ``1 + w``: 1 is taken off.
-    """
-    from gguf.quants import dequantize
-
-    names = {**_GGUF_NAMES, **(_GGUF_GEMMA_NORMS if c.gemma_norms else _GGUF_LLAMA_NORMS)}
-    for tensor in reader.tensors:
-        template, layer = tensor.name, None
-        match = _GGUF_BLOCK.match(tensor.name)
-        if match:
-            layer = match.group(1)
-            template = "blk.{i}." + match.group(2)
-        if template not in names:
-            raise ValueError(f"unexpected GGUF tensor {tensor.name}")
-        hf_name = names[template].format(i=layer)
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weights = torch.from_numpy(values.reshape(shape).copy())
-        if c.model_type in ("llama", "mistral") and template in (
-            "blk.{i}.attn_q.weight",
-            "blk.{i}.attn_k.weight",
-        ):
-            heads = c.num_heads if template.endswith("attn_q.weight") else c.num_kv_heads
-            weights = _unpermute(weights, heads)
-        if c.gemma_norms and "norm" in template:
-            weights = weights - 1.0
-        yield hf_name, weights
-
-
-def _unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of the converter's ``reshape(heads, 2, d, ...).swapaxes(1, 2)``."""
-    rows = weights.shape[0]
-    return (
-        weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
-        .transpose(1, 2)
-        .reshape(weights.shape)
-    )
