@@ -195,7 +195,12 @@ def test_unload_lets_a_stream_finish_and_gives_memory_back(
     assert engine_pid is not None
     before = tree_rss_bytes(multi.process.pid)
     stream = client(multi).completions.create(
-        model="smol-unload", prompt="Once upon a time", max_tokens=48, stream=True
+        model="smol-unload",
+        prompt="Once upon a time",
+        max_tokens=48,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},  # the stream must run to its length, not stop early
     )
     chunks = iter(stream)
     first = next(chunks)  # the request is in flight
