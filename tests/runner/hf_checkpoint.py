@@ -111,7 +111,6 @@ def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
     import json
 
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "model.safetensors"))
@@ -120,17 +119,7 @@ def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
     experts = hp.get("num_experts") or hp["num_local_experts"]
     arch = gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(arch, layers)
-    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_block_count(layers)
-    writer.add_vocab_size(hp["vocab_size"])
-    writer.add_context_length(hp["max_position_embeddings"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_head_count(hp["num_attention_heads"])
-    writer.add_head_count_kv(hp["num_key_value_heads"])
-    writer.add_key_length(hp["head_dim"])
-    writer.add_value_length(hp["head_dim"])
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer = _gguf_writer(out_path, arch, hp)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(hp["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
@@ -143,22 +132,8 @@ def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
     tensors = {
         gguf_name(name): value for name, value in weights.items() if ".mlp.experts." not in name
     }
-    for block in range(layers):
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            stacked = torch.stack(
-                [
-                    weights[f"model.layers.{block}.mlp.experts.{e}.{part}.weight"]
-                    for e in range(experts)
-                ]
-            )
-            tensors[gguf_name(f"model.layers.{block}.mlp.experts.{part}.weight")] = stacked
-    for name, value in tensors.items():
-        writer.add_tensor(name, value.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    tensors |= _stacked_experts(weights, names, layers, experts)
+    return _write(writer, tensors, out_path)
 
 
 def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
@@ -171,7 +146,6 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
     import json
 
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "model.safetensors"))
@@ -181,17 +155,7 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
     dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
     arch = gguf.MODEL_ARCH.QWEN35MOE if experts else gguf.MODEL_ARCH.QWEN35
     names = gguf.get_tensor_name_map(arch, layers)
-    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_block_count(layers)
-    writer.add_vocab_size(hp["vocab_size"])
-    writer.add_context_length(hp["max_position_embeddings"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_feed_forward_length(hp.get("intermediate_size", 0))
-    writer.add_head_count(hp["num_attention_heads"])
-    writer.add_head_count_kv(hp["num_key_value_heads"])
-    writer.add_key_length(hp["head_dim"])
-    writer.add_value_length(hp["head_dim"])
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer = _gguf_writer(out_path, arch, hp)
     writer.add_rope_freq_base(hp["rope_parameters"]["rope_theta"])
     writer.add_rope_dimension_count(int(hp["head_dim"] * 0.25))
     writer.add_rope_dimension_sections([int(hp["head_dim"] * 0.25) // 2, 0, 0, 0])
@@ -237,16 +201,49 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))  # suffix kept
         assert gguf_name is not None, name
         tensors[gguf_name] = value
-    for block in range(layers if experts else 0):
+    if experts:
+        tensors |= _stacked_experts(weights, names, layers, experts)
+    return _write(writer, tensors, out_path)
+
+
+def _gguf_writer(out_path: Path, arch: Any, hp: dict[str, Any]) -> Any:
+    """A ``GGUFWriter`` for ``arch`` with the metadata every decoder has, from config.json."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp.get("intermediate_size", 0))
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(hp["num_key_value_heads"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    return writer
+
+
+def _stacked_experts(
+    weights: dict[str, torch.Tensor], names: Any, layers: int, experts: int
+) -> dict[str, torch.Tensor]:
+    """Every layer's per-expert gate/up/down stacked on a new first axis (``ffn_*_exps``)."""
+    stacked = {}
+    for block in range(layers):
         for part in ("gate_proj", "up_proj", "down_proj"):
-            stacked = torch.stack(
+            name = names.get_name(f"model.layers.{block}.mlp.experts.{part}")
+            stacked[f"{name}.weight"] = torch.stack(
                 [
                     weights[f"model.layers.{block}.mlp.experts.{e}.{part}.weight"]
                     for e in range(experts)
                 ]
             )
-            stacked_name = names.get_name(f"model.layers.{block}.mlp.experts.{part}")
-            tensors[f"{stacked_name}.weight"] = stacked
+    return stacked
+
+
+def _write(writer: Any, tensors: dict[str, torch.Tensor], out_path: Path) -> Path:
+    import numpy as np
+
     for name, value in tensors.items():
         writer.add_tensor(name, value.contiguous().numpy().astype(np.float32))
     writer.write_header_to_file()

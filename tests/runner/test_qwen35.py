@@ -33,6 +33,7 @@ from slotserve.runners.pytorch.deltanet import BLOCK
 from slotserve.runners.pytorch.gguf_weights import gguf_tensors
 from slotserve.runners.pytorch.model import Decoder
 from slotserve.runners.pytorch.runner import TorchRunner
+from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.weights import load_into, safetensors_tensors
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
@@ -260,7 +261,7 @@ def test_served_through_the_openai_client_as_transformers_generates(
         stats = client.get("/prefix_cache_stats", cast_to=object)
     finally:
         stop_server(server)
-    runner_tokens = _runner(folder, dtype="float32", num_slots=1).tokenizer.encode(LONG_PROMPT)
+    runner_tokens = HfTokenizer.from_folder(folder).encode(LONG_PROMPT)
     with torch.no_grad():
         expected = (
             _hf(folder)

@@ -95,6 +95,8 @@ class LinearStatePool:
         }
 
     def reset(self, slots: list[int]) -> None:
+        if not slots:  # most steps: nothing starts at position 0
+            return
         for conv, recurrent in self.layers.values():
             conv[slots] = 0
             recurrent[slots] = 0

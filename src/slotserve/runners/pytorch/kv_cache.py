@@ -32,21 +32,15 @@ class KvPool:
         # Zeroed: gathers read padding from the zero block, and a freed block's old contents
         # are finite, so masked positions contribute exact zeros. A Gated DeltaNet layer keeps
         # no KV (an empty entry keeps the list indexed by layer).
-        self.layers = [
-            (
-                torch.zeros(
-                    (0 if config.is_linear(i) else rows, config.num_kv_heads, config.head_dim),
-                    dtype=dtype,
-                    device=device,
-                ),
-                torch.zeros(
-                    (0 if config.is_linear(i) else rows, config.num_kv_heads, config.head_dim),
-                    dtype=dtype,
-                    device=device,
-                ),
+        self.layers = []
+        for layer in range(config.num_layers):
+            shape = (0 if config.is_linear(layer) else rows, config.num_kv_heads, config.head_dim)
+            self.layers.append(
+                (
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
             )
-            for i in range(config.num_layers)
-        ]
         self._pending_copies: list[tuple[int, int]] = []
 
     @property
