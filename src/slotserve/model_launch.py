@@ -31,6 +31,10 @@ def runner_factory(args: argparse.Namespace, model_path: Path, model_name: str) 
     if kind == "auto":
         kind = "llama.cpp" if model_path.is_file() else "torch"
     if kind == "llama.cpp":
+        if args.tensor_parallel_size != 1:
+            raise ValueError(
+                "--tensor-parallel-size is a PyTorch runner setting: add --runner torch"
+            )
         if not model_path.is_file():
             raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
         return LlamaCppSpec(
@@ -63,6 +67,7 @@ def runner_factory(args: argparse.Namespace, model_path: Path, model_name: str) 
         block_size=args.block_size,
         threads=args.threads,
         model_name=model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return TorchSpec(load)
 
@@ -112,6 +117,7 @@ def build_launch(
             get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
         ),
         memory=_memory_needed(spec, at_startup),
+        model_path=model_path,
     )
 
 

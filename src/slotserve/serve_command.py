@@ -261,6 +261,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_int("BLOCK_SIZE", 16),
         help="torch: positions per KV block (default 16)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=env_int("TENSOR_PARALLEL_SIZE", 1),
+        help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
+        "a GPU per rank, else gloo); --threads is then per rank (default 1)",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from slotserve.engine.runner_interface import MemoryNeed
 from slotserve.runners.pytorch.config import ModelConfig, UnsupportedModelError, config_from_hf
+from slotserve.runners.pytorch.tensor_parallel import shard_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +34,9 @@ class TorchLoadConfig:
     kv_memory_bytes: int = 0  # 0: every slot's max_seq_len, within a quarter of RAM (CPU)
     gpu_memory_fraction: float = 0.9
     block_size: int = 16
-    threads: int = 0
+    threads: int = 0  # per tensor-parallel rank; 0: the cores shared evenly between ranks
     model_name: str | None = None
+    tensor_parallel_size: int = 1  # ranks, each a slice of every layer (tensor_parallel.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -45,6 +47,8 @@ class TorchLoadConfig:
             raise ValueError("block size and slots must be >= 1")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("--gpu-memory-fraction must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
 
 
 def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
@@ -97,8 +101,12 @@ def kv_blocks(
 def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     """Weights in the runner's dtype, the KV pool and buffers, from the configuration alone
     (unsupported architectures fail here, before any weight is read). On a GPU the KV pool
-    takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit."""
+    takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit. Tensor
+    parallel ranks on one machine: their slices add up to the whole model, each rank a process
+    of its own (``--kv-memory`` is each rank's)."""
     config = read_model_config(load.model_path)
+    ranks = load.tensor_parallel_size
+    shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
     dtype_bytes = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype].itemsize
     max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
     hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
@@ -123,7 +131,9 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
         kv = max_seq_len * per_token
     else:
         kv = cpu_kv_budget(load, max_seq_len, per_token)
-    buffers = load.max_batch_tokens * config.vocab_size * 4 + 128 * 2**20
+        if load.kv_memory_bytes:
+            kv *= ranks
+    buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
     buffers += load.num_slots * config.linear_state_bytes(dtype_bytes)  # DeltaNet state
     return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
 

@@ -54,18 +54,21 @@ class KvPool:
         self._pending_copies.extend(copies)
         return True
 
-    def apply_pending_copies(self) -> None:
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The block copies ``reserve`` asked for since the last step (for :meth:`copy_blocks`
+        on every tensor-parallel rank)."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: a block about to be written while shared gets its own copy first."""
-        if not self._pending_copies:
-            return
         size = self.block_size
-        for src, dst in self._pending_copies:
+        for src, dst in copies:
             for key_cache, value_cache in self.layers:
                 key_cache[dst * size : (dst + 1) * size] = key_cache[src * size : (src + 1) * size]
                 value_cache[dst * size : (dst + 1) * size] = value_cache[
                     src * size : (src + 1) * size
                 ]
-        self._pending_copies.clear()
 
     def rows(self, slot: int, start: int, end: int) -> list[int]:
         """Cache rows of the slot's positions ``start .. end - 1`` (reserved)."""

@@ -21,6 +21,7 @@ from slotserve.runners.pytorch.deltanet import LinearAttention, LinearStep, line
 from slotserve.runners.pytorch.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
 from slotserve.runners.pytorch.moe import SparseMlp
 from slotserve.runners.pytorch.rotary import apply_rotary, rotary_tables, without_scaling
+from slotserve.runners.pytorch.tensor_parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):
@@ -121,16 +122,26 @@ class Decoder(nn.Module):
     local_sin: torch.Tensor
     lm_head: Projection
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """``config``: one rank's shape under tensor parallelism (``shard_config``), whose
+        layers then hold that rank's slices; ``tp`` sums and gathers their results."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         c = config
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        vocab_rows = tp.vocab_rows if tp is not None else c.vocab_size
+        self.embed = nn.Embedding(vocab_rows, c.hidden_size, dtype=dtype)
         self.decoder_layers = [DecoderLayer(c, dtype, i) for i in range(c.num_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; the list is typed
         self.norm = RmsNorm(c.hidden_size, c.rms_norm_eps, c.plus_one_norms, dtype)
-        self.lm_head = Projection(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Projection(c.hidden_size, vocab_rows, bias=False, dtype=dtype)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.requires_grad_(False)
@@ -176,8 +187,8 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the last layer (before the final norm), one row per token.
         ``linear_step`` and ``linear_states``: for models with Gated DeltaNet layers."""
-        c = self.config
-        hidden = self.embed(token_ids)
+        c, tp = self.config, self.tp
+        hidden = self.embed(token_ids) if tp is None else tp.embed(self.embed, token_ids)
         if c.scale_embeddings:
             hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
         rotary = self.cos[positions], self.sin[positions]
@@ -195,6 +206,8 @@ class Decoder(nn.Module):
                 x = layer.attention(
                     x, local_rotary if local else rotary, step, kv_layers[index], sliding, c
                 )
+            if tp is not None:  # each rank's o_proj gave a partial sum
+                x = tp.all_reduce(x)
             if c.gemma_norms:
                 x = layer.post_attention_norm(x)
                 hidden = residual + x
@@ -205,14 +218,19 @@ class Decoder(nn.Module):
                 residual = hidden
                 x = layer.post_attention_norm(hidden)
             x = layer.mlp(x, c)
+            if tp is not None:
+                x = tp.all_reduce(x)
             if c.gemma_norms:
                 x = layer.post_mlp_norm(x)
             hidden = residual + x
-        return hidden  # type: ignore[no-any-return]
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""
-        logits: torch.Tensor = self.lm_head(self.norm(hidden)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        logits = logits.float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -29,22 +29,24 @@ from slotserve.engine.runner_interface import (
 )
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
-from slotserve.runners.pytorch.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.checkpoint import (
     DTYPES,
     TorchLoadConfig,
-    kv_blocks,
     open_gguf,
     read_model_config,
 )
 from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.deltanet import BLOCK, LinearStatePool, LinearStep
-from slotserve.runners.pytorch.gguf_weights import gguf_tensors
-from slotserve.runners.pytorch.kv_cache import KvPool
-from slotserve.runners.pytorch.model import Decoder
+from slotserve.runners.pytorch.deltanet import BLOCK
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.shard import GroupPlan, ModelShard, StepPlan
+from slotserve.runners.pytorch.tensor_parallel import (
+    join_group,
+    open_store,
+    rank_device,
+    shard_config,
+)
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
-from slotserve.runners.pytorch.weights import dummy_tensors, load_into, safetensors_tensors
+from slotserve.runners.pytorch.tp_workers import TensorParallelRanks, rank_threads
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +72,10 @@ class TorchFrontend:
 class TorchRunner:
     def __init__(self, load: TorchLoadConfig) -> None:
         self.load = load
-        if load.threads:
-            torch.set_num_threads(load.threads)
-        self.device = torch.device(
+        ranks = load.tensor_parallel_size
+        if load.threads or ranks > 1:
+            torch.set_num_threads(rank_threads(load))
+        device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu")
             if load.device == "auto"
             else load.device
@@ -81,36 +84,30 @@ class TorchRunner:
         path = load.model_path
         reader = open_gguf(path) if path.is_file() else None  # read once: config and weights
         self.config = config = read_model_config(path, reader)
+        shard_config(config, ranks)  # refused before any process starts
         self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
         started = time.monotonic()
         self._tokenizer = (
             HfTokenizer.from_gguf(path) if path.is_file() else HfTokenizer.from_folder(path)
         )
-        with torch.device(self.device):
-            self.model = Decoder(config, self.dtype, self.max_seq_len)
-        self.model.eval()
-        if load.load_format == "dummy":
-            tensors = dummy_tensors(self.model)
-        elif reader is not None:
-            tensors = gguf_tensors(reader, config)
-        else:
-            tensors = safetensors_tensors(path)
-        load_into(self.model, tensors)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
-            if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-                self.model.prepack()
-        # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
-        self.linear_states = (
-            LinearStatePool(config, load.num_slots, self.dtype, self.device)
-            if config.linear_layers
-            else None
-        )
-        bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)
-        num_blocks = kv_blocks(load, self.device, self.max_seq_len, bytes_per_token)
-        self.pool = KvPool(
-            config, num_blocks, load.block_size, load.num_slots, self.dtype, self.device
-        )
+        self.device = rank_device(device, 0, ranks)
+        self.ranks: TensorParallelRanks | None = None
+        try:
+            tp = None
+            if ranks > 1:
+                store = open_store(0, ranks, 0)
+                self.ranks = TensorParallelRanks(load, store.port)
+                tp = join_group(store, 0, ranks, self.device, config.vocab_size)
+            self.shard = ModelShard(
+                load, config, reader, self.device, self.dtype, self.max_seq_len, tp
+            )
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        self.pool = self.shard.pool
+        bytes_per_token = self.shard.kv_bytes_per_token * ranks
+        num_blocks = self.pool.tables.num_blocks
         self._samplers: dict[int, SequenceSampler] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
@@ -129,11 +126,12 @@ class TorchRunner:
             **_recurrent_state_rules(config),
         )
         logger.info(
-            "loaded %s (%s) on %s in %s: %d slots × %d tokens, KV pool %d blocks × %d "
+            "loaded %s (%s) on %s%s in %s: %d slots × %d tokens, KV pool %d blocks × %d "
             "(%.0f MiB) in %.1f s",
             config.name,
             config.model_type,
             self.device,
+            f" × {ranks} tensor-parallel ranks" if ranks > 1 else "",
             str(self.dtype).removeprefix("torch."),
             load.num_slots,
             self.max_seq_len,
@@ -172,16 +170,16 @@ class TorchRunner:
         self._samplers.pop(slot, None)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        if self.linear_states is not None:
+        if self.shard.linear_states is not None:
             if num_tokens != self.pool.tables.lengths[src_slot]:
                 raise RuntimeError("a recurrent state holds all of its positions or none")
-            self.linear_states.copy(src_slot, dst_slot)
+            self.shard.linear_states.copy(src_slot, dst_slot)
         self.pool.tables.copy(src_slot, dst_slot, num_tokens)
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
         # A recurrent state cannot forget its last positions; a sequence starting again from
         # position 0 zeroes it (``execute``).
-        if self.linear_states is not None and 0 < num_tokens < self.pool.tables.lengths[slot]:
+        if self.shard.linear_states is not None and 0 < num_tokens < self.pool.tables.lengths[slot]:
             raise RuntimeError(f"cannot roll slot {slot}'s recurrent state back to {num_tokens}")
         self.pool.tables.trim(slot, num_tokens)
 
@@ -199,56 +197,66 @@ class TorchRunner:
         started = time.perf_counter()
         # One-token chunks (decode steps) attend as one group, first; each longer chunk alone.
         ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, c.slot))
-        tokens: list[int] = []
-        positions: list[int] = []
-        write_rows: list[int] = []
-        sample_rows: list[int] = []
-        scoring: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row): prompt logprobs
-        for chunk in ordered:
-            end = chunk.start_pos + len(chunk.token_ids)
-            if chunk.prompt_logprob_targets:
-                scoring.append((chunk, len(tokens)))
-            tokens.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, end))
-            write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
-            if chunk.sample:  # the last position, and a verification chunk's draft positions
-                sample_rows.extend(range(len(tokens) - 1 - chunk.num_drafts, len(tokens)))
-        step = StepAttention(
-            torch.tensor(write_rows, dtype=torch.int64, device=self.device),
-            self._groups(ordered),
-        )
-        device = self.device
-        self.pool.apply_pending_copies()
-        linear_step = None
-        if self.linear_states is not None:
-            linear_step = self._linear_step(ordered)
-        hidden = self.model(
-            torch.tensor(tokens, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            step,
-            self.pool.layers,
-            linear_step,
-            self.linear_states.layers if self.linear_states is not None else None,
-        )
+        plan, scoring, sampling = self._plan(ordered)
+        if self.ranks is not None:
+            self.ranks.send(plan)
+        hidden = self.shard.forward(plan)
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
-        for chunk, first in scoring:
-            self._score_prompt(chunk, hidden[first : first + len(chunk.prompt_logprob_targets)])
-        sampling = [c for c in ordered if c.sample]
+        # Logits in the plan's order: the other ranks gather the vocabulary in the same calls.
+        for chunk, rows in zip(scoring, plan.logit_rows, strict=False):
+            self._score_prompt(chunk, self.shard.logits(hidden, rows))
         result: dict[int, list[SampledToken]] = {}
         if sampling:
-            logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
+            logits = self.shard.logits(hidden, plan.logit_rows[-1])
             # One reduction: NaN or an infinity anywhere makes a row's sum non-finite.
             if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
                 raise RunnerFailure("non-finite logits")
             result = self._sample_in_order(sampling, logits)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._forward_seconds += time.perf_counter() - started
         return result
 
-    def _score_prompt(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(self.model.logits(hidden).float(), dim=-1)
+    def _plan(
+        self, ordered: Sequence[ScheduledChunk]
+    ) -> tuple[StepPlan, list[ScheduledChunk], list[ScheduledChunk]]:
+        """The step as plain numbers for every rank, with the chunks whose prompt positions
+        are scored and those that sample (``logit_rows``: one list of rows per scored chunk,
+        then the sampled rows: each chunk's last position and any draft positions)."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_rows: list[int] = []
+        sample_rows: list[int] = []
+        logit_rows: list[list[int]] = []
+        scoring: list[ScheduledChunk] = []
+        for chunk in ordered:
+            end = chunk.start_pos + len(chunk.token_ids)
+            if chunk.prompt_logprob_targets:
+                scoring.append(chunk)
+                first = len(tokens)
+                logit_rows.append(list(range(first, first + len(chunk.prompt_logprob_targets))))
+            tokens.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, end))
+            write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
+            if chunk.sample:
+                sample_rows.extend(range(len(tokens) - 1 - chunk.num_drafts, len(tokens)))
+        sampling = [c for c in ordered if c.sample]
+        if sampling:
+            logit_rows.append(sample_rows)
+        plan = StepPlan(
+            tokens,
+            positions,
+            write_rows,
+            self._groups(ordered),
+            self.pool.take_pending_copies(),
+            logit_rows,
+            **self._linear_plan(ordered),
+        )
+        return plan, scoring, sampling
+
+    def _score_prompt(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(list(chunk.prompt_logprob_targets), device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         top = self._samplers[chunk.slot].params.prompt_logprobs or 0
@@ -298,52 +306,48 @@ class TorchRunner:
             alive, depth = still, depth + 1
         return result
 
-    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list[AttentionGroup]:
+    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list[GroupPlan]:
         """All one-token chunks (first in ``ordered``) as one group, each longer chunk alone."""
-        pool, c = self.pool, self.config
-        window = c.sliding_window if any(c.sliding_layers) else None
+        tables = self.pool.tables.tables
         decode = [chunk for chunk in ordered if len(chunk.token_ids) == 1]
         batches = ([decode] if decode else []) + [[chunk] for chunk in ordered[len(decode) :]]
         groups, row = [], 0
         for batch in batches:
             q_len = len(batch[0].token_ids)
             groups.append(
-                build_group(
+                GroupPlan(
                     row,
-                    [pool.tables.tables[chunk.slot] for chunk in batch],
+                    [list(tables[chunk.slot]) for chunk in batch],
                     [chunk.start_pos for chunk in batch],
                     q_len,
-                    pool.block_size,
-                    pool.zero_block,
-                    c.num_kv_heads,
-                    window,
-                    self.device,
                 )
             )
             row += q_len * len(batch)
         return groups
 
-    def _linear_step(self, ordered: Sequence[ScheduledChunk]) -> LinearStep:
+    def _linear_plan(self, ordered: Sequence[ScheduledChunk]) -> dict[str, Any]:
         """The Gated DeltaNet layers' view of the step (one-token chunks first, as in
         ``ordered``); a sequence starting at position 0 starts from a zero state."""
-        assert self.linear_states is not None
-        self.linear_states.reset([c.slot for c in ordered if c.start_pos == 0])
+        if self.shard.linear_states is None:
+            return {}
         decode = [c.slot for c in ordered if len(c.token_ids) == 1]
         prefills, row = [], len(decode)
         for chunk in ordered[len(decode) :]:
             prefills.append((row, len(chunk.token_ids), chunk.slot))
             row += len(chunk.token_ids)
-        slots = torch.tensor(decode, dtype=torch.int64, device=self.device)
-        return LinearStep(slots, prefills)
+        return {
+            "linear_resets": [c.slot for c in ordered if c.start_pos == 0],
+            "linear_decode": decode,
+            "linear_prefills": prefills,
+        }
 
     def close(self) -> None:
         """Drops the KV pool and the weights; on CUDA the allocator's cache is emptied too,
         so an unloaded model's device memory goes back to the GPU (and to other models)."""
         self._samplers.clear()
-        self.pool.layers.clear()
-        if self.linear_states is not None:
-            self.linear_states.clear()
-        self.model = None  # type: ignore[assignment]
+        if self.ranks is not None:
+            self.ranks.close()
+        self.shard.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,8 +37,13 @@ _SKIPPED = (
 )
 
 
-def load_into(model: Decoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copies every named tensor into ``model``; raises if one is unknown or one is missing."""
+def load_into(
+    model: Decoder,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Copies every named tensor into ``model``; raises if one is unknown or one is missing.
+    ``shard``: cuts each whole tensor to a tensor-parallel rank's slice first."""
     c = model.config
     expected = _expected_names(c)
     seen: set[str] = set()
@@ -49,6 +54,8 @@ def load_into(model: Decoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> No
         if name.endswith("rotary_emb.inv_freq") or name.startswith(_SKIPPED):
             continue
         target = _target(model, name)
+        if shard is not None:
+            tensor = shard(name, tensor)
         if target.shape != tensor.shape:
             raise ValueError(f"{raw_name}: shape {tuple(tensor.shape)}, expected {target.shape}")
         target.copy_(tensor)
@@ -261,10 +268,11 @@ def safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, shard.get_tensor(name)
 
 
-def dummy_tensors(model: Decoder, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights of the model's shapes (benchmarks without the real weights): norms at
-    their neutral value, DeltaNet decays spread as HF initialises them."""
-    c = model.config
+def dummy_tensors(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights of the whole model's shapes (benchmarks without the real weights): norms
+    at their neutral value, DeltaNet decays spread as HF initialises them."""
+    with torch.device("meta"):  # shapes only
+        model = Decoder(c, torch.float32, 1)
     generator = torch.Generator().manual_seed(seed)
     for name in sorted(_expected_names(c)):
         shape = _target(model, name).shape

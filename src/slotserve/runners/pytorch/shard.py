@@ -1,0 +1,136 @@
+"""What every tensor-parallel rank runs, rank 0 in the engine process and the others in theirs
+(``tp_workers.py``): its slice of the model and of the KV pool, and one step's forward pass
+from a :class:`StepPlan`.
+
+A plan is plain numbers (token ids, positions, cache rows, block tables, block copies), built
+by rank 0 from the scheduled chunks and its block tables (only rank 0 keeps those), so every
+rank runs the same step over its own heads. Without tensor parallelism the one rank runs the
+same code: there is a single path through the forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import torch
+
+from slotserve.runners.pytorch.attention import StepAttention, build_group
+from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, kv_blocks
+from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.deltanet import LinearStatePool, LinearStep
+from slotserve.runners.pytorch.gguf_weights import gguf_tensors
+from slotserve.runners.pytorch.kv_cache import KvPool
+from slotserve.runners.pytorch.model import Decoder
+from slotserve.runners.pytorch.tensor_parallel import TensorParallel, shard_config, tensor_slicer
+from slotserve.runners.pytorch.weights import dummy_tensors, load_into, safetensors_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class GroupPlan(msgspec.Struct, array_like=True, frozen=True):
+    """Sequences that attend together (see ``attention.build_group``)."""
+
+    first_row: int
+    tables: list[list[int]]
+    starts: list[int]
+    q_len: int
+
+
+class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=True):
+    tokens: list[int]
+    positions: list[int]
+    write_rows: list[int]  # the KV cache row of each token
+    groups: list[GroupPlan]
+    block_copies: list[tuple[int, int]]  # copy-on-write before the step: (source, target)
+    logit_rows: list[list[int]]  # rows whose logits are computed, call by call, in order
+    # Gated DeltaNet: slots starting from a zero state, decoding slots, (row, length, slot).
+    linear_resets: list[int] = []
+    linear_decode: list[int] = []
+    linear_prefills: list[tuple[int, int, int]] = []
+
+
+class ModelShard:
+    """One rank's decoder (the whole model without tensor parallelism) with its KV pool and
+    recurrent states; ``config`` is the whole model's."""
+
+    def __init__(
+        self,
+        load: TorchLoadConfig,
+        config: ModelConfig,
+        gguf_reader: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seq_len: int,
+        tp: TensorParallel | None,
+    ) -> None:
+        self.device = device
+        local = shard_config(config, tp.size if tp is not None else 1)
+        with torch.device(device):
+            self.model = Decoder(local, dtype, max_seq_len, tp)
+        self.model.eval()
+        if load.load_format == "dummy":
+            tensors = dummy_tensors(config)
+        elif gguf_reader is not None:
+            tensors = gguf_tensors(gguf_reader, config)
+        else:
+            tensors = safetensors_tensors(load.model_path)
+        load_into(self.model, tensors, tensor_slicer(tp) if tp is not None else None)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
+            if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+                self.model.prepack()
+        # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
+        self.linear_states = (
+            LinearStatePool(local, load.num_slots, dtype, device) if local.linear_layers else None
+        )
+        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype.itemsize)
+        num_blocks = kv_blocks(load, device, max_seq_len, self.kv_bytes_per_token)
+        if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
+            num_blocks = tp.min_across_ranks(num_blocks)
+        self.pool = KvPool(local, num_blocks, load.block_size, load.num_slots, dtype, device)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The step's final hidden states, one row per token of ``plan.tokens``."""
+        device, pool, c = self.device, self.pool, self.model.config
+        pool.copy_blocks(plan.block_copies)
+        window = c.sliding_window if any(c.sliding_layers) else None
+        groups = [
+            build_group(
+                group.first_row,
+                group.tables,
+                group.starts,
+                group.q_len,
+                pool.block_size,
+                pool.zero_block,
+                c.num_kv_heads,
+                window,
+                device,
+            )
+            for group in plan.groups
+        ]
+        write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
+        step = StepAttention(write_rows, groups)
+        linear_step = None
+        if self.linear_states is not None:
+            self.linear_states.reset(plan.linear_resets)
+            decode = torch.tensor(plan.linear_decode, dtype=torch.int64, device=device)
+            linear_step = LinearStep(decode, list(plan.linear_prefills))
+        return self.model(  # type: ignore[no-any-return]
+            torch.tensor(plan.tokens, dtype=torch.int64, device=device),
+            torch.tensor(plan.positions, dtype=torch.int64, device=device),
+            step,
+            pool.layers,
+            linear_step,
+            self.linear_states.layers if self.linear_states is not None else None,
+        )
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+
+    def close(self) -> None:
+        self.pool.layers.clear()
+        if self.linear_states is not None:
+            self.linear_states.clear()
+        self.model = None  # type: ignore[assignment]
