@@ -149,6 +149,11 @@ class AsyncEngine:
             self.client.abort(request_id)
         return len(request_ids)
 
+    async def flush_prefix_cache(self) -> int:
+        """Evicts every cached prefix no running request uses; returns the tokens freed once
+        :attr:`stats` shows it (``EngineDeadError`` when the engine no longer serves)."""
+        return await self.client.flush_prefix_cache()
+
     def detach(self, request_id: str) -> None:
         """Stops routing outputs of ``request_id`` (its stream was closed)."""
         self._queues.pop(request_id, None)

@@ -34,6 +34,28 @@ from slotserve.engine.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[list[RequestOutput]], None]  # called on the engine (or receiving) thread
+# Answers one awaiting caller from any thread: a result, or the exception to raise.
+Settle = Callable[[int | BaseException], None]
+
+
+def answer() -> tuple[asyncio.Future[int], Settle]:
+    """A future for the calling coroutine and the function any thread settles it with."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[int] = loop.create_future()
+
+    def resolve(result: int | BaseException) -> None:
+        if future.done():  # the caller was cancelled
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    def settle(result: int | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+            loop.call_soon_threadsafe(resolve, result)
+
+    return future, settle
 
 
 def refuse_when_full(in_transit: int, published: EngineStats, max_queue: int) -> None:
@@ -76,6 +98,12 @@ class CoreClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def flush_prefix_cache(self) -> int:
+        """Evicts every cached prefix no running sequence uses, between two steps; returns the
+        tokens freed once the core has published a snapshot that shows it
+        (``EngineDeadError`` when the engine no longer serves)."""
+        ...
+
     def stop(self) -> None: ...
 
     async def shutdown(self, reason: str = STOPPED_REASON) -> None:
@@ -94,6 +122,8 @@ class InThreadCore:
         self._work_ready = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
+        self._flushes: list[Settle] = []  # flush_prefix_cache calls waiting for the thread
+        self._flushed: list[tuple[Settle, int]] = []  # done; answered once published
         self._in_transit = 0  # requests taken from the inbox, not yet in a published snapshot
         self._published = core.snapshot()
         self._stopping = False
@@ -175,6 +205,16 @@ class InThreadCore:
             self._aborts.append(request_id)
             self._work_ready.notify()
 
+    async def flush_prefix_cache(self) -> int:
+        done, settle = answer()
+        with self._lock:
+            unhealthy = self.unhealthy
+            if unhealthy is not None or self._stopping:
+                raise EngineDeadError(unhealthy or "the engine is stopping")
+            self._flushes.append(settle)
+            self._work_ready.notify()
+        return await done
+
     def stop(self) -> None:
         """Asks the engine thread to end after its current step."""
         with self._lock:
@@ -193,6 +233,7 @@ class InThreadCore:
         for request in pending:
             self.core.add_request(request)
         self._deliver(self.core.fail_all(reason, FailureKind.ENGINE_STOPPED))
+        self._refuse_flushes(reason)
         self.core.runner.close()
 
     # ---- engine thread ----------------------------------------------------------------------
@@ -205,6 +246,9 @@ class InThreadCore:
                 snapshot = core.snapshot()
                 with self._lock:
                     self._published, self._in_transit = snapshot, 0
+                    flushed, self._flushed = self._flushed, []
+                for settle, freed in flushed:  # the snapshot shows the flush now
+                    settle(freed)
                 if outputs:
                     self._deliver(outputs)
                 if core.unhealthy is not None:
@@ -217,6 +261,16 @@ class InThreadCore:
         except Exception as exc:
             logger.exception("engine loop crashed")
             self._fail_everything(f"engine loop crashed: {type(exc).__name__}: {exc}")
+        finally:
+            # Poisoned, crashed or stopping: no step will answer a flush any more.
+            self._refuse_flushes(self.unhealthy or "the engine is stopping")
+
+    def _refuse_flushes(self, reason: str) -> None:
+        with self._lock:
+            waiting = self._flushes + [settle for settle, _ in self._flushed]
+            self._flushes, self._flushed = [], []
+        for settle in waiting:
+            settle(EngineDeadError(reason))
 
     def _fail_everything(self, message: str) -> None:
         """After a crash of the loop: refuse new work and end every request known to the
@@ -240,12 +294,15 @@ class InThreadCore:
         """Waits for work, then hands new requests and aborts to the core; False when
         stopping."""
         with self._lock:
-            while not (self._inbox or self._aborts or self.core.has_work or self._stopping):
+            while not (
+                self._inbox or self._aborts or self._flushes or self.core.has_work or self._stopping
+            ):
                 self._work_ready.wait()
             if self._stopping:
                 return False
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            flushes, self._flushes = self._flushes, []
             self._in_transit = len(new)
         refused = []
         for request in new:
@@ -261,6 +318,10 @@ class InThreadCore:
                 )
         for request_id in aborts:
             self.core.abort(request_id)
+        if flushes:  # one flush answers every caller waiting for one
+            freed = self.core.flush_prefix_cache()
+            with self._lock:
+                self._flushed += [(settle, freed) for settle in flushes]
         if refused:
             self._deliver(refused)
         return True

@@ -34,7 +34,7 @@ import zmq
 
 from slotserve.engine import wire
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_client import Deliver, refuse_when_full
+from slotserve.engine.core_client import Deliver, Settle, answer, refuse_when_full
 from slotserve.engine.engine_process import POLL_MS, engine_process_main
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.limits import new_request, validate_request
@@ -80,6 +80,8 @@ class ProcessCore:
         self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
         self._received = 0
         self._live: set[str] = set()
+        self._flushes: dict[int, Settle] = {}  # flush_prefix_cache calls awaiting the engine
+        self._flush_ids = 0
         self._stopping = False
         self._dead: str | None = None
         self._receiver = threading.Thread(target=self._receive, name="slotserve-engine-out")
@@ -177,6 +179,21 @@ class ProcessCore:
             if request_id in self._live and self._dead is None:
                 self._send_quietly(wire.Abort([request_id]))
 
+    async def flush_prefix_cache(self) -> int:
+        done, settle = answer()
+        with self._lock:
+            unhealthy = self.unhealthy
+            if unhealthy is not None or self._stopping:
+                raise EngineDeadError(unhealthy or "the engine is stopping")
+            self._flush_ids += 1
+            message = wire.FlushPrefixCache(self._flush_ids)
+            try:
+                self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine process is not taking requests") from None
+            self._flushes[message.flush_id] = settle
+        return await done
+
     def stop(self, reason: str = STOPPED_REASON) -> None:
         """Asks the engine process to end its requests (saying ``reason``) and exit."""
         with self._lock:
@@ -224,6 +241,13 @@ class ProcessCore:
             message = wire.decode_from_engine(sock.recv(copy=False).bytes)
             if isinstance(message, wire.Stopped):
                 return
+            if isinstance(message, wire.PrefixCacheFlushed):
+                with self._lock:
+                    waiting = [self._flushes.pop(i, None) for i in message.flush_ids]
+                for settle in waiting:
+                    if settle is not None:
+                        settle(message.freed_tokens)
+                continue
             if isinstance(message, wire.Crashed):
                 self._on_death(message.error)
                 return
@@ -255,6 +279,9 @@ class ProcessCore:
     def _fail_live(self, message: str, kind: FailureKind) -> None:
         with self._lock:
             live, self._live = self._live, set()
+            flushes, self._flushes = list(self._flushes.values()), {}
+        for settle in flushes:  # no step will answer them any more
+            settle(EngineDeadError(message))
         if live:
             outputs = [RequestOutput(i, finished=True, error=message, failure=kind) for i in live]
             with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile

@@ -255,6 +255,17 @@ class EngineCore:
                         raise
                     logger.warning("could not free slot %d after the runner failed", slot.index)
 
+    def flush_prefix_cache(self) -> int:
+        """Evicts every cached prefix no running sequence uses (``POST /flush_cache``);
+        returns the tokens freed. Between steps, like any other message to the core: prefixes
+        of running sequences stay (they are locked), so this is safe while requests run."""
+        freed = 0
+        if self.unhealthy is not None:  # the runner's KV may not answer any more
+            return freed
+        while evicted := self.prefix_cache.evict_unused():
+            freed += evicted
+        return freed
+
     def check_integrity_when_idle(self) -> None:
         """Runs :meth:`check_integrity`, counting and logging a failure instead of raising."""
         self.counters.integrity_checks += 1

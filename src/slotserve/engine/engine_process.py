@@ -76,6 +76,7 @@ def _serve(
                 return  # the parent is gone (its death signal covers the rest)
             continue
         refused: list[RequestOutput] = []
+        flush_ids: list[int] = []
         while True:  # everything that arrived, before the step
             try:
                 frame = inbox.recv(zmq.NOBLOCK, copy=False)
@@ -90,12 +91,18 @@ def _serve(
                 for request_id in message.request_ids:
                     core.abort(request_id)
                 continue
+            if isinstance(message, wire.FlushPrefixCache):
+                flush_ids.append(message.flush_id)
+                continue
             received += 1
             refusal = _add(core, message)
             if refusal is not None:
                 refused.append(refusal)
+        freed = core.flush_prefix_cache() if flush_ids else 0
         outputs = refused + core.step()
         _publish(core, outbox, outputs, received)
+        if flush_ids:  # after the snapshot that shows it
+            outbox.send(wire.encode(wire.PrefixCacheFlushed(flush_ids, freed)))
         if not core.has_work and core.unhealthy is None:
             core.check_integrity_when_idle()
             _publish(core, outbox, [], received)

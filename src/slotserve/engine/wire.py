@@ -42,7 +42,14 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-ToEngine = AddRequest | Abort | Stop
+class FlushPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    """Evict every cached prefix no running sequence uses; answered by
+    :class:`PrefixCacheFlushed` after the :class:`StepOutputs` that shows it."""
+
+    flush_id: int
+
+
+ToEngine = AddRequest | Abort | Stop | FlushPrefixCache
 
 # ---- engine process → API process ---------------------------------------------------------
 
@@ -71,6 +78,11 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     forward_seconds: float
 
 
+class PrefixCacheFlushed(msgspec.Struct, tag=True, array_like=True):
+    flush_ids: list[int]
+    freed_tokens: int
+
+
 class Stopped(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -81,7 +93,7 @@ class Crashed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-FromEngine = Ready | LoadFailed | StepOutputs | Stopped | Crashed
+FromEngine = Ready | LoadFailed | StepOutputs | PrefixCacheFlushed | Stopped | Crashed
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -27,6 +27,7 @@ from slotserve.server.serving import ServingContext
 from slotserve.server.serving_chat import create_chat_completion
 from slotserve.server.serving_completions import create_completion
 from slotserve.server.serving_responses import create_response, get_response
+from slotserve.server.worker_routes import worker_routes
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -88,6 +89,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         return get_response(response_store, response_id, ctx.count_error)
 
     app.include_router(model_routes(ctx))
+    app.include_router(worker_routes(ctx))  # what the SGLang Model Gateway asks
 
     @app.get("/health")
     async def health() -> JSONResponse:

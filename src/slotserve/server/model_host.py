@@ -86,6 +86,7 @@ class ModelLaunch:
     tool_call_parser: str | None = None  # None: chosen from the chat template
     reasoning_parser: ReasoningParser | None = None
     memory: MemoryNeed | None = None  # the pre-flight estimate (None: not known)
+    model_path: Path | None = None  # where the weights are (the worker routes report it)
 
 
 @dataclass

@@ -4,7 +4,10 @@ Unknown fields are refused (``extra="forbid"``) so that every accepted field is 
 implement; the error handler turns pydantic's report into a 400 naming the field. Fields that
 OpenAI defines but we cannot honour are declared and refused by ``reject_unsupported``.
 Beyond OpenAI we accept vLLM's common extensions: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; and SGLang's fields that the SGLang
+Model Gateway (``sglang-router``) adds to every request it forwards (``no_stop_trim``,
+``skip_special_tokens``, ``return_hidden_states``; chat: ``separate_reasoning``,
+``stream_reasoning``), at the values we implement: what the gateway sends by default.
 """
 
 from __future__ import annotations
@@ -147,6 +150,26 @@ class SamplingFields(_Strict):
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's: the SGLang Model Gateway re-serialises requests with these, at these values.
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    return_hidden_states: StrictBool = False
+
+    def reject_sglang_extensions(self, **implemented: bool) -> None:
+        """SGLang's switches accepted only at the value we implement (``implemented`` adds the
+        endpoint's own): a stop string is trimmed, special tokens are not output, no hidden
+        states are returned."""
+        wanted = {
+            "no_stop_trim": False,
+            "skip_special_tokens": True,
+            "return_hidden_states": False,
+            **implemented,
+        }
+        for name, value in wanted.items():
+            if getattr(self, name) is not value:
+                raise InvalidRequestError(
+                    f"'{name}': only {str(value).lower()} is supported.", param=name
+                )
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -162,8 +185,12 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: reasoning (with a reasoning parser) goes to reasoning_content, streamed too.
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
 
     def reject_unsupported(self) -> None:
+        self.reject_sglang_extensions(separate_reasoning=True, stream_reasoning=True)
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError(
                 "'continue_final_message' needs 'add_generation_prompt' set to false.",
@@ -198,6 +225,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def reject_unsupported(self) -> None:
+        self.reject_sglang_extensions()
         if self.suffix:
             raise InvalidRequestError(
                 "'suffix' (fill-in-the-middle) is not supported.", param="suffix"
