@@ -24,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve a model over the OpenAI API (GGUF: llama.cpp; HF folder: PyTorch)"
     )
-    from slotserve.serve_command import add_serve_arguments
+    from slotserve.serve_command import add_replica_arguments, add_serve_arguments
 
     add_serve_arguments(serve)
+    add_replica_arguments(serve)
     chat = commands.add_parser(
         "chat",
         help="chat with a model in the terminal (in-process, or a running server with --url)",
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from slotserve.serve_command import serve
 
-        return serve(args)
+        return serve(args, argv[1:])
     if args.command == "chat":
         from slotserve.chat.command import chat
 

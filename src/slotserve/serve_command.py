@@ -17,6 +17,7 @@ from slotserve.model_launch import (
     startup_models,
 )
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
+from slotserve.replicas import ROUTING_POLICIES
 from slotserve.server.reasoning import REASONING_PARSERS
 from slotserve.server.tool_parsers import TOOL_PARSERS
 
@@ -271,7 +272,55 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve(args: argparse.Namespace) -> int:
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """R3: engine replicas on Ray Serve (``replicas/``)."""
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=env_int("REPLICAS", 0),
+        help="serve from N engine replicas on Ray Serve behind this one URL (each a slotserve "
+        "serve with the other flags; default 0: this process alone)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=env("RAY_ADDRESS"),
+        help="with --replicas: a running Ray cluster ('auto', or HOST:PORT of its head; "
+        "default: a local Ray instance for this process)",
+    )
+    parser.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=env_float("REPLICA_CPUS", 1.0),
+        help="with --replicas: CPUs Ray reserves for each replica (fractions allowed)",
+    )
+    parser.add_argument(
+        "--replica-routing",
+        choices=ROUTING_POLICIES,
+        default=env("REPLICA_ROUTING", "prefix"),
+        help="with --replicas: prefix (to the replica that was sent the same prompt start), "
+        "round-robin, or pow2 (the less loaded of two)",
+    )
+    parser.add_argument(
+        "--routing-imbalance-threshold",
+        type=int,
+        default=env_int("ROUTING_IMBALANCE_THRESHOLD", 0),
+        help="with --replica-routing prefix: route by load alone while the replicas' queues "
+        "differ by more than this many requests (default: --slots)",
+    )
+
+
+def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """``argv``: the command line after ``serve`` (each replica's, with --replicas)."""
+    if args.replicas:
+        if args.replicas < 1:
+            raise SystemExit("--replicas must be >= 1")
+        try:
+            from slotserve.replicas.launch import serve_replicas
+        except ImportError as exc:
+            raise SystemExit(
+                f"--replicas needs Ray Serve ({exc.name} is missing): pip install -e '.[replicas]'"
+            ) from exc
+        return serve_replicas(args, argv or [])
     import uvicorn
 
     from slotserve.model_source import ModelUnavailableError

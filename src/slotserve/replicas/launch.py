@@ -1,0 +1,120 @@
+"""``slotserve serve --replicas N [--ray-address ADDR]``: N engine replicas on Ray Serve behind
+one OpenAI URL.
+
+Ray places the replicas (``--replica-cpus`` each; ``--ray-address`` joins a running cluster,
+else a local Ray instance is started for this process and stopped with it), restarts one that
+dies, and runs the HTTP proxy; the ingress (``ingress.py``) forwards each request to the
+replica the router picks (``routing.py``). Every replica runs ``slotserve serve`` with this
+command's other flags (``replica.py``), so the model path must exist on every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import cast
+
+from slotserve.replicas.routing import router_config
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "slotserve"
+# Flags of this command that are the deployment's, not each replica server's.
+_DEPLOYMENT_FLAGS = {
+    "--replicas": 1,
+    "--ray-address": 1,
+    "--replica-cpus": 1,
+    "--replica-routing": 1,
+    "--routing-imbalance-threshold": 1,
+    "--host": 1,
+    "--port": 1,
+}
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """``argv`` (after ``serve``) without the deployment's own flags."""
+    kept: list[str] = []
+    skip = 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _DEPLOYMENT_FLAGS:
+            skip = 0 if "=" in arg else _DEPLOYMENT_FLAGS[name]
+            continue
+        kept.append(arg)
+    return kept
+
+
+def serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
+    """Starts the deployment and serves until SIGINT or SIGTERM."""
+    import ray
+    from ray import serve
+    from ray.serve.deployment import Deployment
+
+    from slotserve.replicas.ingress import Ingress
+    from slotserve.replicas.replica import EngineReplica
+    from slotserve.server.log_context import configure_logging
+
+    configure_logging(args.log_level)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    local = args.ray_address is None
+    # The replicas' servers read SLOTSERVE_* settings too, on whichever node they run.
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith("SLOTSERVE_")}
+    for name in ("SLOTSERVE_REPLICAS", "SLOTSERVE_RAY_ADDRESS", "SLOTSERVE_HOST", "SLOTSERVE_PORT"):
+        env_vars.pop(name, None)
+    ray.init(
+        address="local" if local else args.ray_address,
+        include_dashboard=False,
+        runtime_env={"env_vars": env_vars},
+    )
+    threshold = args.routing_imbalance_threshold or args.slots
+    # cast: the stubs give serve.deployment(cls) the decorator-factory overload's type.
+    engine = cast(Deployment, serve.deployment(EngineReplica)).options(
+        name="EngineReplica",
+        num_replicas=args.replicas,
+        ray_actor_options={"num_cpus": args.replica_cpus},
+        # A replica's server queues what its slots cannot take (and answers 429 past
+        # --max-queue); a few more for the ingress's broadcasts (metrics, health).
+        max_ongoing_requests=args.slots + args.max_queue + 4,
+        request_router_config=router_config(args.replica_routing, threshold),
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+    )
+    ingress = cast(Deployment, serve.deployment(Ingress)).options(
+        name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
+    )
+    stop = threading.Event()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(
+            ingress.bind(engine.bind(replica_argv(argv))),
+            name=APP_NAME,
+            route_prefix="/",
+            blocking=False,
+        )
+        # After Ray's start-up, which sets handlers of its own.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        logger.info(
+            "serving %d replicas (%s routing) at http://%s:%d",
+            args.replicas,
+            args.replica_routing,
+            args.host,
+            args.port,
+        )
+        while not stop.wait(1.0):  # wakes for the signal handlers too
+            pass
+    finally:
+        # On a shared cluster only this application goes; a local instance goes whole.
+        if local:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+    return 0
