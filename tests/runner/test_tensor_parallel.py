@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -159,6 +160,8 @@ def test_served_with_tensor_parallel_over_http(
             temperature=0,
         )
         assert reply.usage is not None and reply.usage.completion_tokens == 8
+        info = httpx.get(f"{server.base_url}/server_info", timeout=10).json()
+        assert info["tp_size"] == 2, "what the SGLang Model Gateway reads"
     finally:
         stop_server(server)
     assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), 20)

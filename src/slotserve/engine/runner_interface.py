@@ -87,6 +87,7 @@ class ModelInfo:
     # Why drafts cannot be verified (a recurrent state cannot be rolled back to before a
     # rejected draft); speculative decoding is then off. None when it works.
     speculative_unsupported: str | None = None
+    tensor_parallel_size: int = 1  # ranks the model is split across (the PyTorch runner's)
 
     @property
     def kv_capacity(self) -> int:

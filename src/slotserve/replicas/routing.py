@@ -27,7 +27,18 @@ logger = logging.getLogger(__name__)
 class PrefixAffinityRouter(PrefixCacheAffinityRouter):
     """Ray's router, made safe for any request: one without text (a GET, a body without a
     prompt) and any routing error fall back to load-based choice; a router that raised would
-    leave the request waiting forever."""
+    leave the request waiting forever.
+
+    Ties (several replicas match as well, or a new prefix finds several with the least text)
+    go to the replica with the fewest requests this router sent that have not finished: Ray
+    breaks them by probed queue lengths, which lag a burst, and sent a burst of new prefixes
+    all to one replica, where they then stayed."""
+
+    _in_flight: dict[Any, int]  # replica id → requests this router sent, not finished
+
+    def initialize_state(self, **kwargs: Any) -> None:  # type: ignore[override]
+        super().initialize_state(**kwargs)
+        self._in_flight = {}
 
     async def choose_replicas(
         self,
@@ -37,20 +48,32 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
         if pending_request is not None and not _prompt_of(pending_request):
             pending_request = None
         try:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            ranks: list[list[RunningReplica]] = await super().choose_replicas(  # type: ignore[assignment]
+                candidate_replicas, pending_request
+            )
         except Exception:
             logger.exception("prefix routing failed; routing by load")
             return await super().choose_replicas(candidate_replicas, None)
+        if pending_request is None or not ranks or len(ranks[0]) < 2:
+            return ranks
+        tied = sorted(ranks[0], key=lambda r: self._in_flight.get(r.replica_id, 0))
+        return [[tied[0]], tied[1:], *ranks[1:]]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
     ) -> None:
+        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         if not _prompt_of(pending_request):
             return
         try:
             super().on_request_routed(pending_request, replica_id, result)
         except Exception:
             logger.exception("could not record a routed prompt")
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
 
 
 class RoundRobinRouter(RequestRouter):

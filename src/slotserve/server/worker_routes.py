@@ -51,7 +51,7 @@ def server_info(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
         "model_path": path,
         "tokenizer_path": path,
         "served_model_name": host.name,
-        "tp_size": 1,
+        "tp_size": info.tensor_parallel_size if info is not None else None,
         "dp_size": 1,  # the gateway's --dp-aware would split a worker by this
         "context_length": context,
         "max_model_len": context,  # vLLM's name for it

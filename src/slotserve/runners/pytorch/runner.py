@@ -123,6 +123,7 @@ class TorchRunner:
             runner="torch",
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
+            tensor_parallel_size=ranks,
             **_recurrent_state_rules(config),
         )
         logger.info(
