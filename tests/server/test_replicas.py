@@ -93,6 +93,24 @@ def test_the_deployment_answers_models_and_metrics(deployment: ServerProcess) ->
     assert bad.status_code == 400 and "error" in bad.json(), "errors pass through as they are"
 
 
+def test_a_client_that_disconnects_frees_its_slot_on_the_replica(
+    deployment: ServerProcess,
+) -> None:
+    replicas = {row["replica_id"]: row for row in _replicas(deployment)}
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 2000, "stream": True}
+    with httpx.stream(
+        "POST", f"{deployment.api_url}/completions", json={**body, "ignore_eos": True}
+    ) as response:
+        replica = replicas[response.headers["x-replica-id"]]
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+
+    def idle() -> bool:
+        slots = httpx.get(f"{replica['url']}/v1/slots", timeout=10).json()
+        return all(slot["state"] == "free" for slot in slots["slots"])
+
+    assert wait_until(idle, timeout=30), "the replica's server freed the slot"
+
+
 def test_a_killed_replica_ends_its_stream_and_is_replaced(deployment: ServerProcess) -> None:
     before = {row["replica_id"]: row for row in _replicas(deployment)}
     body = {

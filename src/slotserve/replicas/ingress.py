@@ -33,10 +33,15 @@ app = FastAPI(title="slotserve (Ray Serve replicas)")
 
 
 async def _body(chunks: Any, streaming: bool) -> AsyncIterator[bytes]:
+    """The replica's body; a client that goes away cancels the replica's generator, which
+    closes its connection to the server: the request's slot is freed there."""
+    finished = False
     try:
         async for chunk in chunks:
             yield chunk
+        finished = True
     except RayActorError as exc:
+        finished = True
         logger.warning("replica died during a response: %s", exc)
         if streaming:
             error = {
@@ -46,6 +51,9 @@ async def _body(chunks: Any, streaming: bool) -> AsyncIterator[bytes]:
                 "code": "replica_failed",
             }
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
+    finally:
+        if not finished:
+            chunks.cancel()
 
 
 def prompt_text(body: bytes) -> str:

@@ -50,6 +50,7 @@ class TensorParallel:
     # A ProcessGroupGloo or ProcessGroupNCCL: torch's stubs give their collectives to neither.
     group: Any
     vocab_size: int  # the whole vocabulary
+    device: torch.device  # this rank's (NCCL takes only tensors on it)
 
     @property
     def vocab_rows(self) -> int:
@@ -65,7 +66,7 @@ class TensorParallel:
         return x
 
     def min_across_ranks(self, value: int) -> int:
-        tensor = torch.tensor([value], dtype=torch.int64)
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.MIN  # type: ignore[assignment]
         self.group.allreduce([tensor], options).wait()
@@ -107,10 +108,11 @@ def join_group(
     prefix = PrefixStore("slotserve-tp", store)
     group: Any
     if nccl_usable(device, size):
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
         group = dist.ProcessGroupNCCL(prefix, rank, size)  # type: ignore[call-arg]
     else:
         group = dist.ProcessGroupGloo(prefix, rank, size, COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, size, group, vocab_size)
+    return TensorParallel(rank, size, group, vocab_size, device)
 
 
 def nccl_usable(device: torch.device, size: int) -> bool:
