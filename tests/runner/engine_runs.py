@@ -43,6 +43,18 @@ def generate(
     return tokens
 
 
+def alone_then_together(
+    core: EngineCore, prompts: Sequence[list[int]], params: SamplingParams
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Each prompt run by itself, one after another, then all of them at once in the same
+    core; requests ``p0``, ``p1``, ... Returns (alone, together)."""
+    alone: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        alone.update(generate(core, {f"p{i}": (prompt, params)}))
+    together = generate(core, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
+    return alone, together
+
+
 def greedy(n: int = NUM_TOKENS, logprobs: int | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
 

@@ -37,7 +37,7 @@ from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.weights import load_into, safetensors_tensors
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import alone_then_together, generate, greedy
 from tests.runner.hf_checkpoint import qwen35_gguf, tiny_random_checkpoint
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text"]
@@ -133,10 +133,7 @@ def test_outputs_are_identical_alone_and_batched_in_bfloat16(bf16_runner: TorchR
     prompts = [
         bf16_runner.tokenizer.encode(p + " " + LONG_PROMPT[: 40 * i]) for i, p in enumerate(PROMPTS)
     ]
-    alone: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, greedy(16))}))
-    together = generate(core, {f"p{i}": (p, greedy(16)) for i, p in enumerate(prompts)})
+    alone, together = alone_then_together(core, prompts, greedy(16))
     assert together == alone
     assert len({tuple(t) for t in alone.values()}) > 1
     core.check_integrity()
@@ -154,10 +151,7 @@ def test_preemption_recomputes_the_state(folders: dict[str, Path]) -> None:
     prompts = [
         runner.tokenizer.encode(p + " " + PROMPTS[(i + 3) % 8]) for i, p in enumerate(PROMPTS[:4])
     ]
-    alone: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, greedy(96))}))
-    together = generate(core, {f"p{i}": (p, greedy(96)) for i, p in enumerate(prompts)})
+    alone, together = alone_then_together(core, prompts, greedy(96))
     assert core.stats.preemptions > 0, "the pool was too small for all four at once"
     assert together == alone
     core.check_integrity()

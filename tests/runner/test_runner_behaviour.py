@@ -12,7 +12,7 @@ from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.slots import SlotState
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import Recording, generate, greedy
+from tests.runner.engine_runs import Recording, alone_then_together, generate, greedy
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True], ids=["cache-off", "cache-on"])
@@ -22,10 +22,7 @@ def test_greedy_tokens_are_identical_alone_and_batched(
     # With the cache on, the batched run reuses the KV the runs alone left behind.
     core = EngineCore(any_runner, EngineConfig(num_slots=8, prefix_cache=prefix_cache))
     prompts = [any_runner.tokenizer.encode(p) for p in PROMPTS]
-    alone = {}
-    for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, greedy())}))
-    together = generate(core, {f"p{i}": (p, greedy()) for i, p in enumerate(prompts)})
+    alone, together = alone_then_together(core, prompts, greedy())
     assert together == alone
     assert len({tuple(t) for t in alone.values()}) == len(PROMPTS)
 

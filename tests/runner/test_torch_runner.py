@@ -24,7 +24,7 @@ from slotserve.runners.pytorch.checkpoint import (
 from slotserve.runners.pytorch.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import alone_then_together, generate, greedy
 from tests.runner.hf_checkpoint import qwen3_moe_gguf, tiny_random_checkpoint
 
 PARITY_TOKENS = 32
@@ -158,10 +158,7 @@ def test_mixture_of_experts_is_batch_invariant_in_bfloat16(
     assert runner.config.sparse_layers == (False, True, True, True)
     core = EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False))
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
-    alone: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, greedy(16))}))
-    together = generate(core, {f"p{i}": (p, greedy(16)) for i, p in enumerate(prompts)})
+    alone, together = alone_then_together(core, prompts, greedy(16))
     assert together == alone
     assert len({tuple(t) for t in alone.values()}) > 1
     runner.close()
@@ -323,10 +320,7 @@ def test_a_small_kv_pool_preempts_and_outputs_stay_those_of_each_request_alone(
     prompts = [
         runner.tokenizer.encode(p + " " + PROMPTS[(i + 3) % 8]) for i, p in enumerate(PROMPTS[:4])
     ]
-    alone = {}
-    for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, greedy(64))}))
-    together = generate(core, {f"p{i}": (p, greedy(64)) for i, p in enumerate(prompts)})
+    alone, together = alone_then_together(core, prompts, greedy(64))
     assert core.stats.preemptions > 0, "the pool was too small for all four at once"
     assert together == alone
     core.check_integrity()

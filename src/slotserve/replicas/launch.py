@@ -63,10 +63,9 @@ def serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
     configure_logging(args.log_level)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     local = args.ray_address is None
-    # The replicas' servers read SLOTSERVE_* settings too, on whichever node they run.
+    # The replicas' servers read SLOTSERVE_* settings too, on whichever node they run (their
+    # command line sets --host, --port and --replicas 0 over any of these: replica.py).
     env_vars = {k: v for k, v in os.environ.items() if k.startswith("SLOTSERVE_")}
-    for name in ("SLOTSERVE_REPLICAS", "SLOTSERVE_RAY_ADDRESS", "SLOTSERVE_HOST", "SLOTSERVE_PORT"):
-        env_vars.pop(name, None)
     ray.init(
         address="local" if local else args.ray_address,
         include_dashboard=False,

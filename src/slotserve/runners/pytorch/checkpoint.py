@@ -50,6 +50,20 @@ class TorchLoadConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES["bfloat16" if self.dtype == "auto" else self.dtype]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def sequence_length(self, config: ModelConfig) -> int:
+        """Tokens one sequence may hold: ``--max-model-len``, else the trained context up
+        to 4096."""
+        return min(config.max_position_embeddings, self.max_seq_len or 4096)
+
 
 def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
     """The checkpoint's configuration, checked, without reading a weight (a GGUF file's
@@ -107,8 +121,8 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     config = read_model_config(load.model_path)
     ranks = load.tensor_parallel_size
     shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
-    dtype_bytes = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype].itemsize
-    max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+    dtype_bytes = load.torch_dtype.itemsize
+    max_seq_len = load.sequence_length(config)
     hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
     attention = hidden * ((3 if config.attn_output_gate else 2) * q_dim + 2 * kv_dim)
@@ -126,7 +140,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
     weights = (embeddings + layers) * dtype_bytes
     per_token = config.kv_bytes_per_token(dtype_bytes)
-    on_gpu = load.device.startswith("cuda") or (load.device == "auto" and torch.cuda.is_available())
+    on_gpu = load.torch_device().type == "cuda"
     if on_gpu and not load.kv_memory_bytes:
         kv = max_seq_len * per_token
     else:

@@ -30,7 +30,6 @@ from slotserve.engine.runner_interface import (
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.checkpoint import (
-    DTYPES,
     TorchLoadConfig,
     open_gguf,
     read_model_config,
@@ -75,22 +74,17 @@ class TorchRunner:
         ranks = load.tensor_parallel_size
         if load.threads or ranks > 1:
             torch.set_num_threads(rank_threads(load))
-        device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu")
-            if load.device == "auto"
-            else load.device
-        )
-        self.dtype = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype]
+        self.dtype = load.torch_dtype
         path = load.model_path
         reader = open_gguf(path) if path.is_file() else None  # read once: config and weights
         self.config = config = read_model_config(path, reader)
         shard_config(config, ranks)  # refused before any process starts
-        self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+        self.max_seq_len = load.sequence_length(config)
         started = time.monotonic()
         self._tokenizer = (
             HfTokenizer.from_gguf(path) if path.is_file() else HfTokenizer.from_folder(path)
         )
-        self.device = rank_device(device, 0, ranks)
+        self.device = rank_device(load.torch_device(), 0, ranks)
         self.ranks: TensorParallelRanks | None = None
         try:
             tp = None

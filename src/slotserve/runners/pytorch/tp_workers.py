@@ -27,7 +27,6 @@ import torch
 import zmq
 
 from slotserve.runners.pytorch.checkpoint import (
-    DTYPES,
     TorchLoadConfig,
     open_gguf,
     read_model_config,
@@ -130,14 +129,13 @@ def run_rank(load: TorchLoadConfig, rank: int, store_port: int, plans: str, pare
     """A rank's life: join the group, load its slice, run plans until told to stop."""
     size = load.tensor_parallel_size
     torch.set_num_threads(rank_threads(load))
-    device = rank_device(_device(load.device), rank, size)
-    dtype = DTYPES["bfloat16" if load.dtype == "auto" else load.dtype]
+    device = rank_device(load.torch_device(), rank, size)
     reader = open_gguf(load.model_path) if load.model_path.is_file() else None
     config = read_model_config(load.model_path, reader)
-    max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+    max_seq_len = load.sequence_length(config)
     store = open_store(rank, size, store_port)
     tp = join_group(store, rank, size, device, config.vocab_size)
-    shard = ModelShard(load, config, reader, device, dtype, max_seq_len, tp)
+    shard = ModelShard(load, config, reader, device, load.torch_dtype, max_seq_len, tp)
     context = zmq.Context()
     socket = context.socket(zmq.PULL)
     socket.connect(plans)
@@ -165,12 +163,6 @@ def run_rank(load: TorchLoadConfig, rank: int, store_port: int, plans: str, pare
 def rank_threads(load: TorchLoadConfig) -> int:
     """``--threads`` for each rank, else the cores shared evenly between the ranks."""
     return load.threads or max(1, (os.cpu_count() or 1) // load.tensor_parallel_size)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def main(argv: list[str]) -> None:
