@@ -16,7 +16,7 @@ import numpy as np
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk, VerifyCost
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.structured_output import allowed_mask
 from slotserve.runners.paged_kv import PagedKvTables
@@ -47,6 +47,7 @@ class FakeRunner:
     forward_seconds_per_step: float = 0.0
     prefix_cache_unsupported: str | None = None
     prefill_grain: int = 1
+    verify_cost: VerifyCost = field(default_factory=VerifyCost)  # what drafts cost
     # A shared, paged KV pool of this many blocks (0: every slot owns max_seq_len positions),
     # kept by the real block tables: lets tests run the engine out of KV memory, and the engine
     # then keeps cached prefixes in blocks the radix tree holds (``paged_kv``). The "KV" is then
@@ -114,6 +115,7 @@ class FakeRunner:
             kv_bytes_per_token=64,
             prefix_cache_unsupported=self.prefix_cache_unsupported,
             kv_capacity_tokens=self.kv_pool_blocks * self.kv_block_size,
+            verify_cost=self.verify_cost,
         )
 
     @property

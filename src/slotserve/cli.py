@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
         "'bench prefix-cache': shared system prompt, cache on vs off; 'bench runners': "
-        "PyTorch vs llama.cpp runner vs transformers)",
+        "PyTorch vs llama.cpp runner vs transformers; 'bench speculative': drafts on vs off)",
     )
     from slotserve.bench.cli import add_bench_arguments
 
@@ -87,6 +87,12 @@ def build_prefix_ab_parser() -> argparse.ArgumentParser:
     )
 
 
+def build_spec_ab_parser() -> argparse.ArgumentParser:
+    from slotserve.bench import spec_ab
+
+    return _bench_subcommand_parser("speculative", spec_ab.__doc__, spec_ab.add_spec_ab_arguments)
+
+
 def reload(args: argparse.Namespace) -> int:
     import httpx
 
@@ -117,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slotserve.bench.prefix_ab import main_prefix_ab
 
         return main_prefix_ab(build_prefix_ab_parser().parse_args(argv[2:]))
+    if argv[:2] == ["bench", "speculative"]:
+        from slotserve.bench.spec_ab import main_spec_ab
+
+        return main_spec_ab(build_spec_ab_parser().parse_args(argv[2:]))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from slotserve.serve_command import serve

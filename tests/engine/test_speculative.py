@@ -11,11 +11,14 @@ from typing import Any
 import pytest
 
 from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.runner_interface import VerifyCost
 from slotserve.engine.speculative import (
     NgramProposer,
     SpecCounters,
     SpeculativeConfig,
+    best_draft_length,
     build_speculator,
+    expected_tokens,
 )
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
@@ -179,12 +182,82 @@ def test_run_to_completion_helper_still_works_with_drafts() -> None:
     assert text_of(outputs["a"]) == ALPHABET[:20]
 
 
-def test_the_acceptance_floor_defaults_to_the_runners_break_even() -> None:
+# ---- how many drafts pay ---------------------------------------------------------------------
+
+# The llama.cpp runner's measured cost (benchmarks/verify_cost.py): each draft ~half a step.
+COSTLY = VerifyCost(first=0.39, per_draft=0.5)
+
+
+def test_the_draft_length_is_the_one_with_most_tokens_per_cost() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    cheap = VerifyCost(first=0.0, per_draft=0.025)
+    assert best_draft_length(0.9, cheap, 8) == 8  # drafts nearly free: verify all
+    assert 3 <= best_draft_length(0.6, cheap, 8) < 8  # ...but not a tail rarely reached
+    assert best_draft_length(0.02, cheap, 8) == 0  # ...nor drafts that are never right
+    assert best_draft_length(0.6, COSTLY, 8) == 0  # half a step per draft needs more
+    assert best_draft_length(0.75, COSTLY, 8) == 0
+    assert 3 <= best_draft_length(0.9, COSTLY, 8) < 8
+    assert best_draft_length(1.0, COSTLY, 8) == 8
+    assert best_draft_length(1.0, COSTLY, 3) == 3  # never past the limit
+
+
+# The reply repeats "pq" with a new letter after it every time: each proposal (after "pq")
+# misses, and no other bigram recurs.
+MISSING = "".join(f"pq{letter}" for letter in "rstuvwxyzabcdefghijklmno")
+
+
+def _run_with_cost(
+    cost: VerifyCost | None, prompt: str, max_tokens: int, reply: str | None = None
+) -> dict[str, Any]:
+    replies = {prompt: reply.encode()} if reply else {}
+    core, runner = make_core(
+        FakeRunner(num_slots=2, verify_cost=cost or VerifyCost(), replies=replies),
+        speculative=spec() if cost else None,
+    )
+    submit(core, "r", prompt, max_tokens=max_tokens, temperature=0.0)
+    outputs = run_to_completion(core)
+    drafting = [i for i, batch in enumerate(runner.batches) if any(c.num_drafts for c in batch)]
+    return {
+        "text": text_of(outputs["r"]),
+        "stats": core.stats,
+        "steps": len(runner.batches),
+        "drafting": drafting,
+    }
+
+
+def test_costly_drafts_start_after_the_proposals_prove_right() -> None:
+    # The fake model continues the alphabet, which the prompt holds: every proposal is right.
+    # At half a step per draft the prior does not justify drafting; the held-back proposals,
+    # scored against the tokens produced, do after a few steps.
+    costly = _run_with_cost(COSTLY, ALPHABET, 40)
+    plain = _run_with_cost(None, ALPHABET, 40)
+    assert costly["text"] == plain["text"] == (ALPHABET * 3)[:40]
+    assert costly["drafting"], "proposals that are always right never earned drafting"
+    assert 2 <= costly["drafting"][0] <= 6, "drafting should start after a few right proposals"
+    counters = costly["stats"].spec_decode
+    assert counters.num_accepted_tokens == counters.num_draft_tokens  # all were right
+    assert costly["steps"] < plain["steps"] - 15
+
+
+def test_costly_drafts_never_start_or_stop_when_they_miss() -> None:
+    plain = _run_with_cost(None, "go", 60, MISSING)
+    cheap = _run_with_cost(VerifyCost(), "go", 60, MISSING)
+    costly = _run_with_cost(COSTLY, "go", 60, MISSING)
+    assert cheap["text"] == costly["text"] == plain["text"] == MISSING[:60]
+    assert cheap["stats"].spec_decode.num_draft_tokens > 0  # cheap: worth a try
+    assert cheap["stats"].spec_decode.num_accepted_tokens == 0
+    assert costly["stats"].spec_decode.num_draft_tokens == 0  # costly: the shadows said no
+    # A copy that turns into misses: drafting while copying, none once the misses set in.
+    prompt = ALPHABET
+    turned = _run_with_cost(COSTLY, prompt, 80, ALPHABET + MISSING)
+    assert turned["text"] == (ALPHABET + MISSING)[:80]
+    assert turned["drafting"], "the copied part never drafted"
+    assert turned["drafting"][-1] < turned["steps"] - 30, "drafting went on into the misses"
+
+
+def test_the_configured_floor_still_ends_drafting() -> None:
     info = FakeRunner().model_info
-    runner_floor = replace(info, min_draft_acceptance=0.5)
-    speculator = build_speculator(spec(), runner_floor)
-    assert speculator is not None and speculator.min_acceptance_rate == 0.5
-    configured = build_speculator(spec(min_acceptance_rate=0.3), runner_floor)
-    assert configured is not None and configured.min_acceptance_rate == 0.3
-    plain = build_speculator(spec(), info)
-    assert plain is not None and plain.min_acceptance_rate == 0.2
+    speculator = build_speculator(spec(min_acceptance_rate=0.3), info)
+    assert speculator is not None and speculator.verify_cost == info.verify_cost
+    assert build_speculator(spec(), replace(info, speculative_unsupported="no")) is None

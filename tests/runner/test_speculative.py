@@ -8,7 +8,7 @@ import pytest
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.runner_interface import Runner
+from slotserve.engine.runner_interface import Runner, VerifyCost
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.speculative import SpeculativeConfig
 from tests.prompts import PROMPTS
@@ -26,10 +26,17 @@ def run(
     runner: Runner,
     speculative: SpeculativeConfig | None,
     jobs: dict[str, tuple[str, SamplingParams]],
+    runner_cost: bool = False,
 ) -> tuple[dict[str, Result], EngineCore]:
+    """Runs ``jobs`` to the end. Drafts are verified at every chance unless ``runner_cost``:
+    these tests are about what verification returns; which drafts pay is the cost model's
+    (tests/engine/test_speculative.py)."""
     core = EngineCore(
         runner, EngineConfig(num_slots=8, prefix_cache=False, speculative=speculative)
     )
+    speculator = core.scheduler.speculator
+    if speculator is not None and not runner_cost:
+        speculator.verify_cost = VerifyCost(first=0.0, per_draft=0.0)
     results: dict[str, Result] = {rid: ([], [], None) for rid in jobs}
     for rid, (prompt, params) in jobs.items():
         core.add_request(core.make_request(rid, runner.tokenizer.encode(prompt), params))
@@ -86,3 +93,13 @@ def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner
     # With the cache off every slot's KV is freed at the end: nothing of the drafts is left.
     assert all(any_runner.kv_tokens(slot) == 0 for slot in range(8))
     assert core.stats.spec_decode is not None and core.stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_the_runners_own_cost_drafts_on_a_copy(any_runner: Runner) -> None:
+    # At the runner's measured cost (half a step per draft on llama.cpp) a copy still drafts.
+    jobs = {"g": (GROUNDED, greedy(64))}
+    plain, _ = run(any_runner, None, jobs)
+    drafted, core = run(any_runner, SpeculativeConfig(num_speculative_tokens=4), jobs, True)
+    assert drafted == plain
+    counters = core.stats.spec_decode
+    assert counters is not None and counters.num_accepted_tokens >= 8, counters

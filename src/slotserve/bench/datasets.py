@@ -1,5 +1,6 @@
-"""Workloads for ``slotserve bench``: random lengths, shared system prompt, multi-turn chat and
-ShareGPT files.
+"""Workloads for ``slotserve bench``: random lengths, shared system prompt, multi-turn chat,
+ShareGPT files, and for speculative decoding an input-grounded one (copy or edit a given text
+or code) and an open-ended one (nothing to copy).
 
 Every workload is a list of :class:`Conversation`; a single request is a one-turn
 conversation. Lengths are counted in words, which common BPE tokenizers map to about one token
@@ -17,6 +18,8 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from slotserve.bench.passages import edit_prompt
 
 # Common English words: each is one token (with its leading space) in typical BPE vocabularies.
 WORDS = (  # noqa: SIM905 -- one word list reads better as text than as 200 literals
@@ -115,6 +118,44 @@ def multi_turn_dataset(
         Conversation(
             f"chat-{i}",
             [f"{ECHO}{i}.{t}: " + _words(rng, input_len) for t in range(turns)],
+            output_len,
+        )
+        for i in range(num)
+    ]
+
+
+OPEN_TOPICS = (
+    "why the sky is blue",
+    "how bread rises",
+    "what a compiler does",
+    "the life of a bee",
+    "how tides work",
+    "why we sleep",
+    "how a bicycle stays up",
+    "what causes rain",
+    "how vaccines work",
+    "the history of paper",
+    "how magnets work",
+    "why leaves change colour",
+    "how a refrigerator cools",
+    "what a black hole is",
+    "how birds navigate",
+    "how soap cleans",
+)
+
+
+def edit_dataset(num: int, output_len: int, seed: int = 0) -> list[Conversation]:
+    """Input-grounded: copy or lightly edit a given text or piece of code (``passages.py``),
+    so most of each answer is in its prompt. ``seed`` rotates which passage comes first."""
+    return [Conversation(f"edit-{i}", [edit_prompt(i + seed)], output_len) for i in range(num)]
+
+
+def open_dataset(num: int, output_len: int, seed: int = 0) -> list[Conversation]:
+    """Open-ended explanations: nothing in the prompt to copy."""
+    return [
+        Conversation(
+            f"open-{i}",
+            [f"Explain {OPEN_TOPICS[(i + seed) % len(OPEN_TOPICS)]} in a few paragraphs."],
             output_len,
         )
         for i in range(num)

@@ -19,7 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from slotserve.bench.datasets import (
     Conversation,
+    edit_dataset,
     multi_turn_dataset,
+    open_dataset,
     random_dataset,
     shared_prefix_dataset,
     sharegpt_dataset,
@@ -28,7 +30,7 @@ from slotserve.bench.loadgen import LoadConfig, resolve_model_sync, run_load
 from slotserve.bench.metrics import RequestResult, isolation_failures, summarize
 from slotserve.bench.report import rss_bytes
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "sharegpt")
+DATASETS = ("random", "shared-prefix", "multi-turn", "sharegpt", "edit", "open")
 
 
 def build_dataset(
@@ -49,6 +51,10 @@ def build_dataset(
         return shared_prefix_dataset(num, prefix_len, input_len, output_len, seed)
     if name == "multi-turn":
         return multi_turn_dataset(num, turns, input_len, output_len, seed)
+    if name == "edit":
+        return edit_dataset(num, output_len, seed)
+    if name == "open":
+        return open_dataset(num, output_len, seed)
     if name == "sharegpt":
         if path is None:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE")

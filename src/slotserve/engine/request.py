@@ -59,6 +59,11 @@ class Sequence:
     # Speculative decoding (engine/speculative.py): this sequence's drafts and acceptances.
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The estimated chance that the next draft is accepted (None: no evidence yet), and a
+    # proposal held back (not verified) whose first token is scored once the sequence
+    # produces that position: (position, token).
+    draft_acceptance: float | None = None
+    shadow_draft: tuple[int, int] | None = None
     # Structured output (engine/structured_output.py): llguidance's matcher, fed every output
     # token; None when unconstrained.
     grammar: Any = None

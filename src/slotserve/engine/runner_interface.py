@@ -50,6 +50,21 @@ class ScheduledChunk:
     prompt_logprob_targets: Sequence[int] = ()
 
 
+@dataclass(frozen=True)
+class VerifyCost:
+    """A one-sequence step that verifies ``d >= 1`` drafts costs ``1 + first + per_draft * d``
+    plain decode steps (``first``: whatever switches on with a multi-token chunk). Measured per
+    runner with ``benchmarks/verify_cost.py``; the defaults are the PyTorch runner's on the
+    2-core VM (its one-sequence step reads the weights once whatever the tokens: 16 drafts
+    cost 1.4 steps)."""
+
+    first: float = 0.0
+    per_draft: float = 0.025
+
+    def of(self, drafts: int) -> float:
+        return 1.0 + (self.first + self.per_draft * drafts if drafts > 0 else 0.0)
+
+
 RECURRENT_STATE_NO_ROLLBACK = (
     "the model keeps a recurrent state, which cannot be rolled back past rejected drafts"
 )
@@ -80,10 +95,9 @@ class ModelInfo:
     # every slot owning a fixed stream). A pooled runner may hold fewer than its slots could
     # ask for; the engine then preempts (see ``Runner.reserve_kv``).
     kv_capacity_tokens: int = 0
-    # Speculative decoding: the draft acceptance rate under which verifying drafts costs this
-    # runner more than it saves (the default of ``min_acceptance_rate``; measured on the
-    # 2-core VM, benchmarks/RESULTS.md).
-    min_draft_acceptance: float = 0.2
+    # Speculative decoding: what verifying drafts adds to a one-sequence decode step on this
+    # runner; the speculator drafts only as many tokens as are expected to pay for it.
+    verify_cost: VerifyCost = VerifyCost()
     # Why drafts cannot be verified (a recurrent state cannot be rolled back to before a
     # rejected draft); speculative decoding is then off. None when it works.
     speculative_unsupported: str | None = None

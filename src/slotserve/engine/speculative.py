@@ -14,7 +14,15 @@ same with and without speculation.
 
 What this module owns: the configuration (vLLM's ``--speculative-config`` keys), the
 :class:`Proposer` interface with the n-gram prompt-lookup proposer, the per-step and
-per-sequence switches that turn drafting off where it does not pay, and the counters. A draft
+per-sequence switches that turn drafting off where it does not pay, and the counters.
+
+How many drafts pay depends on the runner and on the sequence. The runner states what a
+verification costs (``ModelInfo.verify_cost``, measured: a few percent of a step per draft on
+the PyTorch runner, about half a step on llama.cpp, whose CPU kernels scale with the tokens).
+Each sequence keeps an estimate of the chance that its next draft is accepted (a moving
+average over its verified drafts and, while it is not drafting, over the proposals it would
+have made, checked against the token it then produced); each step it drafts the length with
+the most expected tokens per unit of cost, or nothing when no length beats a plain step. A draft
 model or MTP heads plug in as another :class:`Proposer`; the verification path needs nothing
 else from them (the seed's MTP heads need checkpoints that ship them; none of the offline
 models does).
@@ -30,7 +38,7 @@ from itertools import zip_longest
 from typing import Any, Protocol
 
 from slotserve.engine.request import Sequence
-from slotserve.engine.runner_interface import ModelInfo
+from slotserve.engine.runner_interface import ModelInfo, VerifyCost
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +55,10 @@ _KEYS = {
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's keys, plus ``min_acceptance_rate``: a sequence whose drafts are accepted less
-    often than this (after ``probe_tokens`` drafted tokens) stops drafting; None takes the
-    runner's break-even rate (``ModelInfo.min_draft_acceptance``, measured per runner).
-    ``disable_by_batch_size`` (vLLM's name): no drafts in a step with more generating
-    sequences than this."""
+    often than this (after ``probe_tokens`` drafted tokens) stops drafting for good; None
+    leaves the decision to the cost model alone. ``num_speculative_tokens`` is the most drafts
+    a step verifies. ``disable_by_batch_size`` (vLLM's name): no drafts in a step with more
+    generating sequences than this."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -164,10 +172,35 @@ class SpecCounters:
             self.accepted_per_position[position] += 1
 
 
+# The acceptance estimate: where a sequence starts (a draft of a fresh sequence is as likely
+# right as wrong, a little better: prompt lookup only proposes what the context repeats), and
+# the weight of each new observation (a few misses end a copy run's drafting, a few hits
+# start it again).
+PRIOR_ACCEPTANCE = 0.6
+ACCEPTANCE_WEIGHT = 0.25
+
+
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a step yields with ``drafts`` drafts, each accepted (after the one before it)
+    with probability ``acceptance``: the correction token plus the accepted run."""
+    return sum(acceptance**depth for depth in range(drafts + 1))
+
+
+def best_draft_length(acceptance: float, cost: VerifyCost, limit: int) -> int:
+    """The number of drafts (0..limit) with the most expected tokens per unit of step cost;
+    0 when none beats a plain step."""
+    best, best_rate = 0, 1.0
+    for drafts in range(1, limit + 1):
+        rate = expected_tokens(acceptance, drafts) / cost.of(drafts)
+        if rate > best_rate:
+            best, best_rate = drafts, rate
+    return best
+
+
 class Speculator:
     """Decides, per step and sequence, how many drafts to verify, and keeps the counts. A
-    sequence's own record (``Sequence.num_drafted_tokens`` and ``num_accepted_tokens``) drives
-    its switch-off."""
+    sequence's own record (``Sequence.num_drafted_tokens``, ``num_accepted_tokens`` and
+    ``draft_acceptance``) drives its switch-off."""
 
     def __init__(
         self,
@@ -175,16 +208,11 @@ class Speculator:
         max_seq_len: int,
         equal_drafts: bool = False,
         proposer: Proposer | None = None,
-        min_acceptance_rate: float = 0.2,
+        verify_cost: VerifyCost | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
-        # The configured rate, else the runner's break-even one.
-        self.min_acceptance_rate = (
-            min_acceptance_rate
-            if config.min_acceptance_rate is None
-            else config.min_acceptance_rate
-        )
+        self.verify_cost = verify_cost or VerifyCost()
         self.equal_drafts = equal_drafts  # the runner's chunk policy asks for equal chunks
         self.proposer = proposer or NgramProposer(
             config.prompt_lookup_min, config.prompt_lookup_max
@@ -214,21 +242,53 @@ class Speculator:
         return equalize_drafts(planned) if self.equal_drafts else planned
 
     def drafts(self, seq: Sequence, limit: int) -> list[int]:
-        """Up to ``limit`` (and the configured count of) drafts for ``seq``; none once its
-        drafts were accepted too rarely."""
+        """Up to ``limit`` (and the configured count of) drafts for ``seq``: as many of the
+        proposer's as pay for their verification (module docstring)."""
         config = self.config
         if seq.grammar is not None:
             return []  # a draft may break the grammar; the mask covers one position a step
-        if seq.num_drafted_tokens >= config.probe_tokens and (
-            seq.num_accepted_tokens < self.min_acceptance_rate * seq.num_drafted_tokens
+        floor = config.min_acceptance_rate
+        if (
+            floor is not None
+            and seq.num_drafted_tokens >= config.probe_tokens
+            and seq.num_accepted_tokens < floor * seq.num_drafted_tokens
         ):
             return []
-        return self.proposer.propose(seq.token_ids, min(limit, config.num_speculative_tokens))
+        _check_shadow(seq)
+        proposal = self.proposer.propose(seq.token_ids, min(limit, config.num_speculative_tokens))
+        if not proposal:
+            return []
+        length = best_draft_length(_acceptance(seq), self.verify_cost, len(proposal))
+        if length == 0:
+            # Not worth verifying now; whether it would have been right still teaches.
+            seq.shadow_draft = (len(seq.token_ids), proposal[0])
+        return proposal[:length]
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.counters.record(drafted, accepted)
         seq.num_drafted_tokens += drafted
         seq.num_accepted_tokens += accepted
+        for depth in range(min(accepted + 1, drafted)):  # drafts past a rejection say nothing
+            _observe(seq, depth < accepted)
+
+
+def _acceptance(seq: Sequence) -> float:
+    return PRIOR_ACCEPTANCE if seq.draft_acceptance is None else seq.draft_acceptance
+
+
+def _observe(seq: Sequence, accepted: bool) -> None:
+    estimate = _acceptance(seq)
+    seq.draft_acceptance = estimate + ACCEPTANCE_WEIGHT * (float(accepted) - estimate)
+
+
+def _check_shadow(seq: Sequence) -> None:
+    """Scores the proposal held back last step against the token the sequence produced."""
+    if seq.shadow_draft is None:
+        return
+    position, token = seq.shadow_draft
+    if position < len(seq.token_ids):
+        _observe(seq, seq.token_ids[position] == token)
+        seq.shadow_draft = None
 
 
 def build_speculator(config: SpeculativeConfig | None, info: ModelInfo) -> Speculator | None:
@@ -241,7 +301,7 @@ def build_speculator(config: SpeculativeConfig | None, info: ModelInfo) -> Specu
         config,
         info.max_seq_len,
         info.chunk_policy.equal_chunks,
-        min_acceptance_rate=info.min_draft_acceptance,
+        verify_cost=info.verify_cost,
     )
 
 

@@ -36,6 +36,7 @@ from slotserve.engine.runner_interface import (
     RECURRENT_STATE_NO_ROLLBACK,
     ModelInfo,
     ScheduledChunk,
+    VerifyCost,
 )
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.structured_output import allowed_mask
@@ -159,9 +160,9 @@ class LlamaCppRunner:
                 or llama.llama_model_is_hybrid(self._model)
                 else None
             ),
-            # A verification chunk costs llama.cpp more per token than a batched decode row:
-            # at 0.2 open-ended replies lost 10-16% with drafts, at 0.5 they held 0.96-0.99.
-            min_draft_acceptance=0.5,
+            # ggml's CPU matmuls for these quantised types cost about as much per token in a
+            # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py).
+            verify_cost=VerifyCost(first=0.39, per_draft=0.5),
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",

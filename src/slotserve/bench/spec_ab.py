@@ -1,0 +1,245 @@
+"""``slotserve bench speculative``: speculative decoding on vs off through the server, per
+runner, workload and concurrency (SPEC E12, B2).
+
+Per round and runner, one server with ``--speculative-config`` and one without, each alone on
+the machine and the order alternating between runners and rounds; each serves every workload
+at every concurrency: ``--requests-per-client`` chat requests per client (greedy, up to
+``--max-tokens``) after one uncounted request per client. Workloads: **edit** (copy or lightly
+edit a given text or piece of code: the answer is mostly in the prompt) and **open**
+(open-ended explanations: nothing to copy). Reported per cell: output tok/s (prefill
+included) and decode tok/s (1 / median TPOT), the ratios on ÷ off (medians of per-round
+paired ratios), and the acceptance the server's spec-decode counters saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from slotserve.bench.datasets import Conversation, edit_dataset, open_dataset
+from slotserve.bench.loadgen import LoadConfig
+from slotserve.bench.runner import run_benchmark, write_run_json
+from slotserve.bench.servers import (
+    RunningServer,
+    resolve_model_or_report,
+    running,
+    slotserve_spec,
+)
+
+RUNNERS = ("torch", "llama.cpp")
+WORKLOADS = {"edit": edit_dataset, "open": open_dataset}
+DEFAULT_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}'
+)
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def add_spec_ab_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["edit", "open"])
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated")
+    parser.add_argument("--speculative-config", default=DEFAULT_CONFIG)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--ctx-per-slot", type=int, default=1024)
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("benchmarks/results") / time.strftime("speculative-%Y%m%d-%H%M%S"),
+    )
+
+
+def main_spec_ab(args: argparse.Namespace) -> int:
+    console = Console()
+    model = resolve_model_or_report(args.model, console)
+    if model is None:
+        return 2
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out_dir: Path = args.output_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for runner_index, runner in enumerate(args.runners):
+            first_on = (round_index + runner_index) % 2 == 0
+            for spec_on in (first_on, not first_on):
+                extra = ["--runner", runner, "--max-model-len", str(args.ctx_per_slot)]
+                if spec_on:
+                    extra += ["--speculative-config", args.speculative_config]
+                spec = slotserve_spec(model, max(levels), args.threads, args.ctx_per_slot, extra)
+                with running(spec, out_dir / "logs") as server:
+                    for workload in args.workloads:
+                        for level in levels:
+                            run = _one_run(server, workload, level, round_index, args)
+                            run.update(runner=runner, speculation=spec_on)
+                            runs.append(run)
+                            name = f"{runner}-{workload}-x{level}-{'on' if spec_on else 'off'}"
+                            write_run_json(
+                                run["report"], out_dir / "runs" / f"{name}-r{round_index}.json"
+                            )
+                            console.print(
+                                f"round {round_index + 1} {runner:9} {workload:5} ×{level:<3} "
+                                f"{'on ' if spec_on else 'off'} {run['output_tps']:7.1f} tok/s "
+                                f"decode {run['decode_tps']:7.1f} tok/s"
+                            )
+    result = _summarize(args, levels, runs)
+    (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "speculative.md").write_text(_markdown(result) + "\n")
+    _print_table(result, console)
+    console.print(f"results: {out_dir / 'speculative.json'}, {out_dir / 'speculative.md'}")
+    return 0
+
+
+def _one_run(
+    server: RunningServer, workload: str, level: int, round_index: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    make = WORKLOADS[workload]
+    seed = round_index * 1000 + level
+    config = LoadConfig(base_url=server.api_url, endpoint="chat", concurrency=level)
+    warmup: list[Conversation] = make(level, args.max_tokens, seed + 500)
+    run_benchmark(config, warmup, warmup=0, show_progress=False)
+    before = spec_counters(server.spec.base_url)
+    conversations = make(level * args.requests_per_client, args.max_tokens, seed)
+    report = run_benchmark(
+        config, conversations, warmup=0, server_pid=server.pid, show_progress=False
+    )
+    after = spec_counters(server.spec.base_url)
+    if report["failed"]:
+        raise RuntimeError(f"{report['failed']} requests failed: {report.get('errors')}")
+    counts = {key: after[key] - before[key] for key in COUNTERS}
+    return {
+        "round": round_index,
+        "workload": workload,
+        "concurrency": level,
+        "output_tps": float(report["output_throughput"]),
+        "decode_tps": 1000.0 / float(report["median_tpot_ms"]),
+        "spec_decode": counts,
+        "report": report,
+    }
+
+
+def spec_counters(base_url: str) -> dict[str, float]:
+    """The server's ``vllm:spec_decode_*`` totals (zeros when speculation is off)."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key in COUNTERS:
+                if sample.name == f"vllm:spec_decode_{key}_total":
+                    totals[key] += sample.value
+    return totals
+
+
+def _summarize(
+    args: argparse.Namespace, levels: list[int], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    cells = []
+    for runner in args.runners:
+        for workload in args.workloads:
+            for level in levels:
+                pick = [
+                    r
+                    for r in runs
+                    if (r["runner"], r["workload"], r["concurrency"]) == (runner, workload, level)
+                ]
+                on = sorted((r for r in pick if r["speculation"]), key=lambda r: r["round"])
+                off = sorted((r for r in pick if not r["speculation"]), key=lambda r: r["round"])
+                drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in on)
+                accepted = sum(r["spec_decode"]["num_accepted_tokens"] for r in on)
+                cells.append(
+                    {
+                        "runner": runner,
+                        "workload": workload,
+                        "concurrency": level,
+                        "off_output_tps": statistics.median(r["output_tps"] for r in off),
+                        "on_output_tps": statistics.median(r["output_tps"] for r in on),
+                        "output_ratio": _paired(on, off, "output_tps"),
+                        "off_decode_tps": statistics.median(r["decode_tps"] for r in off),
+                        "on_decode_tps": statistics.median(r["decode_tps"] for r in on),
+                        "decode_ratio": _paired(on, off, "decode_tps"),
+                        "draft_tokens": drafted,
+                        "acceptance": accepted / drafted if drafted else None,
+                    }
+                )
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cpus": os.cpu_count()},
+        "workload": {
+            "concurrency": levels,
+            "requests_per_client": args.requests_per_client,
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "speculative_config": json.loads(args.speculative_config),
+        },
+        "cells": cells,
+        "runs": [{k: v for k, v in r.items() if k != "report"} for r in runs],
+    }
+
+
+def _paired(on: list[dict[str, Any]], off: list[dict[str, Any]], key: str) -> float:
+    pairs = zip(on, off, strict=True)
+    return statistics.median(float(a[key]) / float(b[key]) for a, b in pairs)
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for cell in result["cells"]:
+        acceptance = cell["acceptance"]
+        rows.append(
+            [
+                cell["runner"],
+                cell["workload"],
+                str(cell["concurrency"]),
+                f"{cell['off_output_tps']:.1f}",
+                f"{cell['on_output_tps']:.1f}",
+                f"{cell['output_ratio']:.2f}",
+                f"{cell['off_decode_tps']:.1f}",
+                f"{cell['on_decode_tps']:.1f}",
+                f"{cell['decode_ratio']:.2f}",
+                "-" if acceptance is None else f"{acceptance:.2f} of {cell['draft_tokens']:.0f}",
+            ]
+        )
+    return rows
+
+
+HEADERS = (
+    "runner", "workload", "streams", "off tok/s", "on tok/s", "on ÷ off",
+    "off decode tok/s", "on decode tok/s", "decode on ÷ off", "accepted",
+)  # fmt: skip
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    w = result["workload"]
+    lines = [
+        f"Chat, greedy, up to {w['max_tokens']} tokens, {w['requests_per_client']} requests per "
+        f"client, medians of {w['rounds']} rounds (ratios: medians of paired ratios), "
+        f"{w['threads']} threads; on: `{json.dumps(w['speculative_config'])}`.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|---" * len(HEADERS) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(result)]
+    return "\n".join(lines)
+
+
+def _print_table(result: dict[str, Any], console: Console) -> None:
+    table = Table(title="speculative decoding: on vs off")
+    for header in HEADERS:
+        table.add_column(header)
+    for row in _rows(result):
+        table.add_row(*row)
+    console.print(table)
