@@ -22,8 +22,9 @@ from slotserve.bench.datasets import (
 )
 from slotserve.bench.loadgen import LoadConfig, poisson_gaps
 from slotserve.bench.metrics import RequestResult, isolation_failures, percentile, summarize
+from slotserve.bench.passages import PASSAGES
 from slotserve.bench.report import Targets
-from slotserve.bench.runner import vllm_header, write_run_json
+from slotserve.bench.runner import build_dataset, vllm_header, write_run_json
 from slotserve.bench.vllm_peer import VllmPeer, prepare_vllm, vllm_env, vllm_spec
 
 VLLM_KEYS = {
@@ -97,6 +98,20 @@ def test_random_dataset_is_distinct_seeded_and_sized() -> None:
     again = random_dataset(50, input_len=20, output_len=64, range_ratio=0.5, seed=3)
     assert [c.user_turns for c in again] == [c.user_turns for c in data]
     assert random_dataset(5, 20, 64, seed=9)[0].user_turns != data[0].user_turns
+
+
+def test_edit_dataset_asks_to_copy_or_edit_a_given_passage() -> None:
+    data = build_dataset("edit", 2 * len(PASSAGES), 0, 96)
+    prompts = [c.user_turns[0] for c in data]
+    assert len(set(prompts)) == len(prompts) and all(c.max_tokens == 96 for c in data)
+    for index, (passage, word, replacement) in enumerate(PASSAGES):
+        assert word in passage
+        copy, edit = prompts[index], prompts[index + len(PASSAGES)]
+        assert copy.endswith(passage) and "exactly" in copy
+        assert edit.endswith(passage) and repr(word) in edit and repr(replacement) in edit
+    assert build_dataset("edit", 3, 0, 96, seed=1)[0].user_turns == data[1].user_turns
+    opened = build_dataset("open", 20, 0, 64)
+    assert len({c.user_turns[0] for c in opened}) == 16  # the topics, in turn
 
 
 def test_shared_prefix_dataset_shares_one_system_prompt() -> None:
