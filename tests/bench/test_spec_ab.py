@@ -15,7 +15,8 @@ def test_bench_speculative_pairs_on_and_off(tmp_path: Path) -> None:
     code = main(
         [
             "bench", "speculative", "--runners", "llama.cpp", "--workloads", "edit",
-            "--concurrency", "1", "--requests-per-client", "2", "--max-tokens", "48",
+            "--concurrency", "1", "--requests-per-client", "2", "--min-requests", "2",
+            "--max-tokens", "48",
             "--threads", "2", "--output-dir", str(out),
         ]
     )  # fmt: skip

@@ -3,12 +3,13 @@ runner, workload and concurrency (SPEC E12, B2).
 
 Per round and runner, one server with ``--speculative-config`` and one without, each alone on
 the machine and the order alternating between runners and rounds; each serves every workload
-at every concurrency: ``--requests-per-client`` chat requests per client (greedy, up to
-``--max-tokens``) after one uncounted request per client. Workloads: **edit** (copy or lightly
-edit a given text or piece of code: the answer is mostly in the prompt) and **open**
-(open-ended explanations: nothing to copy). Reported per cell: output tok/s (prefill
-included) and decode tok/s (1 / median TPOT), the ratios on ÷ off (medians of per-round
-paired ratios), and the acceptance the server's spec-decode counters saw.
+at every concurrency: ``--requests-per-client`` chat requests per client, at least
+``--min-requests`` (greedy, up to ``--max-tokens``), after one uncounted request per client.
+Workloads: **edit** (copy or lightly edit a given text or piece of code: the answer is mostly
+in the prompt) and **open** (open-ended explanations: nothing to copy). Reported per cell:
+output tok/s (prefill included) and decode tok/s (1 / median TPOT), the ratios on ÷ off
+(medians of per-round paired ratios), and the acceptance the server's spec-decode counters
+saw.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def add_spec_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated")
     parser.add_argument("--speculative-config", default=DEFAULT_CONFIG)
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=12,
+        help="at least this many per cell (12: every edit task once, at any concurrency)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -112,7 +119,8 @@ def _one_run(
     warmup: list[Conversation] = make(level, args.max_tokens, seed + 500)
     run_benchmark(config, warmup, warmup=0, show_progress=False)
     before = spec_counters(server.spec.base_url)
-    conversations = make(level * args.requests_per_client, args.max_tokens, seed)
+    num = max(level * args.requests_per_client, args.min_requests)
+    conversations = make(num, args.max_tokens, seed)
     report = run_benchmark(
         config, conversations, warmup=0, server_pid=server.pid, show_progress=False
     )
@@ -180,6 +188,7 @@ def _summarize(
         "workload": {
             "concurrency": levels,
             "requests_per_client": args.requests_per_client,
+            "min_requests": args.min_requests,
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
             "threads": args.threads,
@@ -226,7 +235,8 @@ def _markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
     lines = [
         f"Chat, greedy, up to {w['max_tokens']} tokens, {w['requests_per_client']} requests per "
-        f"client, medians of {w['rounds']} rounds (ratios: medians of paired ratios), "
+        f"client (at least {w['min_requests']}), medians of {w['rounds']} rounds (ratios: "
+        "medians of paired ratios), "
         f"{w['threads']} threads; on: `{json.dumps(w['speculative_config'])}`.",
         "",
         "| " + " | ".join(HEADERS) + " |",
