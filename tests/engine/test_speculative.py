@@ -202,6 +202,19 @@ def test_the_draft_length_is_the_one_with_most_tokens_per_cost() -> None:
     assert best_draft_length(1.0, COSTLY, 3) == 3  # never past the limit
 
 
+def test_a_lone_step_that_pays_for_a_token_anyway_gets_a_draft() -> None:
+    ballast = replace(COSTLY, lone_step_pays_a_draft_from=255)
+    assert ballast.of(0, 300, alone=True) == 1.0
+    assert ballast.of(1, 300, alone=True) == pytest.approx(1.0)  # the draft replaces ballast
+    assert ballast.of(2, 300, alone=True) == pytest.approx(2.39 / 1.89)
+    assert ballast.of(2, 300, alone=False) == COSTLY.of(2) == pytest.approx(2.39)
+    assert ballast.of(2, 254, alone=True) == COSTLY.of(2)
+    # Even an unlikely draft is worth the place of a token computed for nothing.
+    assert best_draft_length(0.3, ballast, 8, context=300, alone=True) >= 1
+    assert best_draft_length(0.3, ballast, 8, context=300, alone=False) == 0
+    assert best_draft_length(0.3, ballast, 8, context=100, alone=True) == 0
+
+
 # The reply repeats "pq" with a new letter after it every time: each proposal (after "pq")
 # misses, and no other bigram recurs.
 MISSING = "".join(f"pq{letter}" for letter in "rstuvwxyzabcdefghijklmno")

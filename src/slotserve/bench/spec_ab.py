@@ -1,8 +1,9 @@
 """``slotserve bench speculative``: speculative decoding on vs off through the server, per
 runner, workload and concurrency (SPEC E12, B2).
 
-Per round and runner, one server with ``--speculative-config`` and one without, each alone on
-the machine and the order alternating between runners and rounds; each serves every workload
+Per round and runner, one server with ``--speculative-config`` and one without, both started
+and loaded one at a time (which goes first alternates from cell to cell, so the host's drifts
+in speed, ±20% over minutes on the 2-core VM, fall on both sides); each serves every workload
 at every concurrency: ``--requests-per-client`` chat requests per client, at least
 ``--min-requests`` (greedy, up to ``--max-tokens``), after one uncounted request per client.
 Workloads: **edit** (copy or lightly edit a given text or piece of code: the answer is mostly
@@ -19,6 +20,7 @@ import json
 import os
 import statistics
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     RunningServer,
+    ServerSpec,
     resolve_model_or_report,
     running,
     slotserve_spec,
@@ -79,35 +82,54 @@ def main_spec_ab(args: argparse.Namespace) -> int:
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
+    cell = 0
     for round_index in range(args.rounds):
-        for runner_index, runner in enumerate(args.runners):
-            first_on = (round_index + runner_index) % 2 == 0
-            for spec_on in (first_on, not first_on):
-                extra = ["--runner", runner, "--max-model-len", str(args.ctx_per_slot)]
-                if spec_on:
-                    extra += ["--speculative-config", args.speculative_config]
-                spec = slotserve_spec(model, max(levels), args.threads, args.ctx_per_slot, extra)
-                with running(spec, out_dir / "logs") as server:
-                    for workload in args.workloads:
-                        for level in levels:
-                            run = _one_run(server, workload, level, round_index, args)
+        for runner in args.runners:
+            with ExitStack() as stack:
+                servers = {
+                    spec_on: stack.enter_context(
+                        running(
+                            _server_spec(model, runner, spec_on, levels, args), out_dir / "logs"
+                        )
+                    )
+                    for spec_on in (False, True)
+                }
+                for workload in args.workloads:
+                    for level in levels:
+                        # Both servers are up, only one is loaded at a time (an idle one waits
+                        # on its queue); which goes first alternates cell by cell, so drifts in
+                        # the host's speed fall on both sides.
+                        for spec_on in (cell % 2 == 0, cell % 2 == 1):
+                            run = _one_run(servers[spec_on], workload, level, round_index, args)
                             run.update(runner=runner, speculation=spec_on)
                             runs.append(run)
-                            name = f"{runner}-{workload}-x{level}-{'on' if spec_on else 'off'}"
-                            write_run_json(
-                                run["report"], out_dir / "runs" / f"{name}-r{round_index}.json"
-                            )
-                            console.print(
-                                f"round {round_index + 1} {runner:9} {workload:5} ×{level:<3} "
-                                f"{'on ' if spec_on else 'off'} {run['output_tps']:7.1f} tok/s "
-                                f"decode {run['decode_tps']:7.1f} tok/s"
-                            )
+                            _report_run(run, out_dir, console)
+                        cell += 1
     result = _summarize(args, levels, runs)
     (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "speculative.md").write_text(_markdown(result) + "\n")
     _print_table(result, console)
     console.print(f"results: {out_dir / 'speculative.json'}, {out_dir / 'speculative.md'}")
     return 0
+
+
+def _server_spec(
+    model: Path, runner: str, spec_on: bool, levels: list[int], args: argparse.Namespace
+) -> ServerSpec:
+    extra = ["--runner", runner, "--max-model-len", str(args.ctx_per_slot)]
+    if spec_on:
+        extra += ["--speculative-config", args.speculative_config]
+    return slotserve_spec(model, max(levels), args.threads, args.ctx_per_slot, extra)
+
+
+def _report_run(run: dict[str, Any], out_dir: Path, console: Console) -> None:
+    on = "on" if run["speculation"] else "off"
+    name = f"{run['runner']}-{run['workload']}-x{run['concurrency']}-{on}-r{run['round']}"
+    write_run_json(run["report"], out_dir / "runs" / f"{name}.json")
+    console.print(
+        f"round {run['round'] + 1} {run['runner']:9} {run['workload']:5} ×{run['concurrency']:<3} "
+        f"{on:3} {run['output_tps']:7.1f} tok/s decode {run['decode_tps']:7.1f} tok/s"
+    )
 
 
 def _one_run(

@@ -172,10 +172,10 @@ class SpecCounters:
             self.accepted_per_position[position] += 1
 
 
-# The acceptance estimate: where a sequence starts (a draft of a fresh sequence is as likely
-# right as wrong, a little better: prompt lookup only proposes what the context repeats), and
-# the weight of each new observation (a few misses end a copy run's drafting, a few hits
-# start it again).
+# The acceptance estimate: where a sequence starts (a little better than a coin: prompt lookup
+# proposes only what the context repeats), and the weight of each new observation (on
+# llama.cpp, where a draft costs half a step, one miss ends a copy run's drafting and two or
+# three right proposals start it again; benchmarks/RESULTS.md compares weights).
 PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_WEIGHT = 0.25
 
@@ -186,12 +186,15 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
     return sum(acceptance**depth for depth in range(drafts + 1))
 
 
-def best_draft_length(acceptance: float, cost: VerifyCost, limit: int) -> int:
+def best_draft_length(
+    acceptance: float, cost: VerifyCost, limit: int, context: int = 0, alone: bool = False
+) -> int:
     """The number of drafts (0..limit) with the most expected tokens per unit of step cost;
-    0 when none beats a plain step."""
+    0 when none beats a plain step. ``context``: the sequence's computed tokens; ``alone``:
+    the step's only generating sequence (``VerifyCost.of``)."""
     best, best_rate = 0, 1.0
     for drafts in range(1, limit + 1):
-        rate = expected_tokens(acceptance, drafts) / cost.of(drafts)
+        rate = expected_tokens(acceptance, drafts) / cost.of(drafts, context, alone)
         if rate > best_rate:
             best, best_rate = drafts, rate
     return best
@@ -235,13 +238,13 @@ class Speculator:
                 seq.max_tokens - seq.num_output_tokens - 1,
                 self.max_seq_len - seq.num_computed_tokens - 1,
             )
-            drafts = self.drafts(seq, limit)
+            drafts = self.drafts(seq, limit, alone=len(generating) == 1)
             if drafts:
                 planned[seq.slot] = drafts
                 budget -= len(drafts)
         return equalize_drafts(planned) if self.equal_drafts else planned
 
-    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+    def drafts(self, seq: Sequence, limit: int, alone: bool = False) -> list[int]:
         """Up to ``limit`` (and the configured count of) drafts for ``seq``: as many of the
         proposer's as pay for their verification (module docstring)."""
         config = self.config
@@ -258,7 +261,9 @@ class Speculator:
         proposal = self.proposer.propose(seq.token_ids, min(limit, config.num_speculative_tokens))
         if not proposal:
             return []
-        length = best_draft_length(_acceptance(seq), self.verify_cost, len(proposal))
+        length = best_draft_length(
+            _acceptance(seq), self.verify_cost, len(proposal), seq.num_computed_tokens, alone
+        )
         if length == 0:
             # Not worth verifying now; whether it would have been right still teaches.
             seq.shadow_draft = (len(seq.token_ids), proposal[0])

@@ -161,8 +161,11 @@ class LlamaCppRunner:
                 else None
             ),
             # ggml's CPU matmuls for these quantised types cost about as much per token in a
-            # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py).
-            verify_cost=VerifyCost(first=0.39, per_draft=0.5),
+            # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py). A lone
+            # decode past _SPLIT_KV_CONTEXT carries a ballast token a first draft can replace.
+            verify_cost=VerifyCost(
+                0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None  # no slot, no ballast
+            ),
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
