@@ -135,9 +135,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=env("SPECULATIVE_CONFIG"),
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(also disable_by_batch_size, default 2, and min_acceptance_rate, default the "
-        "runner's break-even rate: 0.5 on llama.cpp, 0.2 on torch); "
+        '"num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(also disable_by_batch_size: no drafts with more requests in flight, default 2; "
+        "min_acceptance_rate: a hard floor, default none: the draft length follows the "
+        "runner's measured cost and the request's acceptance); "
         "greedy and seeded outputs are the same as without it (default off)",
     )
     parser.add_argument(

@@ -175,6 +175,22 @@ def test_no_drafts_above_the_batch_size_limit_or_for_low_acceptance() -> None:
     assert low["stats"].spec_decode.num_draft_tokens <= 4 + 4
 
 
+def test_waiting_requests_count_as_in_flight() -> None:
+    # vLLM's reading of disable_by_batch_size: requests queued behind a full server count.
+    core, runner = make_core(FakeRunner(num_slots=1), speculative=spec(disable_by_batch_size=1))
+    submit(core, "first", ALPHABET, max_tokens=20, temperature=0.0)
+    submit(core, "second", "zy" + ALPHABET, max_tokens=20, temperature=0.0)  # nothing shared
+    outputs = run_to_completion(core)
+    assert text_of(outputs["first"]) == ALPHABET[:20]
+    assert text_of(outputs["second"]) == ALPHABET[2:22]
+    chunks = [chunk for batch in runner.batches for chunk in batch]
+    second_starts = [i for i, chunk in enumerate(chunks) if chunk.start_pos == 0][1]
+    # While the second request waits for the one slot, the first does not draft; the second,
+    # alone, does (its prompt holds the alphabet it continues).
+    assert not any(chunk.num_drafts for chunk in chunks[:second_starts])
+    assert any(chunk.num_drafts for chunk in chunks[second_starts:])
+
+
 def test_run_to_completion_helper_still_works_with_drafts() -> None:
     core, _ = make_core(FakeRunner(num_slots=2), speculative=spec())
     submit(core, "a", ALPHABET, max_tokens=20, temperature=0.0)

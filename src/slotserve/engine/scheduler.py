@@ -172,7 +172,9 @@ class Scheduler:
         if self.speculator is not None:
             # Drafts never take the room prefill needs to progress (invariant 5).
             room = budget - len(generating) - self.policy.min_batch_tokens(0)
-            drafts = self.speculator.plan([_sequence(s) for s in generating], room)
+            waiting = sum(len(request.sequences) for request in self.waiting)
+            in_flight = len(self._running_slots()) + waiting
+            drafts = self.speculator.plan([_sequence(s) for s in generating], room, in_flight)
         for slot in generating:
             if slot.state is not SlotState.GENERATING:
                 continue  # preempted to make room for an older sequence

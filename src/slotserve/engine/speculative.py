@@ -57,8 +57,8 @@ class SpeculativeConfig:
     """vLLM's keys, plus ``min_acceptance_rate``: a sequence whose drafts are accepted less
     often than this (after ``probe_tokens`` drafted tokens) stops drafting for good; None
     leaves the decision to the cost model alone. ``num_speculative_tokens`` is the most drafts
-    a step verifies. ``disable_by_batch_size`` (vLLM's name): no drafts in a step with more
-    generating sequences than this."""
+    a step verifies. ``disable_by_batch_size`` (vLLM's name): no drafts while more sequences
+    than this are in flight (running or waiting)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -222,12 +222,17 @@ class Speculator:
         )
         self.counters = SpecCounters()
 
-    def plan(self, generating: list[Sequence], budget: int) -> dict[int, list[int]]:
+    def plan(
+        self, generating: list[Sequence], budget: int, in_flight: int | None = None
+    ) -> dict[int, list[int]]:
         """Drafts by slot for this step's generating sequences, ``budget`` tokens at most in
-        all. None above ``disable_by_batch_size`` sequences: drafts pay at small batches only
-        (a batched decode step already uses the weights it reads many times over; measured on
+        all. None while more than ``disable_by_batch_size`` sequences are in flight
+        (``in_flight``: generating, prefilling or waiting; vLLM's reading): drafts pay at small
+        batches only (a batched decode step already uses the weights it reads many times
+        over), and a step that also prefills has no spare compute to verify with (measured on
         the 2-core VM, benchmarks/RESULTS.md)."""
-        if not generating or len(generating) > self.config.disable_by_batch_size:
+        in_flight = len(generating) if in_flight is None else in_flight
+        if not generating or in_flight > self.config.disable_by_batch_size:
             return {}
         planned: dict[int, list[int]] = {}
         for seq in generating:

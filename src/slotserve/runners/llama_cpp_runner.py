@@ -40,7 +40,8 @@ from slotserve.engine.runner_interface import (
 )
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.structured_output import allowed_mask
-from slotserve.runners.llama_cpp_sampling import build_chain
+from slotserve.runners.llama_cpp_metadata import kv_shape
+from slotserve.runners.llama_cpp_sampling import build_chain, with_logprobs
 from slotserve.runners.llama_cpp_tokenizer import LlamaCppTokenizer
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class LlamaCppRunner:
             eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
             runner="llama.cpp",
             chunk_policy=ChunkPolicy(grain=_FA_TILE_Q, equal_chunks=True),
-            kv_bytes_per_token=self._kv_bytes_per_token(),
+            kv_bytes_per_token=kv_shape(self._model).bytes_per_token,
             prefix_cache_unsupported=self._why_no_prefix_sharing(),
             speculative_unsupported=(
                 RECURRENT_STATE_NO_ROLLBACK
@@ -163,9 +164,7 @@ class LlamaCppRunner:
             # ggml's CPU matmuls for these quantised types cost about as much per token in a
             # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py). A lone
             # decode past _SPLIT_KV_CONTEXT carries a ballast token a first draft can replace.
-            verify_cost=VerifyCost(
-                0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None  # no slot, no ballast
-            ),
+            verify_cost=VerifyCost(0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None),
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
@@ -291,7 +290,7 @@ class LlamaCppRunner:
         for chunk, first in scoring:
             top = self._params[chunk.slot].prompt_logprobs or 0
             self._prompt_logprobs.setdefault(chunk.slot, []).extend(
-                _with_logprobs(target, self._logits_at(first + i), top)
+                with_logprobs(target, self._logits_at(first + i), top)
                 for i, target in enumerate(chunk.prompt_logprob_targets)
             )
         return {chunk.slot: self._sample_in_order(chunk, row) for chunk, row in sampling}
@@ -360,26 +359,6 @@ class LlamaCppRunner:
             self._ctx = None
             self._model = None
 
-    def _kv_bytes_per_token(self) -> int:
-        """K and V of every layer at f16 (llama.cpp's default cache type)."""
-        model = self._model
-        n_head = max(1, llama.llama_model_n_head(model))
-        head_dim = llama.llama_model_n_embd(model) // n_head
-        key_dim = self._metadata_int("attention.key_length") or head_dim
-        value_dim = self._metadata_int("attention.value_length") or head_dim
-        n_head_kv = llama.llama_model_n_head_kv(model)
-        return int(llama.llama_model_n_layer(model) * n_head_kv * (key_dim + value_dim) * 2)
-
-    def _metadata_int(self, suffix: str) -> int | None:
-        arch = self._metadata("general.architecture")
-        value = self._metadata(f"{arch}.{suffix}") if arch else None
-        return int(value) if value and value.isdigit() else None
-
-    def _metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(256)
-        size = llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if size >= 0 else None
-
     def _why_no_prefix_sharing(self) -> str | None:
         model = self._model
         if llama.llama_model_is_recurrent(model) or llama.llama_model_is_hybrid(model):
@@ -409,16 +388,4 @@ class LlamaCppRunner:
             token_id = llama.llama_sampler_sample(chain, self._ctx, batch_row)
         if params.logprobs is None:
             return SampledToken(token_id)
-        return _with_logprobs(token_id, raw, params.logprobs)
-
-
-def _with_logprobs(token_id: int, logits: np.ndarray[Any, Any], top_k: int) -> SampledToken:
-    """Log-probabilities under the model's raw distribution (before any sampling transform)."""
-    shifted = logits.astype(np.float64) - float(logits.max())
-    log_norm = float(np.log(np.exp(shifted).sum()))
-    top: tuple[tuple[int, float], ...] = ()
-    if top_k > 0:
-        best = np.argpartition(-shifted, top_k)[:top_k]
-        best = best[np.argsort(-shifted[best], kind="stable")]
-        top = tuple((int(t), float(shifted[t]) - log_norm) for t in best)
-    return SampledToken(token_id, float(shifted[token_id]) - log_norm, top)
+        return with_logprobs(token_id, raw, params.logprobs)

@@ -9,6 +9,9 @@ Penalties follow the OpenAI / vLLM meaning: presence and frequency penalties cou
 tokens only, the repetition penalty counts prompt and generated tokens. llama.cpp has one
 penalties sampler for all three, so the repetition penalty gets a sampler of its own that is
 also fed the prompt.
+
+``with_logprobs``: a sampled token's log-probability and the top alternatives under the raw
+logits, for the runner's sampled and prompt positions alike.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp as llama
+import numpy as np
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_params import SamplingParams
 
 
@@ -75,3 +80,15 @@ def _add(chain: Any, sampler: Any) -> None:
     if not sampler:
         raise InvalidRequestError("llama.cpp refused the sampling parameters.")
     llama.llama_sampler_chain_add(chain, sampler)
+
+
+def with_logprobs(token_id: int, logits: np.ndarray[Any, Any], top_k: int) -> SampledToken:
+    """Log-probabilities under the model's raw distribution (before any sampling transform)."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    log_norm = float(np.log(np.exp(shifted).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if top_k > 0:
+        best = np.argpartition(-shifted, top_k)[:top_k]
+        best = best[np.argsort(-shifted[best], kind="stable")]
+        top = tuple((int(t), float(shifted[t]) - log_norm) for t in best)
+    return SampledToken(token_id, float(shifted[token_id]) - log_norm, top)

@@ -1,0 +1,49 @@
+"""A GGUF's metadata as llama.cpp reads it: what the runner and the API process's memory
+estimate need of the model's shape. Read from the key-value metadata only, so a
+``vocab_only`` load (no weights) answers as well as a full one."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as llama
+
+KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV type is f16
+
+
+def metadata(model: Any, key: str) -> str | None:
+    buffer = ctypes.create_string_buffer(256)
+    if llama.llama_model_meta_val_str(model, key.encode(), buffer, len(buffer)) < 0:
+        return None
+    return buffer.value.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """Bytes of K and V one token takes over all layers, and the trained context."""
+
+    bytes_per_token: int
+    n_ctx_train: int
+
+
+def kv_shape(model: Any) -> KvShape:
+    arch = metadata(model, "general.architecture")
+    if arch is None:
+        raise RuntimeError("the GGUF names no architecture")
+
+    def number(suffix: str) -> int | None:
+        value = metadata(model, f"{arch}.{suffix}")
+        try:
+            return int(value) if value is not None else None
+        except ValueError:  # an array (per-layer values): not a single number
+            return None
+
+    n_layer = number("block_count") or 0
+    n_head = number("attention.head_count") or 1
+    n_head_kv = number("attention.head_count_kv") or n_head
+    key_length = number("attention.key_length") or (number("embedding_length") or 0) // n_head
+    value_length = number("attention.value_length") or key_length
+    per_token = n_layer * n_head_kv * (key_length + value_length) * KV_BYTES_PER_VALUE
+    return KvShape(per_token, number("context_length") or 4096)
