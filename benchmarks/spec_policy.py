@@ -1,6 +1,7 @@
 """The speculator's policy knobs, engine alone (issue 16): the acceptance estimate's weight and
 the most drafts per step, on the edit workload's twelve tasks (copy or edit a given text or
-piece of code), one sequence at a time, greedy, 128 tokens at most.
+piece of code) or twelve open-ended questions (``--workload open``), one sequence at a time,
+greedy, 128 tokens at most.
 
 Per round every setting (and no speculation) runs all twelve tasks, in an order that rotates
 between rounds; a setting's figure is its decode time summed over the tasks (from the first
@@ -21,7 +22,7 @@ from pathlib import Path
 from verify_cost import load
 
 import slotserve.engine.speculative as speculative
-from slotserve.bench.passages import PASSAGES, edit_prompt
+from slotserve.bench.datasets import edit_dataset, open_dataset
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
@@ -56,6 +57,7 @@ def decode_seconds(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runner", default="llama.cpp", choices=["llama.cpp", "torch"])
+    parser.add_argument("--workload", default="edit", choices=["edit", "open"])
     parser.add_argument("--k", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--weights", type=float, nargs="+", default=[0.15, 0.25, 0.4])
     parser.add_argument("--rounds", type=int, default=3)
@@ -66,12 +68,10 @@ def main() -> None:
     info = runner.model_info
     assert info.chat_template is not None
     template = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
+    dataset = (edit_dataset if args.workload == "edit" else open_dataset)(12, 128)
     prompts = [
-        runner.tokenizer.encode(
-            template.render([{"role": "user", "content": edit_prompt(i)}]),
-            add_special_tokens=False,
-        )
-        for i in range(2 * len(PASSAGES))
+        runner.tokenizer.encode(template.render(c.messages(0)), add_special_tokens=False)
+        for c in dataset
     ]
     settings: list[tuple[int, float] | None] = [None]
     settings += [(k, w) for k in args.k for w in args.weights]
@@ -94,7 +94,12 @@ def main() -> None:
     runner.close()
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"runner": args.runner, "off_seconds": off, "settings": rows}
+        payload = {
+            "runner": args.runner,
+            "workload": args.workload,
+            "off_seconds": off,
+            "settings": rows,
+        }
         args.output.write_text(json.dumps(payload, indent=2) + "\n")
 
 

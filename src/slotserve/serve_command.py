@@ -136,7 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("SPECULATIVE_CONFIG"),
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(also disable_by_batch_size: no drafts with more requests in flight, default 2; "
+        "(also disable_by_batch_size: no drafts with more sequences in flight, default 2; "
         "min_acceptance_rate: a hard floor, default none: the draft length follows the "
         "runner's measured cost and the request's acceptance); "
         "greedy and seeded outputs are the same as without it (default off)",
