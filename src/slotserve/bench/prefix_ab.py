@@ -37,6 +37,7 @@ from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     ServerSpec,
+    add_output_dir_argument,
     find_llama_server,
     llama_server_spec,
     resolve_model_or_report,
@@ -81,11 +82,7 @@ def add_prefix_ab_arguments(parser: argparse.ArgumentParser) -> None:
         help="more flags for every slotserve configuration ('--runner torch')",
     )
     add_vllm_arguments(parser)
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("benchmarks/results") / time.strftime("prefix-cache-%Y%m%d-%H%M%S"),
-    )
+    add_output_dir_argument(parser, "prefix-cache")
 
 
 def _spec(

@@ -29,7 +29,13 @@ from rich.table import Table
 from slotserve.bench.datasets import random_dataset
 from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark, write_run_json
-from slotserve.bench.servers import ServerSpec, resolve_model_or_report, running, slotserve_spec
+from slotserve.bench.servers import (
+    ServerSpec,
+    add_output_dir_argument,
+    resolve_model_or_report,
+    running,
+    slotserve_spec,
+)
 from slotserve.bench.vllm_peer import (
     VLLM_PEERS,
     VllmPeer,
@@ -66,11 +72,7 @@ def add_runners_ab_arguments(parser: argparse.ArgumentParser) -> None:
         help="other servers on the HF folder (skipped with a note when not installed)",
     )
     add_vllm_arguments(parser, hf_folder=False)
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("benchmarks/results") / time.strftime("runners-%Y%m%d-%H%M%S"),
-    )
+    add_output_dir_argument(parser, "runners")
 
 
 def main_runners_ab(args: argparse.Namespace) -> int:

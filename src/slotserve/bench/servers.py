@@ -4,6 +4,7 @@ error), children included."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -244,6 +245,15 @@ def find_llama_server(explicit: Path | None) -> Path | None:
         return built[-1]
     on_path = shutil.which("llama-server")
     return Path(on_path) if on_path else None
+
+
+def add_output_dir_argument(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--output-dir``, by default a new ``benchmarks/results/NAME-<date>-<time>``."""
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("benchmarks/results") / time.strftime(f"{name}-%Y%m%d-%H%M%S"),
+    )
 
 
 def resolve_model_or_report(model: str | None, console: Console) -> Path | None:

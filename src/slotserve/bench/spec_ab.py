@@ -35,6 +35,7 @@ from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     RunningServer,
     ServerSpec,
+    add_output_dir_argument,
     resolve_model_or_report,
     running,
     slotserve_spec,
@@ -66,11 +67,7 @@ def add_spec_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--ctx-per-slot", type=int, default=1024)
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("benchmarks/results") / time.strftime("speculative-%Y%m%d-%H%M%S"),
-    )
+    add_output_dir_argument(parser, "speculative")
 
 
 def main_spec_ab(args: argparse.Namespace) -> int:

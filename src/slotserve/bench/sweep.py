@@ -30,6 +30,7 @@ from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     ServerSpec,
+    add_output_dir_argument,
     find_llama_server,
     llama_cpp_python_spec,
     llama_server_spec,
@@ -76,11 +77,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the raw llama_decode / prefill measurements",
     )
     add_vllm_arguments(parser)
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("benchmarks/results") / time.strftime("sweep-%Y%m%d-%H%M%S"),
-    )
+    add_output_dir_argument(parser, "sweep")
     add_workload_arguments(parser)
 
 
