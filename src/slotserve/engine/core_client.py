@@ -66,6 +66,12 @@ def refuse_when_full(in_transit: int, published: EngineStats, max_queue: int) ->
         raise QueueFullError(max_queue)
 
 
+def refuse_unless_serving(unhealthy: str | None, stopping: bool) -> None:
+    """New work (a request, a cache flush) is refused once the engine failed or is stopping."""
+    if unhealthy is not None or stopping:
+        raise EngineDeadError(unhealthy or "the engine is stopping")
+
+
 class CoreClient(Protocol):
     """The engine core as the serving side's event loop sees it, wherever it runs."""
 
@@ -192,9 +198,7 @@ class InThreadCore:
         """Queues a request; raises ``QueueFullError`` at once when the queue is full and
         ``EngineDeadError`` when the engine no longer serves."""
         with self._lock:
-            unhealthy = self.unhealthy
-            if unhealthy is not None or self._stopping:
-                raise EngineDeadError(unhealthy or "the engine is stopping")
+            refuse_unless_serving(self.unhealthy, self._stopping)
             in_transit = len(self._inbox) + self._in_transit
             refuse_when_full(in_transit, self._published, self.config.max_queue)
             self._inbox.append(request)
@@ -208,9 +212,7 @@ class InThreadCore:
     async def flush_prefix_cache(self) -> int:
         done, settle = answer()
         with self._lock:
-            unhealthy = self.unhealthy
-            if unhealthy is not None or self._stopping:
-                raise EngineDeadError(unhealthy or "the engine is stopping")
+            refuse_unless_serving(self.unhealthy, self._stopping)
             self._flushes.append(settle)
             self._work_ready.notify()
         return await done

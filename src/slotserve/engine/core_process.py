@@ -34,7 +34,13 @@ import zmq
 
 from slotserve.engine import wire
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_client import Deliver, Settle, answer, refuse_when_full
+from slotserve.engine.core_client import (
+    Deliver,
+    Settle,
+    answer,
+    refuse_unless_serving,
+    refuse_when_full,
+)
 from slotserve.engine.engine_process import POLL_MS, engine_process_main
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.limits import new_request, validate_request
@@ -163,14 +169,9 @@ class ProcessCore:
             request.deadline,
         )
         with self._lock:
-            unhealthy = self.unhealthy
-            if unhealthy is not None or self._stopping:
-                raise EngineDeadError(unhealthy or "the engine is stopping")
+            refuse_unless_serving(self.unhealthy, self._stopping)
             refuse_when_full(self._sent - self._received, self._published, self.config.max_queue)
-            try:  # never blocks the event loop: a dead peer's socket refuses at once
-                self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                raise EngineDeadError("the engine process is not taking requests") from None
+            self._send_or_refuse(message)
             self._sent += 1
             self._live.add(request.request_id)
 
@@ -182,15 +183,10 @@ class ProcessCore:
     async def flush_prefix_cache(self) -> int:
         done, settle = answer()
         with self._lock:
-            unhealthy = self.unhealthy
-            if unhealthy is not None or self._stopping:
-                raise EngineDeadError(unhealthy or "the engine is stopping")
+            refuse_unless_serving(self.unhealthy, self._stopping)
             self._flush_ids += 1
             message = wire.FlushPrefixCache(self._flush_ids)
-            try:
-                self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                raise EngineDeadError("the engine process is not taking requests") from None
+            self._send_or_refuse(message)
             self._flushes[message.flush_id] = settle
         return await done
 
@@ -200,6 +196,14 @@ class ProcessCore:
             if not self._stopping and self._dead is None:
                 self._send_quietly(wire.Stop(reason))
             self._stopping = True
+
+    def _send_or_refuse(self, message: wire.ToEngine) -> None:
+        """Under the lock; never blocks the event loop: a dead peer's socket refuses at once,
+        and so does this (``EngineDeadError``)."""
+        try:
+            self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine process is not taking requests") from None
 
     def _send_quietly(self, message: wire.ToEngine) -> None:
         """Under the lock. A peer that cannot take it is dead or dying: the receiving thread

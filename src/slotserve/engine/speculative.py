@@ -222,16 +222,13 @@ class Speculator:
         )
         self.counters = SpecCounters()
 
-    def plan(
-        self, generating: list[Sequence], budget: int, in_flight: int | None = None
-    ) -> dict[int, list[int]]:
+    def plan(self, generating: list[Sequence], budget: int, in_flight: int) -> dict[int, list[int]]:
         """Drafts by slot for this step's generating sequences, ``budget`` tokens at most in
         all. None while more than ``disable_by_batch_size`` sequences are in flight
         (``in_flight``: generating, prefilling or waiting; vLLM's reading): drafts pay at small
         batches only (a batched decode step already uses the weights it reads many times
         over), and a step that also prefills has no spare compute to verify with (measured on
         the 2-core VM, benchmarks/RESULTS.md)."""
-        in_flight = len(generating) if in_flight is None else in_flight
         if not generating or in_flight > self.config.disable_by_batch_size:
             return {}
         planned: dict[int, list[int]] = {}
@@ -249,7 +246,7 @@ class Speculator:
                 budget -= len(drafts)
         return equalize_drafts(planned) if self.equal_drafts else planned
 
-    def drafts(self, seq: Sequence, limit: int, alone: bool = False) -> list[int]:
+    def drafts(self, seq: Sequence, limit: int, alone: bool) -> list[int]:
         """Up to ``limit`` (and the configured count of) drafts for ``seq``: as many of the
         proposer's as pay for their verification (module docstring)."""
         config = self.config
