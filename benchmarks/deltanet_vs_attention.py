@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.model_source import embedded_model_path
+from slotserve.models.source import embedded_model_path
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 

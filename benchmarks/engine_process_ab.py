@@ -21,7 +21,7 @@ from slotserve.bench.datasets import random_dataset
 from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark
 from slotserve.bench.servers import running, slotserve_spec
-from slotserve.model_source import embedded_model_path
+from slotserve.models.source import embedded_model_path
 
 MODES = {"process": "--engine-process", "thread": "--no-engine-process"}
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.model_source import embedded_model_path
+from slotserve.models.source import embedded_model_path
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 
@@ -56,7 +56,9 @@ def run(
         outputs = core.step()
         elapsed = time.perf_counter() - started
         produced = sum(len(d.token_ids) for o in outputs for d in o.deltas)
-        if core.stats.slots and all(s.num_output_tokens > 0 for s in core.stats.slots[:batch]):
+        if core.snapshot().slots and all(
+            s.num_output_tokens > 0 for s in core.snapshot().slots[:batch]
+        ):
             decode_tokens += produced
             decode_seconds += elapsed
             if profile and profiler is None:

@@ -26,11 +26,11 @@ from typing import Any
 import llguidance
 import llguidance.numpy as llg_numpy
 
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.decoding.structured_output import GrammarMasks, grammar_of
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.engine.structured_output import GrammarMasks, grammar_of
-from slotserve.model_source import embedded_model_path
-from slotserve.runners.llama_cpp_frontend import LlamaCppFrontend
+from slotserve.models.source import embedded_model_path
+from slotserve.runners.llama_cpp.frontend import LlamaCppFrontend
 
 PERSON = {
     "type": "object",

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.model_source import embedded_model_path
+from slotserve.models.source import embedded_model_path
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
@@ -84,7 +84,7 @@ def decode_tok_s(folder: Path, streams: int, max_tokens: int, seed: int) -> floa
         started = time.perf_counter()
         outputs = core.step()
         elapsed = time.perf_counter() - started
-        if all(s.num_output_tokens > 0 for s in core.stats.slots[:streams]):  # decode steps
+        if all(s.num_output_tokens > 0 for s in core.snapshot().slots[:streams]):  # decode steps
             tokens += sum(len(d.token_ids) for o in outputs for d in o.deltas)
             seconds += elapsed
     runner.close()

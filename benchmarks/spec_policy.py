@@ -21,14 +21,13 @@ from pathlib import Path
 
 from verify_cost import load
 
-import slotserve.engine.speculative as speculative
+import slotserve.engine.decoding.speculative as speculative
 from slotserve.bench.datasets import edit_dataset, open_dataset
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.config import EngineConfig, SpeculativeConfig
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.speculative import SpeculativeConfig
-from slotserve.server.chat_template import ChatTemplate
+from slotserve.protocol.chat_template import ChatTemplate
 
 
 def decode_seconds(

@@ -20,13 +20,13 @@ from typing import Any
 
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.model_source import embedded_model_path
+from slotserve.models.source import embedded_model_path
 
 
 def load(name: str, threads: int) -> Runner:
     model = embedded_model_path()
     if name == "llama.cpp":
-        from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+        from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
         return LlamaCppRunner(model, 2, 4096, 512, n_threads=threads)
     from slotserve.runners.pytorch.checkpoint import TorchLoadConfig

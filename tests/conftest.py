@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotserve.model_source import ModelUnavailableError, embedded_model_path
+from slotserve.models.source import ModelUnavailableError, embedded_model_path
 
 
 @pytest.fixture(scope="session")

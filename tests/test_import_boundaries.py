@@ -1,7 +1,6 @@
-"""The engine must not depend on any backend or on HTTP (the project's conventions, in
-``shared/STYLE.md`` beside the repository: "engine/ imports neither torch nor llama_cpp";
-ARCHITECTURE.md, "Data flow"); checked both statically and by importing it in a clean
-interpreter."""
+"""The packages import one another in one direction only (``docs/architecture.md``, "What
+may import what"): checked statically over every module of every sub-package, and by importing
+the engine in a clean interpreter."""
 
 from __future__ import annotations
 
@@ -10,31 +9,164 @@ import subprocess
 import sys
 from pathlib import Path
 
-import slotserve.engine
+import slotserve
 
-FORBIDDEN = ("torch", "llama_cpp", "fastapi", "starlette", "uvicorn")
-ENGINE_DIR = Path(slotserve.engine.__file__).parent
+SRC = Path(slotserve.__file__).parent
+BACKENDS = ("torch", "llama_cpp")
+HTTP = ("fastapi", "starlette", "uvicorn")
+
+# Engine modules directly in ``engine/``: the vocabulary every part shares.
+ENGINE_BASE = "slotserve.engine"
+
+# package → slotserve packages it must not import (a prefix forbids its sub-packages too).
+FORBIDDEN_SLOTSERVE = {
+    "slotserve.engine": (
+        "slotserve.runners",
+        "slotserve.models",
+        "slotserve.protocol",
+        "slotserve.server",
+        "slotserve.chat",
+        "slotserve.bench",
+        "slotserve.replicas",
+    ),
+    "slotserve.engine.prefix_cache": (
+        "slotserve.engine.core",
+        "slotserve.engine.decoding",
+        "slotserve.engine.client",
+    ),
+    "slotserve.engine.decoding": (
+        "slotserve.engine.core",
+        "slotserve.engine.prefix_cache",
+        "slotserve.engine.client",
+    ),
+    "slotserve.engine.core": ("slotserve.engine.client",),
+    "slotserve.runners": (
+        "slotserve.engine.core",
+        "slotserve.engine.client",
+        "slotserve.models",
+        "slotserve.protocol",
+        "slotserve.server",
+        "slotserve.chat",
+        "slotserve.bench",
+        "slotserve.replicas",
+    ),
+    "slotserve.protocol": (
+        "slotserve.engine.core",
+        "slotserve.engine.client",
+        "slotserve.runners",
+        "slotserve.models",
+        "slotserve.server",
+        "slotserve.chat",
+        "slotserve.bench",
+        "slotserve.replicas",
+    ),
+    "slotserve.models": ("slotserve.server", "slotserve.chat", "slotserve.bench"),
+    "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
+}
+# package → third-party modules it must not import.
+FORBIDDEN_EXTERNAL = {
+    "slotserve.engine": BACKENDS + HTTP,
+    "slotserve.protocol": BACKENDS + HTTP,
+    "slotserve.models": HTTP,
+    "slotserve.runners": HTTP,
+}
 
 
-def test_engine_sources_import_no_backend_or_http_module() -> None:
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def engine_base_module(module: str) -> bool:
+    """A module directly in ``engine/`` (not a sub-package, not ``engine/__init__``)."""
+    parts = module.split(".")
+    return (
+        len(parts) == 3
+        and within(module, ENGINE_BASE)
+        and (SRC / "engine" / f"{parts[2]}.py").is_file()
+    )
+
+
+def test_every_package_imports_only_what_lies_below_it() -> None:
     offenders = []
-    for path in ENGINE_DIR.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN]
-    assert offenders == []
+    for path in sorted(SRC.rglob("*.py")):
+        module = module_name(path)
+        for imported in imported_modules(path):
+            for package, banned in FORBIDDEN_SLOTSERVE.items():
+                if within(module, package):
+                    offenders += [
+                        f"{module} imports {imported}" for b in banned if within(imported, b)
+                    ]
+            for package, banned in FORBIDDEN_EXTERNAL.items():
+                if within(module, package) and imported.split(".")[0] in banned:
+                    offenders.append(f"{module} imports {imported}")
+            # The shared vocabulary imports no part of the engine built on it.
+            if (
+                engine_base_module(module)
+                and within(imported, ENGINE_BASE)
+                and not engine_base_module(imported)
+                and imported != ENGINE_BASE
+            ):
+                offenders.append(f"{module} imports {imported}")
+    assert sorted(set(offenders)) == []
+
+
+def test_no_module_imports_itself_back_through_a_cycle() -> None:
+    """Imports, wherever they stand (in functions and ``TYPE_CHECKING`` blocks too), form no
+    cycle between modules."""
+    trees = {module_name(path): ast.parse(path.read_text()) for path in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from package import submodule`` needs the submodule, not the package's names.
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    edges.add(submodule if submodule in trees else node.module)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[module] = {e for e in edges if e in trees and e != module}
+
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == 1:
+                cycles.append(" → ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
 
 
 def test_importing_the_engine_loads_no_backend() -> None:
-    modules = [f"slotserve.engine.{p.stem}" for p in ENGINE_DIR.glob("*.py")]
+    engine = SRC / "engine"
+    modules = [module_name(p) for p in sorted(engine.rglob("*.py"))]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        f"bad = [m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r}]\n"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {BACKENDS + HTTP!r}]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

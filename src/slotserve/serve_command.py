@@ -8,7 +8,7 @@ import functools
 import sys
 from pathlib import Path
 
-from slotserve.model_launch import (
+from slotserve.models.launch import (
     DTYPES,
     LOAD_FORMATS,
     RUNNERS,
@@ -17,9 +17,9 @@ from slotserve.model_launch import (
     startup_models,
 )
 from slotserve.options import env, env_bool, env_float, env_int, parse_bytes, parse_cache_budget
+from slotserve.protocol.reasoning import REASONING_PARSERS
+from slotserve.protocol.tool_parsers import TOOL_PARSERS
 from slotserve.replicas import ROUTING_POLICIES
-from slotserve.server.reasoning import REASONING_PARSERS
-from slotserve.server.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -324,12 +324,12 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return serve_replicas(args, argv or [])
     import uvicorn
 
-    from slotserve.model_source import ModelUnavailableError
+    from slotserve.models.registry import ModelRegistry
+    from slotserve.models.source import ModelUnavailableError
     from slotserve.server.app import create_app
     from slotserve.server.lifecycle import GracefulServer
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
-    from slotserve.server.model_registry import ModelRegistry
     from slotserve.server.serving import ServingContext
 
     configure_logging(args.log_level)

@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.sampling_params import SamplingParams

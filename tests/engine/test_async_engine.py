@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 
-from slotserve.engine.async_engine import AsyncEngine, OutputListener
+from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.sampling_params import SamplingParams

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from slotserve.engine.async_engine import AsyncEngine, OutputListener
+from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
+from slotserve.engine.client.mp_client import EngineProcessError, MPClient
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_process import EngineProcessError, ProcessCore
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
@@ -29,13 +29,13 @@ async def launch_process(
     spec: FakeSpec, config: EngineConfig, on_outputs: OutputListener | None = None
 ) -> AsyncEngine:
     return await AsyncEngine.connect(
-        lambda deliver: ProcessCore.launch(spec, config, deliver), on_outputs
+        lambda deliver: MPClient.launch(spec, config, deliver), on_outputs
     )
 
 
 def engine_pid(engine: AsyncEngine) -> int:
     client = engine.client
-    assert isinstance(client, ProcessCore) and client.pid is not None
+    assert isinstance(client, MPClient) and client.pid is not None
     return client.pid
 
 
@@ -254,9 +254,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_messages_round_trip_the_engines_own_types() -> None:
-    from slotserve.engine import wire
+    from slotserve.engine.client import wire
+    from slotserve.engine.core.stats import EngineStats
     from slotserve.engine.outputs import SampledToken, SequenceDelta
-    from slotserve.engine.stats import EngineStats
 
     logprobs = [SampledToken(7, -0.5, ((7, -0.5), (9, -1.25)))]
     outputs = [

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from slotserve.engine.core_client import InThreadCore
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.client.inproc_client import InprocClient
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core.slots import SlotState
 from slotserve.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -13,7 +14,6 @@ from slotserve.engine.errors import (
     RunnerFailure,
 )
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import EOS, FakeRunner
 
@@ -76,7 +76,7 @@ def test_multibyte_utf8_split_across_tokens_is_never_broken() -> None:
 def test_full_queue_rejects_at_once() -> None:
     # The 429 decision is the hand-off's: it counts its inbox against what the core published.
     core, _ = make_core(FakeRunner(num_slots=1), max_queue=2)
-    client = InThreadCore(core, deliver=lambda outputs: None)  # no thread: driven by hand
+    client = InprocClient(core, deliver=lambda outputs: None)  # no thread: driven by hand
 
     def send(request_id: str) -> None:
         client.add_request(core.make_request(request_id, [1], SamplingParams(max_tokens=3)))
@@ -122,7 +122,7 @@ def test_abort_mid_decode_frees_the_slot_within_one_step() -> None:
     assert _slot_states(core)[0] is SlotState.FREE
     assert 0 in runner.removed
     assert [c.slot for c in runner.batches[-1]] == [1], "no forward work for the aborted slot"
-    assert core.stats.requests_aborted == 1
+    assert core.snapshot().requests_aborted == 1
 
 
 def test_abort_of_a_waiting_request_removes_it_from_the_queue() -> None:
@@ -227,4 +227,4 @@ def test_a_request_past_its_deadline_is_ended_and_frees_its_slot() -> None:
     assert final.finished and final.timed_out and final.error is None
     assert final.deltas[-1].finish_reason == "abort"
     assert 0 < final.num_output_tokens < 200
-    assert _slot_states(core) == [SlotState.FREE] and core.stats.requests_timed_out == 1
+    assert _slot_states(core) == [SlotState.FREE] and core.snapshot().requests_timed_out == 1

@@ -5,9 +5,9 @@ pressure evicts least recently used prefixes before anyone is preempted. The fak
 
 from __future__ import annotations
 
-from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.paged_prefix_cache import PagedPrefixCache
-from slotserve.engine.slots import SlotState
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core.slots import SlotState
+from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -52,7 +52,7 @@ def test_a_cached_prefix_survives_while_every_slot_is_busy_with_other_work() -> 
     for _ in range(10):
         core.step()
     assert [s.state for s in core.scheduler.slots.slots] == [SlotState.GENERATING] * 2
-    stats = core.stats.prefix_cache
+    stats = core.snapshot().prefix_cache
     assert stats.cached_tokens >= len(PREFIX + "question one") + 4, "the prefix is still cached"
     check(core, runner)
     run_to_completion(core)
@@ -75,7 +75,7 @@ def test_cache_capacity_follows_free_memory_not_the_slot_count() -> None:
     for i, prompt in enumerate(prompts):
         submit(core, f"again{i}", prompt, max_tokens=2, ignore_eos=True)
         assert run_to_completion(core)[f"again{i}"][-1].num_cached_tokens == len(prompt) - 1
-    assert core.stats.prefix_cache.evictions == 0
+    assert core.snapshot().prefix_cache.evictions == 0
     check(core, runner)
 
 
@@ -94,8 +94,8 @@ def test_memory_pressure_evicts_least_recently_used_prefixes_before_preempting()
     submit(core, "big", big, max_tokens=20, ignore_eos=True)
     out = run_to_completion(core)["big"]
     assert text_of(out) == solo_text(big, 20)
-    assert core.stats.preemptions == 0
-    assert core.stats.prefix_cache.evictions > 0
+    assert core.snapshot().preemptions == 0
+    assert core.snapshot().prefix_cache.evictions > 0
     # The least recently used prompt ("mid") went first; the one used again is still whole.
     for name, expect_hit in (("old", True), ("mid", False)):
         submit(core, f"probe-{name}", prompts[name], max_tokens=1)
@@ -129,5 +129,5 @@ def test_a_budget_of_zero_keeps_nothing_once_requests_end() -> None:
     core, _ = make_core(runner, prefix_cache_budget_tokens=0)
     submit(core, "a", PREFIX, max_tokens=3)
     run_to_completion(core)
-    assert core.stats.prefix_cache.cached_tokens == 0 and runner.blocks_in_use == 0
+    assert core.snapshot().prefix_cache.cached_tokens == 0 and runner.blocks_in_use == 0
     check(core, runner)

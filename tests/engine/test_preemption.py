@@ -8,8 +8,8 @@ from __future__ import annotations
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.slots import SlotState
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -62,7 +62,7 @@ def test_youngest_sequence_is_preempted_and_resumes_with_the_same_output() -> No
         if not core.scheduler.has_work:
             break
     assert preempted_seen == {"young"}, "only the youngest gives its KV back"
-    assert core.stats.preemptions >= 1
+    assert core.snapshot().preemptions >= 1
     for request_id, prompt in prompts.items():
         assert outputs[request_id][-1].deltas[-1].finish_reason == "length"
         assert text_of(outputs[request_id]) == solo_text(prompt, 24), request_id
@@ -77,12 +77,12 @@ def test_unused_cached_prefixes_are_evicted_before_anyone_is_preempted() -> None
     for i in range(2):  # leave two finished prompts cached in free slots
         submit(core, f"warm{i}", f"{i}" * 20, max_tokens=2, ignore_eos=True)
         run_to_completion(core)
-    assert core.stats.prefix_cache.cached_tokens > 0 and runner.blocks_in_use > 0
+    assert core.snapshot().prefix_cache.cached_tokens > 0 and runner.blocks_in_use > 0
     submit(core, "big", "z" * 10, max_tokens=30, ignore_eos=True)  # 40 positions = 10 blocks
     submit(core, "big2", "y" * 10, max_tokens=30, ignore_eos=True)
     outputs = run_to_completion(core)
-    assert core.stats.preemptions == 0
-    assert core.stats.prefix_cache.evictions > 0
+    assert core.snapshot().preemptions == 0
+    assert core.snapshot().prefix_cache.evictions > 0
     assert text_of(outputs["big"]) == solo_text("z" * 10, 30)
     assert_kv_consistent(core, runner)
 
@@ -93,7 +93,7 @@ def test_preempted_sequence_resumes_from_its_cached_prefix() -> None:
     submit(core, "old", "o" * 16, max_tokens=24, ignore_eos=True)
     submit(core, "young", "y" * 16, max_tokens=24, ignore_eos=True)
     outputs = run_to_completion(core)
-    assert core.stats.preemptions >= 1
+    assert core.snapshot().preemptions >= 1
     assert text_of(outputs["old"]) == solo_text("o" * 16, 24)
     assert text_of(outputs["young"]) == solo_text("y" * 16, 24)
     assert_kv_consistent(core, runner)
@@ -179,7 +179,7 @@ def test_random_workloads_under_memory_pressure_finish_with_solo_outputs(
             break
     else:
         raise AssertionError("the engine stalled")
-    event(f"preempted: {core.stats.preemptions > 0}")
+    event(f"preempted: {core.snapshot().preemptions > 0}")
     assert len(finished) == len(requests), "every request ends"
     for i, (prefix, own, max_tokens, abort_after) in enumerate(requests):
         if finished[f"r{i}"] == "length":

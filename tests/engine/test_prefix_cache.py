@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.slots import SlotState
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -50,7 +50,7 @@ def test_identical_prompts_back_to_back_hit_the_cache() -> None:
     assert [text_of(o) for o in outputs] == ["ok"] * 4
     cached = [o[-1].num_cached_tokens for o in outputs]
     assert cached == [0] + [len(SYSTEM) - 1] * 3  # the last prompt token is always computed
-    stats = core.stats.prefix_cache
+    stats = core.snapshot().prefix_cache
     assert (stats.hits, stats.misses) == (3, 1)
     assert stats.hit_tokens == 3 * (len(SYSTEM) - 1) and stats.query_tokens == 4 * len(SYSTEM)
     assert runner.copies == [], "the slot holding the prefix is reused in place"
@@ -111,9 +111,9 @@ def test_tiny_budget_evicts_and_keeps_serving_correctly() -> None:
     for i, prompt in enumerate(prompts * 2):
         submit(core, f"r{i}", prompt, max_tokens=3)
         run_to_completion(core)
-        assert core.stats.prefix_cache.evictable_tokens <= 50
+        assert core.snapshot().prefix_cache.evictable_tokens <= 50
         assert_kv_consistent(core, runner)
-    assert core.stats.prefix_cache.evictions > 0
+    assert core.snapshot().prefix_cache.evictions > 0
 
 
 def test_abort_mid_prefill_leaves_the_tree_consistent_and_the_prefix_reusable() -> None:
@@ -156,7 +156,7 @@ def test_cache_off_frees_kv_and_reports_why() -> None:
     out = run_to_completion(core)
     assert out["a"][-1].num_cached_tokens == 0 and not core.prefix_cache.enabled
     assert all(held == [] for held in runner.kv.values())
-    stats = core.stats.prefix_cache
+    stats = core.snapshot().prefix_cache
     assert not stats.enabled and "--no-prefix-cache" in (stats.disabled_reason or "")
     assert_kv_consistent(core, runner)
 
@@ -166,7 +166,7 @@ def test_model_without_range_sharing_runs_without_cache(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING):
         core = EngineCore(runner, EngineConfig(num_slots=4))
     assert not core.prefix_cache.enabled
-    assert core.stats.prefix_cache.disabled_reason == "the model keeps recurrent state"
+    assert core.snapshot().prefix_cache.disabled_reason == "the model keeps recurrent state"
     assert "prefix cache disabled: the model keeps recurrent state" in caplog.text
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slotserve.engine.slots import SlotState
+from slotserve.engine.core.slots import SlotState
 from tests.engine.helpers import make_core, run_to_completion, submit
 from tests.fake_runner import FakeRunner
 

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.runner_interface import VerifyCost
-from slotserve.engine.speculative import (
+from slotserve.engine.config import SpeculativeConfig
+from slotserve.engine.decoding.speculative import (
     NgramProposer,
     SpecCounters,
-    SpeculativeConfig,
     best_draft_length,
     build_speculator,
     expected_tokens,
 )
+from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.runner_interface import VerifyCost
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -109,7 +109,7 @@ def _generate(
         deltas = [d for o in outs for d in o.deltas]
         tokens = [t for d in deltas for t in d.token_ids]
         results[rid] = (tokens, text_of(outs), deltas[-1].finish_reason, deltas[-1].stop_reason)
-    return {"results": results, "stats": core.stats, "batches": runner.batches}
+    return {"results": results, "stats": core.snapshot(), "batches": runner.batches}
 
 
 JOBS: dict[str, dict[str, object]] = {
@@ -249,7 +249,7 @@ def _run_with_cost(
     drafting = [i for i, batch in enumerate(runner.batches) if any(c.num_drafts for c in batch)]
     return {
         "text": text_of(outputs["r"]),
-        "stats": core.stats,
+        "stats": core.snapshot(),
         "steps": len(runner.batches),
         "drafting": drafting,
     }

@@ -9,10 +9,14 @@ import re
 
 import pytest
 
+from slotserve.engine.config import SpeculativeConfig
+from slotserve.engine.decoding.structured_output import (
+    allowed_mask,
+    check_structured_output,
+    grammar_of,
+)
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import StructuredOutput
-from slotserve.engine.speculative import SpeculativeConfig
-from slotserve.engine.structured_output import allowed_mask, check_structured_output, grammar_of
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import EOS, FakeRunner
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slotserve.engine.runner_interface import Runner
-from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.runner.hf_checkpoint import convert_gguf_to_hf
 
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams

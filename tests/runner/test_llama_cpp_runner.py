@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
-from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
 from tests.runner.conftest import FLASH_ATTN
 from tests.runner.engine_runs import NUM_TOKENS, generate, greedy

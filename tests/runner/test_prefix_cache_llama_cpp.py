@@ -4,10 +4,10 @@ does not change when prompts reuse cached KV (E4 with E8)."""
 from __future__ import annotations
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
 
 GRAIN = 64  # the llama.cpp runner's prefill grain: a hit leaves this much to compute
@@ -71,7 +71,7 @@ def test_identical_prompts_back_to_back_hit_and_agree(runner: LlamaCppRunner) ->
     reused = len(prompt) - GRAIN  # invariant 8: a grain is always computed
     assert [cached for _, cached in results] == [0] + [reused] * 3
     assert all(tokens == results[0][0] for tokens, _ in results)
-    stats = core.stats.prefix_cache
+    stats = core.snapshot().prefix_cache
     assert stats.hits >= 3 and stats.hit_tokens == 3 * reused
 
 
@@ -121,8 +121,8 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
     for rid, prompt in prompts.items():
         tokens, _ = _run(core, {rid: prompt}, 12)[rid]
         assert tokens == reference[rid][0]
-        assert core.stats.prefix_cache.evictable_tokens <= GRAIN
-    assert core.stats.prefix_cache.evictions > 0
+        assert core.snapshot().prefix_cache.evictable_tokens <= GRAIN
+    assert core.snapshot().prefix_cache.evictions > 0
 
 
 def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppRunner) -> None:
@@ -136,7 +136,7 @@ def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppR
     core.check_integrity()
     # Two chunks ran: the odd part plus a grain (so whole grains are left), then a grain.
     computed = len(prompt) % GRAIN + 2 * GRAIN
-    assert core.stats.prefix_cache.cached_tokens == computed
+    assert core.snapshot().prefix_cache.cached_tokens == computed
     tokens, cached = _run(core, {"b": prompt}, 16)["b"]
     assert cached == computed
     fresh = _run(

@@ -15,12 +15,11 @@ import openai
 import pytest
 import torch
 
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.config import EngineConfig, SpeculativeConfig
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.speculative import SpeculativeConfig
-from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from slotserve.runners.pytorch.checkpoint import (
     TorchLoadConfig,
     config_from_gguf,
@@ -152,7 +151,7 @@ def test_preemption_recomputes_the_state(folders: dict[str, Path]) -> None:
         runner.tokenizer.encode(p + " " + PROMPTS[(i + 3) % 8]) for i, p in enumerate(PROMPTS[:4])
     ]
     alone, together = alone_then_together(core, prompts, greedy(96))
-    assert core.stats.preemptions > 0, "the pool was too small for all four at once"
+    assert core.snapshot().preemptions > 0, "the pool was too small for all four at once"
     assert together == alone
     core.check_integrity()
     runner.close()

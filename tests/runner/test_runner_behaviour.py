@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core.slots import SlotState
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.slots import SlotState
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import Recording, alone_then_together, generate, greedy
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.config import EngineConfig, SpeculativeConfig
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner, VerifyCost
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.speculative import SpeculativeConfig
 from tests.prompts import PROMPTS
 
 # Input-grounded: the model copies text it was given, so prompt lookup finds its drafts.
@@ -65,11 +64,12 @@ def test_greedy_tokens_and_logprobs_match_without_drafts(any_runner: Runner, k: 
     plain, _ = run(any_runner, None, batched_jobs)
     alone, core = run(any_runner, config, alone_jobs)
     assert alone["grounded"] == plain["grounded"]
-    counters = core.stats.spec_decode
+    counters = core.snapshot().spec_decode
     assert counters is not None and counters.num_accepted_tokens > 0, "no draft was accepted"
     batched, core = run(any_runner, config, batched_jobs)
     assert batched == plain
-    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_drafts > 0
+    counters = core.snapshot().spec_decode
+    assert counters is not None and counters.num_drafts > 0
 
 
 def test_seeded_samples_match_without_drafts(any_runner: Runner) -> None:
@@ -79,7 +79,8 @@ def test_seeded_samples_match_without_drafts(any_runner: Runner) -> None:
     plain, _ = run(any_runner, None, jobs)
     drafted, core = run(any_runner, config, jobs)
     assert drafted == plain
-    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_drafts > 0
+    counters = core.snapshot().spec_decode
+    assert counters is not None and counters.num_drafts > 0
 
 
 def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner) -> None:
@@ -92,7 +93,8 @@ def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner
     assert drafted == expected
     # With the cache off every slot's KV is freed at the end: nothing of the drafts is left.
     assert all(any_runner.kv_tokens(slot) == 0 for slot in range(8))
-    assert core.stats.spec_decode is not None and core.stats.spec_decode.num_accepted_tokens > 0
+    counters = core.snapshot().spec_decode
+    assert counters is not None and counters.num_accepted_tokens > 0
 
 
 def test_the_runners_own_cost_drafts_on_a_copy(any_runner: Runner) -> None:
@@ -101,5 +103,5 @@ def test_the_runners_own_cost_drafts_on_a_copy(any_runner: Runner) -> None:
     plain, _ = run(any_runner, None, jobs)
     drafted, core = run(any_runner, SpeculativeConfig(num_speculative_tokens=4), jobs, True)
     assert drafted == plain
-    counters = core.stats.spec_decode
+    counters = core.snapshot().spec_decode
     assert counters is not None and counters.num_accepted_tokens >= 8, counters

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -60,7 +60,7 @@ def _greedy_runs(runner: TorchRunner, config: EngineConfig) -> dict[str, list[in
     out |= generate(core, {"s0": shared.pop("s0")})  # caches the shared prefix
     out |= generate(core, shared)
     if config.prefix_cache:
-        assert core.stats.prefix_cache.hits >= 3, "the shared-prefix prompts hit the cache"
+        assert core.snapshot().prefix_cache.hits >= 3, "the shared-prefix prompts hit the cache"
     return out
 
 
@@ -94,7 +94,7 @@ def test_tp2_preempts_and_recomputes_as_tp1(tiny_folders: dict[str, Path]) -> No
             outputs.append(
                 generate(core, {f"p{i}": (p, greedy(60)) for i, p in enumerate(prompts)})
             )
-            preemptions.append(core.stats.preemptions)
+            preemptions.append(core.snapshot().preemptions)
         finally:
             runner.close()
     assert preemptions[0] > 0 and preemptions[1] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.checkpoint import (
@@ -261,7 +261,7 @@ def test_blocks_are_freed_on_finish_and_on_cancel(torch_runner: TorchRunner) -> 
     generate(core, {"done": (prompt, greedy(20))})
     assert tables.num_free == tables.num_blocks, "a finished sequence gave its blocks back"
     core.add_request(core.make_request("gone", prompt, greedy(200)))
-    while core.stats.generated_tokens < 25:
+    while core.snapshot().generated_tokens < 25:
         core.step()
     assert tables.num_free < tables.num_blocks
     core.abort("gone")
@@ -321,7 +321,7 @@ def test_a_small_kv_pool_preempts_and_outputs_stay_those_of_each_request_alone(
         runner.tokenizer.encode(p + " " + PROMPTS[(i + 3) % 8]) for i, p in enumerate(PROMPTS[:4])
     ]
     alone, together = alone_then_together(core, prompts, greedy(64))
-    assert core.stats.preemptions > 0, "the pool was too small for all four at once"
+    assert core.snapshot().preemptions > 0, "the pool was too small for all four at once"
     assert together == alone
     core.check_integrity()
     runner.close()
@@ -363,7 +363,7 @@ def test_cached_prefixes_outlive_the_slots_in_the_pool_and_give_way_under_pressu
     assert cached == len(question) - 1, "the prefix outlived both slots' other work"
     big_cached = generate(core, big)
     assert again == alone and big_cached == big_alone
-    stats = core.stats
+    stats = core.snapshot()
     assert stats.prefix_cache.evictions > 0 and stats.preemptions == 0
     core.check_integrity()
     runner.close()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slotserve import cli, model_launch
+from slotserve import cli
+from slotserve.models import launch as model_launch
 
 GATE_ENV = "SLOTSERVE_TEST_LOAD_GATE"
 GATE_TIMEOUT_S = 120.0

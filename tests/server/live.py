@@ -13,10 +13,10 @@ import uvicorn
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
+from slotserve.models.host import ModelHost, ModelLaunch
+from slotserve.models.registry import ModelRegistry
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
-from slotserve.server.model_host import ModelHost, ModelLaunch
-from slotserve.server.model_registry import ModelRegistry
 from slotserve.server.serving import ServingContext
 from tests.conftest import _free_port, wait_until
 

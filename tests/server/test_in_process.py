@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
+from slotserve.models.host import ModelLaunch
+from slotserve.models.registry import ModelRegistry
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
-from slotserve.server.model_host import ModelLaunch
-from slotserve.server.model_registry import ModelRegistry
 from slotserve.server.serving import ServingContext
 from tests.conftest import wait_until
 from tests.fake_runner import FakeRunner

@@ -14,9 +14,9 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import MemoryNeed
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.server.model_catalog import scan_models_dir
-from slotserve.server.model_host import ModelLaunch, ModelUnavailableError
-from slotserve.server.model_registry import (
+from slotserve.models.catalog import scan_models_dir
+from slotserve.models.host import ModelLaunch, ModelUnavailableError
+from slotserve.models.registry import (
     MemoryReading,
     ModelLoadError,
     ModelNotFoundError,

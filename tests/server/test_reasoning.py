@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotserve.server.reasoning import REASONING_PARSERS, get_reasoning_parser
+from slotserve.protocol.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 # (parser, model output, expected reasoning, expected content)
 CASES: list[tuple[str, str, str | None, str]] = [

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.server.response_store import ResponseStore, StoredResponse
-from slotserve.server.responses_output import assistant_turn, output_items, response_shell
-from slotserve.server.responses_protocol import ResponsesRequest
-from slotserve.server.responses_stream import ResponseEventStream
-from slotserve.server.serving_responses import chat_request_of, input_messages
+from slotserve.server.responses.output import assistant_turn, output_items, response_shell
+from slotserve.server.responses.protocol import ResponsesRequest
+from slotserve.server.responses.serving import chat_request_of, input_messages
+from slotserve.server.responses.store import ResponseStore, StoredResponse
+from slotserve.server.responses.stream import ResponseEventStream
 
 
 def _shell(**fields: Any) -> dict[str, Any]:

@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from slotserve.engine.async_engine import AsyncEngine
+from slotserve.engine.client.async_engine import AsyncEngine
+from slotserve.engine.client.mp_client import MPClient
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core_process import ProcessCore
-from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.sampling_params import SamplingParams
 from tests.conftest import ServerProcess, _free_port, start_server, stop_server, wait_until
@@ -145,7 +145,7 @@ def test_a_flush_reaches_the_core_and_is_refused_once_it_stops(
         else:
             spec = FakeSpec(options)
             engine = await AsyncEngine.connect(
-                lambda deliver: ProcessCore.launch(spec, config, deliver)
+                lambda deliver: MPClient.launch(spec, config, deliver)
             )
         try:
             prompt = list(b"a prompt long enough to be worth caching")

@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from slotserve.engine.structured_output import closed_objects
-from slotserve.runners.llama_cpp_runner import init_llama_backend
-from slotserve.server.tool_parsers import (
+from slotserve.engine.decoding.structured_output import closed_objects
+from slotserve.protocol.tool_parsers import (
     TOOL_PARSERS,
     ContentDelta,
     FunctionTool,
@@ -30,7 +29,8 @@ from slotserve.server.tool_parsers import (
     get_tool_parser,
     parser_for_template,
 )
-from slotserve.server.tool_parsers.events import collect
+from slotserve.protocol.tool_parsers.events import collect
+from slotserve.runners.llama_cpp.runner import init_llama_backend
 
 Calls = list[tuple[str, str]]
 

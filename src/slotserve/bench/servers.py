@@ -259,7 +259,7 @@ def add_output_dir_argument(parser: argparse.ArgumentParser, name: str) -> None:
 def resolve_model_or_report(model: str | None, console: Console) -> Path | None:
     """The GGUF a bench subcommand serves (the embedded one by default); None after printing
     why there is none."""
-    from slotserve.model_source import ModelUnavailableError, resolve_model_path
+    from slotserve.models.source import ModelUnavailableError, resolve_model_path
 
     try:
         return resolve_model_path(model)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import openai
     from openai.types.chat import ChatCompletionMessageParam
 
-    from slotserve.server.model_host import ModelHost
+    from slotserve.models.host import ModelHost
 
 
 class Message(TypedDict):
@@ -82,7 +82,7 @@ class EngineBackend:
         config: EngineConfig,
         chat_template_file: Path | None,
     ) -> EngineBackend:
-        from slotserve.server.model_host import ModelHost, ModelLaunch
+        from slotserve.models.host import ModelHost, ModelLaunch
 
         host = ModelHost(ModelLaunch(name, spec, config, chat_template_file))
         await host.load()
@@ -102,7 +102,7 @@ class EngineBackend:
     async def stream(
         self, messages: list[Message], options: GenerationOptions
     ) -> AsyncIterator[str | Usage]:
-        from slotserve.server.model_host import ModelUnavailableError
+        from slotserve.models.host import ModelUnavailableError
 
         try:
             model = self._host.require_ready()

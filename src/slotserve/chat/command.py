@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slotserve.chat.backend import ChatBackend, ChatBackendError, GenerationOptions
-from slotserve.model_launch import DTYPES, RUNNERS
+from slotserve.models.launch import DTYPES, RUNNERS
 from slotserve.options import env, env_int
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _check(args: argparse.Namespace) -> str | None:
 async def _chat(args: argparse.Namespace) -> int:
     from slotserve.chat.session import ChatSession
     from slotserve.chat.terminal import Screen, run_interactive, run_lines, run_quick
-    from slotserve.model_source import ModelUnavailableError
+    from slotserve.models.source import ModelUnavailableError
 
     screen = Screen.for_stdio()
     try:
@@ -171,8 +171,8 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
         return await RemoteBackend.connect(args.url, args.api_key, args.model_name)
 
     from slotserve.engine.config import EngineConfig
-    from slotserve.model_launch import default_model_name, runner_factory
-    from slotserve.model_source import resolve_model_path
+    from slotserve.models.launch import default_model_name, runner_factory
+    from slotserve.models.source import resolve_model_path
     from slotserve.serve_command import add_serve_arguments
 
     serve_parser = argparse.ArgumentParser(add_help=False)

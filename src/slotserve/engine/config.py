@@ -2,9 +2,74 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
-from slotserve.engine.speculative import SpeculativeConfig
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "min_acceptance_rate",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's keys, plus ``min_acceptance_rate``: a sequence whose drafts are accepted less
+    often than this (after ``probe_tokens`` drafted tokens) stops drafting for good; None
+    leaves the decision to the cost model alone. ``num_speculative_tokens`` is the most drafts
+    a step verifies. ``disable_by_batch_size`` (vLLM's name): no drafts while more sequences
+    than this are in flight (running or waiting)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 2
+    min_acceptance_rate: float | None = None
+    probe_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "[ngram]"):
+            raise ValueError(f"speculative method {self.method!r} is not supported (ngram)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+        if self.min_acceptance_rate is not None and not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError("min_acceptance_rate must be in [0, 1]")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parses ``--speculative-config`` (a JSON object); ``ValueError`` says what is wrong."""
+        try:
+            raw: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown} (known: {sorted(_KEYS)})"
+            )
+        if "method" not in raw:
+            raise ValueError('--speculative-config needs "method" (only "ngram" is supported)')
+        kinds: dict[str, type | tuple[type, ...]] = {
+            "method": str,
+            "min_acceptance_rate": (int, float),
+        }
+        for key, value in raw.items():
+            kind = kinds.get(key, int)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"--speculative-config: {key} has the wrong type")
+        raw.setdefault("prompt_lookup_max", max(raw.get("prompt_lookup_min", 2), 4))
+        return cls(**raw)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.outputs import FinishReason, SampledToken
+from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 
 
@@ -87,3 +89,32 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+def new_request(
+    config: EngineConfig, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> Request:
+    """A request arriving now, its deadline set, its sequences not yet built."""
+    request = Request(request_id, list(prompt_token_ids), params)
+    if config.request_timeout_s is not None:
+        request.deadline = request.arrival_time + config.request_timeout_s
+    return request
+
+
+def add_sequences(request: Request, info: ModelInfo, tokenizer: Tokenizer) -> Request:
+    """Gives a validated request one sequence (and detokenizer) per choice."""
+    prompt = request.prompt_token_ids
+    room = info.max_seq_len - len(prompt)
+    params = request.params
+    for index in range(params.n):
+        request.sequences.append(
+            Sequence(
+                request=request,
+                index=index,
+                max_tokens=params.max_tokens or room,
+                detokenizer=IncrementalDetokenizer(tokenizer.token_bytes, params.stop),
+                token_ids=list(prompt),
+                num_prompt_tokens=len(prompt),
+            )
+        )
+    return request

@@ -26,7 +26,7 @@ class LlamaCppSpec:
     model_name: str | None = None
 
     def __call__(self) -> Runner:
-        from slotserve.runners.llama_cpp_runner import LlamaCppRunner
+        from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
         return LlamaCppRunner(
             self.model_path,
@@ -39,12 +39,12 @@ class LlamaCppSpec:
         )
 
     def frontend(self) -> RunnerFrontend:
-        from slotserve.runners.llama_cpp_frontend import LlamaCppFrontend
+        from slotserve.runners.llama_cpp.frontend import LlamaCppFrontend
 
         return LlamaCppFrontend(self.model_path)
 
     def memory_needed(self) -> MemoryNeed:
-        from slotserve.runners.llama_cpp_frontend import estimate_memory
+        from slotserve.runners.llama_cpp.frontend import estimate_memory
 
         return estimate_memory(
             self.model_path, self.num_slots, self.ctx_size, self.max_batch_tokens

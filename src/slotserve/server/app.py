@@ -14,19 +14,19 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.models.host import ModelState
 from slotserve.server.errors import ErrorResponse, install_error_handlers, request_id_of
 from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
-from slotserve.server.model_host import ModelState
 from slotserve.server.model_routes import model_routes, prefix_stats
-from slotserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from slotserve.server.response_store import ResponseStore
-from slotserve.server.responses_protocol import ResponsesRequest
+from slotserve.server.openai.chat import create_chat_completion
+from slotserve.server.openai.completions import create_completion
+from slotserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from slotserve.server.responses.protocol import ResponsesRequest
+from slotserve.server.responses.serving import create_response, get_response
+from slotserve.server.responses.store import ResponseStore
 from slotserve.server.serving import ServingContext
-from slotserve.server.serving_chat import create_chat_completion
-from slotserve.server.serving_completions import create_completion
-from slotserve.server.serving_responses import create_response, get_response
 from slotserve.server.worker_routes import worker_routes
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {

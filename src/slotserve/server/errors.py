@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
-from slotserve.server.model_host import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
-from slotserve.server.model_registry import ModelLoadError, ModelNotFoundError
+from slotserve.models.host import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
+from slotserve.models.registry import ModelLoadError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 

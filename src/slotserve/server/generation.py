@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from slotserve.engine.async_engine import AsyncEngine, RequestStream
+from slotserve.engine.client.async_engine import AsyncEngine, RequestStream
 from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.runner_interface import Tokenizer
 from slotserve.engine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from slotserve.server.model_registry import ModelRegistry
+from slotserve.models.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 

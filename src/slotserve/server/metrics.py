@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from slotserve.engine.core.stats import EngineStats, EngineTotals
 from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.prefix_cache import PrefixCacheStats
-from slotserve.engine.stats import EngineStats, EngineTotals
+from slotserve.engine.prefix_cache.base import PrefixCacheStats
 
 # ---- vLLM's names ---------------------------------------------------------------------------
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"

@@ -12,9 +12,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from slotserve.engine.prefix_cache import PrefixCacheStats
+from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.models.host import ModelHost, ModelState
 from slotserve.server.errors import ErrorResponse, error_response
-from slotserve.server.model_host import ModelHost, ModelState
 from slotserve.server.serving import ServingContext
 
 # llama-server's router reports loaded / loading / unloaded.

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.server.chat_template import ChatTemplate
+from slotserve.models.host import LoadedModel, ModelHost
+from slotserve.models.registry import ModelRegistry
+from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.server.metrics import ServerMetrics
-from slotserve.server.model_host import LoadedModel, ModelHost
-from slotserve.server.model_registry import ModelRegistry
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Any
 from fastapi import APIRouter
 
 from slotserve import __version__
-from slotserve.engine.stats import EngineStats
+from slotserve.engine.core.stats import EngineStats
+from slotserve.models.host import ModelHost, ModelState
 from slotserve.server.errors import ErrorResponse
-from slotserve.server.model_host import ModelHost, ModelState
 from slotserve.server.serving import ServingContext
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

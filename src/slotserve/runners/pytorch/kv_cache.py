@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 import torch
 
-from slotserve.runners.paged_kv import PagedKvTables
+from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.runners.pytorch.config import ModelConfig
 
 

@@ -22,13 +22,13 @@ import torch
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
+from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.engine.runner_interface import (
     RECURRENT_STATE_NO_ROLLBACK,
     ModelInfo,
     ScheduledChunk,
 )
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.paged_kv import PagedKvTables
 from slotserve.runners.pytorch.checkpoint import (
     TorchLoadConfig,
     open_gguf,

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.engine.structured_output import allowed_mask
 
 
 @dataclass

@@ -1,0 +1,315 @@
+"""The hand-off between the serving side and the engine core as a second process (vLLM v1's
+split): :class:`MPClient` in the API process; ``engine_process.py`` is the other end.
+
+The API process keeps HTTP, chat templates, tokenization and request validation (with its own
+copy of the tokenizer, :class:`~slotserve.engine.runner_interface.RunnerFrontend`); the engine
+process keeps the scheduler, the runner and the detokenizer (stop strings end a sequence in
+the step that produced them, so its slot is freed there and usage counts stay exact) and steps
+in a busy loop while it has work. Messages are ``wire.py``'s msgspec structs over two ZMQ
+PUSH/PULL sockets on IPC paths; a thread in the API process receives outputs and hands them to
+the event loop, as the in-thread client does.
+
+Failure handling: the receiving thread watches the process; if it dies (killed, segfault, out
+of memory), every request still in it ends with a ``MODEL_UNHEALTHY`` error within a second and
+:attr:`MPClient.unhealthy` says why, so health and readiness turn 503 and a reload starts a
+new process. The engine process asks the kernel to kill it when its parent dies
+(``PR_SET_PDEATHSIG``) and also polls its parent while idle, so no orphan outlives the server.
+It ignores SIGINT and SIGTERM: the API process drains and then stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from slotserve.engine.client import wire
+from slotserve.engine.client.base import (
+    Deliver,
+    Settle,
+    answer,
+    refuse_unless_serving,
+    refuse_when_full,
+)
+from slotserve.engine.client.core_proc import POLL_MS, run_engine_core
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.limits import validate_request
+from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
+from slotserve.engine.request import Request, new_request
+from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
+from slotserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a stopping engine closes its runner; then it is killed
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start (its load error, or how it died)."""
+
+
+class MPClient:
+    """The API process's end: the same methods as ``InprocClient``."""
+
+    def __init__(
+        self,
+        process: BaseProcess,
+        sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
+        workdir: str,
+        ready: wire.Ready,
+        frontend: RunnerFrontend,
+        config: EngineConfig,
+        deliver: Deliver,
+    ) -> None:
+        self.config = config
+        self.model_info: ModelInfo = ready.model_info
+        self.tokenizer: Tokenizer = frontend.tokenizer
+        self._frontend = frontend
+        self._process = process
+        self._to_engine, self._from_engine = sockets
+        self._workdir = workdir
+        self._deliver = deliver
+        self._lock = threading.Lock()  # the send socket, the live set, the 429 counters
+        self._published = ready.stats
+        self._forward_seconds = 0.0
+        self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
+        self._received = 0
+        self._live: set[str] = set()
+        self._flushes: dict[int, Settle] = {}  # flush_prefix_cache calls awaiting the engine
+        self._flush_ids = 0
+        self._stopping = False
+        self._dead: str | None = None
+        self._receiver = threading.Thread(target=self._receive, name="slotserve-engine-out")
+        self._receiver.daemon = True
+        self._receiver.start()
+
+    @classmethod
+    async def launch(
+        cls,
+        spec: RunnerSpec,
+        config: EngineConfig,
+        deliver: Deliver,
+        setup: Callable[[], None] | None = None,
+    ) -> MPClient:
+        """Starts the engine process (which loads the model) and the API side's tokenizer
+        beside it; returns when both are ready, or raises why the engine could not start.
+        ``setup`` runs first in the new process (logging)."""
+        workdir = tempfile.mkdtemp(prefix="slotserve-engine-")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        to_engine = context.socket(zmq.PUSH)
+        from_engine = context.socket(zmq.PULL)
+        addresses = (f"ipc://{workdir}/in", f"ipc://{workdir}/out")
+        for sock, address in zip((to_engine, from_engine), addresses, strict=True):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(spec, config, addresses, os.getpid(), setup),
+            name="slotserve-engine-core",
+            daemon=True,
+        )
+        frontend_task = asyncio.create_task(asyncio.to_thread(spec.frontend))
+        try:
+            process.start()
+            ready = await asyncio.to_thread(_await_ready, from_engine, process)
+            frontend = await frontend_task
+        except BaseException:
+            frontend_task.add_done_callback(_close_frontend)
+            _kill(process)
+            to_engine.close()
+            from_engine.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        logger.info("engine process %d ready", process.pid)
+        sockets = (to_engine, from_engine)
+        return cls(process, sockets, workdir, ready, frontend, config, deliver)
+
+    # ---- the serving side (event loop) -----------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._published
+
+    @property
+    def unhealthy(self) -> str | None:
+        return self._published.unhealthy or self._dead
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._forward_seconds
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validates here; the engine process builds the sequences (and detokenizers)."""
+        validate_request(self, self.config, prompt_token_ids, params)
+        return new_request(self.config, request_id, prompt_token_ids, params)
+
+    def add_request(self, request: Request) -> None:
+        message = wire.AddRequest(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.arrival_time,
+            request.deadline,
+        )
+        with self._lock:
+            refuse_unless_serving(self.unhealthy, self._stopping)
+            refuse_when_full(self._sent - self._received, self._published, self.config.max_queue)
+            self._send_or_refuse(message)
+            self._sent += 1
+            self._live.add(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._live and self._dead is None:
+                self._send_quietly(wire.Abort([request_id]))
+
+    async def flush_prefix_cache(self) -> int:
+        done, settle = answer()
+        with self._lock:
+            refuse_unless_serving(self.unhealthy, self._stopping)
+            self._flush_ids += 1
+            message = wire.FlushPrefixCache(self._flush_ids)
+            self._send_or_refuse(message)
+            self._flushes[message.flush_id] = settle
+        return await done
+
+    def stop(self, reason: str = STOPPED_REASON) -> None:
+        """Asks the engine process to end its requests (saying ``reason``) and exit."""
+        with self._lock:
+            if not self._stopping and self._dead is None:
+                self._send_quietly(wire.Stop(reason))
+            self._stopping = True
+
+    def _send_or_refuse(self, message: wire.ToEngine) -> None:
+        """Under the lock; never blocks the event loop: a dead peer's socket refuses at once,
+        and so does this (``EngineDeadError``)."""
+        try:
+            self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine process is not taking requests") from None
+
+    def _send_quietly(self, message: wire.ToEngine) -> None:
+        """Under the lock. A peer that cannot take it is dead or dying: the receiving thread
+        sees that and ends every request."""
+        with contextlib.suppress(zmq.Again):
+            self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
+
+    async def shutdown(self, reason: str = STOPPED_REASON) -> None:
+        """Stops the engine process (killing it if it does not exit in time); requests still
+        in it end with an error output, so no caller waits forever."""
+        self.stop(reason)
+        await asyncio.to_thread(self._receiver.join, STOP_TIMEOUT_S)
+        await asyncio.to_thread(self._process.join, 5.0)
+        _kill(self._process)
+        await asyncio.to_thread(self._receiver.join)
+        self._fail_live(reason, FailureKind.ENGINE_STOPPED)
+        self._to_engine.close()
+        self._from_engine.close()
+        self._frontend.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # ---- the receiving thread --------------------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            self._receive_until_stopped()
+        except Exception as exc:  # a broken message or socket: nothing more will arrive
+            logger.exception("receiving from the engine process failed")
+            self._on_death(f"the engine process connection broke: {type(exc).__name__}: {exc}")
+
+    def _receive_until_stopped(self) -> None:
+        sock = self._from_engine
+        while True:
+            if not sock.poll(POLL_MS):
+                if not self._process.is_alive():
+                    self._on_death(None)
+                    return
+                continue
+            message = wire.decode_from_engine(sock.recv(copy=False).bytes)
+            if isinstance(message, wire.Stopped):
+                return
+            if isinstance(message, wire.PrefixCacheFlushed):
+                with self._lock:
+                    waiting = [self._flushes.pop(i, None) for i in message.flush_ids]
+                for settle in waiting:
+                    if settle is not None:
+                        settle(message.freed_tokens)
+                continue
+            if isinstance(message, wire.Crashed):
+                self._on_death(message.error)
+                return
+            if not isinstance(message, wire.StepOutputs):
+                continue
+            with self._lock:
+                self._published, self._received = message.stats, message.received
+                self._forward_seconds = message.forward_seconds
+                for out in message.outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+            if message.outputs:
+                self._deliver(message.outputs)
+
+    def _on_death(self, error: str | None) -> None:
+        """The process died or its loop crashed: refuse new work, end every request."""
+        if error is None:
+            if self._stopping:
+                return
+            code = self._process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit {code}"
+            error = f"the engine process died ({how})"
+        message = error
+        logger.error("%s: failing its requests", message)
+        with self._lock:
+            self._dead = message
+        self._fail_live(message, FailureKind.MODEL_UNHEALTHY)
+
+    def _fail_live(self, message: str, kind: FailureKind) -> None:
+        with self._lock:
+            live, self._live = self._live, set()
+            flushes, self._flushes = list(self._flushes.values()), {}
+        for settle in flushes:  # no step will answer them any more
+            settle(EngineDeadError(message))
+        if live:
+            outputs = [RequestOutput(i, finished=True, error=message, failure=kind) for i in live]
+            with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+                self._deliver(outputs)
+
+
+def _await_ready(sock: zmq.Socket[bytes], process: BaseProcess) -> wire.Ready:
+    while not sock.poll(POLL_MS):
+        if not process.is_alive():
+            raise EngineProcessError(f"the engine process exited ({process.exitcode}) loading")
+    message = wire.decode_from_engine(sock.recv())
+    if isinstance(message, wire.LoadFailed):
+        raise EngineProcessError(message.error)
+    assert isinstance(message, wire.Ready), message
+    return message
+
+
+def _close_frontend(task: asyncio.Task[RunnerFrontend]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
+def _kill(process: BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    if process.pid is not None:
+        process.join(5.0)

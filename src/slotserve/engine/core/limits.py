@@ -1,0 +1,70 @@
+"""Checks a request against the model's limits before any device work, so that a request that
+cannot fit is refused before it is queued.
+
+Messages follow OpenAI's ``context_length_exceeded`` wording, so clients that parse it (to
+trim a chat history, say) keep working.
+"""
+
+from __future__ import annotations
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.decoding.structured_output import check_structured_output
+from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.runner_interface import ModelInfo, RequestChecker
+from slotserve.engine.sampling_params import SamplingParams
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def check_request(
+    info: ModelInfo, config: EngineConfig, prompt_token_ids: list[int], params: SamplingParams
+) -> int:
+    """Raises ``InvalidRequestError`` when the request cannot be served; returns the room left
+    for output (``max_seq_len`` minus the prompt)."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+    if any(t < 0 or t >= info.vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(
+            f"Prompt token ids must be in [0, {info.vocab_size}).", param="prompt"
+        )
+    limit = info.max_seq_len
+    num_prompt = len(prompt_token_ids)
+    if num_prompt >= limit:
+        # One position must be left to generate into.
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"resulted in {num_prompt} tokens, and at least one more is needed for the "
+            f"completion. Please reduce the length of the prompt.",
+            param="prompt",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    room = limit - num_prompt
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{params.max_tokens} for the completion). Please reduce the length of the prompt "
+            f"or the completion (at most {room} completion tokens fit).",
+            param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    if params.n > config.num_slots:
+        raise InvalidRequestError(
+            f"'n' must not exceed the number of slots ({config.num_slots}).", param="n"
+        )
+    params.validate_against_vocab(info.vocab_size)
+    return room
+
+
+def validate_request(
+    checker: RequestChecker,
+    config: EngineConfig,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> None:
+    """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
+    spec included. Any thread: it only reads what the runner (or the API process's frontend)
+    fixed at load time."""
+    check_request(checker.model_info, config, prompt_token_ids, params)
+    if params.structured_output is not None:
+        check_structured_output(params.structured_output)

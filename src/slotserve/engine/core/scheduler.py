@@ -1,0 +1,339 @@
+"""Decides, each step, which tokens of which sequences go into the one forward pass (SPEC E3).
+
+Works on ints and lists only: slot indices, token counts and token-id slices.
+
+Batch-construction invariants:
+
+1. Every GENERATING slot contributes exactly one decode token, every step; with speculative
+   decoding (``speculative.py``) it may be followed by draft tokens, taken from the budget
+   before any prefill and never past the sequence's length limit.
+2. PREFILLING slots then share what is left of ``max_batch_tokens``, oldest admission first,
+   each taking at most ``prefill_chunk`` tokens; so running streams wait at most one chunk.
+3. A sequence appears at most once per batch, with contiguous positions starting at its
+   ``num_computed_tokens``.
+4. A request with ``n`` sequences is admitted only when ``n`` slots are free (FIFO: a large
+   request is not overtaken, so it cannot starve).
+5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
+6. When the runner's chunk policy asks for equal chunks, the chunks chosen by invariant 2 are
+   trimmed to the shortest whole one (``ChunkPolicy.equalize``; why: ``chunk_policy.py``).
+   Oldest-first order is kept, so a long prompt still finishes before the ones behind it.
+7. A sequence starts at the longest reusable cached prefix of its prompt
+   (``num_computed_tokens`` = cached tokens, at most the prompt length minus one). A waiting
+   request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still
+   prefilling is passed over until that prefill has computed the shared part (a short common
+   preamble, such as a chat template's, is not worth a wait); requests behind it may go
+   first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
+   burst of requests with one new long system prompt computes it once, not once per request.
+8. Every prompt chunk is at least a grain of the runner's chunk policy long and leaves a whole
+   number of grains to compute after it (``ChunkPolicy.chunk_size``); a prompt shorter than a
+   grain is one chunk. So every prompt token is computed the same way whatever runs beside it
+   and whatever the cache supplied before it (a hit leaves whole grains to compute).
+9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
+   pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
+   the youngest running sequence is preempted (SPEC E10): its KV is given back (kept as
+   evictable cache when the prefix cache is on), its chunk leaves the batch, and it waits in
+   its slot, sampler state and output kept. Preempted sequences resume oldest first, before
+   any new request is admitted, as soon as their first chunk's KV can be reserved; they
+   recompute their tokens (prompt and output so far) from the longest cached prefix. The
+   oldest sequence always fits (``max_seq_len`` is at most the pool), so work never stalls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.slots import Slot, SlotPool, SlotState
+from slotserve.engine.decoding.speculative import Speculator
+from slotserve.engine.prefix_cache.base import PrefixCache
+from slotserve.engine.prefix_cache.radix_tree import common_prefix_length
+from slotserve.engine.request import Request, Sequence
+from slotserve.engine.runner_interface import ScheduledChunk
+
+_HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
+
+
+class KvAllocator(Protocol):
+    """The runner's KV memory as the scheduler sees it (see ``Runner``)."""
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KvAllocator,
+        policy: ChunkPolicy,
+        prefix_cache: PrefixCache,
+        speculator: Speculator | None = None,
+    ) -> None:
+        self._max_chunk = policy.max_chunk(config.prefill_chunk)
+        if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
+            # A prompt's last chunk may need up to two grains less one (invariant 8).
+            raise ValueError(
+                f"max_batch_tokens ({config.max_batch_tokens}) must leave room for two grains "
+                f"({policy.grain} tokens each) of prefill beside {config.num_slots} decode tokens"
+            )
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.prefix_cache = prefix_cache
+        self.speculator = speculator
+        self.slots = SlotPool(config.num_slots)
+        self.waiting: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    def _by_admission(self, state: SlotState) -> list[Slot]:
+        """Slots in ``state``, oldest admission first (prefill and resume order)."""
+        return sorted(self.slots.in_state(state), key=lambda slot: slot.admission)
+
+    def admit(self) -> list[Sequence]:
+        """Resumes preempted sequences, then moves waiting requests into free slots; returns
+        the newly placed sequences (resumed ones are not: their runner state is intact).
+
+        With the prefix cache, each placed sequence's slot already holds its cached prefix
+        (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
+        """
+        placed: list[Sequence] = []
+        for slot in self._by_admission(SlotState.PREEMPTED):
+            if not self._resume(slot):
+                return placed  # memory is short: new requests wait behind the preempted ones
+        passed_over: list[Request] = []
+        while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
+            request = self.waiting.popleft()
+            if self._waits_for_prefill_in_flight(request):
+                passed_over.append(request)
+                continue
+            for sequence in request.sequences:
+                self._place(sequence)
+                placed.append(sequence)
+        self.waiting.extendleft(reversed(passed_over))
+        return placed
+
+    def _resume(self, slot: Slot) -> bool:
+        """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
+        seq = _sequence(slot)
+        cache = self.prefix_cache
+        if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = []  # scored again from the start: no cached positions
+        seq.num_computed_tokens = cache.attach(
+            slot.index, seq.token_ids, cache.match(_reusable(seq)), count=False
+        )
+        first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
+        if not self._make_room(slot.index, first_chunk_end):
+            self._give_back_kv(slot)
+            return False
+        slot.move_to(SlotState.PREFILLING)
+        return True
+
+    def _place(self, sequence: Sequence) -> Slot:
+        cache = self.prefix_cache
+        # Match, choose and attach one sequence at a time: attaching can drop cached content
+        # of the chosen slot that an earlier match would have pointed at.
+        match = cache.match(_reusable(sequence))
+        free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
+        slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
+        cached = cache.attach(slot.index, sequence.token_ids, match)
+        sequence.num_computed_tokens = sequence.num_cached_tokens = cached
+        return slot
+
+    def _cacheable_tokens(self, seq: Sequence) -> list[int]:
+        length = self.policy.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
+        return seq.token_ids[:length]
+
+    def _waits_for_prefill_in_flight(self, request: Request) -> bool:
+        """Invariant 7: True when ``request`` should wait for a running prefill to share."""
+        prefilling = self._by_admission(SlotState.PREFILLING)
+        if not self.prefix_cache.enabled or not prefilling or request.params.prompt_logprobs:
+            return False
+        policy, prompt = self.policy, request.prompt_token_ids
+        cached = policy.reusable_length(self.prefix_cache.match(prompt).length, len(prompt))
+        for slot in prefilling:
+            seq = _sequence(slot)
+            # What the running prefill will leave in the cache that this prompt can take.
+            will_cache = policy.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
+            shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
+            shared = policy.reusable_length(shared, len(prompt))
+            if shared >= self.config.prefix_wait_min_tokens and shared > cached:
+                return True
+        return False
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Builds the next batch; an empty list means there is nothing to run."""
+        chunks: dict[int, ScheduledChunk] = {}  # by slot: a preempted slot's chunk is removed
+        budget = self.config.max_batch_tokens
+        generating = self.slots.in_state(SlotState.GENERATING)
+        drafts: dict[int, list[int]] = {}
+        if self.speculator is not None:
+            # Drafts never take the room prefill needs to progress (invariant 5).
+            room = budget - len(generating) - self.policy.min_batch_tokens(0)
+            waiting = sum(len(request.sequences) for request in self.waiting)
+            in_flight = len(self._running_slots()) + waiting
+            drafts = self.speculator.plan([_sequence(s) for s in generating], room, in_flight)
+        for slot in generating:
+            if slot.state is not SlotState.GENERATING:
+                continue  # preempted to make room for an older sequence
+            seq = _sequence(slot)
+            pos = seq.num_computed_tokens
+            draft = drafts.get(slot.index, [])
+            if self._reserve(slot, pos + 1 + len(draft), chunks):
+                chunks[slot.index] = ScheduledChunk(
+                    slot.index, [seq.token_ids[pos], *draft], pos, True, len(draft)
+                )
+                budget -= 1 + len(draft)
+        prefill = self._by_admission(SlotState.PREFILLING)
+        for slot, size in zip(prefill, self._prefill_sizes(prefill, budget), strict=True):
+            if size == 0 or slot.state is not SlotState.PREFILLING:
+                continue
+            seq = _sequence(slot)
+            start = seq.num_computed_tokens
+            end = start + size
+            if self._reserve(slot, end, chunks):
+                targets: list[int] = []
+                if seq.wants_prompt_logprobs:
+                    targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
+                chunks[slot.index] = ScheduledChunk(
+                    slot.index,
+                    seq.token_ids[start:end],
+                    start,
+                    end == seq.num_tokens,
+                    prompt_logprob_targets=targets,
+                )
+        return list(chunks.values())
+
+    # ---- KV memory (invariant 9) ----------------------------------------------------------
+
+    def _reserve(self, slot: Slot, num_tokens: int, chunks: dict[int, ScheduledChunk]) -> bool:
+        """Reserves ``slot``'s KV up to ``num_tokens``, preempting the youngest running
+        sequences while the pool is short; False when ``slot`` itself was preempted."""
+        while not self._make_room(slot.index, num_tokens):
+            victim = max(self._running_slots(), key=lambda s: s.admission)
+            self._preempt(victim)
+            chunks.pop(victim.index, None)
+            if victim is slot:
+                return False
+        return True
+
+    def _make_room(self, slot: int, num_tokens: int) -> bool:
+        """Reserves KV, evicting unused cached prefixes (LRU) while that helps."""
+        while not self.kv.reserve_kv(slot, num_tokens):
+            if self.prefix_cache.evict_unused() == 0:
+                return False
+        return True
+
+    def _running_slots(self) -> list[Slot]:
+        return [
+            s for s in self.slots.slots if s.state in (SlotState.PREFILLING, SlotState.GENERATING)
+        ]
+
+    def _preempt(self, slot: Slot) -> None:
+        self._give_back_kv(slot)
+        slot.move_to(SlotState.PREEMPTED)
+        self.num_preemptions += 1
+
+    def _give_back_kv(self, slot: Slot) -> None:
+        """Frees a running (or just re-attached) slot's KV; with the prefix cache its computed
+        tokens stay behind as evictable cache, so a resume may find them again."""
+        seq = _sequence(slot)
+        self.prefix_cache.release(slot.index, self._cacheable_tokens(seq))
+        seq.num_computed_tokens = 0
+
+    def _prefill_sizes(self, prefill: list[Slot], budget: int) -> list[int]:
+        """Prompt tokens for each PREFILLING slot this step, oldest first (0: none)."""
+        sizes: list[int] = []
+        rests: list[int] = []
+        truncated = False
+        for slot in prefill:
+            seq = _sequence(slot)
+            rest = seq.num_tokens - seq.num_computed_tokens
+            size = self.policy.chunk_size(rest, budget, self._max_chunk)
+            truncated = truncated or size < min(rest, self._max_chunk)
+            sizes.append(size)
+            rests.append(rest)
+            budget -= size
+        return self.policy.equalize(sizes, rests, truncated)
+
+    def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:
+        """Advances the sequence's counter after the forward pass; returns the sequence."""
+        slot = self.slots.slots[chunk.slot]
+        seq = _sequence(slot)
+        seq.num_computed_tokens += len(chunk.token_ids)
+        if slot.state is SlotState.PREFILLING:
+            # Shareable at once by requests queued behind (invariant 7).
+            self.prefix_cache.extend(slot.index, self._cacheable_tokens(seq))
+            if seq.num_computed_tokens == seq.num_tokens:
+                slot.move_to(SlotState.GENERATING)
+        return seq
+
+    def settle_drafts(self, seq: Sequence, chunk: ScheduledChunk, accepted: int) -> None:
+        """After a verification chunk: the KV of rejected drafts (and of drafts past a stop)
+        is dropped, so the slot holds exactly the positions before its last token."""
+        assert self.speculator is not None
+        self.speculator.verified(seq, chunk.num_drafts, accepted)
+        computed = min(chunk.start_pos + 1 + accepted, seq.num_tokens - 1)
+        if computed < seq.num_computed_tokens:
+            seq.num_computed_tokens = computed
+            self.kv.trim_kv(chunk.slot, computed)
+
+    def finish(self, seq: Sequence) -> None:
+        """Marks a placed sequence's slot DRAINING (``release`` then frees or caches its KV)."""
+        assert seq.slot is not None
+        self.slots.drain(self.slots.slots[seq.slot])
+
+    def drained_slots(self) -> list[Slot]:
+        return self.slots.in_state(SlotState.DRAINING)
+
+    def release_index(self, index: int) -> None:
+        self.release(self.slots.slots[index])
+
+    def release(self, slot: Slot) -> None:
+        """Frees a DRAINING slot; with the prefix cache its computed tokens stay cached."""
+        seq = slot.sequence
+        cache = self.prefix_cache
+        # A sequence preempted before it ended has no KV of its own left: nothing to release.
+        if seq is not None and cache.is_running(slot.index):
+            if seq.finish_reason == "error":
+                cache.drop(slot.index)  # its KV may be half written
+            else:
+                cache.release(slot.index, self._cacheable_tokens(seq))
+        if seq is not None:
+            seq.slot = None
+        self.slots.release(slot)
+
+    def running_kv_tokens(self) -> dict[int, int]:
+        """Slots whose KV belongs to a running sequence, and the tokens it must hold (PREEMPTED
+        sequences gave theirs back)."""
+        return {
+            slot.index: slot.sequence.num_computed_tokens
+            for slot in self.slots.slots
+            if slot.sequence is not None and slot.state in _HOLDS_KV
+        }
+
+    def remove_waiting(self, request: Request) -> bool:
+        try:
+            self.waiting.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
+
+
+def _reusable(seq: Sequence) -> list[int]:
+    """What the prefix cache may supply: nothing while prompt log-probabilities are wanted
+    and not yet delivered (cached positions have no logits to score)."""
+    if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+        return []
+    return seq.token_ids
+
+
+def _sequence(slot: Slot) -> Sequence:
+    assert slot.sequence is not None, f"slot {slot.index} holds no sequence"
+    return slot.sequence

@@ -1,0 +1,49 @@
+"""The prefix cache: its interface and statistics (``base``), the radix tree it keeps
+(``radix_tree``), one implementation per way a runner keeps KV (``slot_cache`` for per-slot
+streams, ``paged_cache`` for a paged pool whose block tables are ``block_table``), and the
+one choice between them, made once at start-up (:func:`build_prefix_cache`)."""
+
+from __future__ import annotations
+
+import logging
+
+from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.prefix_cache.base import NullPrefixCache, PrefixCache
+from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
+from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
+from slotserve.engine.runner_interface import ModelInfo, Runner
+
+logger = logging.getLogger(__name__)
+
+
+def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
+    """The cache for this runner and configuration, or the null cache with the reason (logged
+    when the model, not the configuration, rules it out)."""
+    info: ModelInfo = runner.model_info
+    if not config.prefix_cache:
+        return NullPrefixCache(
+            runner, config.num_slots, "disabled by configuration (--no-prefix-cache)"
+        )
+    if info.prefix_cache_unsupported is not None:
+        logger.warning("prefix cache disabled: %s", info.prefix_cache_unsupported)
+        return NullPrefixCache(runner, config.num_slots, info.prefix_cache_unsupported)
+    paged = runner.paged_kv
+    # Default budget: everything the KV memory can hold (paged), or what free slots can.
+    budget = info.kv_capacity if paged is not None else config.num_slots * info.max_seq_len
+    if config.prefix_cache_budget_tokens is not None:
+        budget = min(budget, config.prefix_cache_budget_tokens)
+    if config.prefix_cache_budget_bytes is not None and info.kv_bytes_per_token > 0:
+        budget = min(budget, config.prefix_cache_budget_bytes // info.kv_bytes_per_token)
+    logger.info(
+        "prefix cache on (%s): budget %d tokens (%.1f MiB of KV)",
+        "KV blocks held by the radix tree" if paged is not None else "KV kept in free slots",
+        budget,
+        budget * info.kv_bytes_per_token / 2**20,
+    )
+    policy: ChunkPolicy = info.chunk_policy
+    if paged is not None:
+        return PagedPrefixCache(
+            runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token
+        )
+    return SlotPrefixCache(runner, config.num_slots, policy, budget, info.kv_bytes_per_token)

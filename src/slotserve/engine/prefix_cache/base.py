@@ -1,0 +1,237 @@
+"""The prefix cache's interface, its statistics, and the cache that is off.
+
+Three implementations, one per way a runner keeps KV:
+
+* :class:`~.slot_cache.SlotPrefixCache`: KV per sequence id, each slot
+  one stream (llama.cpp). Free slots keep their KV and are the cache's storage; a hit trims a
+  free slot in place or copies the prefix between streams.
+* :class:`~.paged_cache.PagedPrefixCache`: a pool of KV blocks shared by
+  reference (the PyTorch runner). The radix tree holds the blocks of cached prefixes itself, so
+  cache capacity follows free memory, not the slot count, and a prefix outlives its owner
+  without a copy.
+* :class:`NullPrefixCache`: matches nothing, keeps nothing, and says why it is off.
+
+Rules every implementation keeps (the scheduler relies on them):
+
+* ``attach`` before a sequence runs, then ``extend`` after each prefill chunk and ``release``
+  (or ``drop``, after a failure) when it ends or is preempted. Between ``attach`` and the end
+  the slot is *running* and its path is locked: never evicted.
+* A hit never covers the last prompt token, and never more than the runner's chunk policy
+  allows (:meth:`~slotserve.engine.chunk_policy.ChunkPolicy.reusable_length`).
+* ``evict_unused`` gives back some unused KV whatever the budget (0: nothing left to give);
+  cached content never makes a request wait or fail.
+* ``check_integrity`` raises ``AssertionError`` when the tree, the locks or the runner's KV
+  disagree (run by tests and whenever the engine goes idle).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
+from slotserve.engine.runner_interface import Runner
+
+logger = logging.getLogger(__name__)
+
+PrefixMatch = Match[Any]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """A snapshot for ``/v1/prefix_cache_stats`` and metrics; counters are totals since start."""
+
+    enabled: bool
+    disabled_reason: str | None = None
+    hits: int = 0  # admitted sequences that reused at least one cached token
+    misses: int = 0
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    cached_tokens: int = 0  # distinct tokens in the tree
+    evictable_tokens: int = 0  # ... of which no running sequence uses
+    cached_bytes: int = 0
+    nodes: int = 0
+    evictions: int = 0  # tree nodes removed to make room or because their KV was reused
+    evicted_tokens: int = 0
+    budget_tokens: int = 0
+    kv_bytes_per_token: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def average_hit_tokens(self) -> float:
+        return self.hit_tokens / self.hits if self.hits else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "enabled": self.enabled,
+            "disabled_reason": self.disabled_reason,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": self.token_hit_rate,
+            "average_hit_tokens": self.average_hit_tokens,
+            "cached_tokens": self.cached_tokens,
+            "evictable_tokens": self.evictable_tokens,
+            "cached_bytes": self.cached_bytes,
+            "nodes": self.nodes,
+            "evictions": self.evictions,
+            "evicted_tokens": self.evicted_tokens,
+            "budget_tokens": self.budget_tokens,
+            "budget_bytes": self.budget_tokens * self.kv_bytes_per_token,
+        }
+
+
+class PrefixCache(Protocol):
+    """What the scheduler and the engine core ask of a prefix cache (engine thread only)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` without its last token."""
+        ...
+
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
+        """The free slot a sequence with this match should take."""
+        ...
+
+    def attach(
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
+        """Makes free ``slot``'s KV hold the reusable part of the match and marks the slot
+        running; returns how many tokens need no computing. ``count=False`` leaves the hit
+        statistics alone (a preempted sequence resuming is not a new lookup)."""
+        ...
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """Running ``slot``'s KV now starts with ``cacheable_tokens``: shareable at once."""
+        ...
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """The slot's sequence ended or was preempted: ``cacheable_tokens`` stay cached, the
+        slot's own hold on its KV goes."""
+        ...
+
+    def drop(self, slot: int) -> None:
+        """Forgets and frees the slot's KV (its content is unknown after a failure)."""
+        ...
+
+    def is_running(self, slot: int) -> bool: ...
+
+    def evict_unused(self) -> int: ...
+
+    def held_tokens(self, slot: int) -> list[int]:
+        """The token prefix the cache records for ``slot``'s KV."""
+        ...
+
+    def stats(self) -> PrefixCacheStats: ...
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
+        """``running_tokens`` maps each running slot to the tokens its KV must hold."""
+        ...
+
+
+class LookupCounters:
+    """Hit and eviction counters shared by the caches that are on."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.query_tokens = self.hit_tokens = 0
+        self.evictions = self.evicted_tokens = 0
+
+    def count_lookup(self, prompt_length: int, reused: int) -> None:
+        self.query_tokens += prompt_length
+        self.hit_tokens += reused
+        if reused:
+            self.hits += 1
+        else:
+            self.misses += 1
+
+    def stats(
+        self, tree: RadixTree[Any], budget_tokens: int, bytes_per_token: int
+    ) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            enabled=True,
+            hits=self.hits,
+            misses=self.misses,
+            query_tokens=self.query_tokens,
+            hit_tokens=self.hit_tokens,
+            cached_tokens=tree.total_tokens,
+            evictable_tokens=tree.evictable_tokens,
+            cached_bytes=tree.total_tokens * bytes_per_token,
+            nodes=tree.num_nodes,
+            evictions=self.evictions,
+            evicted_tokens=self.evicted_tokens,
+            budget_tokens=budget_tokens,
+            kv_bytes_per_token=bytes_per_token,
+        )
+
+
+class NullPrefixCache:
+    """The cache that is off: matches nothing, keeps nothing; a slot's KV is freed when its
+    sequence ends. ``disabled_reason`` says why (configuration, or the model)."""
+
+    def __init__(self, runner: Runner, num_slots: int, disabled_reason: str) -> None:
+        self.kv = runner
+        self.num_slots = num_slots
+        self.disabled_reason = disabled_reason
+        self._nothing: TreeNode[None] = TreeNode(key=[], value=None, parent=None, end=0)
+        self._running: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        return Match(self._nothing, 0)
+
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
+        return min(free_slots)
+
+    def attach(
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
+        self._running.add(slot)
+        return 0
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        pass
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        self.drop(slot)
+
+    def drop(self, slot: int) -> None:
+        self._running.discard(slot)
+        self.kv.trim_kv(slot, 0)
+
+    def is_running(self, slot: int) -> bool:
+        return slot in self._running
+
+    def evict_unused(self) -> int:
+        return 0
+
+    def held_tokens(self, slot: int) -> list[int]:
+        return []
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(False, self.disabled_reason)
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
+        assert set(running_tokens) == self._running, (
+            f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
+        )
+        for slot in range(self.num_slots):
+            held = self.kv.kv_tokens(slot)
+            expected = running_tokens.get(slot, 0)
+            assert held == expected, f"slot {slot} KV holds {held}, expected {expected}"

@@ -1,0 +1,231 @@
+"""The prefix cache over a paged KV pool (SPEC E8; the PyTorch runner): the radix tree owns the
+KV blocks of cached prefixes. The interface and its rules: ``engine/prefix_cache.py``.
+
+Each tree node's handle is a :class:`BlockSpan`: the pool blocks covering the node's token
+positions, which the tree *holds* (a reference of its own in the block tables). A cached prefix
+therefore outlives the sequence that computed it without a copy, and cache capacity follows
+free KV memory, not the number of slots: a free slot holds no KV at all.
+
+Nodes end at any token, not only at block boundaries, so a node's first block may also be its
+parent's last (both hold it)::
+
+    positions   0 ........ 15 | 16 ...... 31 | 32 ... 47
+    node A  [0, 20)   blocks  b4             b9
+    node B  [20, 40)  blocks                 b9'          b2      (B's writer copied b9
+                                                                   before writing at 20)
+
+A match assembles a slot's table from the deepest node covering each block (its copy holds the
+positions before it too: whoever wrote the node's first token had them in that block). The
+slot shares those blocks; the runner copies a shared block before writing into it.
+
+* **Attach**: share the matched path's blocks into the slot (no KV copied), lock its end.
+* **Extend** (after each prefill chunk): insert the computed prompt up to a block boundary, so
+  requests queued behind can share it at once without the running slot's next write having
+  to copy a shared block.
+* **Release**: insert every cacheable token (the tree takes holds on the new nodes' blocks),
+  unlock, and drop the slot's own references: the blocks stay in the pool as cache.
+* **Evict**: the least recently used unlocked leaves give up their holds (heap kept by the
+  tree); under pool pressure ``evict_unused`` frees one leaf at a time, whatever the budget.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.prefix_cache.base import LookupCounters, PrefixCacheStats, PrefixMatch
+from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.runner_interface import PagedKv
+
+
+@dataclass
+class BlockSpan:
+    """The blocks holding a node's positions ``start ..`` (up to the node's end)."""
+
+    start: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:  # a leaf without blocks holds no KV
+        return bool(self.blocks)
+
+
+class SlotKv(Protocol):
+    """The per-slot KV operations the cache needs from the runner (see ``Runner``)."""
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
+
+    def kv_tokens(self, slot: int) -> int: ...
+
+
+class PagedPrefixCache:
+    """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
+
+    def __init__(
+        self,
+        kv: SlotKv,
+        paged: PagedKv,
+        num_slots: int,
+        policy: ChunkPolicy,
+        budget_tokens: int,
+        kv_bytes_per_token: int,
+    ) -> None:
+        self.kv = kv
+        self.paged = paged
+        self.block_size = paged.block_size
+        self.num_slots = num_slots
+        self.policy = policy
+        self.budget_tokens = budget_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.tree: RadixTree[BlockSpan] = RadixTree(BlockSpan, self._split_span)
+        self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
+        self.counters = LookupCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        return self.tree.match_prefix(prompt[: len(prompt) - 1])
+
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
+        return min(free_slots)  # free slots hold nothing: any will do
+
+    def attach(
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
+        assert slot not in self._end, f"slot {slot} is already running"
+        length = self.policy.reusable_length(match.length, len(tokens))
+        node = match.node
+        if node.end != length:
+            # The match ends inside a node's edge (or the policy reuses less of it): lock a
+            # node ending exactly at the reused tokens (the edge is split), so the slot's
+            # path never claims positions it has not computed.
+            node = self.tree.insert(tokens[:length])
+        if length:
+            self.paged.share(slot, self._path_blocks(node, length), length)
+        self._end[slot] = node
+        self.tree.lock(node)
+        if count:
+            self.counters.count_lookup(len(tokens), length)
+        return length
+
+    def _path_blocks(self, node: TreeNode[BlockSpan], length: int) -> list[int]:
+        """The blocks holding positions ``0 .. length - 1`` along the path to ``node``."""
+        size = self.block_size
+        blocks = [-1] * -(-length // size)
+        path = []
+        walk: TreeNode[BlockSpan] | None = node
+        while walk is not None and walk.parent is not None:
+            path.append(walk)
+            walk = walk.parent
+        for step in reversed(path):  # deeper nodes overwrite a shared boundary block
+            span = step.value
+            first = span.start // size
+            for offset, block in enumerate(span.blocks):
+                if first + offset < len(blocks):
+                    blocks[first + offset] = block
+        assert -1 not in blocks, "the path does not cover the match"
+        return blocks
+
+    # ---- progress and end -------------------------------------------------------------------
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        whole_blocks = len(cacheable_tokens) // self.block_size * self.block_size
+        self._insert(slot, cacheable_tokens[:whole_blocks])
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        self._insert(slot, cacheable_tokens)
+        self.tree.unlock(self._end.pop(slot))
+        self.kv.trim_kv(slot, 0)
+        excess = self.tree.evictable_tokens - self.budget_tokens
+        if excess > 0:
+            self._evict(excess)
+
+    def drop(self, slot: int) -> None:
+        node = self._end.pop(slot, None)
+        if node is not None:
+            self.tree.unlock(node)
+        self.kv.trim_kv(slot, 0)
+
+    def is_running(self, slot: int) -> bool:
+        return slot in self._end
+
+    def evict_unused(self) -> int:
+        return self._evict(1)
+
+    def _insert(self, slot: int, tokens: Sequence[int]) -> None:
+        """Records running ``slot``'s first ``tokens`` (computed) and moves its lock there."""
+        assert slot in self._end, f"slot {slot} is not running"
+        node = self.tree.insert(tokens)
+        if node.parent is not None and not node.value:  # a new leaf: the slot's blocks
+            size = self.block_size
+            table = self.paged.table(slot)
+            span = BlockSpan(node.start, list(table[node.start // size : -(-node.end // size)]))
+            self.paged.hold(span.blocks)
+            node.value = span
+        old = self._end[slot]
+        if node is not old:
+            self.tree.lock(node)
+            self.tree.unlock(old)
+            self._end[slot] = node
+
+    def _split_span(self, span: BlockSpan, k: int) -> tuple[BlockSpan, BlockSpan]:
+        """Divides a node's blocks at its ``k``-th token; a block holding both sides' positions
+        goes to both (held once more)."""
+        size = self.block_size
+        first, cut = span.start // size, span.start + k
+        upper = BlockSpan(span.start, span.blocks[: -(-cut // size) - first])
+        lower = BlockSpan(cut, span.blocks[cut // size - first :])
+        if cut % size:
+            self.paged.hold([lower.blocks[0]])
+        return upper, lower
+
+    def _evict(self, num_tokens: int) -> int:
+        def give_back(node: TreeNode[BlockSpan]) -> None:
+            self.paged.unhold(node.value.blocks)
+            node.value.blocks = []
+            self.counters.evictions += 1
+
+        evicted = self.tree.evict(num_tokens, give_back)
+        self.counters.evicted_tokens += evicted
+        return evicted
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def held_tokens(self, slot: int) -> list[int]:
+        node = self._end.get(slot)
+        return [] if node is None else self.tree.path_tokens(node)
+
+    def stats(self) -> PrefixCacheStats:
+        return self.counters.stats(self.tree, self.budget_tokens, self.kv_bytes_per_token)
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
+        """Beyond the tree's own rules: each node's span covers exactly its positions, the pool's
+        holds are the tree's, running slots hold their computed tokens and free slots none."""
+        self.tree.check_integrity()
+        assert set(running_tokens) == set(self._end), (
+            f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._end)}"
+        )
+        assert self.tree.root.lock_ref == len(self._end), "root lock_ref != running slots"
+        size = self.block_size
+        held: Counter[int] = Counter()
+        for node in self.tree.subtree(self.tree.root):
+            if node.parent is None:
+                continue
+            span = node.value
+            assert span.start == node.start, f"span starts {span.start}, node {node.start}"
+            expected_blocks = -(-node.end // size) - node.start // size
+            assert len(span.blocks) == expected_blocks, f"node ending at {node.end}: blocks"
+            held.update(span.blocks)
+        self.paged.check_integrity(held)
+        for slot in range(self.num_slots):
+            tokens = self.kv.kv_tokens(slot)
+            expected = running_tokens.get(slot, 0)
+            assert tokens == expected, f"slot {slot} KV holds {tokens} tokens, expected {expected}"
+            if slot in self._end:
+                assert self._end[slot].end <= expected, f"slot {slot} claims uncomputed tokens"

@@ -1,0 +1,252 @@
+"""The prefix cache over per-slot KV streams (SPEC E8; the llama.cpp runner): which slot holds
+which token prefix, and reuse of it. The interface and its rules: ``engine/prefix_cache.py``.
+
+The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of one token list.
+It can copy the first ``n`` positions of one sequence into another and trim a sequence to its
+first ``n`` positions (:class:`KvStore`), as llama.cpp does on its per-sequence KV streams.
+
+On that model the cache keeps a :class:`~.radix_tree.RadixTree` whose node
+handles are the sets of sequence ids whose content *ends* at that node. A sequence id holds the
+whole path from the root to its node, so every holder of a node is found in its subtree, and
+a node nobody holds is pruned. A slot keeps its KV after its sequence ends: free slots are the
+cache's storage, running slots lock their own path.
+
+* **Admission**: the longest cached prefix of the prompt is matched (never the whole prompt:
+  the last token is always computed, so the sequence gets logits; with a prefill grain, see
+  ``ChunkPolicy.reusable_length``). The new sequence takes, in
+  order of preference, a free slot that already holds the prefix (trimmed in place, no copy), or
+  the free slot whose content is least worth keeping, into which the prefix is copied from any
+  holder, running or free.
+* **Progress**: after each prefill chunk the computed prompt is inserted, so requests queued
+  behind a long prompt can share it while it is still running.
+* **End**: the computed tokens the cache may hand out (``ChunkPolicy.cacheable_length``)
+  are inserted, the slot's KV is trimmed to them, and the path is unlocked.
+* **Budget**: unlocked (cached) tokens beyond the budget are evicted, least recently used
+  leaves first, by trimming the free slots that hold them. Running sequences never wait for the
+  cache: a slot's cached content gives way the moment a new sequence needs the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.prefix_cache.base import LookupCounters, PrefixCacheStats, PrefixMatch
+from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+
+Holders = set[int]  # sequence ids whose cached content ends at a node
+CacheNode = TreeNode[Holders]
+
+
+class KvStore(Protocol):
+    """The KV operations the prefix cache needs from a runner (see ``Runner``)."""
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        """Replaces ``dst_slot``'s KV with the first ``num_tokens`` positions of ``src_slot``'s."""
+        ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        """Keeps only the first ``num_tokens`` positions of ``slot``'s KV."""
+        ...
+
+    def kv_tokens(self, slot: int) -> int:
+        """How many positions (``0 .. n-1``) ``slot``'s KV holds."""
+        ...
+
+
+def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
+    # Sequences that ended at the split node hold all of it: they end at the lower half.
+    return set(), holders
+
+
+class SlotPrefixCache:
+    """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
+
+    def __init__(
+        self,
+        kv: KvStore,
+        num_slots: int,
+        policy: ChunkPolicy,
+        budget_tokens: int,
+        kv_bytes_per_token: int,
+    ) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.budget_tokens = budget_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.tree: RadixTree[Holders] = RadixTree(set, _split_holders)
+        self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
+        self.tree.root.value.update(self._end)
+        self._running: set[int] = set()
+        self.counters = LookupCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` without its last token."""
+        return self.tree.match_prefix(prompt[: len(prompt) - 1])
+
+    def holders(self, match: PrefixMatch) -> set[int]:
+        """Slots whose KV starts with the matched prefix."""
+        if match.length == 0:
+            return set()
+        return {slot for node in self.tree.subtree(match.node) for slot in node.value}
+
+    def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
+        """The free slot a sequence with this match should take (see the module docstring)."""
+        if self.policy.reusable_length(match.length, prompt_length) > 0:
+            in_place = sorted(self.holders(match).intersection(free_slots))
+            if in_place:
+                return in_place[0]
+        return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
+
+    def attach(
+        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+    ) -> int:
+        """Makes free ``slot``'s KV hold the matched prefix of ``tokens`` and marks the slot
+        running; returns the number of tokens that need no computing. ``count=False`` leaves
+        the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
+        assert slot not in self._running, f"slot {slot} is already running"
+        length = self.policy.reusable_length(match.length, len(tokens))
+        holders = self.holders(match)
+        if slot in holders:
+            self.kv.trim_kv(slot, length)  # it starts with the prefix: cut it back in place
+        else:
+            self._forget(slot)
+            if length:
+                self.kv.copy_kv(min(holders), slot, length)
+            else:
+                self.kv.trim_kv(slot, 0)
+        self._set_end(slot, self.tree.insert(tokens[:length]))
+        self._running.add(slot)
+        self.tree.lock(self._end[slot])
+        if count:
+            self.counters.count_lookup(len(tokens), length)
+        return length
+
+    # ---- progress and end -------------------------------------------------------------------
+
+    def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """Records that running ``slot``'s KV starts with ``cacheable_tokens`` (it may hold
+        more: see :meth:`cacheable_length`)."""
+        assert slot in self._running, f"slot {slot} is not running"
+        self._set_end(slot, self.tree.insert(cacheable_tokens))
+
+    def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
+        """The slot's sequence ended: its KV is trimmed to ``cacheable_tokens`` and stays in
+        the slot as cache."""
+        self.extend(slot, cacheable_tokens)
+        self._running.discard(slot)
+        self.tree.unlock(self._end[slot])
+        self.kv.trim_kv(slot, len(cacheable_tokens))
+        excess = self.tree.evictable_tokens - self.budget_tokens
+        if excess > 0:
+            self._evict(excess)
+
+    def is_running(self, slot: int) -> bool:
+        """True between ``attach`` and ``release`` / ``drop``."""
+        return slot in self._running
+
+    def evict_unused(self) -> int:
+        """Gives back the least recently used unlocked leaf whatever the budget; returns the
+        tokens freed (0: nothing is left to give back). Per-slot streams never run short, so
+        only a budget change or a test asks for it."""
+        return self._evict(1)
+
+    def drop(self, slot: int) -> None:
+        """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
+        if slot in self._running:
+            self._running.discard(slot)
+            self.tree.unlock(self._end[slot])
+        self._forget(slot)
+        self.kv.trim_kv(slot, 0)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def _set_end(self, slot: int, node: CacheNode) -> None:
+        old = self._end[slot]
+        if old is node:
+            return
+        old.value.discard(slot)
+        node.value.add(slot)
+        self._end[slot] = node
+        if slot in self._running:
+            self.tree.lock(node)
+            self.tree.unlock(old)
+        # Nodes no slot holds any more lost their KV: that is an eviction too.
+        nodes_before = self.tree.num_nodes
+        self.counters.evicted_tokens += self.tree.prune(old)
+        self.counters.evictions += nodes_before - self.tree.num_nodes
+
+    def _forget(self, slot: int) -> None:
+        """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
+        self._set_end(slot, self.tree.root)
+
+    def _evict(self, num_tokens: int) -> int:
+        def give_back(node: CacheNode) -> None:
+            assert node.parent is not None
+            for slot in node.value:
+                self.kv.trim_kv(slot, node.start)
+                node.parent.value.add(slot)
+                self._end[slot] = node.parent
+            node.value.clear()
+            self.counters.evictions += 1
+
+        evicted = self.tree.evict(num_tokens, give_back)
+        self.counters.evicted_tokens += evicted
+        return evicted
+
+    def _exclusive_tokens(self, slot: int) -> int:
+        """Cached tokens only this slot holds: what reusing the slot for other work loses."""
+        exclusive = 0
+        node = self._end[slot]
+        while node.parent is not None:
+            others = {s for n in self.tree.subtree(node) for s in n.value}
+            if others != {slot}:
+                break
+            exclusive += len(node.key)
+            node = node.parent
+        return exclusive
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def held_tokens(self, slot: int) -> list[int]:
+        """The token prefix the cache records for ``slot``'s KV."""
+        return self.tree.path_tokens(self._end[slot])
+
+    def stats(self) -> PrefixCacheStats:
+        return self.counters.stats(self.tree, self.budget_tokens, self.kv_bytes_per_token)
+
+    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
+        """Raises ``AssertionError`` when the tree, the locks or the runner's KV disagree.
+
+        ``running_tokens`` maps each running slot to the tokens its KV must hold. Every other
+        slot must hold exactly the prefix the tree records for it, so free + cached + in-use
+        KV account for every slot's stream.
+        """
+        self.tree.check_integrity()
+        assert set(running_tokens) == self._running, (
+            f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
+        )
+        seen: dict[int, CacheNode] = {}
+        for node in self.tree.subtree(self.tree.root):
+            for slot in node.value:
+                assert slot not in seen, f"slot {slot} ends at two nodes"
+                seen[slot] = node
+        assert seen == self._end, "holder sets and slot ends disagree"
+        assert self.tree.root.lock_ref == len(self._running), (
+            f"root lock_ref {self.tree.root.lock_ref} != {len(self._running)} running slots"
+        )
+        for slot, node in self._end.items():
+            held = self.kv.kv_tokens(slot)
+            if slot in self._running:
+                expected = running_tokens[slot]
+                assert node.end <= expected, f"slot {slot} claims {node.end} > {expected} tokens"
+            else:
+                expected = node.end
+            assert held == expected, f"slot {slot} KV holds {held} tokens, expected {expected}"

@@ -1,0 +1,143 @@
+"""POST /v1/completions (SPEC S1)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.outputs import SampledToken, SequenceDelta
+from slotserve.models.host import LoadedModel
+from slotserve.server.generation import (
+    collect,
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    sse,
+    stream_events,
+    submit_prompts,
+    vllm_prompt_logprobs,
+)
+from slotserve.server.openai.params import sampling_params_of, structured_output_of
+from slotserve.server.openai.protocol import CompletionRequest
+from slotserve.server.serving import ServingContext, engine_request_id
+
+MAX_PROMPTS = 64
+
+
+def _prompts(model: LoadedModel, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt (a string, strings, token ids, or lists of ids)."""
+    raw = body.prompt
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [[int(x) for x in raw]]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequestError(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+    token_lists, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            token_lists.append(model.tokenizer.encode(item, add_special_tokens=True))
+            texts.append(item)
+        else:
+            token_lists.append(list(item))
+            raw_bytes = b"".join(
+                model.tokenizer.token_bytes(t) for t in item if 0 <= t < model.info.vocab_size
+            )
+            texts.append(raw_bytes.decode("utf-8", errors="replace"))
+    return token_lists, texts
+
+
+async def create_completion(
+    ctx: ServingContext, body: CompletionRequest, raw: Request, http_request_id: str
+) -> Response:
+    body.reject_unsupported()
+    host, model = await ctx.acquire(body.model, raw, body.keep_alive)
+    prompts, prompt_texts = _prompts(model, body)
+    request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
+    # echo + logprobs: the prompt's tokens are scored too (OpenAI's legacy completions).
+    echo_scored = body.logprobs if body.echo and body.logprobs is not None else None
+    asked = [v for v in (body.prompt_logprobs, echo_scored) if v is not None]
+    params = sampling_params_of(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        structured_output=structured_output_of(body),
+        prompt_logprobs=max(asked) if asked else None,
+    )
+    streams = submit_prompts(model.engine, request_id, prompts, params)
+    created = int(time.time())
+    base = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": host.name,
+    }
+    n = body.n
+    tokenizer = model.tokenizer
+    echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
+
+    def logprobs_of(
+        index: int, tokens: list[SampledToken] | None, scores: list[SampledToken] | None, at: int
+    ) -> dict[str, Any] | None:
+        """Completion logprobs from text offset ``at``, after the echoed prompt's own."""
+        if body.logprobs is None:
+            return None
+        shaped = completion_logprobs(tokenizer, tokens or [], at)
+        if echo_scored is not None and scores is not None:
+            return join_logprobs(echo_logprobs(tokenizer, prompts[index // n], scores), shaped)
+        return shaped if tokens else None
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        offsets = [0] * (len(prompts) * n)
+
+        def render(index: int, d: SequenceDelta) -> str | None:
+            echoed, echo[index] = echo[index], ""
+            text = echoed + d.text
+            if not text and d.finish_reason is None and not d.logprobs:
+                return None
+            at = offsets[index] + len(echoed)
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs_of(index, d.logprobs, d.prompt_logprobs, at),
+                "finish_reason": d.finish_reason,
+            }
+            if body.prompt_logprobs is not None and d.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, d.prompt_logprobs)
+            offsets[index] += len(text)
+            return sse({**base, "choices": [choice], **extra})
+
+        usage_event = (
+            (lambda u: sse({**base, "choices": [], "usage": u})) if include_usage else None
+        )
+        return StreamingResponse(
+            stream_events(model.engine, raw, streams, n, [], render, usage_event),
+            media_type="text/event-stream",
+        )
+    result = await collect(model.engine, raw, streams, n)
+    if result.disconnected:
+        return Response(status_code=499)
+    choices = []
+    for i, choice in enumerate(result.choices):
+        scores = result.choices[i - i % n].prompt_logprobs  # the prompt's first choice has them
+        entry: dict[str, Any] = {
+            "index": i,
+            "text": echo[i] + "".join(choice.text),
+            "logprobs": logprobs_of(i, choice.logprobs, scores, len(echo[i])),
+            "finish_reason": choice.finish_reason,
+        }
+        if body.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, scores)
+        choices.append(entry)
+    return JSONResponse({**base, "choices": choices, "usage": result.usage})

@@ -1,0 +1,191 @@
+"""Chat-completion chunks → the Responses API's typed stream events.
+
+Each output item (reasoning, the text message, each function call) is opened when its first
+delta arrives and closed when another kind starts or the choice finishes, so the events of one
+item never interleave with another's: the order OpenAI's own streams have.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from slotserve.server.responses.output import (
+    failed,
+    finished,
+    function_call_item,
+    message_item,
+    new_id,
+    reasoning_item,
+)
+
+
+@dataclass
+class _Item:
+    kind: str  # "message", "reasoning" or "function_call"
+    item_id: str
+    output_index: int
+    parts: list[str] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+    chat_index: int | None = None
+
+    def built(self, status: str) -> dict[str, Any]:
+        text = "".join(self.parts)
+        if self.kind == "message":
+            return message_item(self.item_id, text, status)
+        if self.kind == "reasoning":
+            return reasoning_item(self.item_id, text, status)
+        return function_call_item(self.item_id, self.call_id, self.name, text, status)
+
+
+class ResponseEventStream:
+    """Feeds on parsed chat chunks; every method returns the SSE frames to send next."""
+
+    def __init__(self, shell: dict[str, Any]) -> None:
+        self.shell = shell
+        self.output: list[dict[str, Any]] = []
+        self.response: dict[str, Any] | None = None  # the final one, once completed
+        self._sequence = 0
+        self._open: _Item | None = None
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+
+    def _event(self, type_: str, **fields: Any) -> str:
+        payload = {"type": type_, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {type_}\ndata: {data}\n\n"
+
+    def opening(self) -> list[str]:
+        return [
+            self._event("response.created", response=self.shell),
+            self._event("response.in_progress", response=self.shell),
+        ]
+
+    def feed(self, chunk: dict[str, Any]) -> list[str]:
+        frames: list[str] = []
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                frames += self._text("reasoning", reasoning)
+            if delta.get("content"):
+                frames += self._text("message", delta["content"])
+            for call in delta.get("tool_calls") or []:
+                frames += self._call(call)
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+                frames += self._close()
+        return frames
+
+    def complete(self) -> list[str]:
+        frames = self._close()
+        if not self.output:  # an empty answer is still a message, as in the JSON answer
+            frames += self._start(_Item("message", new_id("msg"), 0)) + self._close()
+        self.response = finished(self.shell, self.output, self._usage, self._finish_reason)
+        status = self.response["status"]
+        return [*frames, self._event(f"response.{status}", response=self.response)]
+
+    def fail(self, error: Any) -> list[str]:
+        output = list(self.output)
+        if self._open is not None:
+            output.append(self._open.built("incomplete"))
+        return [self._event("response.failed", response=failed(self.shell, output, error))]
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        frames = []
+        item = self._open
+        if item is None or item.kind != kind:
+            frames += self._close()  # first: it takes the output index before the new item
+            item = _Item(kind, new_id("msg" if kind == "message" else "rs"), len(self.output))
+            frames += self._start(item)
+        item.parts.append(text)
+        name = "output_text" if kind == "message" else "reasoning_text"
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        frames.append(
+            self._event(
+                f"response.{name}.delta",
+                item_id=item.item_id,
+                output_index=item.output_index,
+                content_index=0,
+                delta=text,
+                **extra,
+            )
+        )
+        return frames
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        frames = []
+        function = call.get("function") or {}
+        item = self._open
+        index = call.get("index")
+        if (
+            call.get("id")
+            or item is None
+            or item.kind != "function_call"
+            or (index is not None and item.chat_index != index)
+        ):
+            # A new call; a fragment for no open call starts one too rather than being lost.
+            frames += self._close()
+            item = _Item("function_call", new_id("fc"), len(self.output), chat_index=index)
+            item.call_id = call.get("id") or new_id("call")
+            item.name = function.get("name") or ""
+            frames += self._start(item)
+        arguments = function.get("arguments") or ""
+        if arguments:
+            item.parts.append(arguments)
+            frames.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item.item_id,
+                    output_index=item.output_index,
+                    delta=arguments,
+                )
+            )
+        return frames
+
+    def _start(self, item: _Item) -> list[str]:
+        self._open = item
+        added = item.built("in_progress")
+        if item.kind == "function_call":
+            return [self._added(item, added)]
+        part = added["content"][0]
+        added["content"] = []  # a text item is announced with no parts, then its part
+        place = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
+        return [
+            self._added(item, added),
+            self._event("response.content_part.added", **place, part=part),
+        ]
+
+    def _added(self, item: _Item, built: dict[str, Any]) -> str:
+        return self._event("response.output_item.added", output_index=item.output_index, item=built)
+
+    def _close(self) -> list[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        # Only the item the output ended in was cut short by the length limit.
+        cut = self._finish_reason == "length"
+        done = item.built("incomplete" if cut else "completed")
+        self.output.append(done)
+        place = {"item_id": item.item_id, "output_index": item.output_index}
+        text = "".join(item.parts)
+        if item.kind == "function_call":
+            frames = [self._event("response.function_call_arguments.done", **place, arguments=text)]
+        else:
+            name = "output_text" if item.kind == "message" else "reasoning_text"
+            extra: dict[str, Any] = {"logprobs": []} if item.kind == "message" else {}
+            frames = [
+                self._event(f"response.{name}.done", **place, content_index=0, text=text, **extra),
+                self._event(
+                    "response.content_part.done", **place, content_index=0, part=done["content"][0]
+                ),
+            ]
+        frames.append(
+            self._event("response.output_item.done", output_index=item.output_index, item=done)
+        )
+        return frames
