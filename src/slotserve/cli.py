@@ -1,5 +1,5 @@
 """Command line: ``slotserve serve [MODEL_PATH]``, ``slotserve chat``, ``slotserve reload``,
-``slotserve bench``, ``slotserve bench sweep`` (SPEC C1, S5, B1, B2).
+``slotserve bench``, ``slotserve bench sweep``.
 
 Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
 ``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.

@@ -1,5 +1,5 @@
-"""``slotserve serve``: its flags and the server's start (SPEC C1, S2, S5); how each model
-is built from the flags is ``model_launch.py``'s."""
+"""``slotserve serve``: its flags and the server's start; how each model
+is built from the flags is ``models/launch.py``'s."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
-    """R3: engine replicas on Ray Serve (``replicas/``)."""
+    """Engine replicas on Ray Serve (``replicas/``)."""
     parser.add_argument(
         "--replicas",
         type=int,

@@ -1,1 +1,1 @@
-"""``slotserve bench``: a load generator for any OpenAI-compatible server (SPEC B1, B2)."""
+"""``slotserve bench``: a load generator for any OpenAI-compatible server."""

@@ -1,4 +1,4 @@
-"""``slotserve bench``: benchmark any OpenAI-compatible server (SPEC B1)."""
+"""``slotserve bench``: benchmark any OpenAI-compatible server."""
 
 from __future__ import annotations
 

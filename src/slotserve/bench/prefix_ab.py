@@ -1,6 +1,6 @@
 """``slotserve bench prefix-cache``: many users sharing one long system prompt, served with the
 prefix cache on and off (and by the peers: llama-server when built, vLLM with ``--peers``),
-alternately for several rounds (SPEC B2, E8).
+alternately for several rounds.
 
 Configurations, each on a freshly started server:
 

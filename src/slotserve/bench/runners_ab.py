@@ -1,6 +1,6 @@
 """``slotserve bench runners``: the PyTorch runner against the llama.cpp runner through the
 server, against HF transformers' own batched ``generate`` and, with ``--peers``, against vLLM's
-CPU backend, on the same weights, at several concurrencies (SPEC R2, B2).
+CPU backend, on the same weights, at several concurrencies.
 
 Per round, each server is started once (slots, or vLLM's ``--max-num-seqs``, = the largest
 concurrency) and serves every concurrency in turn: ``--requests-per-client`` requests per

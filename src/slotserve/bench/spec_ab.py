@@ -1,5 +1,5 @@
 """``slotserve bench speculative``: speculative decoding on vs off through the server, per
-runner, workload and concurrency (SPEC E12, B2).
+runner, workload and concurrency.
 
 Per round and runner, one server with ``--speculative-config`` and one without, both started
 and loaded one at a time (which goes first alternates from cell to cell, so the host's drifts

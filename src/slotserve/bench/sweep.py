@@ -1,5 +1,5 @@
 """``slotserve bench sweep``: the same workload at 1, 2, 4, 8, 16 slots on slotserve and on its
-peers, run alternately for several rounds (SPEC B2).
+peers, run alternately for several rounds.
 
 Peers: llama.cpp's own ``llama-server`` (same GGUF, same slot count and threads; build it with
 ``benchmarks/build_llama_server.sh``), llama-cpp-python's server (one sequence at a time) and,
@@ -246,7 +246,7 @@ def _summarize(
         "raw_decode_tps": raw,
         "slotserve_over_raw_decode": {n: medians["slotserve"][n] / raw[n] for n in raw},
         "prefill_tps": _median(prefill) if prefill else None,
-        "prefix_cache": "not implemented yet (SPEC E8): no on/off comparison",
+        "prefix_cache": "not implemented yet: no on/off comparison",
         "latency_samples_at": latency_at,
         "latency_samples": latency_samples,
         "runs": reports,

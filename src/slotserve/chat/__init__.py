@@ -1,4 +1,4 @@
-"""``slotserve chat``: a terminal conversation with a model (SPEC C1).
+"""``slotserve chat``: a terminal conversation with a model.
 
 ``backend.py`` gets replies (the engine in this process, or a running server over the OpenAI
 API), ``session.py`` holds the conversation and its slash commands (no terminal needed),

@@ -1,11 +1,11 @@
 """How prompts are cut into chunks and how much cached KV may be reused (scheduler invariants
 6 and 8): one rule, supplied by the runner in ``ModelInfo.chunk_policy``.
 
-Why a rule at all. Batch invariance (SPEC E4) means a token's logits do not depend on what ran
+Why a rule at all. Batch invariance means a token's logits do not depend on what ran
 beside it or on what the prefix cache supplied. A runner whose kernels compute a token the same
 way in any chunk, one-token decode steps included, needs no rule: :data:`ANY_SIZE` (grain 1),
 the PyTorch runner's policy. llama.cpp's CPU kernels do not, for three reasons (measured with
-llama-cpp-python 0.3.36; ARCHITECTURE.md, "Exact batch invariance"):
+llama-cpp-python 0.3.36; docs/design/batch-invariance.md):
 
 1. **Attention path by query count.** ggml's flash attention computes a sequence's queries in
    64-row tiles once a sub-batch holds at least 64 of them, row by row below; each path is exact

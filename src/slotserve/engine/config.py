@@ -89,7 +89,7 @@ class EngineConfig:
     (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
     queue wait longer than ``slow_queue_warn_s`` are logged as warnings.
 
-    ``speculative``: speculative decoding (``speculative.py``); None: off.
+    ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
     num_slots: int = 8

@@ -1,4 +1,4 @@
-"""Incremental, UTF-8 safe detokenization with stop-string hold-back (SPEC E5, E6).
+"""Incremental, UTF-8 safe detokenization with stop-string hold-back.
 
 Token pieces arrive as raw bytes (byte-fallback tokens may carry a fraction of a code point),
 so bytes go through an incremental UTF-8 decoder that keeps an incomplete tail until the rest

@@ -1,4 +1,4 @@
-"""Request and sequence state (SPEC E1, E3).
+"""Request and sequence state.
 
 A request holds ``n`` sequences (one per OpenAI ``choice``); each sequence occupies one slot.
 A sequence never has a "phase": it advances by ``num_computed_tokens`` (tokens whose KV is in

@@ -26,13 +26,13 @@ class ScheduledChunk:
     sequence held by ``slot``. When ``sample`` is true the runner samples the next token from
     the logits of the chunk's last position.
 
-    A verification chunk (speculative decoding, ``engine/speculative.py``) ends with
+    A verification chunk (speculative decoding, ``engine/decoding/speculative.py``) ends with
     ``num_drafts`` draft tokens: the runner samples the last ``num_drafts + 1`` positions in
     order with the sequence's sampler and stops at the first sample that differs from the
     draft after it, returning the accepted drafts followed by that sample (or by the token
     after the last draft when all were accepted).
 
-    ``allowed_tokens`` (structured output, ``engine/structured_output.py``): the tokens the
+    ``allowed_tokens`` (structured output, ``engine/decoding/structured_output.py``): the tokens the
     sequence's grammar allows at the sampled position, as llguidance's packed bitmask (bit
     ``t % 32`` of int32 word ``t // 32``). The runner sets the other logits of that row to
     ``-inf`` before its sampler (log-probabilities stay those of the raw logits).
@@ -188,7 +188,7 @@ class MemoryNeed:
 @runtime_checkable
 class RunnerSpec(Protocol):
     """A picklable recipe for a runner: called in the engine process to build it, asked for
-    the frontend the API process keeps beside it (``engine/core_process.py``) and for the
+    the frontend the API process keeps beside it (``engine/client/mp_client.py``) and for the
     memory the runner will take."""
 
     def __call__(self) -> Runner: ...
@@ -200,8 +200,8 @@ class RunnerSpec(Protocol):
 
 class PagedKv(Protocol):
     """Block tables of a runner whose KV is a pool of fixed-size blocks shared by reference
-    (``runners/paged_kv.py``). The prefix cache holds blocks of cached prefixes itself and
-    hands them to slots; the runner copies a shared block before writing into it."""
+    (``engine/prefix_cache/block_table.py``). The prefix cache holds blocks of cached prefixes
+    itself and hands them to slots; the runner copies a shared block before writing into it."""
 
     block_size: int
 
@@ -253,7 +253,7 @@ class Runner(Protocol):
     * Methods raise ordinary exceptions on failure; the runner stays usable for other slots
       after a failed ``add_sequence``. An exception from ``execute`` (or
       ``RunnerFailure`` for non-finite logits) means the model can no longer be trusted: the
-      engine fails every request and the model must be reloaded (SPEC E11).
+      engine fails every request and the model must be reloaded.
     """
 
     @property

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated once at construction (SPEC E5)."""
+"""Per-request sampling parameters, validated once at construction."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MAX_N = 16
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the generated text, enforced with a token mask at every sampling step
-    (``engine/structured_output.py``).
+    (``engine/decoding/structured_output.py``).
 
     ``kind``: ``json_object`` (any JSON object), ``json_schema`` (``spec`` holds the schema as
     JSON text), ``regex``, ``choice`` (``spec``: a JSON list of strings), ``grammar`` (Lark or

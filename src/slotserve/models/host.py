@@ -1,4 +1,4 @@
-"""One served model's life cycle (SPEC S2, S3, S7, E11): loading in the background, serving,
+"""One served model's life cycle: loading in the background, serving,
 unhealthy after a runner failure, reloading, unloading, draining at shutdown.
 
 ::
@@ -12,7 +12,7 @@ unhealthy after a runner failure, reloading, unloading, draining at shutdown.
 The HTTP server listens from the start: while the model loads, readiness fails and generation
 requests get a 503 that says so. A reload builds a new runner and a new engine; requests still
 in the old engine end first (their streams get an error). The models of a server, and which
-of them are loaded, are the registry's (``model_registry.py``).
+of them are loaded, are the registry's (``registry.py``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class LoadedModel:
 @dataclass(frozen=True)
 class ModelLaunch:
     """How to build one served model: from the command line, or from ``POST /models/load``
-    with its own options (``model_launch.py`` makes these)."""
+    with its own options (``launch.py`` makes these)."""
 
     name: str
     build_runner: Callable[[], Runner]  # a RunnerSpec when the engine runs in a process
@@ -94,7 +94,7 @@ class ModelHost:
     registry.
 
     With ``engine_process`` the engine core runs in a process of its own
-    (``engine/core_process.py``): ``launch.build_runner`` must then be a picklable
+    (``engine/client/mp_client.py``): ``launch.build_runner`` must then be a picklable
     ``RunnerSpec``, and ``process_setup`` runs first in that process (logging). Otherwise it
     runs on an engine thread of this process."""
 

@@ -1,6 +1,6 @@
 """How each served model is built from ``slotserve serve``'s flags: at start-up (the
 positional model, every ``--model PATH[=NAME]``), or by ``POST /models/load`` with options of
-its own that override the flags (SPEC S2, R1, R2)."""
+its own that override the flags."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The models one server serves (SPEC S2), after llama-server's router mode: those given on
+"""The models one server serves, after llama-server's router mode: those given on
 the command line (loaded at start-up), those of ``--models-dir`` (loaded on first use unless
 ``--no-models-autoload``), and those ``POST /models/load`` names. Each has its own
 ``ModelHost``: engine, slots, runner, and its own failures.

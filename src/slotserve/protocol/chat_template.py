@@ -1,4 +1,4 @@
-"""Renders chat messages with the model's own Jinja2 chat template (SPEC E9).
+"""Renders chat messages with the model's own Jinja2 chat template.
 
 Uses Jinja2's sandbox with the conventions HuggingFace templates expect (``trim_blocks``,
 ``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now``).

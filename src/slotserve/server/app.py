@@ -1,5 +1,5 @@
 """The FastAPI application: thin routes over :mod:`slotserve.server.serving_*` and the model
-host (SPEC S1-S7)."""
+host."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenAI-shaped error responses and the handlers that produce them (SPEC S4)."""
+"""OpenAI-shaped error responses and the handlers that produce them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Running the HTTP server with a graceful shutdown (SPEC S7).
+"""Running the HTTP server with a graceful shutdown.
 
 On the first SIGTERM or SIGINT the server stops admitting work (generation requests and
 readiness get 503), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds,

@@ -1,4 +1,4 @@
-"""A request id in every log line (SPEC S6).
+"""A request id in every log line.
 
 The HTTP middleware puts the request id in a context variable for the duration of the request;
 a logging filter copies it into every record (``%(request_id)s``), so lines logged by a route,

@@ -1,4 +1,4 @@
-"""Prometheus metrics for ``/metrics`` (SPEC S3). Every metric name lives in this module.
+"""Prometheus metrics for ``/metrics``. Every metric name lives in this module.
 
 vLLM's names are used where the meaning matches, so dashboards built for vLLM work unchanged
 (``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count tokens, as vLLM's do;

@@ -1,4 +1,4 @@
-"""ASGI middleware: the request id (SPEC S6) and the optional API key (SPEC S5, S4).
+"""ASGI middleware: the request id and the optional API key.
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``: nothing is buffered, so streamed
 responses and client disconnects pass straight through.

@@ -1,4 +1,4 @@
-"""Routes about the served models (SPEC S2, S3, E11): the model list, loading and unloading
+"""Routes about the served models: the model list, loading and unloading
 at run time (llama-server's router-mode endpoints), reload, and each model's slots and prefix
 cache."""
 
@@ -153,7 +153,7 @@ def model_routes(ctx: ServingContext) -> APIRouter:
 
     @router.post("/admin/reload", responses=_errors(404, 409, 500))
     async def reload(model: str | None = None) -> JSONResponse:
-        """Builds a new runner and engine for a model (SPEC E11): recovers an unhealthy one.
+        """Builds a new runner and engine for a model: recovers an unhealthy one.
         Requests still in the old engine end with an error first."""
         host = models.host(model)
         await host.load()

@@ -1,5 +1,5 @@
 """What the SGLang Model Gateway (``sglang-router``) asks of a worker, in SGLang's own shapes,
-so that ``slotserve serve`` can stand behind it (README "Behind the SGLang Model Gateway").
+so that ``slotserve serve`` can stand behind it (docs/scaling.md).
 
 The gateway (0.3.2) registers a worker with ``GET /health`` (any 2xx), then ``GET
 /server_info`` and ``GET /model_info`` (falling back to the ``/get_`` names on a 404 only):
@@ -9,7 +9,7 @@ gateway is sent to every worker (any 2xx counts), and its load monitor reads ``G
 a list with one entry per data-parallel rank, of which it sums ``num_tokens``. The
 ``cache_aware`` policy itself needs nothing from the worker: it keeps its own approximate tree
 of the request texts it sent where. It forwards requests re-serialised with SGLang's own fields
-at their defaults, which ``protocol.py`` accepts at those values.
+at their defaults, which ``openai/protocol.py`` accepts at those values.
 
 Several models in one server: the info routes describe the default model (the first start-up
 model: the one a request without ``model`` gets) unless ``?model=`` names another;

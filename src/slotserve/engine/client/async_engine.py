@@ -1,10 +1,10 @@
-"""The engine as asyncio request handlers see it (SPEC E3, E7, E11).
+"""The engine as asyncio request handlers see it.
 
 Handlers call :meth:`AsyncEngine.generate` (or :meth:`AsyncEngine.submit`), an async iterator
-over :class:`RequestOutput`. The core client (``core_client.py``) hands each step's outputs to
-the event loop in one ``call_soon_threadsafe`` and the loop routes them into per-request
-``asyncio.Queue``s. Leaving the iterator early (client disconnect, cancellation) aborts the
-request, which frees its slot in the next step.
+over :class:`RequestOutput`. The core client (``base.EngineCoreClient``) hands each step's
+outputs to the event loop in one ``call_soon_threadsafe`` and the loop routes them into
+per-request ``asyncio.Queue``s. Leaving the iterator early (client disconnect, cancellation)
+aborts the request, which frees its slot in the next step.
 
 When the runner fails, the engine is poisoned: every request in it gets an error output and
 the engine thread ends. :attr:`AsyncEngine.unhealthy` then says why; a new runner and engine

@@ -49,7 +49,7 @@ def answer() -> tuple[asyncio.Future[int], Settle]:
 
 
 def refuse_when_full(in_transit: int, published: EngineStats, max_queue: int) -> None:
-    """The 429 decision (SPEC E2): requests the core has not yet counted in a published
+    """The 429 decision: requests the core has not yet counted in a published
     snapshot plus those it last published as waiting, less the free slots that will take
     some of them, against ``--max-queue``. Stale by a step at worst, and then too high."""
     if in_transit + published.num_waiting - published.num_free_slots >= max_queue:

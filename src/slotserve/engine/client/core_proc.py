@@ -1,6 +1,6 @@
 """The engine-core process (``--engine-process``): builds the runner and the core from a
-picklable ``RunnerSpec``, then serves ``core_process.MPClient`` over two ZMQ sockets until
-told to stop. See ``core_process.py`` for the protocol and the failure handling."""
+picklable ``RunnerSpec``, then serves ``mp_client.MPClient`` over two ZMQ sockets until
+told to stop. See ``mp_client.py`` for the protocol and the failure handling."""
 
 from __future__ import annotations
 

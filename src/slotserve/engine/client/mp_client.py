@@ -1,5 +1,5 @@
 """The hand-off between the serving side and the engine core as a second process (vLLM v1's
-split): :class:`MPClient` in the API process; ``engine_process.py`` is the other end.
+split): :class:`MPClient` in the API process; ``core_proc.py`` is the other end.
 
 The API process keeps HTTP, chat templates, tokenization and request validation (with its own
 copy of the tokenizer, :class:`~slotserve.engine.runner_interface.RunnerFrontend`); the engine

@@ -1,4 +1,5 @@
-"""Messages between the API process and the engine-core process (``core_process.py``).
+"""Messages between the API process (``mp_client.py``) and the engine-core process
+(``core_proc.py``).
 
 Each message is a tagged ``msgspec`` struct, sent as one MessagePack frame over a ZMQ PUSH/PULL
 pair. The engine's own plain dataclasses (``SamplingParams``, ``RequestOutput``,

@@ -1,6 +1,6 @@
-"""The engine core: ``schedule → runner.execute → update_from_output`` (SPEC E2, E3, E7, E10,
-E11). Its owner (``core_client.py``) calls :meth:`EngineCore.add_request`, :meth:`~.abort`,
-:meth:`~.step` and :meth:`~.snapshot` from one thread; the core has no lock, condition or thread.
+"""The engine core: ``schedule → runner.execute → update_from_output``. Its owner (an engine
+client, ``engine/client/``) calls :meth:`EngineCore.add_request`, :meth:`~.abort`, :meth:`~.step`
+and :meth:`~.snapshot` from one thread; the core has no lock, condition or thread.
 
 A failure of ``runner.execute`` (an exception, or ``RunnerFailure`` for non-finite logits)
 poisons the engine: every request still in it ends with an error of kind
@@ -65,7 +65,7 @@ class EngineCore:
             config, runner, info.chunk_policy, self.prefix_cache, self.speculator
         )
         self.counters = EngineCounters()
-        self.unhealthy: str | None = None  # why the engine was poisoned (SPEC E11)
+        self.unhealthy: str | None = None  # why the engine was poisoned
         self._live: dict[str, Request] = {}
         self._pending: Outputs = {}  # outputs of aborts, delivered by the next step
 

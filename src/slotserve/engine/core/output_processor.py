@@ -1,4 +1,4 @@
-"""Turns sampled tokens into text deltas and finish decisions (SPEC E5, E6), and gathers a
+"""Turns sampled tokens into text deltas and finish decisions, and gathers a
 step's deltas into one :class:`RequestOutput` per request."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Decides, each step, which tokens of which sequences go into the one forward pass (SPEC E3).
+"""Decides, each step, which tokens of which sequences go into the one forward pass.
 
 Works on ints and lists only: slot indices, token counts and token-id slices.
 
 Batch-construction invariants:
 
 1. Every GENERATING slot contributes exactly one decode token, every step; with speculative
-   decoding (``speculative.py``) it may be followed by draft tokens, taken from the budget
+   decoding (``decoding/speculative.py``) it may be followed by draft tokens, taken from the budget
    before any prefill and never past the sequence's length limit.
 2. PREFILLING slots then share what is left of ``max_batch_tokens``, oldest admission first,
    each taking at most ``prefill_chunk`` tokens; so running streams wait at most one chunk.
@@ -30,7 +30,7 @@ Batch-construction invariants:
    and whatever the cache supplied before it (a hit leaves whole grains to compute).
 9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
    pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
-   the youngest running sequence is preempted (SPEC E10): its KV is given back (kept as
+   the youngest running sequence is preempted: its KV is given back (kept as
    evictable cache when the prefix cache is on), its chunk leaves the batch, and it waits in
    its slot, sampler state and output kept. Preempted sequences resume oldest first, before
    any new request is admitted, as soon as their first chunk's KV can be reserved; they

@@ -1,4 +1,4 @@
-"""The slot pool and its state machine (SPEC E1, E10).
+"""The slot pool and its state machine.
 
 ::
 

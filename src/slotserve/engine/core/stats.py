@@ -42,7 +42,7 @@ class EngineStats(EngineCounters):
     kv_used_tokens: int = 0  # KV taken by running sequences (cached prefixes not counted)
     kv_capacity_tokens: int = 0
     prefix_cache: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(False))
-    unhealthy: str | None = None  # why the engine was poisoned (SPEC E11); None while healthy
+    unhealthy: str | None = None  # why the engine was poisoned; None while healthy
     spec_decode: SpecCounters | None = None  # speculative decoding's counters; None when off
 
     @property

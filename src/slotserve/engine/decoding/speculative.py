@@ -1,4 +1,4 @@
-"""Speculative decoding (SPEC E12): draft tokens proposed per sequence, verified by the runner
+"""Speculative decoding: draft tokens proposed per sequence, verified by the runner
 inside the step's one batched forward.
 
 A generating sequence's decode chunk becomes ``[last token, d1 .. dk]``. The runner computes
@@ -9,7 +9,7 @@ acceptance plus the correction token. For a sampled one it is the standard rule 
 one-hot draft: the draft is accepted with probability p(draft), and a rejection leaves a
 sample of p conditioned on "not the draft". Because each produced token costs the sampler
 exactly one draw, as without speculation, and both runners compute a token the same way
-whatever else runs in the step (E4), a request's tokens, logprobs and seeded samples are the
+whatever else runs in the step, a request's tokens, logprobs and seeded samples are the
 same with and without speculation.
 
 What this module owns: the configuration (vLLM's ``--speculative-config`` keys), the

@@ -1,4 +1,4 @@
-"""Structured output (SPEC E5): the engine keeps one llguidance matcher per constrained sequence
+"""Structured output: the engine keeps one llguidance matcher per constrained sequence
 and hands the runner, with each chunk that samples, the bitmask of tokens the grammar allows.
 
 Both runners thus enforce the same grammars the same way: the runner only sets disallowed

@@ -1,4 +1,4 @@
-"""Block tables of a paged KV cache: which pool blocks hold each slot's positions (R2, E8).
+"""Block tables of a paged KV cache: which pool blocks hold each slot's positions.
 
 Pure bookkeeping, no tensors: a runner keeps its K/V in a pool of ``num_blocks`` blocks of
 ``block_size`` positions and asks this class where each slot's positions live. Blocks are

@@ -1,5 +1,5 @@
-"""The prefix cache over a paged KV pool (SPEC E8; the PyTorch runner): the radix tree owns the
-KV blocks of cached prefixes. The interface and its rules: ``engine/prefix_cache.py``.
+"""The prefix cache over a paged KV pool (the PyTorch runner): the radix tree owns the
+KV blocks of cached prefixes. The interface and its rules: ``base.py``.
 
 Each tree node's handle is a :class:`BlockSpan`: the pool blocks covering the node's token
 positions, which the tree *holds* (a reference of its own in the block tables). A cached prefix

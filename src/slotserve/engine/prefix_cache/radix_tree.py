@@ -1,4 +1,4 @@
-"""A radix (PATRICIA) tree over token ids whose nodes carry KV handles (SPEC E8).
+"""A radix (PATRICIA) tree over token ids whose nodes carry KV handles.
 
 Each edge holds a run of token ids; the path from the root to a node spells a token prefix.
 A node's ``value`` is an opaque handle the owner defines for the KV of that node's tokens

@@ -1,5 +1,5 @@
-"""The prefix cache over per-slot KV streams (SPEC E8; the llama.cpp runner): which slot holds
-which token prefix, and reuse of it. The interface and its rules: ``engine/prefix_cache.py``.
+"""The prefix cache over per-slot KV streams (the llama.cpp runner): which slot holds
+which token prefix, and reuse of it. The interface and its rules: ``base.py``.
 
 The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of one token list.
 It can copy the first ``n`` positions of one sequence into another and trim a sequence to its

@@ -1,4 +1,4 @@
-"""R1: the llama.cpp runner, over llama-cpp-python's low-level C bindings.
+"""The llama.cpp runner, over llama-cpp-python's low-level C bindings.
 
 One model, one context with ``n_seq_max = num_slots``; a slot's index is its llama.cpp
 sequence id. Each step fills one ``llama_batch`` with every scheduled chunk and calls
@@ -7,9 +7,10 @@ sequence id. Each step fills one ``llama_batch`` with every scheduled chunk and 
 KV layout: ``kv_unified = false`` gives each sequence its own KV stream of
 ``ctx_size / num_slots`` cells. With a unified cache a neighbour's long prefill chunk
 interleaves its cells with ours and changes the attention's rounding, which breaks batch
-invariance (SPEC E4); separate streams keep every sequence's attention the same alone or
+invariance; separate streams keep every sequence's attention the same alone or
 batched. The price: one sequence can use at most ``ctx_size / num_slots`` tokens, and sharing
-a prefix between slots copies KV between streams instead of sharing cells (ARCHITECTURE.md):
+a prefix between slots copies KV between streams instead of sharing cells
+(docs/design/batch-invariance.md):
 ``llama_memory_seq_cp`` between streams copies the whole stream buffer (a few ms), then
 ``llama_memory_seq_rm`` trims the copy to the shared prefix.
 """
@@ -212,7 +213,7 @@ class LlamaCppRunner:
         # batch into sub-batches taking the same number of tokens from each of a run of
         # consecutive sequence ids, so chunks of different lengths in one call would be cut
         # into pieces sized by their neighbours, and attention rounds differently in pieces
-        # shorter than 64 tokens: a token's result would depend on what ran beside it (E4).
+        # shorter than 64 tokens: a token's result would depend on what ran beside it.
         # Grouped by length, every chunk runs whole or in pieces of 64 or more, in as many
         # weight passes as llama.cpp would have made anyway.
         by_length: dict[int, list[ScheduledChunk]] = {}
@@ -233,7 +234,7 @@ class LlamaCppRunner:
         flash attention takes a split-KV path for a sub-batch of one query of one sequence
         over 512+ cells (padded from 256+ tokens of context), which rounds differently from
         the path batched decoding takes: a sequence decoding alone in its run would not match
-        itself decoding beside others (E4). For such a run, one token of a neighbouring slot
+        itself decoding beside others. For such a run, one token of a neighbouring slot
         joins it; it is removed from that slot's KV right after the forward. It costs about
         one token's compute (measured: a lone decode at ~900 tokens of context 76-80 -> 54
         tok/s on 2 cores); shorter contexts never need it.

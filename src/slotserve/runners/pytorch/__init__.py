@@ -1,1 +1,1 @@
-"""R2: the PyTorch runner (HF safetensors folders and GGUF files; CPU and CUDA)."""
+"""The PyTorch runner (HF safetensors folders and GGUF files; CPU and CUDA)."""

@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool, batch-invariant by construction (SPEC E4).
+"""Attention over the paged KV pool, batch-invariant by construction.
 
 Each layer's cache is one tensor ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``: row
 ``block * block_size + offset`` holds one position; the last block is never allocated and stays
@@ -14,7 +14,7 @@ longest sequence beside it. ``bmm`` and ``linear`` in bfloat16 give every row th
 whatever the batch, and zero padding of the reduced dimension is exact in whole blocks of 16
 (not in part blocks), so ``kv_len`` is always whole pool blocks: every token is computed
 identically alone, batched, as a decode step or inside any prefill chunk (grain 1). The
-measurements: ARCHITECTURE.md, "Batch invariance (E4) on CPU".
+measurements: docs/design/batch-invariance.md.
 
 ::
 

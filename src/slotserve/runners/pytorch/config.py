@@ -1,5 +1,5 @@
 """The model's shape, read from an HF ``config.json`` or GGUF metadata, checked before any weight
-is read (R2).
+is read.
 
 One frozen dataclass covers the supported families; each family's quirks are fields with the
 defaults of the families that do not have them:

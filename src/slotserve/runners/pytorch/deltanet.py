@@ -21,7 +21,7 @@ over the step's decoding sequences. A longer chunk takes the chunked form: block
 block. Blocks are counted back from the chunk's end, the first block taking the odd part;
 with the runner's chunk grain of ``BLOCK`` every chunk boundary of a prompt falls on that
 grid, so a prompt's blocks, and their bits, are the same however the scheduler cut it and
-whatever ran beside it (batch invariance, SPEC E4). The two forms agree to float32 rounding,
+whatever ran beside it (batch invariance). The two forms agree to float32 rounding,
 not bit for bit: a preempted sequence recomputing its output tokens as a prompt may differ
 from its first pass in the last bits.
 """

@@ -1,5 +1,6 @@
 """The paged KV pool of the PyTorch runner: one K and one V tensor per layer, blocks shared by
-reference between slots for prefix-cache hits (bookkeeping in ``runners/paged_kv.py``).
+reference between slots for prefix-cache hits (bookkeeping in
+``engine/prefix_cache/block_table.py``).
 
 Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. One
 extra block at the end is never handed out and stays zero: attention pads gathers with it.

@@ -1,4 +1,4 @@
-"""R2: the PyTorch runner (see :class:`slotserve.engine.runner_interface.Runner`).
+"""The PyTorch runner (see :class:`slotserve.engine.runner_interface.Runner`).
 
 One forward pass per engine step over a flattened batch: every scheduled chunk's tokens go
 through the projections and MLPs together; attention runs per group (all one-token chunks in

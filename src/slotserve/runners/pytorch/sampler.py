@@ -1,4 +1,4 @@
-"""Batched sampling on the device (SPEC E5), one row per sequence that needs a token.
+"""Batched sampling on the device, one row per sequence that needs a token.
 
 Order, as vLLM applies it: logit bias → penalties → structured-output mask → (greedy: argmax)
 → temperature → top-k → top-p → min-p → draw. Penalties follow OpenAI / vLLM: presence and

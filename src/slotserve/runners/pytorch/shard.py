@@ -78,7 +78,8 @@ class ModelShard:
             tensors = safetensors_tensors(load.model_path)
         load_into(self.model, tensors, tensor_slicer(tp) if tp is not None else None)
         if device.type == "cpu" and dtype == torch.bfloat16:
-            self.model.make_batch_invariant()  # E4 holds in bfloat16 on CPU only (attention.py)
+            # Batch invariance holds in bfloat16 on CPU only (attention.py).
+            self.model.make_batch_invariant()
             if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                 self.model.prepack()
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions (SPEC S1): messages through the chat template, tools planned
+"""POST /v1/chat/completions: messages through the chat template, tools planned
 (``tool_calling.py``), the reply shaped into content, reasoning and tool calls
 (``chat_output.py``)."""
 

@@ -1,4 +1,4 @@
-"""POST /v1/completions (SPEC S1)."""
+"""POST /v1/completions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI API, as pydantic models (SPEC S1, S4).
+"""Request bodies of the OpenAI API, as pydantic models.
 
 Unknown fields are refused (``extra="forbid"``) so that every accepted field is one we
 implement; the error handler turns pydantic's report into a 400 naming the field. Fields that

@@ -1,5 +1,5 @@
 """How a chat request's ``tools`` and ``tool_choice`` shape the prompt, the constraint on the
-output and the parsing of calls (SPEC S1).
+output and the parsing of calls.
 
 * ``none`` (or no tools): the template gets no tools; the reply is plain content.
 * ``auto``: the template gets the tools; the reply is parsed in the format the template
