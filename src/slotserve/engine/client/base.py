@@ -1,17 +1,17 @@
 """What the serving side calls, wherever the engine core runs (:class:`EngineCoreClient`), and
-the pieces both clients share: the answer a caller awaits from another thread and the two
-refusals (queue full, engine not serving).
+what both clients share (:class:`ClientState`): the published snapshot, the answer a caller
+awaits from another thread, and the two refusals (queue full, engine not serving).
 
-The 429 decision (:func:`refuse_when_full`) reads what the core published with what is still
-in transit to it, under the client's lock: ``waiting = not yet counted by the core + published
-waiting``; one step stale at worst, and then too high (it errs towards refusing), never too
-low.
+The 429 decision reads what the core published with what is still in transit to it, under the
+client's lock: ``waiting = not yet counted by the core + published waiting``; one step stale at
+worst, and then too high (it errs towards refusing), never too low.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -48,18 +48,52 @@ def answer() -> tuple[asyncio.Future[int], Settle]:
     return future, settle
 
 
-def refuse_when_full(in_transit: int, published: EngineStats, max_queue: int) -> None:
-    """The 429 decision: requests the core has not yet counted in a published
-    snapshot plus those it last published as waiting, less the free slots that will take
-    some of them, against ``--max-queue``. Stale by a step at worst, and then too high."""
-    if in_transit + published.num_waiting - published.num_free_slots >= max_queue:
-        raise QueueFullError(max_queue)
+class ClientState:
+    """What both clients keep on the serving side: the model's description, the snapshot the
+    core last published, why it stopped serving, and the lock that guards them. Subclasses
+    take the lock around every change."""
 
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_info: ModelInfo,
+        tokenizer: Tokenizer,
+        published: EngineStats,
+        deliver: Deliver,
+    ) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._published = published
+        self._stopping = False
+        self._dead: str | None = None  # the engine's loop or process died
 
-def refuse_unless_serving(unhealthy: str | None, stopping: bool) -> None:
-    """New work (a request, a cache flush) is refused once the engine failed or is stopping."""
-    if unhealthy is not None or stopping:
-        raise EngineDeadError(unhealthy or "the engine is stopping")
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot the core published after its last step."""
+        return self._published
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the engine stopped serving (runner failure, crash); None while healthy."""
+        return self._published.unhealthy or self._dead
+
+    def _refuse_unless_serving(self) -> None:
+        """Under the lock: new work (a request, a cache flush) is refused once the engine
+        failed or is stopping."""
+        if self.unhealthy is not None or self._stopping:
+            raise EngineDeadError(self.unhealthy or "the engine is stopping")
+
+    def _refuse_when_full(self, in_transit: int) -> None:
+        """Under the lock, the 429 decision: requests the core has not yet counted in a
+        published snapshot (``in_transit``) plus those it last published as waiting, less the
+        free slots that will take some of them, against ``max_queue``. Stale by a step at
+        worst, and then too high."""
+        published = self._published
+        if in_transit + published.num_waiting - published.num_free_slots >= self.config.max_queue:
+            raise QueueFullError(self.config.max_queue)
 
 
 class EngineCoreClient(Protocol):

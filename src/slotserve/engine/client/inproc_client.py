@@ -14,42 +14,28 @@ import logging
 import threading
 from collections.abc import Callable
 
-from slotserve.engine.client.base import (
-    Deliver,
-    Settle,
-    answer,
-    refuse_unless_serving,
-    refuse_when_full,
-)
-from slotserve.engine.config import EngineConfig
+from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request
-from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class InprocClient:
+class InprocClient(ClientState):
     def __init__(self, core: EngineCore, deliver: Deliver) -> None:
+        super().__init__(
+            core.config, core.model_info, core.runner.tokenizer, core.snapshot(), deliver
+        )
         self.core = core
-        self.config: EngineConfig = core.config
-        self.model_info: ModelInfo = core.model_info
-        self.tokenizer: Tokenizer = core.runner.tokenizer
-        self._deliver = deliver
-        self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._flushes: list[Settle] = []  # flush_prefix_cache calls waiting for the thread
         self._flushed: list[tuple[Settle, int]] = []  # done; answered once published
         self._in_transit = 0  # requests taken from the inbox, not yet in a published snapshot
-        self._published = core.snapshot()
-        self._stopping = False
-        self._dead: str | None = None  # the loop itself crashed
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -92,16 +78,6 @@ class InprocClient:
     # ---- any thread -------------------------------------------------------------------------
 
     @property
-    def stats(self) -> EngineStats:
-        """The snapshot the core published after its last step."""
-        return self._published
-
-    @property
-    def unhealthy(self) -> str | None:
-        """Why the engine stopped serving (runner failure, loop crash); None while healthy."""
-        return self._published.unhealthy or self._dead
-
-    @property
     def forward_seconds(self) -> float:
         return float(self.core.runner.forward_seconds)
 
@@ -114,9 +90,8 @@ class InprocClient:
         """Queues a request; raises ``QueueFullError`` at once when the queue is full and
         ``EngineDeadError`` when the engine no longer serves."""
         with self._lock:
-            refuse_unless_serving(self.unhealthy, self._stopping)
-            in_transit = len(self._inbox) + self._in_transit
-            refuse_when_full(in_transit, self._published, self.config.max_queue)
+            self._refuse_unless_serving()
+            self._refuse_when_full(len(self._inbox) + self._in_transit)
             self._inbox.append(request)
             self._work_ready.notify()
 
@@ -128,7 +103,7 @@ class InprocClient:
     async def flush_prefix_cache(self) -> int:
         done, settle = answer()
         with self._lock:
-            refuse_unless_serving(self.unhealthy, self._stopping)
+            self._refuse_unless_serving()
             self._flushes.append(settle)
             self._work_ready.notify()
         return await done

@@ -33,21 +33,14 @@ from multiprocessing.process import BaseProcess
 import zmq
 
 from slotserve.engine.client import wire
-from slotserve.engine.client.base import (
-    Deliver,
-    Settle,
-    answer,
-    refuse_unless_serving,
-    refuse_when_full,
-)
+from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.client.core_proc import POLL_MS, run_engine_core
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.limits import validate_request
-from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request, new_request
-from slotserve.engine.runner_interface import ModelInfo, RunnerFrontend, RunnerSpec, Tokenizer
+from slotserve.engine.runner_interface import RunnerFrontend, RunnerSpec
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +52,7 @@ class EngineProcessError(RuntimeError):
     """The engine process failed to start (its load error, or how it died)."""
 
 
-class MPClient:
+class MPClient(ClientState):
     """The API process's end: the same methods as ``InprocClient``."""
 
     def __init__(
@@ -72,24 +65,17 @@ class MPClient:
         config: EngineConfig,
         deliver: Deliver,
     ) -> None:
-        self.config = config
-        self.model_info: ModelInfo = ready.model_info
-        self.tokenizer: Tokenizer = frontend.tokenizer
+        super().__init__(config, ready.model_info, frontend.tokenizer, ready.stats, deliver)
         self._frontend = frontend
         self._process = process
         self._to_engine, self._from_engine = sockets
         self._workdir = workdir
-        self._deliver = deliver
-        self._lock = threading.Lock()  # the send socket, the live set, the 429 counters
-        self._published = ready.stats
         self._forward_seconds = 0.0
         self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
         self._received = 0
         self._live: set[str] = set()
         self._flushes: dict[int, Settle] = {}  # flush_prefix_cache calls awaiting the engine
         self._flush_ids = 0
-        self._stopping = False
-        self._dead: str | None = None
         self._receiver = threading.Thread(target=self._receive, name="slotserve-engine-out")
         self._receiver.daemon = True
         self._receiver.start()
@@ -138,14 +124,6 @@ class MPClient:
     # ---- the serving side (event loop) -----------------------------------------------------
 
     @property
-    def stats(self) -> EngineStats:
-        return self._published
-
-    @property
-    def unhealthy(self) -> str | None:
-        return self._published.unhealthy or self._dead
-
-    @property
     def forward_seconds(self) -> float:
         return self._forward_seconds
 
@@ -169,8 +147,8 @@ class MPClient:
             request.deadline,
         )
         with self._lock:
-            refuse_unless_serving(self.unhealthy, self._stopping)
-            refuse_when_full(self._sent - self._received, self._published, self.config.max_queue)
+            self._refuse_unless_serving()
+            self._refuse_when_full(self._sent - self._received)
             self._send_or_refuse(message)
             self._sent += 1
             self._live.add(request.request_id)
@@ -183,7 +161,7 @@ class MPClient:
     async def flush_prefix_cache(self) -> int:
         done, settle = answer()
         with self._lock:
-            refuse_unless_serving(self.unhealthy, self._stopping)
+            self._refuse_unless_serving()
             self._flush_ids += 1
             message = wire.FlushPrefixCache(self._flush_ids)
             self._send_or_refuse(message)

@@ -26,15 +26,15 @@ Rules every implementation keeps (the scheduler relies on them):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
 from slotserve.engine.runner_interface import Runner
 
-logger = logging.getLogger(__name__)
+H = TypeVar("H")  # what a tree node holds: the runner's handle to the node's KV
 
 PrefixMatch = Match[Any]
 
@@ -143,14 +143,39 @@ class PrefixCache(Protocol):
         ...
 
 
-class LookupCounters:
-    """Hit and eviction counters shared by the caches that are on."""
+class TreePrefixCache(Generic[H]):
+    """What the caches that are on share: the radix tree, its budget, the hit and eviction
+    counters, the lookup (never covering the last prompt token) and LRU eviction. A subclass
+    says how a node's KV is given back (:meth:`_give_back`)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        tree: RadixTree[H],
+        policy: ChunkPolicy,
+        budget_tokens: int,
+        kv_bytes_per_token: int,
+    ) -> None:
+        self.tree = tree
+        self.policy = policy
+        self.budget_tokens = budget_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.hits = self.misses = self.query_tokens = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = 0
 
-    def count_lookup(self, prompt_length: int, reused: int) -> None:
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` without its last token."""
+        return self.tree.match_prefix(prompt[: len(prompt) - 1])
+
+    def evict_unused(self) -> int:
+        """Gives back the least recently used unlocked leaf whatever the budget; returns the
+        tokens freed (0: nothing is left to give back)."""
+        return self._evict(1)
+
+    def _count_lookup(self, prompt_length: int, reused: int) -> None:
         self.query_tokens += prompt_length
         self.hit_tokens += reused
         if reused:
@@ -158,9 +183,22 @@ class LookupCounters:
         else:
             self.misses += 1
 
-    def stats(
-        self, tree: RadixTree[Any], budget_tokens: int, bytes_per_token: int
-    ) -> PrefixCacheStats:
+    def _evict_over_budget(self) -> None:
+        excess = self.tree.evictable_tokens - self.budget_tokens
+        if excess > 0:
+            self._evict(excess)
+
+    def _evict(self, num_tokens: int) -> int:
+        evicted = self.tree.evict(num_tokens, self._give_back)
+        self.evicted_tokens += evicted
+        return evicted
+
+    def _give_back(self, node: TreeNode[H]) -> None:
+        """Frees an evicted node's KV (the tree then drops the node)."""
+        raise NotImplementedError
+
+    def stats(self) -> PrefixCacheStats:
+        tree, bytes_per_token = self.tree, self.kv_bytes_per_token
         return PrefixCacheStats(
             enabled=True,
             hits=self.hits,
@@ -173,7 +211,7 @@ class LookupCounters:
             nodes=tree.num_nodes,
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
-            budget_tokens=budget_tokens,
+            budget_tokens=self.budget_tokens,
             kv_bytes_per_token=bytes_per_token,
         )
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import LookupCounters, PrefixCacheStats, PrefixMatch
+from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 from slotserve.engine.runner_interface import PagedKv
 
@@ -60,7 +60,7 @@ class SlotKv(Protocol):
     def kv_tokens(self, slot: int) -> int: ...
 
 
-class PagedPrefixCache:
+class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
 
     def __init__(
@@ -72,25 +72,15 @@ class PagedPrefixCache:
         budget_tokens: int,
         kv_bytes_per_token: int,
     ) -> None:
+        tree: RadixTree[BlockSpan] = RadixTree(BlockSpan, self._split_span)
+        super().__init__(tree, policy, budget_tokens, kv_bytes_per_token)
         self.kv = kv
         self.paged = paged
         self.block_size = paged.block_size
         self.num_slots = num_slots
-        self.policy = policy
-        self.budget_tokens = budget_tokens
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.tree: RadixTree[BlockSpan] = RadixTree(BlockSpan, self._split_span)
         self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
-        self.counters = LookupCounters()
-
-    @property
-    def enabled(self) -> bool:
-        return True
 
     # ---- admission --------------------------------------------------------------------------
-
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        return self.tree.match_prefix(prompt[: len(prompt) - 1])
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)  # free slots hold nothing: any will do
@@ -111,7 +101,7 @@ class PagedPrefixCache:
         self._end[slot] = node
         self.tree.lock(node)
         if count:
-            self.counters.count_lookup(len(tokens), length)
+            self._count_lookup(len(tokens), length)
         return length
 
     def _path_blocks(self, node: TreeNode[BlockSpan], length: int) -> list[int]:
@@ -142,9 +132,7 @@ class PagedPrefixCache:
         self._insert(slot, cacheable_tokens)
         self.tree.unlock(self._end.pop(slot))
         self.kv.trim_kv(slot, 0)
-        excess = self.tree.evictable_tokens - self.budget_tokens
-        if excess > 0:
-            self._evict(excess)
+        self._evict_over_budget()
 
     def drop(self, slot: int) -> None:
         node = self._end.pop(slot, None)
@@ -154,9 +142,6 @@ class PagedPrefixCache:
 
     def is_running(self, slot: int) -> bool:
         return slot in self._end
-
-    def evict_unused(self) -> int:
-        return self._evict(1)
 
     def _insert(self, slot: int, tokens: Sequence[int]) -> None:
         """Records running ``slot``'s first ``tokens`` (computed) and moves its lock there."""
@@ -185,24 +170,16 @@ class PagedPrefixCache:
             self.paged.hold([lower.blocks[0]])
         return upper, lower
 
-    def _evict(self, num_tokens: int) -> int:
-        def give_back(node: TreeNode[BlockSpan]) -> None:
-            self.paged.unhold(node.value.blocks)
-            node.value.blocks = []
-            self.counters.evictions += 1
-
-        evicted = self.tree.evict(num_tokens, give_back)
-        self.counters.evicted_tokens += evicted
-        return evicted
+    def _give_back(self, node: TreeNode[BlockSpan]) -> None:
+        self.paged.unhold(node.value.blocks)
+        node.value.blocks = []
+        self.evictions += 1
 
     # ---- inspection -------------------------------------------------------------------------
 
     def held_tokens(self, slot: int) -> list[int]:
         node = self._end.get(slot)
         return [] if node is None else self.tree.path_tokens(node)
-
-    def stats(self) -> PrefixCacheStats:
-        return self.counters.stats(self.tree, self.budget_tokens, self.kv_bytes_per_token)
 
     def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
         """Beyond the tree's own rules: each node's span covers exactly its positions, the pool's

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import LookupCounters, PrefixCacheStats, PrefixMatch
+from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 
 Holders = set[int]  # sequence ids whose cached content ends at a node
@@ -60,7 +60,7 @@ def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
     return set(), holders
 
 
-class SlotPrefixCache:
+class SlotPrefixCache(TreePrefixCache[Holders]):
     """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
 
     def __init__(
@@ -71,25 +71,13 @@ class SlotPrefixCache:
         budget_tokens: int,
         kv_bytes_per_token: int,
     ) -> None:
+        super().__init__(RadixTree(set, _split_holders), policy, budget_tokens, kv_bytes_per_token)
         self.kv = kv
-        self.policy = policy
-        self.budget_tokens = budget_tokens
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.tree: RadixTree[Holders] = RadixTree(set, _split_holders)
         self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
         self.tree.root.value.update(self._end)
         self._running: set[int] = set()
-        self.counters = LookupCounters()
-
-    @property
-    def enabled(self) -> bool:
-        return True
 
     # ---- admission --------------------------------------------------------------------------
-
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token."""
-        return self.tree.match_prefix(prompt[: len(prompt) - 1])
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
@@ -126,7 +114,7 @@ class SlotPrefixCache:
         self._running.add(slot)
         self.tree.lock(self._end[slot])
         if count:
-            self.counters.count_lookup(len(tokens), length)
+            self._count_lookup(len(tokens), length)
         return length
 
     # ---- progress and end -------------------------------------------------------------------
@@ -144,19 +132,11 @@ class SlotPrefixCache:
         self._running.discard(slot)
         self.tree.unlock(self._end[slot])
         self.kv.trim_kv(slot, len(cacheable_tokens))
-        excess = self.tree.evictable_tokens - self.budget_tokens
-        if excess > 0:
-            self._evict(excess)
+        self._evict_over_budget()
 
     def is_running(self, slot: int) -> bool:
         """True between ``attach`` and ``release`` / ``drop``."""
         return slot in self._running
-
-    def evict_unused(self) -> int:
-        """Gives back the least recently used unlocked leaf whatever the budget; returns the
-        tokens freed (0: nothing is left to give back). Per-slot streams never run short, so
-        only a budget change or a test asks for it."""
-        return self._evict(1)
 
     def drop(self, slot: int) -> None:
         """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
@@ -180,26 +160,21 @@ class SlotPrefixCache:
             self.tree.unlock(old)
         # Nodes no slot holds any more lost their KV: that is an eviction too.
         nodes_before = self.tree.num_nodes
-        self.counters.evicted_tokens += self.tree.prune(old)
-        self.counters.evictions += nodes_before - self.tree.num_nodes
+        self.evicted_tokens += self.tree.prune(old)
+        self.evictions += nodes_before - self.tree.num_nodes
 
     def _forget(self, slot: int) -> None:
         """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
         self._set_end(slot, self.tree.root)
 
-    def _evict(self, num_tokens: int) -> int:
-        def give_back(node: CacheNode) -> None:
-            assert node.parent is not None
-            for slot in node.value:
-                self.kv.trim_kv(slot, node.start)
-                node.parent.value.add(slot)
-                self._end[slot] = node.parent
-            node.value.clear()
-            self.counters.evictions += 1
-
-        evicted = self.tree.evict(num_tokens, give_back)
-        self.counters.evicted_tokens += evicted
-        return evicted
+    def _give_back(self, node: CacheNode) -> None:
+        assert node.parent is not None
+        for slot in node.value:
+            self.kv.trim_kv(slot, node.start)
+            node.parent.value.add(slot)
+            self._end[slot] = node.parent
+        node.value.clear()
+        self.evictions += 1
 
     def _exclusive_tokens(self, slot: int) -> int:
         """Cached tokens only this slot holds: what reusing the slot for other work loses."""
@@ -218,9 +193,6 @@ class SlotPrefixCache:
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""
         return self.tree.path_tokens(self._end[slot])
-
-    def stats(self) -> PrefixCacheStats:
-        return self.counters.stats(self.tree, self.budget_tokens, self.kv_bytes_per_token)
 
     def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
         """Raises ``AssertionError`` when the tree, the locks or the runner's KV disagree.

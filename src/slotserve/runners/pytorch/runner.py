@@ -23,17 +23,9 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
-from slotserve.engine.runner_interface import (
-    RECURRENT_STATE_NO_ROLLBACK,
-    ModelInfo,
-    ScheduledChunk,
-)
+from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.checkpoint import (
-    TorchLoadConfig,
-    open_gguf,
-    read_model_config,
-)
+from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, open_gguf, read_model_config
 from slotserve.runners.pytorch.config import ModelConfig
 from slotserve.runners.pytorch.deltanet import BLOCK
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample

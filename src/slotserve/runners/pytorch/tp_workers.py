@@ -26,17 +26,9 @@ import msgspec
 import torch
 import zmq
 
-from slotserve.runners.pytorch.checkpoint import (
-    TorchLoadConfig,
-    open_gguf,
-    read_model_config,
-)
+from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, open_gguf, read_model_config
 from slotserve.runners.pytorch.shard import ModelShard, StepPlan
-from slotserve.runners.pytorch.tensor_parallel import (
-    join_group,
-    open_store,
-    rank_device,
-)
+from slotserve.runners.pytorch.tensor_parallel import join_group, open_store, rank_device
 
 logger = logging.getLogger(__name__)
 
