@@ -4,7 +4,7 @@
 Why a rule at all. Batch invariance means a token's logits do not depend on what ran
 beside it or on what the prefix cache supplied. A runner whose kernels compute a token the same
 way in any chunk, one-token decode steps included, needs no rule: :data:`ANY_SIZE` (grain 1),
-the PyTorch runner's policy. llama.cpp's CPU kernels do not, for three reasons (measured with
+the PyTorch runner's policy. llama.cpp's CPU kernels do not, for three reasons (as of
 llama-cpp-python 0.3.36; docs/design/batch-invariance.md):
 
 1. **Attention path by query count.** ggml's flash attention computes a sequence's queries in

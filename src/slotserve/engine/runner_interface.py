@@ -54,9 +54,8 @@ class ScheduledChunk:
 class VerifyCost:
     """A one-sequence step that verifies ``d >= 1`` drafts costs ``1 + first + per_draft * d``
     plain decode steps (``first``: whatever switches on with a multi-token chunk). Measured per
-    runner with ``benchmarks/verify_cost.py``; the defaults are the PyTorch runner's on the
-    2-core VM (its one-sequence step reads the weights once whatever the tokens: 16 drafts
-    cost 1.4 steps).
+    runner with ``benchmarks/verify_cost.py``; the defaults are the PyTorch runner's (its
+    one-sequence step reads the weights once whatever the tokens).
 
     ``lone_step_pays_a_draft_from``: from this many tokens of context, a sequence decoding
     alone makes the runner compute one token more anyway (llama.cpp's ballast, which keeps its

@@ -46,8 +46,7 @@ class InprocClient(ClientState):
         NOTE: the runner is loaded on the thread that will run it. PyTorch's OpenMP keeps a
         worker team per calling thread, and libgomp shortens its workers' spin-wait when
         more threads are managed than there are cores: a model loaded on another thread
-        left a second team behind and made every forward pass ~40% slower (measured, 2
-        cores).
+        left a second team behind and made every forward pass markedly slower.
         """
         loop = asyncio.get_running_loop()
         built: asyncio.Future[InprocClient] = loop.create_future()

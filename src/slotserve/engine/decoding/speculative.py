@@ -17,8 +17,9 @@ What this module owns: the configuration (vLLM's ``--speculative-config`` keys),
 per-sequence switches that turn drafting off where it does not pay, and the counters.
 
 How many drafts pay depends on the runner and on the sequence. The runner states what a
-verification costs (``ModelInfo.verify_cost``, measured: a few percent of a step per draft on
-the PyTorch runner, about half a step on llama.cpp, whose CPU kernels scale with the tokens).
+verification costs (``ModelInfo.verify_cost``, measured per runner: small on the PyTorch
+runner, whose step reads the weights once whatever the tokens; large on llama.cpp, whose CPU
+kernels scale with the tokens).
 Each sequence keeps an estimate of the chance that its next draft is accepted (a moving
 average over its verified drafts and, while it is not drafting, over the proposals it would
 have made, checked against the token it then produced); each step it drafts the length with
@@ -162,8 +163,8 @@ class Speculator:
         all. None while more than ``disable_by_batch_size`` sequences are in flight
         (``in_flight``: generating, prefilling or waiting; vLLM's reading): drafts pay at small
         batches only (a batched decode step already uses the weights it reads many times
-        over), and a step that also prefills has no spare compute to verify with (measured on
-        the 2-core VM, benchmarks/RESULTS.md)."""
+        over), and a step that also prefills has no spare compute to verify with (see
+        benchmarks/RESULTS.md)."""
         if not generating or in_flight > self.config.disable_by_batch_size:
             return {}
         planned: dict[int, list[int]] = {}

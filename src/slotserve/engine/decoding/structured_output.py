@@ -5,8 +5,8 @@ Both runners thus enforce the same grammars the same way: the runner only sets d
 logits to ``-inf`` in that sequence's row before its sampler runs, so unconstrained neighbours
 are computed exactly as without constraints (batch invariance). llguidance was chosen over
 xgrammar (vLLM's default) and llama.cpp's GBNF sampler because it has no dependencies, serves
-both runners through one tokenizer adapter, and computes 16 masks in ~1.5 ms a step on the
-2-core VM (benchmarks/grammar_mask_cost.py, RESULTS.md).
+both runners through one tokenizer adapter, and computes a step's masks in parallel, cheaply
+next to a forward pass (benchmarks/grammar_mask_cost.py; figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -236,8 +236,7 @@ class LlamaCppRunner:
         the path batched decoding takes: a sequence decoding alone in its run would not match
         itself decoding beside others. For such a run, one token of a neighbouring slot
         joins it; it is removed from that slot's KV right after the forward. It costs about
-        one token's compute (measured: a lone decode at ~900 tokens of context 76-80 -> 54
-        tok/s on 2 cores); shorter contexts never need it.
+        one token's compute (benchmarks/RESULTS.md); shorter contexts never need it.
         """
         taken = {chunk.slot for chunk in group}
         num_slots = self._info.num_slots

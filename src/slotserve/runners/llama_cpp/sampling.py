@@ -3,7 +3,8 @@
 Chain order (as llama.cpp's own server builds it): logit bias → penalties → top-k → top-p →
 min-p → temperature → draw. Greedy requests with no bias or penalty never get a chain: the
 runner takes the argmax of the logits directly. A structured-output grammar is not in the
-chain: the engine's token mask is applied to the logits before it (engine/structured_output.py).
+chain: the engine's token mask is applied to the logits before it
+(engine/decoding/structured_output.py).
 
 Penalties follow the OpenAI / vLLM meaning: presence and frequency penalties count generated
 tokens only, the repetition penalty counts prompt and generated tokens. llama.cpp has one

@@ -42,8 +42,8 @@ class Projection(nn.Linear):
 
     def prepack(self, keep_weight: bool = False) -> None:
         """oneDNN's prepacked bfloat16 matmul: measured bit-identical to ``F.linear`` for every
-        row count from 1 to 600 (so batch invariance is unchanged) and 1.2-2.9× faster here,
-        most at one row (a decode step of one sequence). ``keep_weight``: the weight is shared
+        row count from 1 to 600 (so batch invariance is unchanged) and faster, most at one row
+        (a decode step of one sequence). ``keep_weight``: the weight is shared
         (a tied embedding)."""
         reorder = torch.ops.mkldnn._reorder_linear_weight
         if self.chunks is not None:
