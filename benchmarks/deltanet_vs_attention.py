@@ -1,4 +1,4 @@
-"""Gated DeltaNet vs full attention on the PyTorch runner (issue 17): prefill and decode cost
+"""Gated DeltaNet vs full attention on the PyTorch runner: prefill and decode cost
 per token of one sequence at 1k and 4k tokens of context, random weights, bfloat16.
 
 Two Qwen3.5 models alike in every weight shape but ``layer_types``: the hybrid one (three

@@ -1,4 +1,4 @@
-"""Engine-core process vs engine thread, through the server (issue 13).
+"""Engine-core process vs engine thread, through the server.
 
 For each round and concurrency, starts one server with ``--engine-process`` and one with
 ``--no-engine-process`` (alternating which goes first), each alone on the machine, and runs the

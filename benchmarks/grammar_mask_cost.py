@@ -1,4 +1,4 @@
-"""What constrained decoding costs (issue 14): the grammar library's mask alone, and whole
+"""What constrained decoding costs: the grammar library's mask alone, and whole
 engine decode steps with and without a JSON-schema constraint.
 
 1. ``masks``: 16 matchers walking the same JSON document token by token; per step, the time to

@@ -1,4 +1,4 @@
-"""Qwen3-MoE vs a dense Qwen3 of the same active parameters on the PyTorch runner (issue 17):
+"""Qwen3-MoE vs a dense Qwen3 of the same active parameters on the PyTorch runner:
 decode tokens/s at 1 and 16 streams, random weights (``--load-format dummy``), bfloat16.
 
 Both models have the same attention; the MoE's sparse MLP runs ``top_k`` of ``experts``

@@ -1,4 +1,4 @@
-"""The speculator's policy knobs, engine alone (issue 16): the acceptance estimate's weight and
+"""The speculator's policy knobs, engine alone: the acceptance estimate's weight and
 the most drafts per step, on the edit workload's twelve tasks (copy or edit a given text or
 piece of code) or twelve open-ended questions (``--workload open``), one sequence at a time,
 greedy, 128 tokens at most.

@@ -1,5 +1,5 @@
 """What verifying d drafts costs each runner, as a multiple of a plain one-sequence decode step
-(issue 16: ``ModelInfo.verify_cost``, which the speculator's draft length is chosen by).
+(``ModelInfo.verify_cost``, which the speculator's draft length is chosen by).
 
 Per runner, one sequence holds a ``--context``-token prompt; then, ``--reps`` times per length,
 a chunk of the last token plus d drafts (logits at every draft position, as a verification

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from slotserve.bench.datasets import Conversation
-from slotserve.bench.loadgen import LoadConfig
+from slotserve.bench.loadgen import LoadConfig, LoadOptions
 from slotserve.bench.report import Targets, render_table
 from slotserve.bench.runner import DATASETS, build_dataset, run_benchmark
 
@@ -99,6 +99,16 @@ def dataset_from_args(args: argparse.Namespace, num: int) -> list[Conversation]:
     )
 
 
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """How the flags of ``add_workload_arguments`` send the requests."""
+    return {
+        "endpoint": args.endpoint,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+    }
+
+
 def api_url(base_url: str) -> str:
     base = base_url.rstrip("/")
     return base if base.endswith("/v1") else base + "/v1"
@@ -114,14 +124,11 @@ def main_bench(args: argparse.Namespace) -> int:
     config = LoadConfig(
         base_url=api_url(args.base_url),
         model=args.model,
-        endpoint=args.endpoint,
         concurrency=args.concurrency,
         request_rate=args.request_rate,
         duration_s=args.duration,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
         api_key=args.api_key,
+        **load_options(args),
     )
     report = run_benchmark(
         config,

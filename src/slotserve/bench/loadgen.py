@@ -8,7 +8,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -29,6 +29,16 @@ class LoadConfig:
     seed: int = 0
     timeout_s: float = 600.0
     api_key: str | None = None
+
+
+class LoadOptions(TypedDict, total=False):
+    """How requests are sent, beyond where to and how many at once: ``LoadConfig``'s fields
+    that the workload flags set."""
+
+    endpoint: str
+    temperature: float
+    ignore_eos: bool
+    seed: int
 
 
 def poisson_gaps(rate: float, seed: int) -> Iterator[float]:

@@ -15,104 +15,75 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from slotserve.bench import ab
 from slotserve.bench.datasets import random_dataset
-from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark, write_run_json
-from slotserve.bench.servers import (
-    ServerSpec,
-    add_output_dir_argument,
-    resolve_model_or_report,
-    running,
-    slotserve_spec,
-)
-from slotserve.bench.vllm_peer import (
-    VLLM_PEERS,
-    VllmPeer,
-    add_vllm_arguments,
-    hf_folder_for,
-    prepare_vllm,
-)
+from slotserve.bench.vllm_peer import VLLM_PEERS, hf_folder_for
 
 RUNNERS = ("torch", "llama.cpp")
 
 
 def add_runners_ab_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
+    ab.add_model_argument(parser)
     parser.add_argument(
         "--hf-folder",
         type=Path,
         help="the same weights as an HF folder for transformers and vLLM (default: the GGUF "
         "converted once into .peers/hf/)",
     )
-    parser.add_argument("--concurrency", default="1,4,8,16,64", help="comma-separated")
+    ab.add_concurrency_argument(parser, "1,4,8,16,64")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--input-len", type=int, default=32, help="prompt words")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--ctx-per-slot", type=int, default=512)
+    ab.add_round_arguments(parser, rounds=1, ctx_per_slot=512)
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     parser.add_argument("--torch-args", default="", help="extra flags for the torch server")
-    parser.add_argument(
-        "--peers",
-        nargs="*",
-        choices=VLLM_PEERS,
-        default=[],
-        help="other servers on the HF folder (skipped with a note when not installed)",
+    ab.add_peer_arguments(
+        parser,
+        VLLM_PEERS,
+        [],
+        "other servers on the HF folder (skipped with a note when not installed)",
+        hf_folder=False,
     )
-    add_vllm_arguments(parser, hf_folder=False)
-    add_output_dir_argument(parser, "runners")
+    ab.add_output_dir_argument(parser, "runners")
 
 
 def main_runners_ab(args: argparse.Namespace) -> int:
-    console = Console()
-    model = resolve_model_or_report(args.model, console)
-    if model is None:
-        return 2
-    levels = [int(c) for c in args.concurrency.split(",")]
-    out_dir: Path = args.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vllm = prepare_vllm(args.peers, model, args, console)
-    hf_folder = hf_folder_for(model, args.hf_folder) if args.hf else None
-    servers = [*RUNNERS, *(args.peers if vllm is not None else [])]
+    return ab.run(_runners, args)
+
+
+def _runners(session: ab.Session, args: argparse.Namespace) -> int:
+    levels = ab.concurrency_levels(args)
+    servers = session.servers(args.peers, args)
+    hf_folder = hf_folder_for(session.model, args.hf_folder) if args.hf else None
     runs: list[dict[str, Any]] = []
     slots = max(levels)
     for round_index in range(args.rounds):
-        order = servers if round_index % 2 == 0 else list(reversed(servers))
-        for name in order:
-            spec = _spec(name, model, slots, args, vllm)
-            with running(spec, out_dir / "logs") as server:
+        for name in ab.alternate([*RUNNERS, *servers.peers], round_index):
+            with session.start(servers.spec(name, slots, _runner_args(name, args))) as server:
                 for level in levels:
                     dataset = random_dataset(
                         level * args.requests_per_client, args.input_len, args.max_tokens,
                         seed=round_index * 1000 + level,
                     )  # fmt: skip
-                    config = LoadConfig(
-                        base_url=server.api_url, endpoint="completions", concurrency=level
-                    )
-                    report = run_benchmark(
-                        config,
+                    report = session.measure(
+                        server,
                         dataset,
+                        concurrency=level,
                         warmup=min(level, 4),
-                        server_pid=server.pid,
                         label=f"round {round_index + 1} {name} ×{level}",
+                        endpoint="completions",
                     )
-                    write_run_json(
-                        report, out_dir / "runs" / f"{name}-x{level}-r{round_index}.json"
-                    )
+                    session.write_run(report, f"{name}-x{level}-r{round_index}")
                     runs.append(_run(round_index, name, level, report))
-                    console.print(
+                    session.console.print(
                         f"round {round_index + 1} {name:>16} ×{level:<3} "
                         f"{report['output_throughput']:7.1f} tok/s  failed {report['failed']}"
                     )
@@ -120,36 +91,27 @@ def main_runners_ab(args: argparse.Namespace) -> int:
             for level in levels:
                 result = _hf_run(hf_folder, level, args, round_index)
                 runs.append(_run(round_index, "transformers", level, result))
-                console.print(
+                session.console.print(
                     f"round {round_index + 1} transformers ×{level:<3} "
                     f"{result['output_throughput']:7.1f} tok/s"
                 )
     result = _summarize(args, levels, runs)
-    (out_dir / "runners.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "runners.md").write_text(_markdown(result) + "\n")
-    _print_table(result, console)
-    console.print(f"results: {out_dir / 'runners.json'}, {out_dir / 'runners.md'}")
-    return 0
+    return session.finish("runners", result, _markdown(result), _table(result))
 
 
-def _spec(
-    name: str, model: Path, slots: int, args: argparse.Namespace, vllm: VllmPeer | None
-) -> ServerSpec:
-    if name in VLLM_PEERS:
-        assert vllm is not None
-        return vllm.spec(name, slots, args.threads, args.ctx_per_slot)
+def _runner_args(name: str, args: argparse.Namespace) -> list[str]:
+    """The slotserve flags that serve with runner ``name``."""
     extra = ["--runner", name, "--max-queue", "4096"]
     if name == "torch":
         extra += ["--max-model-len", str(args.ctx_per_slot), *args.torch_args.split()]
-    return slotserve_spec(model, slots, args.threads, args.ctx_per_slot, extra)
+    return extra
 
 
 def _run(round_index: int, name: str, level: int, metrics: dict[str, Any]) -> dict[str, Any]:
     """One row of ``runs``: which server, round and concurrency, then the run's flat metrics
     (vLLM's keys; transformers' rows have only its throughput)."""
-    flat = {k: v for k, v in metrics.items() if k not in ("samples", "config")}
     return {
-        **flat,
+        **ab.metrics_of(metrics),
         "round": round_index,
         "runner": name,
         "concurrency": level,
@@ -177,84 +139,64 @@ def _summarize(
 ) -> dict[str, Any]:
     names = sorted({r["runner"] for r in runs}, key=lambda n: (n != "torch", n))
 
-    def series(name: str, level: int) -> list[float]:
-        chosen = [r for r in runs if r["runner"] == name and r["concurrency"] == level]
-        return [r["output_throughput"] for r in sorted(chosen, key=lambda r: r["round"])]
+    def tps(name: str, level: int) -> list[float]:
+        return ab.series(runs, "output_throughput", runner=name, concurrency=level)
 
     medians = {
-        name: {str(level): statistics.median(series(name, level)) for level in levels}
-        for name in names
+        name: {str(level): ab.median(tps(name, level)) for level in levels} for name in names
     }
-    ratios: dict[str, dict[str, float]] = {}
-    for other in names:
-        if other == "torch":
-            continue
-        ratios[f"torch_vs_{other}"] = {
-            str(level): statistics.median(
-                t / o for t, o in zip(series("torch", level), series(other, level), strict=True)
-            )
-            for level in levels
+    ratios = {
+        f"torch_vs_{other}": {
+            str(level): ab.paired_median(tps("torch", level), tps(other, level)) for level in levels
         }
-    base = levels[0]
+        for other in names
+        if other != "torch"
+    }
     ratios["torch_scaling_vs_own_first_level"] = {
-        str(level): statistics.median(
-            t / b for t, b in zip(series("torch", level), series("torch", base), strict=True)
-        )
+        str(level): ab.paired_median(tps("torch", level), tps("torch", levels[0]))
         for level in levels
     }
-    return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpus": os.cpu_count()},
-        "workload": {
-            "concurrency": levels,
-            "requests_per_client": args.requests_per_client,
-            "prompt_words": args.input_len,
-            "max_tokens": args.max_tokens,
-            "rounds": args.rounds,
-            "threads": args.threads,
-        },
-        "medians": medians,
-        "ratios": ratios,
-        "runs": runs,
+    workload = {
+        "concurrency": levels,
+        "requests_per_client": args.requests_per_client,
+        "prompt_words": args.input_len,
+        "max_tokens": args.max_tokens,
     }
+    return ab.summary(args, workload, medians=medians, ratios=ratios, runs=runs)
+
+
+def _ratio_names(result: dict[str, Any]) -> list[str]:
+    return [k for k in result["ratios"] if k.startswith("torch_vs_")]
+
+
+def _rows(result: dict[str, Any], scaling: bool) -> list[list[str]]:
+    """A row per concurrency: tok/s per server, then torch ÷ each (``scaling``: then torch ÷
+    its own first concurrency)."""
+    medians, ratios = result["medians"], result["ratios"]
+    rows = []
+    for level in result["workload"]["concurrency"]:
+        key = str(level)
+        row = [key, *(f"{m[key]:.1f}" for m in medians.values())]
+        row += [f"{ratios[k][key]:.2f}" for k in _ratio_names(result)]
+        if scaling:
+            row.append(f"{ratios['torch_scaling_vs_own_first_level'][key]:.2f}")
+        rows.append(row)
+    return rows
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    w, medians, ratios = result["workload"], result["medians"], result["ratios"]
-    names = list(medians)
-    header = " | ".join(f"{n} tok/s" for n in names)
-    ratio_names = [k for k in ratios if k.startswith("torch_vs_")]
-    lines = [
+    w = result["workload"]
+    columns = ["concurrency", *(f"{n} tok/s" for n in result["medians"])]
+    columns += [k.replace("_", " ") for k in _ratio_names(result)] + ["torch ÷ its ×1"]
+    caption = (
         f"Output tok/s, completions of ~{w['prompt_words']}-word prompts, {w['max_tokens']} "
         f"greedy tokens each, {w['requests_per_client']} requests per client, medians of "
-        f"{w['rounds']} rounds, {w['threads']} threads.",
-        "",
-        f"| concurrency | {header} | "
-        + " | ".join(k.replace("_", " ") for k in ratio_names)
-        + " | torch ÷ its ×1 |",
-        "|---" * (2 + len(names) + len(ratio_names)) + "|",
-    ]
-    for level in w["concurrency"]:
-        key = str(level)
-        row = [key, *(f"{medians[n][key]:.1f}" for n in names)]
-        row += [f"{ratios[k][key]:.2f}" for k in ratio_names]
-        row.append(f"{ratios['torch_scaling_vs_own_first_level'][key]:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        f"{w['rounds']} rounds, {w['threads']} threads."
+    )
+    return ab.markdown_table(columns, _rows(result, scaling=True), caption)
 
 
-def _print_table(result: dict[str, Any], console: Console) -> None:
-    table = Table(title="runners: output tok/s")
-    names = list(result["medians"])
-    ratios = result["ratios"]
-    ratio_names = [k for k in ratios if k.startswith("torch_vs_")]
-    for column in ("concurrency", *names, *(f"torch ÷ {k[9:]}" for k in ratio_names)):
-        table.add_column(column)
-    for level in result["workload"]["concurrency"]:
-        key = str(level)
-        table.add_row(
-            key,
-            *(f"{result['medians'][n][key]:.1f}" for n in names),
-            *(f"{ratios[k][key]:.2f}" for k in ratio_names),
-        )
-    console.print(table)
+def _table(result: dict[str, Any]) -> Table:
+    columns = ["concurrency", *result["medians"]]
+    columns += [f"torch ÷ {k.removeprefix('torch_vs_')}" for k in _ratio_names(result)]
+    return ab.rich_table("runners: output tok/s", columns, _rows(result, scaling=False))

@@ -4,7 +4,6 @@ error), children included."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from rich.console import Console
 
 HOST = "127.0.0.1"
 # How long members of a server's process group may outlive its leader before SIGKILL.
@@ -245,24 +243,3 @@ def find_llama_server(explicit: Path | None) -> Path | None:
         return built[-1]
     on_path = shutil.which("llama-server")
     return Path(on_path) if on_path else None
-
-
-def add_output_dir_argument(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--output-dir``, by default a new ``benchmarks/results/NAME-<date>-<time>``."""
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=Path("benchmarks/results") / time.strftime(f"{name}-%Y%m%d-%H%M%S"),
-    )
-
-
-def resolve_model_or_report(model: str | None, console: Console) -> Path | None:
-    """The GGUF a bench subcommand serves (the embedded one by default); None after printing
-    why there is none."""
-    from slotserve.models.source import ModelUnavailableError, resolve_model_path
-
-    try:
-        return resolve_model_path(model)
-    except ModelUnavailableError as exc:
-        console.print(f"[red]{exc}")
-        return None

