@@ -61,12 +61,7 @@ class GenericStream(SectionStream):
         return True
 
     def _colon(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c != ":":
-            return self._fail()
-        self._state = self._value
-        return True
+        return self._expect(c, ":", self._value)
 
     def _value(self, c: str) -> bool:
         if c.isspace():
@@ -95,23 +90,11 @@ class GenericStream(SectionStream):
         self._state = self._object_end
 
     def _object_end(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c != "}":
-            return self._fail()
-        self._state = self._trailing
-        return True
+        return self._expect(c, "}", self._trailing)
 
-    def _trailing(self, c: str) -> bool:
-        return True if c.isspace() else self._fail()
-
-    def _end(self) -> None:
-        if self._state in (self._start, self._tail):
-            self._release(len(self._text))
-        else:
-            # A response or call list cut off after its value still says what it meant.
-            finished = (self._response, self._object_end, self._trailing)
-            self._end_section(committed=self._state in finished)
+    def _complete_at_end(self) -> bool:
+        # A response or call list cut off after its value still says what it meant.
+        return self._state in (self._response, self._object_end, self._trailing)
 
 
 class GenericParser(SectionParser):

@@ -34,11 +34,7 @@ class HermesStream(SectionStream):
         return self._invalid_block
 
     def _block_open(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == "{":
-            return self._begin_call(self._to_block_close)
-        return self._fail()
+        return self._call_or_fail(c, self._to_block_close)
 
     def _to_block_close(self) -> None:
         self._matched = 0
@@ -63,13 +59,8 @@ class HermesStream(SectionStream):
             self._state = self._plain
         return True
 
-    def _end(self) -> None:
-        if self._state == self._plain:
-            self._end_plain()
-        elif self._state == self._invalid_block:
-            self._release(len(self._text))
-        else:
-            self._end_section(committed=self._state == self._block_close)
+    def _complete_at_end(self) -> bool:
+        return self._state == self._block_close
 
 
 class HermesParser(SectionParser):

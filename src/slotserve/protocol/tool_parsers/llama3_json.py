@@ -35,11 +35,7 @@ class Llama3JsonStream(SectionStream):
         self._state = self._item
 
     def _item(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == "{":
-            return self._begin_call(self._to_next)
-        return self._fail()
+        return self._call_or_fail(c, self._to_next)
 
     def _to_next(self) -> None:
         self._state = self._next
@@ -52,13 +48,8 @@ class Llama3JsonStream(SectionStream):
             return True
         return self._fail()
 
-    def _end(self) -> None:
-        if self._state in (self._start, self._plain):
-            self._end_plain()
-        elif self._state == self._tail:
-            self._release(len(self._text))
-        else:
-            self._end_section(committed=self._state == self._next)
+    def _complete_at_end(self) -> bool:
+        return self._state == self._next
 
 
 class Llama3JsonParser(SectionParser):

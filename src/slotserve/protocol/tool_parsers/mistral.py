@@ -37,14 +37,6 @@ class MistralStream(SectionStream):
         self._commit(self._pos + 1)
         self._state = self._plain
 
-    def _end(self) -> None:
-        if self._state == self._plain:
-            self._end_plain()
-        elif self._state == self._tail:
-            self._release(len(self._text))
-        else:
-            self._end_section(committed=False)
-
 
 class MistralParser(SectionParser):
     name = "mistral"

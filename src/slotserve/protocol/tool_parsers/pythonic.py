@@ -92,14 +92,8 @@ class PythonicStream(SectionStream):
             return self._fail()
         return True
 
-    def _trailing(self, c: str) -> bool:
-        return True if c.isspace() else self._fail()
-
-    def _end(self) -> None:
-        if self._state in (self._start, self._tail):
-            self._release(len(self._text))
-        else:
-            self._end_section(committed=self._state == self._trailing)
+    def _complete_at_end(self) -> bool:
+        return self._state == self._trailing
 
 
 def call_arguments(source: str) -> str | None:

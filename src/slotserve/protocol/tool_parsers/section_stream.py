@@ -67,9 +67,20 @@ class SectionStream:
     def _after_failure(self) -> State:
         return self._tail
 
+    def _complete_at_end(self) -> bool:
+        """Whether the section open when the output ends holds complete calls."""
+        return False
+
     def _end(self) -> None:
-        """Decides what is held or open when the output ends."""
-        raise NotImplementedError
+        """Decides what is held or open when the output ends: plain text is released (or
+        dropped, when it is whitespace after a call), a failed stretch is content, and an open
+        section commits only where the format says it is complete."""
+        if self._state in (self._initial_state(), self._plain):
+            self._end_plain()
+        elif self._state == self._after_failure():
+            self._release(len(self._text))
+        else:
+            self._end_section(committed=self._complete_at_end())
 
     # --- content ---------------------------------------------------------------------------
 
@@ -142,6 +153,19 @@ class SectionStream:
         self._state = self._tail
         return False
 
+    def _expect(self, c: str, expected: str, then: State) -> bool:
+        """Past whitespace, ``expected`` leads to ``then``; anything else fails the section."""
+        if c.isspace():
+            return True
+        if c != expected:
+            return self._fail()
+        self._state = then
+        return True
+
+    def _trailing(self, c: str) -> bool:
+        """After the calls of a whole-output format: only whitespace may follow."""
+        return True if c.isspace() else self._fail()
+
     def _commit(self, end: int) -> None:
         self._out.commit()
         self._emitted = end
@@ -175,6 +199,15 @@ class SectionStream:
         self._state = self._in_call
         return False
 
+    def _call_or_fail(self, c: str, then: Callable[[], None]) -> bool:
+        """Past whitespace, a ``{`` opens a call object (``then`` runs once it closes); anything
+        else fails the section."""
+        if c.isspace():
+            return True
+        if c == "{":
+            return self._begin_call(then)
+        return self._fail()
+
     def _in_call(self, c: str) -> bool:
         assert self._call is not None
         status = self._call.push(c)
@@ -192,11 +225,7 @@ class SectionStream:
         return self._list_item(c)
 
     def _list_item(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == "{":
-            return self._begin_call(self._to_list_next)
-        return self._fail()
+        return self._call_or_fail(c, self._to_list_next)
 
     def _to_list_next(self) -> None:
         self._state = self._list_next
