@@ -2,7 +2,8 @@
 ``slotserve bench``, ``slotserve bench sweep``.
 
 Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
-``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
+``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins. docs/configuration.md lists
+them all.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve a model over the OpenAI API (GGUF: llama.cpp; HF folder: PyTorch)"
     )
-    from slotserve.serve_command import add_replica_arguments, add_serve_arguments
+    from slotserve.serve_config import add_serve_arguments
 
     add_serve_arguments(serve)
-    add_replica_arguments(serve)
     chat = commands.add_parser(
         "chat",
         help="chat with a model in the terminal (in-process, or a running server with --url)",

@@ -1,32 +1,39 @@
-"""Flag helpers shared by the command line: ``SLOTSERVE_*`` environment defaults and sizes.
+"""Options: configuration fields that carry their own flag, ``SLOTSERVE_*`` variable and help.
 
-Every flag has a ``SLOTSERVE_*`` environment equivalent (``--ctx-size`` ↔
-``SLOTSERVE_CTX_SIZE``); a flag given on the command line wins.
+A field of a configuration dataclass made with :func:`option` is declared once, and what the
+user meets is derived from it: the flags of ``slotserve serve`` and ``slotserve chat``
+(:func:`add_arguments`), the environment defaults (``--ctx-size`` ↔ ``SLOTSERVE_CTX_SIZE``; a
+flag given on the command line wins), the body of ``POST /models/load`` and
+``docs/configuration.md``. The engine's configuration is declared with it, so this module
+imports nothing of slotserve's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ENV_PREFIX = "SLOTSERVE_"
+_KEY = "slotserve.option"
+_T = TypeVar("_T")
+_C = TypeVar("_C", bound="DataclassInstance")
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SLOTSERVE_{name}", default)
+    return os.environ.get(f"{ENV_PREFIX}{name}", default)
 
 
-def env_int(name: str, default: int) -> int:
-    value = env(name)
-    return default if value is None else int(value)
-
-
-def env_float(name: str, default: float) -> float:
-    value = env(name)
-    return default if value is None else float(value)
-
-
-def env_bool(name: str, default: bool) -> bool:
-    value = env(name)
-    return default if value is None else value.lower() in ("1", "true", "yes", "on")
+def parse_bool(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
 
 
 _BYTE_UNITS = {
@@ -40,17 +47,24 @@ _BYTE_UNITS = {
 }
 
 
-def parse_cache_budget(text: str) -> tuple[int | None, int | None]:
+class CacheBudget(NamedTuple):
+    """What the prefix cache may keep once no request uses it: tokens, or bytes of KV."""
+
+    tokens: int | None = None
+    bytes: int | None = None
+
+
+def parse_cache_budget(text: str) -> CacheBudget:
     """``"20000"`` → (20000 tokens, None); ``"512MiB"`` → (None, 536870912 bytes)."""
     value = text.strip().lower().replace(" ", "")
     if value.isdigit():
-        return int(value), None
+        return CacheBudget(tokens=int(value))
     number = value.rstrip("bgikm")
     unit = value[len(number) :]
     try:
         if unit not in _BYTE_UNITS:
             raise ValueError(unit)
-        return None, int(float(number) * _BYTE_UNITS[unit])
+        return CacheBudget(bytes=int(float(number) * _BYTE_UNITS[unit]))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid budget {text!r}: a token count (20000) or bytes with a unit (512MiB, 2GB)"
@@ -70,3 +84,194 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: bytes, with a unit if you like (512MiB, 2GB)"
         ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option. ``flag``: the long flag (``--ctx-size``), or a positional's name
+    (``model``); ``dest``: its name once parsed, which ``POST /models/load`` uses too
+    (``ctx_size``); ``env``: its variable's name after ``SLOTSERVE_`` (None: none);
+    ``parse``: how a flag's or a variable's text becomes the value (None: by the field's type);
+    ``wire``: the JSON types ``POST /models/load`` takes for an option read by ``parse``, which
+    reads their JSON text; ``ge``: the least value ``POST /models/load`` takes.
+
+    ``name``, ``default`` and ``kind`` (the field's type without None) are the field's:
+    :func:`options` fills them in."""
+
+    flag: str
+    env: str | None
+    help: str
+    dest: str
+    short: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None
+    wire: Any = None
+    ge: float | None = None
+    name: str = ""
+    default: Any = None
+    kind: Any = str
+
+    @property
+    def positional(self) -> bool:
+        return not self.flag.startswith("-")
+
+    @property
+    def repeated(self) -> bool:
+        """A ``tuple[X, ...]`` field: the flag may be given again and again."""
+        return typing.get_origin(self.kind) is tuple and typing.get_args(self.kind)[-1:] == (...,)
+
+    @property
+    def env_var(self) -> str | None:
+        return None if self.env is None else ENV_PREFIX + self.env
+
+    def environ(self) -> str | None:
+        """The variable's text, when it is set."""
+        return None if self.env_var is None else os.environ.get(self.env_var)
+
+    def read(self, text: str) -> Any:
+        """A flag's or a variable's text as the field's value."""
+        if self.parse is not None:
+            return self.parse(text)
+        if self.kind is bool:
+            return parse_bool(text)
+        if self.kind in (int, float):
+            return self.kind(text)
+        return text
+
+    def read_json(self, value: Any) -> Any:
+        """A ``POST /models/load`` value as the field's value: an option read from text takes
+        that text or its JSON value (``"2GiB"`` or ``2147483648``; a speculative config's
+        object); the others are the value."""
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.dest} must be one of {', '.join(self.choices)}")
+        if self.parse is None:
+            return value
+        return self.parse(value if isinstance(value, str) else json.dumps(value))
+
+
+def option(
+    default: _T,
+    *,
+    flag: str,
+    env: str | None,
+    help: str,
+    dest: str | None = None,
+    short: str | None = None,
+    metavar: str | None = None,
+    choices: Iterable[str] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    wire: Any = None,
+    ge: float | None = None,
+) -> _T:
+    """A dataclass field declared as an option (see :class:`Option`)."""
+    declared = Option(
+        flag,
+        env,
+        help,
+        dest or flag.lstrip("-").replace("-", "_"),
+        short,
+        metavar,
+        tuple(choices) if choices is not None else None,
+        parse,
+        wire,
+        ge,
+    )
+    return dataclasses.field(default=default, metadata={_KEY: declared})
+
+
+def options(cls: type[DataclassInstance]) -> dict[str, Option]:
+    """The options of a configuration dataclass, by field name, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    found: dict[str, Option] = {}
+    for field in dataclasses.fields(cls):
+        declared = field.metadata.get(_KEY)
+        if isinstance(declared, Option):
+            kind = _without_none(hints[field.name])
+            found[field.name] = dataclasses.replace(
+                declared, name=field.name, default=field.default, kind=kind
+            )
+    return found
+
+
+def _without_none(hint: Any) -> Any:
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+    return kinds[0] if len(kinds) == 1 else typing.Union[tuple(kinds)]  # noqa: UP007
+
+
+def add_arguments(parser: argparse._ActionsContainer, declared: Iterable[Option]) -> None:
+    """The options as flags, each defaulting to its ``SLOTSERVE_*`` variable when that is set
+    (argparse reads a text default as it reads the flag), else to the field's default."""
+    for opt in declared:
+        text = opt.environ()
+        default = opt.default if text is None else text
+        help_text = opt.help.replace("%", "%%")
+        if opt.env_var is not None:
+            help_text += f" [{opt.env_var}]"
+        if opt.positional:
+            parser.add_argument(
+                opt.flag, nargs="?", metavar=opt.metavar, default=default, help=help_text
+            )
+            continue
+        flags = [opt.flag] + ([opt.short] if opt.short else [])
+        if opt.kind is bool:
+            parser.add_argument(
+                *flags,
+                dest=opt.dest,
+                action=argparse.BooleanOptionalAction,
+                default=opt.default if text is None else parse_bool(text),
+                help=help_text,
+            )
+        elif opt.repeated:
+            parser.add_argument(
+                *flags, dest=opt.dest, action="append", metavar=opt.metavar, help=help_text
+            )
+        else:
+            parser.add_argument(
+                *flags,
+                dest=opt.dest,
+                type=_argparse_type(opt),
+                choices=opt.choices,
+                metavar=opt.metavar,
+                default=default,
+                help=help_text,
+            )
+
+
+def _argparse_type(opt: Option) -> Callable[[str], Any]:
+    if opt.parse is None:
+        # argparse names int and float in its own message ("invalid int value: 'x'").
+        return opt.kind if opt.kind in (int, float) else opt.read
+    parse = opt.parse
+
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse would print only the function's name
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    read.__name__ = parse.__name__
+    return read
+
+
+def configure(cls: type[_C], namespace: argparse.Namespace | None = None) -> _C:
+    """A configuration: each option from the parsed command line where that has it, else
+    from its ``SLOTSERVE_*`` variable when set, else the field's default. A bad value (or an
+    invalid combination, the dataclass's own check) raises ``ValueError``."""
+    values: dict[str, Any] = {}
+    for opt in options(cls).values():
+        if namespace is not None and hasattr(namespace, opt.dest):
+            value = getattr(namespace, opt.dest)
+            values[opt.name] = tuple(value or ()) if opt.repeated else value
+            continue
+        text = opt.environ()
+        if text is not None:
+            try:
+                values[opt.name] = opt.read(text)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"{opt.env_var}: {exc}") from None
+    return cls(**values)

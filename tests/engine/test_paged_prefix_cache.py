@@ -8,6 +8,7 @@ from __future__ import annotations
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
 from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
+from slotserve.options import CacheBudget
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -126,7 +127,7 @@ def test_concurrent_requests_with_one_prefix_share_its_blocks() -> None:
 
 def test_a_budget_of_zero_keeps_nothing_once_requests_end() -> None:
     runner = pooled(200, num_slots=2)
-    core, _ = make_core(runner, prefix_cache_budget_tokens=0)
+    core, _ = make_core(runner, prefix_cache_budget=CacheBudget(tokens=0))
     submit(core, "a", PREFIX, max_tokens=3)
     run_to_completion(core)
     assert core.snapshot().prefix_cache.cached_tokens == 0 and runner.blocks_in_use == 0

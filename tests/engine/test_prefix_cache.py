@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
+from slotserve.options import CacheBudget
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 
@@ -107,7 +108,7 @@ def test_a_short_shared_preamble_does_not_make_requests_wait() -> None:
 def test_tiny_budget_evicts_and_keeps_serving_correctly() -> None:
     prompts = [f"{c}" * 40 + "tail" for c in "abcdef"]
     runner = fake(num_slots=2)
-    core, _ = make_core(runner, prefix_cache_budget_tokens=50)
+    core, _ = make_core(runner, prefix_cache_budget=CacheBudget(tokens=50))
     for i, prompt in enumerate(prompts * 2):
         submit(core, f"r{i}", prompt, max_tokens=3)
         run_to_completion(core)
@@ -207,7 +208,7 @@ def test_random_workloads_keep_kv_consistent_and_outputs_unchanged(
         core, _ = make_core(
             runner,
             prefix_cache=prefix_cache,
-            prefix_cache_budget_tokens=budget,
+            prefix_cache_budget=CacheBudget(tokens=budget),
             max_batch_tokens=48,
             prefill_chunk=32,
             prefix_wait_min_tokens=30,

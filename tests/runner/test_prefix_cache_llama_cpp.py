@@ -7,6 +7,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
 
@@ -117,7 +118,9 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
         f"p{i}": runner.tokenizer.encode(p + SYSTEM[:600]) for i, p in enumerate(PROMPTS[:4])
     }
     reference = _run(EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), prompts, 12)
-    core = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache_budget_tokens=GRAIN))
+    core = EngineCore(
+        runner, EngineConfig(num_slots=2, prefix_cache_budget=CacheBudget(tokens=GRAIN))
+    )
     for rid, prompt in prompts.items():
         tokens, _ = _run(core, {rid: prompt}, 12)[rid]
         assert tokens == reference[rid][0]

@@ -1,31 +1,31 @@
 """``slotserve chat [MODEL]`` and ``slotserve chat --url URL``: flags and start-up.
 
 Without ``--url`` the model runs in this process, resolved and built as ``serve`` does it
-(``resolve_model_path``, ``runner_factory``); the flags ``serve`` has and ``chat`` does not
-keep ``serve``'s defaults (and their ``SLOTSERVE_*`` variables). With ``--url`` the replies
-come from a running OpenAI-compatible server.
+(``resolve_model_path``, ``runner_factory``); its flags are some of ``serve``'s options
+(:func:`local_options`), and those ``chat`` does not have keep ``serve``'s defaults (and their
+``SLOTSERVE_*`` variables), but a reply has no time limit. With ``--url`` the replies come from
+a running OpenAI-compatible server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slotserve.chat.backend import ChatBackend, ChatBackendError, GenerationOptions
-from slotserve.models.launch import DTYPES, RUNNERS
-from slotserve.options import env, env_int
+from slotserve.engine.config import EngineConfig
+from slotserve.models.config import ModelOptions, RunnerConfig
+from slotserve.options import Option, add_arguments, configure, env, options
 
 if TYPE_CHECKING:
     from slotserve.chat.terminal import Screen
 
 USAGE_ERROR = 2
-
-# Flags chat shares with serve; the values the user gave replace serve's defaults.
-_ENGINE_FLAGS = ("runner", "slots", "ctx_size", "max_model_len", "threads", "dtype", "device")
 
 
 DESCRIPTION = """\
@@ -36,6 +36,28 @@ At a terminal: Enter sends, Alt-Enter starts a new line, /help lists the command
 a reply (its text so far stays in the history), Ctrl-C at an empty prompt or Ctrl-D leaves.
 With stdin not a terminal each non-empty line is one turn; replies go to stdout, status lines to
 stderr."""
+
+
+def local_options() -> list[Option]:
+    """``serve``'s options that ``chat`` takes for the model in-process."""
+    runner, engine = options(RunnerConfig), options(EngineConfig)
+    slots = dataclasses.replace(
+        engine["num_slots"],
+        default=1,
+        # Not SLOTSERVE_SLOTS: that one sizes servers, and a chat is one conversation.
+        env="CHAT_SLOTS",
+        help="sequences the engine holds (default 1: one conversation)",
+    )
+    return [
+        runner["runner"],
+        slots,
+        runner["ctx_size"],
+        runner["max_model_len"],
+        runner["threads"],
+        options(ModelOptions)["chat_template"],
+        runner["dtype"],
+        runner["device"],
+    ]
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,40 +97,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         help="most tokens per reply (default: until the model stops or its context is full)",
     )
     local = parser.add_argument_group("the model in-process (as for serve)")
-    local.add_argument("--runner", choices=RUNNERS, default=env("RUNNER", "auto"))
-    local.add_argument(
-        "--slots",
-        type=int,
-        # Not SLOTSERVE_SLOTS: that one sizes servers, and a chat is one conversation.
-        default=env_int("CHAT_SLOTS", 1),
-        help="sequences the engine holds (default 1: one conversation)",
-    )
-    local.add_argument(
-        "--ctx-size",
-        type=int,
-        default=env_int("CTX_SIZE", 0),
-        help="llama.cpp: KV cache tokens for all slots (default: min(trained context, 4096) "
-        "per slot)",
-    )
-    local.add_argument(
-        "--max-model-len",
-        type=int,
-        default=env_int("MAX_MODEL_LEN", 0),
-        help="torch: tokens one sequence may hold (default: min(trained context, 4096))",
-    )
-    local.add_argument(
-        "--threads",
-        type=int,
-        default=env_int("THREADS", 0),
-        help="CPU threads for the runner (default: all cores)",
-    )
-    local.add_argument(
-        "--chat-template",
-        default=env("CHAT_TEMPLATE"),
-        help="Jinja2 chat template file overriding the model's own",
-    )
-    local.add_argument("--dtype", choices=DTYPES, default=env("DTYPE", "auto"))
-    local.add_argument("--device", default=env("DEVICE", "auto"), help="torch: cpu, cuda, cuda:N")
+    add_arguments(local, local_options())
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -170,30 +159,27 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
     if args.url:
         return await RemoteBackend.connect(args.url, args.api_key, args.model_name)
 
-    from slotserve.engine.config import EngineConfig
     from slotserve.models.launch import default_model_name, runner_factory
     from slotserve.models.source import resolve_model_path
-    from slotserve.serve_command import add_serve_arguments
 
-    serve_parser = argparse.ArgumentParser(add_help=False)
-    add_serve_arguments(serve_parser)
-    serve_args = serve_parser.parse_args([])
-    for name in _ENGINE_FLAGS:
-        setattr(serve_args, name, getattr(args, name))
+    engine, runner = local_configs(args)
     model_path = resolve_model_path(args.model or env("MODEL"))
     name = default_model_name(model_path)
-    spec = runner_factory(serve_args, model_path, name)
-    config = EngineConfig(
-        num_slots=serve_args.slots,
-        max_batch_tokens=serve_args.max_batch_tokens,
-        prefill_chunk=serve_args.prefill_chunk,
-        # Each turn's prompt starts with the previous one: the cache makes it cheap.
-        prefix_cache=serve_args.prefix_cache,
-    )
+    spec = runner_factory(runner, engine, model_path, name)
     if screen.notes.is_terminal:
         screen.notes.print(f"loading {model_path} …", style="dim", soft_wrap=True)
     template = Path(args.chat_template) if args.chat_template else None
-    return await EngineBackend.start(name, spec, config, template)
+    return await EngineBackend.start(name, spec, engine, template)
+
+
+def local_configs(args: argparse.Namespace) -> tuple[EngineConfig, RunnerConfig]:
+    """The in-process model's engine and runner: chat's flags over ``serve``'s options."""
+    engine = configure(EngineConfig, args)
+    # Each turn's prompt starts with the previous one: the prefix cache (on unless
+    # SLOTSERVE_PREFIX_CACHE says otherwise) makes it cheap. A reply at the terminal has no
+    # time limit: Ctrl-C stops it.
+    engine = dataclasses.replace(engine, request_timeout_s=None)
+    return engine, configure(RunnerConfig, args)
 
 
 class _NoTraceback(logging.Filter):

@@ -1,10 +1,13 @@
-"""Engine configuration: one frozen, validated dataclass handed down explicitly."""
+"""Engine configuration: one frozen, validated dataclass handed down explicitly. Its fields are
+also ``slotserve serve``'s scheduling options (``slotserve.options``)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from slotserve.options import CacheBudget, option, parse_cache_budget
 
 _KEYS = {
     "method",
@@ -72,6 +75,10 @@ class SpeculativeConfig:
         return cls(**raw)
 
 
+def _seconds_or_no_limit(text: str) -> float | None:
+    return float(text) or None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduling limits.
@@ -80,10 +87,10 @@ class EngineConfig:
     chunks); ``prefill_chunk`` bounds one sequence's share of it. ``max_queue`` bounds requests
     waiting for a slot; one more is refused at once.
 
-    The prefix cache (``prefix_cache``) keeps at most ``prefix_cache_budget_tokens`` unused
-    tokens and ``prefix_cache_budget_bytes`` of their KV (None: all the free slots can hold).
-    A waiting request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a
-    prompt still being prefilled waits until those are computed, then reuses them.
+    The prefix cache (``prefix_cache``) keeps at most ``prefix_cache_budget`` of unused tokens
+    (a token count, or bytes of their KV; None: all the free slots can hold). A waiting request
+    whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still being
+    prefilled waits until those are computed, then reuses them.
 
     ``request_timeout_s`` ends a request that has not finished that long after it arrived
     (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
@@ -92,18 +99,96 @@ class EngineConfig:
     ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
-    num_slots: int = 8
-    max_batch_tokens: int = 512
-    prefill_chunk: int = 512
-    max_queue: int = 64
-    prefix_cache: bool = True
-    prefix_cache_budget_tokens: int | None = None
-    prefix_cache_budget_bytes: int | None = None
-    prefix_wait_min_tokens: int = 256
-    request_timeout_s: float | None = None
-    slow_step_warn_s: float = 5.0
-    slow_queue_warn_s: float = 30.0
-    speculative: SpeculativeConfig | None = None
+    num_slots: int = option(
+        8, flag="--slots", env="SLOTS", ge=1, help="sequences decoded together (default 8)"
+    )
+    max_batch_tokens: int = option(
+        512,
+        flag="--max-batch-tokens",
+        env="MAX_BATCH_TOKENS",
+        ge=1,
+        help="tokens in one forward pass (default 512)",
+    )
+    prefill_chunk: int = option(
+        512,
+        flag="--prefill-chunk",
+        env="PREFILL_CHUNK",
+        ge=1,
+        help="prompt tokens of one sequence per step (default 512)",
+    )
+    max_queue: int = option(
+        64,
+        flag="--max-queue",
+        env="MAX_QUEUE",
+        ge=0,
+        help="requests that may wait for a slot before 429 (default 64)",
+    )
+    prefix_cache: bool = option(
+        True,
+        flag="--prefix-cache",
+        env="PREFIX_CACHE",
+        help="share the KV of common prompt prefixes between requests (default on)",
+    )
+    # option() is dataclasses.field() with the option's declaration: no shared default.
+    prefix_cache_budget: CacheBudget | None = option(  # noqa: RUF009
+        None,
+        flag="--prefix-cache-budget",
+        env="PREFIX_CACHE_BUDGET",
+        parse=parse_cache_budget,
+        wire=int | str,
+        help="most cached tokens kept once no request uses them: a token count (20000) or "
+        "KV bytes (512MiB); default: all that free slots can hold",
+    )
+    prefix_wait_min_tokens: int = option(
+        256,
+        flag="--prefix-wait-min-tokens",
+        env="PREFIX_WAIT_MIN_TOKENS",
+        ge=1,
+        help="a request sharing at least this many prompt tokens with a prompt still being "
+        "prefilled waits for them to be computed and reuses their KV (default 256)",
+    )
+    request_timeout_s: float | None = option(
+        600.0,
+        flag="--request-timeout",
+        env="REQUEST_TIMEOUT",
+        parse=_seconds_or_no_limit,
+        ge=0,
+        help="seconds after which an unfinished request (queue time included) is cancelled "
+        "with a 408 (0: no limit; default 600)",
+    )
+    slow_step_warn_s: float = option(
+        5.0,
+        flag="--slow-step-warn",
+        env="SLOW_STEP_WARN",
+        help="log a warning for an engine step slower than this many seconds (default 5)",
+    )
+    slow_queue_warn_s: float = option(
+        30.0,
+        flag="--slow-queue-warn",
+        env="SLOW_QUEUE_WARN",
+        help="log a warning for a request queued longer than this many seconds (default 30)",
+    )
+    speculative: SpeculativeConfig | None = option(  # noqa: RUF009
+        None,
+        flag="--speculative-config",
+        env="SPECULATIVE_CONFIG",
+        parse=SpeculativeConfig.from_json,
+        wire=dict[str, Any] | str,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(also disable_by_batch_size: no drafts with more sequences in flight, default 2; "
+        "min_acceptance_rate: a hard floor, default none: the draft length follows the "
+        "runner's measured cost and the request's acceptance); "
+        "greedy and seeded outputs are the same as without it (default off)",
+    )
+
+    @property
+    def prefix_cache_budget_tokens(self) -> int | None:
+        return self.prefix_cache_budget.tokens if self.prefix_cache_budget else None
+
+    @property
+    def prefix_cache_budget_bytes(self) -> int | None:
+        return self.prefix_cache_budget.bytes if self.prefix_cache_budget else None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

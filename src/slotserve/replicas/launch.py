@@ -10,47 +10,43 @@ command's other flags (``replica.py``), so the model path must exist on every no
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import threading
 from typing import cast
 
+from slotserve.options import options
 from slotserve.replicas.routing import router_config
+from slotserve.serve_config import ReplicaConfig, ServeConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "slotserve"
-# Flags of this command that are the deployment's, not each replica server's.
-_DEPLOYMENT_FLAGS = {
-    "--replicas": 1,
-    "--ray-address": 1,
-    "--replica-cpus": 1,
-    "--replica-routing": 1,
-    "--routing-imbalance-threshold": 1,
-    "--host": 1,
-    "--port": 1,
+# Flags of this command that are the deployment's, not each replica server's; each takes one
+# value.
+_DEPLOYMENT_FLAGS = {opt.flag for opt in options(ReplicaConfig).values()} | {
+    options(ServerConfig)[name].flag for name in ("host", "port")
 }
 
 
 def replica_argv(argv: list[str]) -> list[str]:
     """``argv`` (after ``serve``) without the deployment's own flags."""
     kept: list[str] = []
-    skip = 0
+    skip = False
     for arg in argv:
         if skip:
-            skip -= 1
+            skip = False
             continue
         name = arg.split("=", 1)[0]
         if name in _DEPLOYMENT_FLAGS:
-            skip = 0 if "=" in arg else _DEPLOYMENT_FLAGS[name]
+            skip = "=" not in arg
             continue
         kept.append(arg)
     return kept
 
 
-def serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
+def serve_replicas(config: ServeConfig, argv: list[str]) -> int:
     """Starts the deployment and serves until SIGINT or SIGTERM."""
     import ray
     from ray import serve
@@ -60,37 +56,38 @@ def serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
     from slotserve.replicas.replica import EngineReplica
     from slotserve.server.log_context import configure_logging
 
-    configure_logging(args.log_level)
+    replicas, server, limits = config.replicas, config.server, config.launch.engine
+    configure_logging(server.log_level)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    local = args.ray_address is None
+    local = replicas.ray_address is None
     # The replicas' servers read SLOTSERVE_* settings too, on whichever node they run (their
     # command line sets --host, --port and --replicas 0 over any of these: replica.py).
     env_vars = {k: v for k, v in os.environ.items() if k.startswith("SLOTSERVE_")}
     ray.init(
-        address="local" if local else args.ray_address,
+        address="local" if local else replicas.ray_address,
         include_dashboard=False,
         runtime_env={"env_vars": env_vars},
     )
-    threshold = args.routing_imbalance_threshold or args.slots
+    threshold = replicas.routing_imbalance_threshold or limits.num_slots
     # cast: the stubs give serve.deployment(cls) the decorator-factory overload's type.
     engine = cast(Deployment, serve.deployment(EngineReplica)).options(
         name="EngineReplica",
-        num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.replica_cpus},
+        num_replicas=replicas.replicas,
+        ray_actor_options={"num_cpus": replicas.replica_cpus},
         # A replica's server queues what its slots cannot take (and answers 429 past
         # --max-queue); a few more for the ingress's broadcasts (metrics, health).
-        max_ongoing_requests=args.slots + args.max_queue + 4,
-        request_router_config=router_config(args.replica_routing, threshold),
+        max_ongoing_requests=limits.num_slots + limits.max_queue + 4,
+        request_router_config=router_config(replicas.replica_routing, threshold),
         health_check_period_s=5,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        graceful_shutdown_timeout_s=server.shutdown_timeout,
     )
     ingress = cast(Deployment, serve.deployment(Ingress)).options(
         name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
     stop = threading.Event()
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(
             ingress.bind(engine.bind(replica_argv(argv))),
             name=APP_NAME,
@@ -102,10 +99,10 @@ def serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
             signal.signal(signum, lambda *_: stop.set())
         logger.info(
             "serving %d replicas (%s routing) at http://%s:%d",
-            args.replicas,
-            args.replica_routing,
-            args.host,
-            args.port,
+            replicas.replicas,
+            replicas.replica_routing,
+            server.host,
+            server.port,
         )
         while not stop.wait(1.0):  # wakes for the signal handlers too
             pass

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.models.config import load_request_model
 from slotserve.models.host import ModelHost, ModelState
 from slotserve.server.errors import ErrorResponse, error_response
 from slotserve.server.serving import ServingContext
@@ -21,32 +22,22 @@ from slotserve.server.serving import ServingContext
 _ROUTER_STATUS = {ModelState.LOADING: "loading", ModelState.UNLOADING: "unloading"}
 
 
-class LoadModelRequest(BaseModel):
+class LoadModelBody(BaseModel):
     """``POST /models/load``: a name from ``--models-dir``, or a name and a path, with any of
-    ``slotserve serve``'s per-model options (unset ones are the server's own)."""
+    ``slotserve serve``'s per-model options, named without dashes (``ctx_size`` for
+    ``--ctx-size``); unset ones are the server's own."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     path: str | None = None
-    runner: str | None = None
-    slots: int | None = Field(default=None, ge=1)
-    ctx_size: int | None = Field(default=None, ge=0)
-    max_model_len: int | None = Field(default=None, ge=0)
-    max_batch_tokens: int | None = Field(default=None, ge=1)
-    prefill_chunk: int | None = Field(default=None, ge=1)
-    max_queue: int | None = Field(default=None, ge=0)
-    prefix_cache: bool | None = None
-    threads: int | None = Field(default=None, ge=0)
-    flash_attn: bool | None = None
-    dtype: str | None = None
-    device: str | None = None
-    kv_memory: str | int | None = None
-    load_format: str | None = None
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    speculative_config: str | dict[str, Any] | None = None
+
+
+# The per-model options' fields are generated from their declarations (models/config.py).
+if TYPE_CHECKING:
+    LoadModelRequest = LoadModelBody
+else:
+    LoadModelRequest = load_request_model(LoadModelBody, "LoadModelRequest")
 
 
 class UnloadModelRequest(BaseModel):

@@ -1,0 +1,89 @@
+"""``python -m slotserve.config_docs > docs/configuration.md``: every option's table, written
+from the option declarations (``slotserve.options``), so the page cannot drift from them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from slotserve.chat.command import local_options
+from slotserve.models.config import PER_MODEL
+from slotserve.options import Option, options
+from slotserve.serve_config import AUTO_TOOL_CHOICE_FLAG, AUTO_TOOL_CHOICE_HELP, SERVE_GROUPS
+
+COMMAND = "python -m slotserve.config_docs > docs/configuration.md"
+
+INTRO = f"""\
+# Configuration
+
+<!-- Written by `{COMMAND}` from the option declarations; edit those, not this file. -->
+
+Every option of `slotserve serve` is a flag and a `SLOTSERVE_*` environment variable; a flag
+given on the command line wins over the variable. The options of each model (engine, runner
+and chat) are also fields of the `POST /models/load` body, which loads one more model with its
+own values over the server's (`{{"model": "name", "path": "/models/x.gguf", "slots": 2}}`);
+there a size may be given in bytes or as text (`"2GiB"`), and `speculative_config` as a JSON
+object or as its text."""
+
+
+def render() -> str:
+    parts = [INTRO]
+    for title, about, config in SERVE_GROUPS:
+        per_model = config in PER_MODEL
+        rows = [_row(opt, per_model) for opt in options(config).values()]
+        if config is PER_MODEL[-1]:
+            rows.append(_cells(f"`{AUTO_TOOL_CHOICE_FLAG}`", "", "", "", AUTO_TOOL_CHOICE_HELP))
+        parts.append(f"## `serve`: {title}\n\n{about}\n\n{_table(rows, per_model)}")
+    chat_rows = [_row(opt, False) for opt in local_options()]
+    parts.append(
+        "## `chat`: the model in-process\n\n"
+        "`slotserve chat` without `--url` runs the model in its own process with these of "
+        "`serve`'s options; the others keep `serve`'s defaults and variables, but a reply has "
+        "no time limit.\n\n"
+        f"{_table(chat_rows, False)}"
+    )
+    return "\n\n".join(parts) + "\n"
+
+
+def _row(opt: Option, per_model: bool) -> str:
+    if opt.positional:
+        flag = f"`{opt.metavar or opt.flag.upper()}` (positional)"
+    elif opt.kind is bool:
+        flag = f"`{opt.flag}`, `--no-{opt.flag.removeprefix('--')}`"
+    else:
+        flag = ", ".join(f"`{f}`" for f in (opt.flag, opt.short) if f)
+        if opt.repeated:
+            flag = f"`{opt.flag} {opt.metavar}` (repeatable)"
+    about = opt.help
+    if opt.choices is not None:
+        about += f"; one of {', '.join(f'`{c}`' for c in opt.choices)}"
+    variable = f"`{opt.env_var}`" if opt.env_var else ""
+    load = f"`{opt.dest}`" if per_model else None
+    return _cells(flag, variable, _default(opt.default), load, about)
+
+
+def _cells(flag: str, variable: str, default: str, load: str | None, about: str) -> str:
+    about = about.replace("|", "\\|").replace("<", "&lt;")
+    cells = [flag, variable, default] + ([load] if load is not None else []) + [about]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _default(value: Any) -> str:
+    if value is None or value == ():
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"`{value:g}`"
+    return f"`{value}`"
+
+
+def _table(rows: Iterable[str], per_model: bool) -> str:
+    head = ["Flag", "Variable", "Default"] + (["Load field"] if per_model else []) + ["About"]
+    rule = "|" + "|".join("---" for _ in head) + "|"
+    return "\n".join(["| " + " | ".join(head) + " |", rule, *rows])
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

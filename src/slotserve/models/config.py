@@ -1,0 +1,256 @@
+"""What the served models are built from, as options (``slotserve.options``): which models are
+served (:class:`ModelsConfig`), and each model's runner (:class:`RunnerConfig`), chat handling
+(:class:`ModelOptions`) and engine (``EngineConfig``), together a :class:`LaunchConfig`, which
+``POST /models/load`` overrides one model at a time (:func:`load_request_model` is its body)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field, create_model
+
+from slotserve.engine.config import EngineConfig
+from slotserve.options import option, options, parse_bytes
+from slotserve.protocol.reasoning import REASONING_PARSERS
+from slotserve.protocol.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+RUNNERS = ("auto", "llama.cpp", "torch")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+
+_C = TypeVar("_C", bound="DataclassInstance")
+_M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """The models one server serves: those it loads at start-up, and a folder of models it
+    loads by name."""
+
+    model: str | None = option(
+        None,
+        flag="model",
+        env="MODEL",
+        metavar="MODEL_PATH",
+        help="a GGUF file, an HF model folder, or an HF model id in the local cache "
+        "(default: the embedded SmolLM2-135M-Instruct GGUF, unless --model or --models-dir "
+        "names models)",
+    )
+    models: tuple[str, ...] = option(
+        (),
+        flag="--model",
+        dest="models",
+        env=None,
+        metavar="PATH[=NAME]",
+        help="serve this model too, under NAME (default: its file name); repeat for several. "
+        "Each has its own engine, slots and runner, built from the per-model options",
+    )
+    served_model_name: str | None = option(
+        None,
+        flag="--served-model-name",
+        env="SERVED_MODEL_NAME",
+        help="model id clients use for MODEL_PATH (default: the GGUF file name)",
+    )
+    models_dir: str | None = option(
+        None,
+        flag="--models-dir",
+        env="MODELS_DIR",
+        help="a folder of models served by name (a GGUF file by its name without .gguf, a "
+        "sub-folder by its name); loaded on first use",
+    )
+    models_autoload: bool = option(
+        True,
+        flag="--models-autoload",
+        env="MODELS_AUTOLOAD",
+        help="load a --models-dir model when a request names it (default on; "
+        "--no-models-autoload: only POST /models/load loads)",
+    )
+    models_max: int = option(
+        4,
+        flag="--models-max",
+        env="MODELS_MAX",
+        help="models loaded at once; loading one more unloads the least recently used idle "
+        "model (default 4; 0: no limit)",
+    )
+    unload_timeout: float = option(
+        30.0,
+        flag="--unload-timeout",
+        env="UNLOAD_TIMEOUT",
+        help="seconds POST /models/unload lets a model's requests in flight finish before "
+        "cutting them off (default 30)",
+    )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How a model's runner is built (``models/launch.py`` makes its recipe); its slots and
+    batch size are the ``EngineConfig``'s."""
+
+    runner: str = option(
+        "auto",
+        flag="--runner",
+        env="RUNNER",
+        choices=RUNNERS,
+        help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
+    )
+    ctx_size: int = option(
+        0,
+        flag="--ctx-size",
+        env="CTX_SIZE",
+        ge=0,
+        help="llama.cpp: KV cache tokens for all slots together; each slot gets "
+        "ctx-size / slots (default: slots × min(trained context, 4096))",
+    )
+    threads: int = option(
+        0,
+        flag="--threads",
+        env="THREADS",
+        ge=0,
+        help="CPU threads for the runner (default: all cores)",
+    )
+    flash_attn: bool = option(
+        True,
+        flag="--flash-attn",
+        env="FLASH_ATTN",
+        help="flash attention kernels (default on: faster batched decode on CPU)",
+    )
+    dtype: str = option(
+        "auto",
+        flag="--dtype",
+        env="DTYPE",
+        choices=DTYPES,
+        help="torch: weight and KV type (auto: bfloat16, batch-invariant on CPU)",
+    )
+    device: str = option(
+        "auto",
+        flag="--device",
+        env="DEVICE",
+        help="torch: cpu, cuda or cuda:N (auto: cuda when available)",
+    )
+    load_format: str = option(
+        "auto",
+        flag="--load-format",
+        env="LOAD_FORMAT",
+        choices=LOAD_FORMATS,
+        help="torch: dummy builds random weights from the config (benchmarks)",
+    )
+    max_model_len: int = option(
+        0,
+        flag="--max-model-len",
+        env="MAX_MODEL_LEN",
+        ge=0,
+        help="torch: tokens one sequence may hold (default: min(trained context, 4096))",
+    )
+    kv_memory: int | None = option(
+        None,
+        flag="--kv-memory",
+        env="KV_MEMORY",
+        parse=parse_bytes,
+        wire=int | str,
+        help="torch: memory for the paged KV cache (2GiB; default on CPU: every slot's "
+        "max-model-len within a quarter of RAM; on GPU: --gpu-memory-fraction)",
+    )
+    gpu_memory_fraction: float = option(
+        0.9,
+        flag="--gpu-memory-fraction",
+        env="GPU_MEMORY_FRACTION",
+        help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)",
+    )
+    block_size: int = option(
+        16,
+        flag="--block-size",
+        env="BLOCK_SIZE",
+        ge=1,
+        help="torch: positions per KV block (default 16)",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        flag="--tensor-parallel-size",
+        short="-tp",
+        env="TENSOR_PARALLEL_SIZE",
+        ge=1,
+        help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
+        "a GPU per rank, else gloo); --threads is then per rank (default 1)",
+    )
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a model's requests are rendered and its replies parsed."""
+
+    chat_template: str | None = option(
+        None,
+        flag="--chat-template",
+        env="CHAT_TEMPLATE",
+        help="Jinja2 chat template file overriding the model's own",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        flag="--tool-call-parser",
+        env="TOOL_CALL_PARSER",
+        choices=TOOL_PARSERS,
+        help="format of the model's tool calls (vLLM's names; default: chosen from the chat "
+        "template: <tool_call> → hermes, [TOOL_CALLS] → mistral, Llama 3 → llama3_json, "
+        "none → generic, a JSON format described to the model in a system message)",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        flag="--reasoning-parser",
+        env="REASONING_PARSER",
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
+    )
+
+
+PER_MODEL: tuple[type[DataclassInstance], ...] = (EngineConfig, RunnerConfig, ModelOptions)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one model is built from."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    model: ModelOptions = field(default_factory=ModelOptions)
+
+    def with_options(self, values: Mapping[str, Any]) -> LaunchConfig:
+        """This configuration with ``POST /models/load``'s options over it, named as the
+        options are (``ctx_size`` for ``--ctx-size``); ``ValueError`` for a bad one."""
+        known = {opt.dest for cls in PER_MODEL for opt in options(cls).values()}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown options: {', '.join(unknown)}")
+        return LaunchConfig(
+            _override(self.engine, values),
+            _override(self.runner, values),
+            _override(self.model, values),
+        )
+
+
+def _override(config: _C, values: Mapping[str, Any]) -> _C:
+    changes = {
+        opt.name: opt.read_json(values[opt.dest])
+        for opt in options(type(config)).values()
+        if opt.dest in values
+    }
+    return dataclasses.replace(config, **changes)
+
+
+def load_request_model(base: type[_M], name: str) -> type[_M]:
+    """``POST /models/load``'s body: ``base``'s fields and every per-model option, each
+    optional, typed, bounded and described as declared, so that the OpenAPI schema shows
+    them."""
+    fields: dict[str, Any] = {}
+    for cls in PER_MODEL:
+        for opt in options(cls).values():
+            kind: Any = opt.wire or opt.kind
+            if opt.choices is not None:
+                kind = Literal.__getitem__(opt.choices)
+            fields[opt.dest] = (kind | None, Field(None, description=opt.help, ge=opt.ge))
+    return create_model(name, __base__=base, __doc__=base.__doc__, **fields)

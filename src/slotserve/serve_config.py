@@ -1,0 +1,152 @@
+"""``slotserve serve``'s configuration: the server's own options and its replicas', beside the
+models' (``models/config.py``) and each engine's (``engine/config.py``); the command's flags
+are derived from them, in one group each (:data:`SERVE_GROUPS`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slotserve.engine.config import EngineConfig
+from slotserve.models.config import (
+    PER_MODEL,
+    LaunchConfig,
+    ModelOptions,
+    ModelsConfig,
+    RunnerConfig,
+)
+from slotserve.options import add_arguments, configure, option, options
+from slotserve.replicas import ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Not an option: it configures nothing, and vLLM command lines carry it.
+AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
+AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is always on"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server and how it runs its models."""
+
+    host: str = option("127.0.0.1", flag="--host", env="HOST", help="address to listen on")
+    port: int = option(8000, flag="--port", env="PORT", help="port to listen on")
+    api_key: str | None = option(
+        None,
+        flag="--api-key",
+        env="API_KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 and /admin routes (health, readiness "
+        "and metrics stay open); prefer the SLOTSERVE_API_KEY environment variable, which "
+        "process listings do not show",
+    )
+    shutdown_timeout: float = option(
+        30.0,
+        flag="--shutdown-timeout",
+        env="SHUTDOWN_TIMEOUT",
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they "
+        "are aborted (default 30)",
+    )
+    log_level: str = option(
+        "info", flag="--log-level", env="LOG_LEVEL", choices=LOG_LEVELS, help="log level"
+    )
+    engine_process: bool = option(
+        True,
+        flag="--engine-process",
+        env="ENGINE_PROCESS",
+        help="run the scheduler and the runner in a process of their own, apart from HTTP, "
+        "tokenization and SSE (default on; --no-engine-process: a thread of the server)",
+    )
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Engine replicas on Ray Serve (``replicas/``)."""
+
+    replicas: int = option(
+        0,
+        flag="--replicas",
+        env="REPLICAS",
+        help="serve from N engine replicas on Ray Serve behind this one URL (each a slotserve "
+        "serve with the other flags; default 0: this process alone)",
+    )
+    ray_address: str | None = option(
+        None,
+        flag="--ray-address",
+        env="RAY_ADDRESS",
+        help="with --replicas: a running Ray cluster ('auto', or HOST:PORT of its head; "
+        "default: a local Ray instance for this process)",
+    )
+    replica_cpus: float = option(
+        1.0,
+        flag="--replica-cpus",
+        env="REPLICA_CPUS",
+        help="with --replicas: CPUs Ray reserves for each replica (fractions allowed)",
+    )
+    replica_routing: str = option(
+        "prefix",
+        flag="--replica-routing",
+        env="REPLICA_ROUTING",
+        choices=ROUTING_POLICIES,
+        help="with --replicas: prefix (to the replica that was sent the same prompt start), "
+        "round-robin, or pow2 (the less loaded of two)",
+    )
+    routing_imbalance_threshold: int = option(
+        0,
+        flag="--routing-imbalance-threshold",
+        env="ROUTING_IMBALANCE_THRESHOLD",
+        help="with --replica-routing prefix: route by load alone while the replicas' queues "
+        "differ by more than this many requests (default: --slots)",
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    models: ModelsConfig
+    launch: LaunchConfig
+    server: ServerConfig
+    replicas: ReplicaConfig
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """From ``serve``'s parsed flags; ``ValueError`` for values no configuration takes."""
+        launch = LaunchConfig(
+            configure(EngineConfig, args),
+            configure(RunnerConfig, args),
+            configure(ModelOptions, args),
+        )
+        return cls(
+            configure(ModelsConfig, args),
+            launch,
+            configure(ServerConfig, args),
+            configure(ReplicaConfig, args),
+        )
+
+
+# (title, what it is, its configuration): serve's flags in --help and docs/configuration.md.
+SERVE_GROUPS: tuple[tuple[str, str, type[DataclassInstance]], ...] = (
+    ("models", "Which models are served.", ModelsConfig),
+    (
+        "engine (each model)",
+        "Scheduling, the prefix cache, speculative decoding and time limits.",
+        EngineConfig,
+    ),
+    ("runner (each model)", "How the model runs: llama.cpp or PyTorch.", RunnerConfig),
+    ("chat (each model)", "How requests are rendered and replies parsed.", ModelOptions),
+    ("server", "The HTTP server.", ServerConfig),
+    ("replicas", "Engine replicas on Ray Serve.", ReplicaConfig),
+)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for title, about, config in SERVE_GROUPS:
+        if config in PER_MODEL:
+            about += " POST /models/load takes them too, named without dashes (ctx_size)."
+        group = parser.add_argument_group(title, about)
+        add_arguments(group, options(config).values())
+        if config is ModelOptions:
+            group.add_argument(
+                AUTO_TOOL_CHOICE_FLAG, action="store_true", help=AUTO_TOOL_CHOICE_HELP
+            )
