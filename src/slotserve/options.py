@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -86,11 +87,19 @@ def parse_bytes(text: str) -> int:
         ) from None
 
 
+class _Derived(enum.Enum):
+    FROM_FLAG = enum.auto()
+
+
+FROM_FLAG = _Derived.FROM_FLAG  # an option's variable named after its flag (--ctx-size: CTX_SIZE)
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One option. ``flag``: the long flag (``--ctx-size``), or a positional's name
-    (``model``); ``dest``: its name once parsed, which ``POST /models/load`` uses too
-    (``ctx_size``); ``env``: its variable's name after ``SLOTSERVE_`` (None: none);
+    """One option. ``flag``: the long flag (``--ctx-size``; by default the field's name with
+    dashes), or a positional's name (``model``); ``dest``: its name once parsed, which
+    ``POST /models/load`` uses too (``ctx_size``); ``env``: its variable's name after
+    ``SLOTSERVE_`` (by default the flag's name, ``CTX_SIZE``; None: none);
     ``parse``: how a flag's or a variable's text becomes the value (None: by the field's type);
     ``wire``: the JSON types ``POST /models/load`` takes for an option read by ``parse``, which
     reads their JSON text; ``ge``: the least value ``POST /models/load`` takes.
@@ -155,9 +164,9 @@ class Option:
 def option(
     default: _T,
     *,
-    flag: str,
-    env: str | None,
     help: str,
+    flag: str | None = None,
+    env: str | _Derived | None = FROM_FLAG,
     dest: str | None = None,
     short: str | None = None,
     metavar: str | None = None,
@@ -167,11 +176,12 @@ def option(
     ge: float | None = None,
 ) -> _T:
     """A dataclass field declared as an option (see :class:`Option`)."""
+    # Left empty, flag, dest and variable are named by options(), which knows the field's name.
     declared = Option(
-        flag,
-        env,
+        flag or "",
+        "" if env is FROM_FLAG else env,
         help,
-        dest or flag.lstrip("-").replace("-", "_"),
+        dest or "",
         short,
         metavar,
         tuple(choices) if choices is not None else None,
@@ -189,9 +199,16 @@ def options(cls: type[DataclassInstance]) -> dict[str, Option]:
     for field in dataclasses.fields(cls):
         declared = field.metadata.get(_KEY)
         if isinstance(declared, Option):
-            kind = _without_none(hints[field.name])
+            flag = declared.flag or "--" + field.name.replace("_", "-")
+            name = flag.lstrip("-").replace("-", "_")
             found[field.name] = dataclasses.replace(
-                declared, name=field.name, default=field.default, kind=kind
+                declared,
+                flag=flag,
+                dest=declared.dest or name,
+                env=name.upper() if declared.env == "" else declared.env,
+                name=field.name,
+                default=field.default,
+                kind=_without_none(hints[field.name]),
             )
     return found
 

@@ -32,30 +32,22 @@ AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is 
 class ServerConfig:
     """The HTTP server and how it runs its models."""
 
-    host: str = option("127.0.0.1", flag="--host", env="HOST", help="address to listen on")
-    port: int = option(8000, flag="--port", env="PORT", help="port to listen on")
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(8000, help="port to listen on")
     api_key: str | None = option(
         None,
-        flag="--api-key",
-        env="API_KEY",
         help="require 'Authorization: Bearer KEY' on /v1 and /admin routes (health, readiness "
         "and metrics stay open); prefer the SLOTSERVE_API_KEY environment variable, which "
         "process listings do not show",
     )
     shutdown_timeout: float = option(
         30.0,
-        flag="--shutdown-timeout",
-        env="SHUTDOWN_TIMEOUT",
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they "
         "are aborted (default 30)",
     )
-    log_level: str = option(
-        "info", flag="--log-level", env="LOG_LEVEL", choices=LOG_LEVELS, help="log level"
-    )
+    log_level: str = option("info", choices=LOG_LEVELS, help="log level")
     engine_process: bool = option(
         True,
-        flag="--engine-process",
-        env="ENGINE_PROCESS",
         help="run the scheduler and the runner in a process of their own, apart from HTTP, "
         "tokenization and SSE (default on; --no-engine-process: a thread of the server)",
     )
@@ -67,36 +59,25 @@ class ReplicaConfig:
 
     replicas: int = option(
         0,
-        flag="--replicas",
-        env="REPLICAS",
         help="serve from N engine replicas on Ray Serve behind this one URL (each a slotserve "
         "serve with the other flags; default 0: this process alone)",
     )
     ray_address: str | None = option(
         None,
-        flag="--ray-address",
-        env="RAY_ADDRESS",
         help="with --replicas: a running Ray cluster ('auto', or HOST:PORT of its head; "
         "default: a local Ray instance for this process)",
     )
     replica_cpus: float = option(
-        1.0,
-        flag="--replica-cpus",
-        env="REPLICA_CPUS",
-        help="with --replicas: CPUs Ray reserves for each replica (fractions allowed)",
+        1.0, help="with --replicas: CPUs Ray reserves for each replica (fractions allowed)"
     )
     replica_routing: str = option(
         "prefix",
-        flag="--replica-routing",
-        env="REPLICA_ROUTING",
         choices=ROUTING_POLICIES,
         help="with --replicas: prefix (to the replica that was sent the same prompt start), "
         "round-robin, or pow2 (the less loaded of two)",
     )
     routing_imbalance_threshold: int = option(
         0,
-        flag="--routing-imbalance-threshold",
-        env="ROUTING_IMBALANCE_THRESHOLD",
         help="with --replica-routing prefix: route by load alone while the replicas' queues "
         "differ by more than this many requests (default: --slots)",
     )

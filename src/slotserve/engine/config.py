@@ -99,41 +99,20 @@ class EngineConfig:
     ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
-    num_slots: int = option(
-        8, flag="--slots", env="SLOTS", ge=1, help="sequences decoded together (default 8)"
-    )
-    max_batch_tokens: int = option(
-        512,
-        flag="--max-batch-tokens",
-        env="MAX_BATCH_TOKENS",
-        ge=1,
-        help="tokens in one forward pass (default 512)",
-    )
+    num_slots: int = option(8, flag="--slots", ge=1, help="sequences decoded together (default 8)")
+    max_batch_tokens: int = option(512, ge=1, help="tokens in one forward pass (default 512)")
     prefill_chunk: int = option(
-        512,
-        flag="--prefill-chunk",
-        env="PREFILL_CHUNK",
-        ge=1,
-        help="prompt tokens of one sequence per step (default 512)",
+        512, ge=1, help="prompt tokens of one sequence per step (default 512)"
     )
     max_queue: int = option(
-        64,
-        flag="--max-queue",
-        env="MAX_QUEUE",
-        ge=0,
-        help="requests that may wait for a slot before 429 (default 64)",
+        64, ge=0, help="requests that may wait for a slot before 429 (default 64)"
     )
     prefix_cache: bool = option(
-        True,
-        flag="--prefix-cache",
-        env="PREFIX_CACHE",
-        help="share the KV of common prompt prefixes between requests (default on)",
+        True, help="share the KV of common prompt prefixes between requests (default on)"
     )
     # option() is dataclasses.field() with the option's declaration: no shared default.
     prefix_cache_budget: CacheBudget | None = option(  # noqa: RUF009
         None,
-        flag="--prefix-cache-budget",
-        env="PREFIX_CACHE_BUDGET",
         parse=parse_cache_budget,
         wire=int | str,
         help="most cached tokens kept once no request uses them: a token count (20000) or "
@@ -141,8 +120,6 @@ class EngineConfig:
     )
     prefix_wait_min_tokens: int = option(
         256,
-        flag="--prefix-wait-min-tokens",
-        env="PREFIX_WAIT_MIN_TOKENS",
         ge=1,
         help="a request sharing at least this many prompt tokens with a prompt still being "
         "prefilled waits for them to be computed and reuses their KV (default 256)",
@@ -150,7 +127,6 @@ class EngineConfig:
     request_timeout_s: float | None = option(
         600.0,
         flag="--request-timeout",
-        env="REQUEST_TIMEOUT",
         parse=_seconds_or_no_limit,
         ge=0,
         help="seconds after which an unfinished request (queue time included) is cancelled "
@@ -159,19 +135,16 @@ class EngineConfig:
     slow_step_warn_s: float = option(
         5.0,
         flag="--slow-step-warn",
-        env="SLOW_STEP_WARN",
         help="log a warning for an engine step slower than this many seconds (default 5)",
     )
     slow_queue_warn_s: float = option(
         30.0,
         flag="--slow-queue-warn",
-        env="SLOW_QUEUE_WARN",
         help="log a warning for a request queued longer than this many seconds (default 30)",
     )
     speculative: SpeculativeConfig | None = option(  # noqa: RUF009
         None,
         flag="--speculative-config",
-        env="SPECULATIVE_CONFIG",
         parse=SpeculativeConfig.from_json,
         wire=dict[str, Any] | str,
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '

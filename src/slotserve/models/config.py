@@ -36,7 +36,6 @@ class ModelsConfig:
     model: str | None = option(
         None,
         flag="model",
-        env="MODEL",
         metavar="MODEL_PATH",
         help="a GGUF file, an HF model folder, or an HF model id in the local cache "
         "(default: the embedded SmolLM2-135M-Instruct GGUF, unless --model or --models-dir "
@@ -52,36 +51,25 @@ class ModelsConfig:
         "Each has its own engine, slots and runner, built from the per-model options",
     )
     served_model_name: str | None = option(
-        None,
-        flag="--served-model-name",
-        env="SERVED_MODEL_NAME",
-        help="model id clients use for MODEL_PATH (default: the GGUF file name)",
+        None, help="model id clients use for MODEL_PATH (default: the GGUF file name)"
     )
     models_dir: str | None = option(
         None,
-        flag="--models-dir",
-        env="MODELS_DIR",
         help="a folder of models served by name (a GGUF file by its name without .gguf, a "
         "sub-folder by its name); loaded on first use",
     )
     models_autoload: bool = option(
         True,
-        flag="--models-autoload",
-        env="MODELS_AUTOLOAD",
         help="load a --models-dir model when a request names it (default on; "
         "--no-models-autoload: only POST /models/load loads)",
     )
     models_max: int = option(
         4,
-        flag="--models-max",
-        env="MODELS_MAX",
         help="models loaded at once; loading one more unloads the least recently used idle "
         "model (default 4; 0: no limit)",
     )
     unload_timeout: float = option(
         30.0,
-        flag="--unload-timeout",
-        env="UNLOAD_TIMEOUT",
         help="seconds POST /models/unload lets a model's requests in flight finish before "
         "cutting them off (default 30)",
     )
@@ -94,86 +82,47 @@ class RunnerConfig:
 
     runner: str = option(
         "auto",
-        flag="--runner",
-        env="RUNNER",
         choices=RUNNERS,
         help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
     )
     ctx_size: int = option(
         0,
-        flag="--ctx-size",
-        env="CTX_SIZE",
         ge=0,
         help="llama.cpp: KV cache tokens for all slots together; each slot gets "
         "ctx-size / slots (default: slots × min(trained context, 4096))",
     )
-    threads: int = option(
-        0,
-        flag="--threads",
-        env="THREADS",
-        ge=0,
-        help="CPU threads for the runner (default: all cores)",
-    )
+    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
     flash_attn: bool = option(
-        True,
-        flag="--flash-attn",
-        env="FLASH_ATTN",
-        help="flash attention kernels (default on: faster batched decode on CPU)",
+        True, help="flash attention kernels (default on: faster batched decode on CPU)"
     )
     dtype: str = option(
         "auto",
-        flag="--dtype",
-        env="DTYPE",
         choices=DTYPES,
         help="torch: weight and KV type (auto: bfloat16, batch-invariant on CPU)",
     )
-    device: str = option(
-        "auto",
-        flag="--device",
-        env="DEVICE",
-        help="torch: cpu, cuda or cuda:N (auto: cuda when available)",
-    )
+    device: str = option("auto", help="torch: cpu, cuda or cuda:N (auto: cuda when available)")
     load_format: str = option(
         "auto",
-        flag="--load-format",
-        env="LOAD_FORMAT",
         choices=LOAD_FORMATS,
         help="torch: dummy builds random weights from the config (benchmarks)",
     )
     max_model_len: int = option(
-        0,
-        flag="--max-model-len",
-        env="MAX_MODEL_LEN",
-        ge=0,
-        help="torch: tokens one sequence may hold (default: min(trained context, 4096))",
+        0, ge=0, help="torch: tokens one sequence may hold (default: min(trained context, 4096))"
     )
     kv_memory: int | None = option(
         None,
-        flag="--kv-memory",
-        env="KV_MEMORY",
         parse=parse_bytes,
         wire=int | str,
         help="torch: memory for the paged KV cache (2GiB; default on CPU: every slot's "
         "max-model-len within a quarter of RAM; on GPU: --gpu-memory-fraction)",
     )
     gpu_memory_fraction: float = option(
-        0.9,
-        flag="--gpu-memory-fraction",
-        env="GPU_MEMORY_FRACTION",
-        help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)",
+        0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
     )
-    block_size: int = option(
-        16,
-        flag="--block-size",
-        env="BLOCK_SIZE",
-        ge=1,
-        help="torch: positions per KV block (default 16)",
-    )
+    block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
     tensor_parallel_size: int = option(
         1,
-        flag="--tensor-parallel-size",
         short="-tp",
-        env="TENSOR_PARALLEL_SIZE",
         ge=1,
         help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
         "a GPU per rank, else gloo); --threads is then per rank (default 1)",
@@ -185,15 +134,10 @@ class ModelOptions:
     """How a model's requests are rendered and its replies parsed."""
 
     chat_template: str | None = option(
-        None,
-        flag="--chat-template",
-        env="CHAT_TEMPLATE",
-        help="Jinja2 chat template file overriding the model's own",
+        None, help="Jinja2 chat template file overriding the model's own"
     )
     tool_call_parser: str | None = option(
         None,
-        flag="--tool-call-parser",
-        env="TOOL_CALL_PARSER",
         choices=TOOL_PARSERS,
         help="format of the model's tool calls (vLLM's names; default: chosen from the chat "
         "template: <tool_call> → hermes, [TOOL_CALLS] → mistral, Llama 3 → llama3_json, "
@@ -201,8 +145,6 @@ class ModelOptions:
     )
     reasoning_parser: str | None = option(
         None,
-        flag="--reasoning-parser",
-        env="REASONING_PARSER",
         choices=REASONING_PARSERS,
         help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
