@@ -1,5 +1,5 @@
-"""The Responses adapter's pieces without a server: the request → chat translation, the
-stream translation from chat chunks (tool-call deltas, error frames), and the bounded store."""
+"""The Responses API's pieces without a server: the request → chat translation, the stream
+rendering of the pipeline's events (tool-call deltas, error frames), and the bounded store."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ from typing import Any
 import pytest
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.protocol.tool_parsers import ToolCall
+from slotserve.server.events import (
+    ChoiceFinished,
+    Reply,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from slotserve.server.responses.chat_request import chat_request_of, input_messages
 from slotserve.server.responses.output import assistant_turn, output_items, response_shell
 from slotserve.server.responses.protocol import ResponsesRequest
-from slotserve.server.responses.serving import chat_request_of, input_messages
 from slotserve.server.responses.store import ResponseStore, StoredResponse
 from slotserve.server.responses.stream import ResponseEventStream
 
@@ -30,10 +40,6 @@ def _events(frames: list[str]) -> list[dict[str, Any]]:
         assert event_line == f"event: {payload['type']}"
         events.append(payload)
     return events
-
-
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
 def test_request_fields_become_chat_fields() -> None:
@@ -88,17 +94,15 @@ def test_function_call_items_join_the_assistant_message_before_them() -> None:
 
 def test_streamed_tool_call_deltas_become_function_call_events() -> None:
     stream = ResponseEventStream(_shell())
-    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "w"}}
     frames = stream.opening()
-    frames += stream.feed(_chunk({"role": "assistant", "content": ""}))
-    frames += stream.feed(_chunk({"content": "Let me check."}))
-    frames += stream.feed(
-        _chunk({"tool_calls": [{**call, "function": {"name": "w", "arguments": ""}}]})
-    )
-    frames += stream.feed(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}))
-    frames += stream.feed(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}))
-    frames += stream.feed(_chunk({}, "tool_calls"))
-    frames += stream.feed({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+    frames += stream.feed(TextDelta(0, ""))
+    frames += stream.feed(TextDelta(0, "Let me check."))
+    frames += stream.feed(ToolCallStart(0, 0, "call_1", "w"))
+    frames += stream.feed(ToolCallArguments(0, 0, '{"a"'))
+    frames += stream.feed(ToolCallArguments(0, 0, ": 1}"))
+    frames += stream.feed(ToolCallEnd(0, 0))
+    frames += stream.feed(ChoiceFinished(0, "tool_calls", tool_calls=True))
+    frames += stream.feed(Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=0))
     frames += stream.complete()
     events = _events(frames)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -125,15 +129,11 @@ def test_streamed_tool_call_deltas_become_function_call_events() -> None:
     assert message["content"][0]["text"] == "Let me check."
     assert function_call["call_id"] == "call_1" and function_call["arguments"] == '{"a": 1}'
     assert events[8]["item"]["arguments"] == "" and events[8]["output_index"] == 1
-    # The JSON answer to the same chat message has the same items.
-    chat_message = {
-        "content": "Let me check.",
-        "tool_calls": [{"id": "call_1", "function": {"name": "w", "arguments": '{"a": 1}'}}],
-    }
+    # The JSON answer to the same reply has the same items.
+    reply = Reply(content="Let me check.", tool_calls=[ToolCall("call_1", "w", '{"a": 1}')])
     strip = [{k: v for k, v in item.items() if k != "id"} for item in final["output"]]
     assert strip == [
-        {k: v for k, v in item.items() if k != "id"}
-        for item in output_items(chat_message, "tool_calls")
+        {k: v for k, v in item.items() if k != "id"} for item in output_items(reply, "tool_calls")
     ]
     assert assistant_turn(final["output"])["tool_calls"][0]["id"] == "call_1"
 
@@ -141,7 +141,7 @@ def test_streamed_tool_call_deltas_become_function_call_events() -> None:
 def test_an_error_frame_ends_the_stream_with_response_failed() -> None:
     stream = ResponseEventStream(_shell())
     stream.opening()
-    stream.feed(_chunk({"content": "partial"}))
+    stream.feed(TextDelta(0, "partial"))
     error = {"message": "timed out", "type": "timeout_error", "param": None, "code": 408}
     (failed,) = _events(stream.fail(error))
     assert failed["type"] == "response.failed"
@@ -155,11 +155,11 @@ def test_an_error_frame_ends_the_stream_with_response_failed() -> None:
 
 def test_an_empty_answer_is_still_a_message() -> None:
     stream = ResponseEventStream(_shell())
-    stream.feed(_chunk({}, "stop"))
+    stream.feed(ChoiceFinished(0, "stop"))
     events = _events(stream.complete())
     assert events[-1]["type"] == "response.completed"
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
-    assert [i["type"] for i in output_items({"content": ""}, "stop")] == ["message"]
+    assert [i["type"] for i in output_items(Reply(content=""), "stop")] == ["message"]
 
 
 def test_store_forgets_the_least_recently_used() -> None:

@@ -1,5 +1,5 @@
-"""The FastAPI application: thin routes over :mod:`slotserve.server.serving_*` and the model
-host."""
+"""The FastAPI application: thin routes over the API modules (``openai/``, ``responses/``)
+and the model host."""
 
 from __future__ import annotations
 

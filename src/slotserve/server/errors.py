@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,15 +74,33 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+@dataclass(frozen=True)
+class ApiError:
+    """One error answer: the HTTP status, OpenAI's error fields and extra headers."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+    headers: dict[str, str] | None = None
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, self.type, self.param, self.code)
+        return JSONResponse(body, self.status, headers=self.headers)
+
+
 def error_response(
-    status: int,
-    message: str,
-    type_: str,
-    param: str | None = None,
-    code: str | int | None = None,
-    headers: dict[str, str] | None = None,
+    status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+    return ApiError(status, message, type_, param, code).response()
+
+
+def stream_error(exc: GenerationFailed) -> dict[str, Any]:
+    """The error a stream ends with when the engine ended its request early; vLLM puts the
+    HTTP status a JSON answer would have had in ``code``."""
+    status, message, type_, _ = failure_error(exc.output, exc.output.request_id, exc.timeout_s)
+    return error_body(message, type_, code=status)
 
 
 def _input_path(loc: tuple[Any, ...], body: Any) -> str:
@@ -136,90 +155,69 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
     """Maps every exception a route can raise to OpenAI's error shape; ``count(status, type,
     model)`` sees each error response (the ``slotserve:http_errors`` metric)."""
 
-    def respond(
-        request: Request,
-        status: int,
-        message: str,
-        type_: str,
-        param: str | None = None,
-        code: str | int | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> JSONResponse:
+    def respond(request: Request, error: ApiError) -> JSONResponse:
         if count is not None:
-            count(status, type_, getattr(request.state, "model_name", None))
-        return error_response(status, message, type_, param, code, headers)
+            count(error.status, error.type, getattr(request.state, "model_name", None))
+        return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return respond(request, 400, message, "invalid_request_error", param)
+        return respond(request, ApiError(400, message, "invalid_request_error", param))
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid_param(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return respond(request, 400, exc.message, "invalid_request_error", exc.param, exc.code)
+        error = ApiError(400, exc.message, "invalid_request_error", exc.param, exc.code)
+        return respond(request, error)
 
     @app.exception_handler(ModelNotFoundError)
     async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return respond(request, 404, str(exc), "invalid_request_error", "model", "model_not_found")
+        error = ApiError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return respond(request, error)
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)}
         return respond(
-            request,
-            429,
-            str(exc),
-            "rate_limit_error",
-            None,
-            "queue_full",
-            headers={"Retry-After": str(exc.retry_after_s)},
+            request, ApiError(429, str(exc), "rate_limit_error", None, "queue_full", headers)
         )
 
     @app.exception_handler(ModelUnavailableError)
     async def _unavailable(request: Request, exc: ModelUnavailableError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-        return respond(
-            request, 503, str(exc), "service_unavailable", None, "model_unavailable", headers
-        )
+        error = ApiError(503, str(exc), "service_unavailable", None, "model_unavailable", headers)
+        return respond(request, error)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return respond(
-            request,
-            503,
-            f"The model is unhealthy ({exc}); {RELOAD_HINT}.",
-            "service_unavailable",
-            None,
-            "model_unhealthy",
-        )
+        message = f"The model is unhealthy ({exc}); {RELOAD_HINT}."
+        error = ApiError(503, message, "service_unavailable", None, "model_unhealthy")
+        return respond(request, error)
 
     @app.exception_handler(GenerationFailed)
     async def _failed(request: Request, exc: GenerationFailed) -> JSONResponse:
         status, message, type_, code = failure_error(
             exc.output, request_id_of(request), exc.timeout_s
         )
-        return respond(request, status, message, type_, None, code)
+        return respond(request, ApiError(status, message, type_, None, code))
 
     @app.exception_handler(ModelLoadError)
     async def _load_refused(request: Request, exc: ModelLoadError) -> JSONResponse:
         kind = _LOAD_ERROR_TYPES.get(exc.status, "invalid_request_error")
-        return respond(request, exc.status, str(exc), kind, "model")
+        return respond(request, ApiError(exc.status, str(exc), kind, "model"))
 
     @app.exception_handler(ReloadConflictError)
     async def _reload_conflict(request: Request, exc: ReloadConflictError) -> JSONResponse:
-        return respond(request, 409, f"Cannot reload now: {exc}.", "conflict_error")
+        return respond(request, ApiError(409, f"Cannot reload now: {exc}.", "conflict_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(request, exc.status_code, str(exc.detail), kind)
+        return respond(request, ApiError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request_id_of(request)
         logger.exception("request %s failed", request_id)
-        return respond(
-            request,
-            500,
-            f"Internal server error (request id {request_id}).",
-            "internal_server_error",
-        )
+        message = f"Internal server error (request id {request_id})."
+        return respond(request, ApiError(500, message, "internal_server_error"))

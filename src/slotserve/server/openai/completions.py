@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -11,18 +13,18 @@ from starlette.requests import Request
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken, SequenceDelta
 from slotserve.models.host import LoadedModel
-from slotserve.server.generation import (
-    collect,
-    completion_logprobs,
-    echo_logprobs,
-    join_logprobs,
-    sse,
-    stream_events,
-    submit_prompts,
-    vllm_prompt_logprobs,
-)
+from slotserve.server.generation import EngineRun, accumulate, submit_prompts
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import CompletionRequest
+from slotserve.server.openai.shapes import (
+    Envelope,
+    completion_logprobs,
+    echo_logprobs,
+    ended_on_failure,
+    join_logprobs,
+    usage,
+    vllm_prompt_logprobs,
+)
 from slotserve.server.serving import ServingContext, engine_request_id
 
 MAX_PROMPTS = 64
@@ -74,16 +76,13 @@ async def create_completion(
         prompt_logprobs=max(asked) if asked else None,
     )
     streams = submit_prompts(model.engine, request_id, prompts, params)
-    created = int(time.time())
-    base = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": host.name,
-    }
+    envelope = Envelope(
+        request_id, "text_completion", int(time.time()), host.name, body.include_usage
+    )
     n = body.n
+    run = EngineRun(model.engine, raw, streams, n)
     tokenizer = model.tokenizer
-    echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
+    echo = [prompt_texts[i // n] if body.echo else "" for i in range(run.num_choices)]
 
     def logprobs_of(
         index: int, tokens: list[SampledToken] | None, scores: list[SampledToken] | None, at: int
@@ -97,9 +96,7 @@ async def create_completion(
         return shaped if tokens else None
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        extra: dict[str, Any] = {"usage": None} if include_usage else {}
-        offsets = [0] * (len(prompts) * n)
+        offsets = [0] * run.num_choices
 
         def render(index: int, d: SequenceDelta) -> str | None:
             echoed, echo[index] = echo[index], ""
@@ -116,21 +113,25 @@ async def create_completion(
             if body.prompt_logprobs is not None and d.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, d.prompt_logprobs)
             offsets[index] += len(text)
-            return sse({**base, "choices": [choice], **extra})
+            return envelope.chunk(choice)
 
-        usage_event = (
-            (lambda u: sse({**base, "choices": [], "usage": u})) if include_usage else None
-        )
-        return StreamingResponse(
-            stream_events(model.engine, raw, streams, n, [], render, usage_event),
-            media_type="text/event-stream",
-        )
-    result = await collect(model.engine, raw, streams, n)
-    if result.disconnected:
+        async def frames() -> AsyncGenerator[str, None]:
+            async with contextlib.aclosing(run.deltas()) as deltas:
+                async for index, delta in deltas:
+                    rendered = render(index, delta)
+                    if rendered is not None:
+                        yield rendered
+            if not run.disconnected:
+                for frame in envelope.ending(run.usage()):
+                    yield frame
+
+        return StreamingResponse(ended_on_failure(frames()), media_type="text/event-stream")
+    choices = await accumulate(run)
+    if run.disconnected:
         return Response(status_code=499)
-    choices = []
-    for i, choice in enumerate(result.choices):
-        scores = result.choices[i - i % n].prompt_logprobs  # the prompt's first choice has them
+    shaped = []
+    for i, choice in enumerate(choices):
+        scores = choices[i - i % n].prompt_logprobs  # the prompt's first choice has them
         entry: dict[str, Any] = {
             "index": i,
             "text": echo[i] + "".join(choice.text),
@@ -139,5 +140,5 @@ async def create_completion(
         }
         if body.prompt_logprobs is not None:
             entry["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, scores)
-        choices.append(entry)
-    return JSONResponse({**base, "choices": choices, "usage": result.usage})
+        shaped.append(entry)
+    return JSONResponse({**envelope.fields(), "choices": shaped, "usage": usage(run.usage())})

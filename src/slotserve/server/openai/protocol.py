@@ -155,6 +155,11 @@ class SamplingFields(_Strict):
     skip_special_tokens: StrictBool = True
     return_hidden_states: StrictBool = False
 
+    @property
+    def include_usage(self) -> bool:
+        """The stream ends with a usage chunk (and every chunk has ``usage``, null)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def reject_sglang_extensions(self, **implemented: bool) -> None:
         """SGLang's switches accepted only at the value we implement (``implemented`` adds the
         endpoint's own): a stop string is trimmed, special tokens are not output, no hidden

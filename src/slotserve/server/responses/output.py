@@ -1,5 +1,6 @@
-"""The Responses API's response object and output items, built from what the chat path
-returned: shared by the JSON and the streaming answers so the two cannot disagree."""
+"""The Responses API's response object and output items, built from the pipeline's events
+(``server/events.py``): shared by the JSON and the streaming answers so the two cannot
+disagree."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import secrets
 import time
 from typing import Any
 
+from slotserve.server.events import Reply, Usage
 from slotserve.server.responses.protocol import ResponsesRequest
 
 
@@ -18,7 +20,7 @@ def response_shell(
     request: ResponsesRequest, response_id: str, created_at: int, model: str
 ) -> dict[str, Any]:
     """The response as announced before any output: ``status`` in_progress, no usage. The
-    request's settings are echoed with the values the chat path applies when one is left out."""
+    request's settings are echoed with the values generation applies when one is left out."""
     text = request.text.model_dump(by_alias=True, exclude_none=True) if request.text else None
     return {
         "id": response_id,
@@ -57,10 +59,10 @@ def _tool_choice(request: ResponsesRequest) -> str | dict[str, Any]:
 def finished(
     shell: dict[str, Any],
     output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
+    usage: Usage | None,
     finish_reason: str | None,
 ) -> dict[str, Any]:
-    """The final response. A chat ``length`` finish is OpenAI's ``incomplete`` with reason
+    """The final response. A ``length`` finish is OpenAI's ``incomplete`` with reason
     ``max_output_tokens``; an ``abort`` (server shutdown) is incomplete too, with that reason."""
     if finish_reason in ("length", "abort"):
         status = "incomplete"
@@ -76,8 +78,9 @@ def finished(
 
 
 def failed(shell: dict[str, Any], output: list[dict[str, Any]], error: Any) -> dict[str, Any]:
-    """The response a stream ends with when the chat path reported an error mid-way; the code
-    is one of OpenAI's ``ResponseError`` codes, and the original type is kept beside it."""
+    """The response a stream ends with when generation failed mid-way (``error`` as a stream's
+    error frame has it); the code is one of OpenAI's ``ResponseError`` codes, and the original
+    type is kept beside it."""
     error = error if isinstance(error, dict) else {"message": str(error)}
     status = error.get("code")
     body = {
@@ -89,20 +92,17 @@ def failed(shell: dict[str, Any], output: list[dict[str, Any]], error: Any) -> d
     return {**shell, "status": "failed", "output": output, "error": body}
 
 
-def responses_usage(chat: dict[str, Any]) -> dict[str, Any]:
-    """Chat usage in the Responses names; the chat names are kept too, as SGLang sends them."""
-    prompt = int(chat.get("prompt_tokens") or 0)
-    completion = int(chat.get("completion_tokens") or 0)
-    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+def responses_usage(totals: Usage) -> dict[str, Any]:
+    """Usage in the Responses names; the chat names are kept too, as SGLang sends them."""
     return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": prompt + completion,
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
+        "input_tokens": totals.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": totals.cached_tokens},
+        "output_tokens": totals.completion_tokens,
+        # Thinking is not counted apart from the rest of the output.
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": totals.total_tokens,
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
     }
 
 
@@ -139,27 +139,17 @@ def function_call_item(
     }
 
 
-def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
-    """A chat message's reasoning, text and tool calls as output items, in the order the
-    streamed answer produces them; the last one is incomplete when the output was cut."""
+def output_items(reply: Reply, finish_reason: str | None) -> list[dict[str, Any]]:
+    """A reply's reasoning, text and tool calls as output items, in the order the streamed
+    answer produces them; the last one is incomplete when the output was cut."""
     items = []
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if reasoning:
-        items.append(reasoning_item(new_id("rs"), reasoning, "completed"))
-    calls = message.get("tool_calls") or []
-    text = message.get("content") or ""
-    if text or not (calls or items):  # an answer with nothing in it is still a message
-        items.append(message_item(new_id("msg"), text, "completed"))
-    for call in calls:
-        function = call.get("function") or {}
+    if reply.reasoning:
+        items.append(reasoning_item(new_id("rs"), reply.reasoning, "completed"))
+    if reply.content or not (reply.tool_calls or items):  # an empty answer is still a message
+        items.append(message_item(new_id("msg"), reply.content, "completed"))
+    for call in reply.tool_calls:
         items.append(
-            function_call_item(
-                new_id("fc"),
-                call.get("id") or new_id("call"),
-                function.get("name", ""),
-                function.get("arguments") or "",
-                "completed",
-            )
+            function_call_item(new_id("fc"), call.id, call.name, call.arguments, "completed")
         )
     if finish_reason == "length":
         items[-1]["status"] = "incomplete"

@@ -34,9 +34,7 @@ class MessageItem(_Strict):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(_Strict):
@@ -56,9 +54,11 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return _joined(self.output)
+
+
+def _joined(content: str | list[TextContent]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _item_kind(value: Any) -> str:

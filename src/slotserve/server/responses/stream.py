@@ -1,4 +1,4 @@
-"""Chat-completion chunks → the Responses API's typed stream events.
+"""The pipeline's events (``server/events.py``) → the Responses API's typed stream events.
 
 Each output item (reasoning, the text message, each function call) is opened when its first
 delta arrives and closed when another kind starts or the choice finishes, so the events of one
@@ -7,10 +7,18 @@ item never interleave with another's: the order OpenAI's own streams have.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.server.events import (
+    ChoiceFinished,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    Usage,
+)
 from slotserve.server.responses.output import (
     failed,
     finished,
@@ -19,6 +27,7 @@ from slotserve.server.responses.output import (
     new_id,
     reasoning_item,
 )
+from slotserve.server.sse import sse
 
 
 @dataclass
@@ -29,7 +38,7 @@ class _Item:
     parts: list[str] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
-    chat_index: int | None = None
+    call_index: int | None = None  # the call's index among the choice's calls
 
     def built(self, status: str) -> dict[str, Any]:
         text = "".join(self.parts)
@@ -41,7 +50,7 @@ class _Item:
 
 
 class ResponseEventStream:
-    """Feeds on parsed chat chunks; every method returns the SSE frames to send next."""
+    """Feeds on one choice's events; every method returns the SSE frames to send next."""
 
     def __init__(self, shell: dict[str, Any]) -> None:
         self.shell = shell
@@ -50,13 +59,12 @@ class ResponseEventStream:
         self._sequence = 0
         self._open: _Item | None = None
         self._finish_reason: str | None = None
-        self._usage: dict[str, Any] | None = None
+        self._usage: Usage | None = None
 
     def _event(self, type_: str, **fields: Any) -> str:
         payload = {"type": type_, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {type_}\ndata: {data}\n\n"
+        return sse(payload, event=type_)
 
     def opening(self) -> list[str]:
         return [
@@ -64,23 +72,22 @@ class ResponseEventStream:
             self._event("response.in_progress", response=self.shell),
         ]
 
-    def feed(self, chunk: dict[str, Any]) -> list[str]:
-        frames: list[str] = []
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                frames += self._text("reasoning", reasoning)
-            if delta.get("content"):
-                frames += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                frames += self._call(call)
-            if choice.get("finish_reason"):
-                self._finish_reason = choice["finish_reason"]
-                frames += self._close()
-        return frames
+    def feed(self, event: Event) -> list[str]:
+        match event:
+            case ReasoningDelta() if event.text:
+                return self._text("reasoning", event.text)
+            case TextDelta() if event.text:
+                return self._text("message", event.text)
+            case ToolCallStart():
+                return self._start_call(event.index, event.call_id, event.name)
+            case ToolCallArguments() if event.arguments:
+                return self._arguments(event.index, event.arguments)
+            case ChoiceFinished() if event.reason:
+                self._finish_reason = event.reason
+                return self._close()
+            case Usage():
+                self._usage = event
+        return []
 
     def complete(self) -> list[str]:
         frames = self._close()
@@ -118,34 +125,29 @@ class ResponseEventStream:
         )
         return frames
 
-    def _call(self, call: dict[str, Any]) -> list[str]:
+    def _start_call(self, index: int, call_id: str, name: str) -> list[str]:
+        frames = self._close()  # first: it takes the output index before the new item
+        item = _Item("function_call", new_id("fc"), len(self.output), call_index=index)
+        item.call_id, item.name = call_id, name
+        return frames + self._start(item)
+
+    def _arguments(self, index: int, arguments: str) -> list[str]:
         frames = []
-        function = call.get("function") or {}
         item = self._open
-        index = call.get("index")
-        if (
-            call.get("id")
-            or item is None
-            or item.kind != "function_call"
-            or (index is not None and item.chat_index != index)
-        ):
-            # A new call; a fragment for no open call starts one too rather than being lost.
-            frames += self._close()
-            item = _Item("function_call", new_id("fc"), len(self.output), chat_index=index)
-            item.call_id = call.get("id") or new_id("call")
-            item.name = function.get("name") or ""
-            frames += self._start(item)
-        arguments = function.get("arguments") or ""
-        if arguments:
-            item.parts.append(arguments)
-            frames.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item.item_id,
-                    output_index=item.output_index,
-                    delta=arguments,
-                )
+        if item is None or item.kind != "function_call" or item.call_index != index:
+            # A fragment for no open call starts one rather than being lost.
+            frames += self._start_call(index, new_id("call"), "")
+            item = self._open
+            assert item is not None
+        item.parts.append(arguments)
+        frames.append(
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item.item_id,
+                output_index=item.output_index,
+                delta=arguments,
             )
+        )
         return frames
 
     def _start(self, item: _Item) -> list[str]:
