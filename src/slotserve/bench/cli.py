@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from rich.console import Console
@@ -70,17 +71,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-pid", type=int, help="local server process, for its RSS")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--no-progress", action="store_true")
+    # Each target's dest is its Targets field.
     targets = parser.add_argument_group("targets (missed: exit status 1)")
-    targets.add_argument("--expect-min-output-tps", type=float)
+    targets.add_argument("--expect-min-output-tps", dest="min_output_tps", type=float)
     targets.add_argument(
         "--expect-speedup-vs",
+        dest="speedup_baseline",
         type=Path,
         metavar="FILE.json",
         help="a previous result whose output throughput must be beaten",
     )
-    targets.add_argument("--expect-min-speedup", type=float, default=1.0)
-    targets.add_argument("--expect-max-p99-ttft-ms", type=float)
-    targets.add_argument("--expect-max-failed", type=int)
+    targets.add_argument("--expect-min-speedup", dest="min_speedup", type=float, default=1.0)
+    targets.add_argument("--expect-max-p99-ttft-ms", dest="max_p99_ttft_ms", type=float)
+    targets.add_argument("--expect-max-failed", dest="max_failed", type=int)
     targets.add_argument("--no-isolation-check", dest="isolation", action="store_false")
 
 
@@ -143,14 +146,7 @@ def main_bench(args: argparse.Namespace) -> int:
         console.print(f"[red]isolation: prompts {failure['prompt_ids']} returned the same text")
     for error in report["errors"]:
         console.print(f"[yellow]error: {error}")
-    targets = Targets(
-        min_output_tps=args.expect_min_output_tps,
-        speedup_baseline=args.expect_speedup_vs,
-        min_speedup=args.expect_min_speedup,
-        max_p99_ttft_ms=args.expect_max_p99_ttft_ms,
-        max_failed=args.expect_max_failed,
-        isolation=args.isolation,
-    )
+    targets = Targets(**{field.name: getattr(args, field.name) for field in fields(Targets)})
     misses = targets.missed(report)
     report["targets_missed"] = misses
     if args.output_json:

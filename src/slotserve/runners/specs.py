@@ -28,15 +28,7 @@ class LlamaCppSpec:
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
-        return LlamaCppRunner(
-            self.model_path,
-            num_slots=self.num_slots,
-            ctx_size=self.ctx_size,
-            max_batch_tokens=self.max_batch_tokens,
-            n_threads=self.n_threads,
-            flash_attn=self.flash_attn,
-            model_name=self.model_name,
-        )
+        return LlamaCppRunner(**vars(self))  # the recipe's fields are the runner's arguments
 
     def frontend(self) -> RunnerFrontend:
         from slotserve.runners.llama_cpp.frontend import LlamaCppFrontend

@@ -75,52 +75,12 @@ PREFIX_CACHE_BUDGET_TOKENS = "slotserve:prefix_cache_budget_tokens"
 MODEL_STATES = ("loading", "ready", "unhealthy", "failed", "draining", "stopped")
 SLOT_STATES = ("free", "prefilling", "generating", "draining", "preempted")
 
-# vLLM's bucket edges, so its dashboards' quantile panels line up.
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+# vLLM's bucket edges, so its dashboards' quantile panels line up (TTFT and inter-token
+# latency share the edges from 0.75 s to 80 s).
+_SECONDS_TO_80 = (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_TO_HALF_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
+_TTFT_BUCKETS = (*_TTFT_TO_HALF_S, *_SECONDS_TO_80, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, *_SECONDS_TO_80)
 _REQUEST_LATENCY_BUCKETS = (
     0.3,
     0.5,

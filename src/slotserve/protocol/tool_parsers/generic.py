@@ -24,6 +24,8 @@ from slotserve.protocol.tool_parsers.section_stream import SectionParser, Sectio
 
 
 class GenericStream(SectionStream):
+    whole_output_opener = "{"
+
     def __init__(self, whole: bool = False) -> None:
         super().__init__(whole)
         self._key_start = 0
@@ -32,11 +34,8 @@ class GenericStream(SectionStream):
         self._decoder = JsonStringDecoder()
         self._list_done = self._to_object_end
 
-    def _initial_state(self) -> State:
-        return self._start
-
-    def _start(self, c: str) -> bool:
-        return self._open_whole_output(c, "{", self._key_open)
+    def _after_opener(self) -> State:
+        return self._key_open
 
     def _key_open(self, c: str) -> bool:
         if c.isspace():

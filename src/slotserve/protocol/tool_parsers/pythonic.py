@@ -21,6 +21,8 @@ from slotserve.protocol.tool_parsers.section_stream import SectionParser, Sectio
 
 
 class PythonicStream(SectionStream):
+    whole_output_opener = "["
+
     def __init__(self, whole: bool = False) -> None:
         super().__init__(whole)
         self._name_start = 0
@@ -30,11 +32,8 @@ class PythonicStream(SectionStream):
         self._quote: str | None = None
         self._escape = False
 
-    def _initial_state(self) -> State:
-        return self._start
-
-    def _start(self, c: str) -> bool:
-        return self._open_whole_output(c, "[", self._item)
+    def _after_opener(self) -> State:
+        return self._item
 
     def _item(self, c: str) -> bool:
         if c.isspace():

@@ -26,6 +26,8 @@ State = Callable[[str], bool]
 
 class SectionStream:
     markers: tuple[str, ...] = ()
+    # Set by formats whose calls are the whole output: the character that opens them.
+    whole_output_opener: str | None = None
 
     def __init__(self, whole: bool = False) -> None:
         self._text = ""
@@ -59,7 +61,11 @@ class SectionStream:
     # --- what a format defines -------------------------------------------------------------
 
     def _initial_state(self) -> State:
-        return self._plain
+        return self._plain if self.whole_output_opener is None else self._whole_output_start
+
+    def _after_opener(self) -> State:
+        """Where a whole-output format reads on after its opener."""
+        raise NotImplementedError
 
     def _after_marker(self, marker: str) -> None:
         raise NotImplementedError
@@ -141,14 +147,14 @@ class SectionStream:
         self._section_start = start
         self._out.open_section()
 
-    def _open_whole_output(self, c: str, opener: str, then: State) -> bool:
-        """For formats whose calls are the whole output: past leading whitespace ``opener``
-        opens the section and ``then`` reads on; any other character makes it all content."""
+    def _whole_output_start(self, c: str) -> bool:
+        """Past leading whitespace, the opener opens the section and ``_after_opener`` reads
+        on; any other character makes the whole output content."""
         if c.isspace():
             return True
-        if c == opener:
+        if c == self.whole_output_opener:
             self._open_section(self._emitted)
-            self._state = then
+            self._state = self._after_opener()
             return True
         self._state = self._tail
         return False
