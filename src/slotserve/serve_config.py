@@ -17,12 +17,12 @@ from slotserve.models.config import (
     RunnerConfig,
 )
 from slotserve.options import add_arguments, configure, option, options
-from slotserve.replicas import ROUTING_POLICIES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROUTING_POLICIES = ("prefix", "round-robin", "pow2")  # replicas/routing.py builds each
 # Not an option: it configures nothing, and vLLM command lines carry it.
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is always on"
