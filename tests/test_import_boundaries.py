@@ -18,48 +18,19 @@ HTTP = ("fastapi", "starlette", "uvicorn")
 # Engine modules directly in ``engine/``: the vocabulary every part shares.
 ENGINE_BASE = "slotserve.engine"
 
+# What the models, the server and the commands are built from: no lower package imports them.
+UPPER = tuple(f"slotserve.{name}" for name in ("models", "server", "chat", "bench", "replicas"))
+# The engine's core and its clients: runners and the text protocol stay below them.
+ENGINE_TOP = ("slotserve.engine.core", "slotserve.engine.client")
+
 # package → slotserve packages it must not import (a prefix forbids its sub-packages too).
 FORBIDDEN_SLOTSERVE = {
-    "slotserve.engine": (
-        "slotserve.runners",
-        "slotserve.models",
-        "slotserve.protocol",
-        "slotserve.server",
-        "slotserve.chat",
-        "slotserve.bench",
-        "slotserve.replicas",
-    ),
-    "slotserve.engine.prefix_cache": (
-        "slotserve.engine.core",
-        "slotserve.engine.decoding",
-        "slotserve.engine.client",
-    ),
-    "slotserve.engine.decoding": (
-        "slotserve.engine.core",
-        "slotserve.engine.prefix_cache",
-        "slotserve.engine.client",
-    ),
+    "slotserve.engine": ("slotserve.runners", "slotserve.protocol", *UPPER),
+    "slotserve.engine.prefix_cache": ("slotserve.engine.decoding", *ENGINE_TOP),
+    "slotserve.engine.decoding": ("slotserve.engine.prefix_cache", *ENGINE_TOP),
     "slotserve.engine.core": ("slotserve.engine.client",),
-    "slotserve.runners": (
-        "slotserve.engine.core",
-        "slotserve.engine.client",
-        "slotserve.models",
-        "slotserve.protocol",
-        "slotserve.server",
-        "slotserve.chat",
-        "slotserve.bench",
-        "slotserve.replicas",
-    ),
-    "slotserve.protocol": (
-        "slotserve.engine.core",
-        "slotserve.engine.client",
-        "slotserve.runners",
-        "slotserve.models",
-        "slotserve.server",
-        "slotserve.chat",
-        "slotserve.bench",
-        "slotserve.replicas",
-    ),
+    "slotserve.runners": (*ENGINE_TOP, "slotserve.protocol", *UPPER),
+    "slotserve.protocol": (*ENGINE_TOP, "slotserve.runners", *UPPER),
     "slotserve.models": ("slotserve.server", "slotserve.chat", "slotserve.bench"),
     "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
 }
