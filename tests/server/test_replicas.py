@@ -37,6 +37,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
         env=RAY_ENV,
     )
     try:
+        # Ready means one replica answers; the tests below need both (a replica whose start
+        # failed is replaced by Ray meanwhile).
+        assert wait_until(lambda: len(_replicas(server)) == 2, 120), "both replicas serving"
         yield server
     finally:
         pids = [row["actor_pid"] for row in _replicas(server)] + [

@@ -5,15 +5,13 @@ actor supervises and forwards requests to.
 Why a server per replica rather than an engine object in the actor: every endpoint, validation
 rule, error shape and stream behaves exactly as on one machine, and the replica's health is
 the server's (``check_health``: Serve replaces a replica whose server died). The server is the
-actor's child and dies with it (``PR_SET_PDEATHSIG``), so a replica Ray kills leaves nothing.
+actor's child and dies with it (``child.py``), so a replica Ray kills leaves nothing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -72,10 +70,11 @@ class EngineReplica:
         self.rank = context.rank.rank if context.rank is not None else 0
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "slotserve.cli", "serve", *serve_argv]
+        child = [sys.executable, "-m", "slotserve.replicas.child", str(os.getpid())]
+        command = [*child, "serve", *serve_argv]
         # --replicas 0: a SLOTSERVE_REPLICAS the actor inherited must not recurse.
         command += ["--host", "127.0.0.1", "--port", str(port), "--replicas", "0"]
-        self.server = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        self.server = subprocess.Popen(command)
         self._wait_ready()
         self.client = httpx.AsyncClient(base_url=self.url, timeout=None)
         logger.info(
@@ -146,10 +145,3 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the actor's process dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
