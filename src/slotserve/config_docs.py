@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from slotserve.chat.command import local_options
-from slotserve.models.config import PER_MODEL
+from slotserve.models.config import PER_MODEL, ModelOptions
 from slotserve.options import Option, options
 from slotserve.serve_config import AUTO_TOOL_CHOICE_FLAG, AUTO_TOOL_CHOICE_HELP, SERVE_GROUPS
 
@@ -32,7 +32,7 @@ def render() -> str:
     for title, about, config in SERVE_GROUPS:
         per_model = config in PER_MODEL
         rows = [_row(opt, per_model) for opt in options(config).values()]
-        if config is PER_MODEL[-1]:
+        if config is ModelOptions:  # serve's parser adds the flag to the same group
             rows.append(_cells(f"`{AUTO_TOOL_CHOICE_FLAG}`", "", "", "", AUTO_TOOL_CHOICE_HELP))
         parts.append(f"## `serve`: {title}\n\n{about}\n\n{_table(rows, per_model)}")
     chat_rows = [_row(opt, False) for opt in local_options()]

@@ -55,17 +55,24 @@ class CacheBudget(NamedTuple):
     bytes: int | None = None
 
 
+def _scaled_bytes(text: str, unit_when_none: str | None) -> int:
+    """``"512MiB"`` → 536870912; ``ValueError`` for anything else (a bare number is
+    ``unit_when_none``, or refused when that is None)."""
+    value = text.strip().lower().replace(" ", "")
+    number = value.rstrip("bgikm")
+    unit = value[len(number) :] or unit_when_none
+    if unit not in _BYTE_UNITS:
+        raise ValueError(unit)
+    return int(float(number) * _BYTE_UNITS[unit])
+
+
 def parse_cache_budget(text: str) -> CacheBudget:
     """``"20000"`` → (20000 tokens, None); ``"512MiB"`` → (None, 536870912 bytes)."""
-    value = text.strip().lower().replace(" ", "")
-    if value.isdigit():
-        return CacheBudget(tokens=int(value))
-    number = value.rstrip("bgikm")
-    unit = value[len(number) :]
+    digits = text.strip().replace(" ", "")
+    if digits.isdigit():
+        return CacheBudget(tokens=int(digits))
     try:
-        if unit not in _BYTE_UNITS:
-            raise ValueError(unit)
-        return CacheBudget(bytes=int(float(number) * _BYTE_UNITS[unit]))
+        return CacheBudget(bytes=_scaled_bytes(text, None))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid budget {text!r}: a token count (20000) or bytes with a unit (512MiB, 2GB)"
@@ -74,13 +81,8 @@ def parse_cache_budget(text: str) -> CacheBudget:
 
 def parse_bytes(text: str) -> int:
     """``"2GiB"`` → 2147483648, ``"512MB"`` → 512000000; a plain number is bytes."""
-    value = text.strip().lower().replace(" ", "")
-    number = value.rstrip("bgikm")
-    unit = value[len(number) :] or "b"
     try:
-        if unit not in _BYTE_UNITS:
-            raise ValueError(unit)
-        return int(float(number) * _BYTE_UNITS[unit])
+        return _scaled_bytes(text, "b")
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: bytes, with a unit if you like (512MiB, 2GB)"
