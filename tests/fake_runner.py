@@ -71,6 +71,14 @@ class FakeRunner:
     prompt_scores: dict[int, list[SampledToken]] = field(default_factory=dict)
     drop_samples_once: bool = False  # the next execute returns no tokens: breaks the engine loop
     drop_samples_at_step: int = 0  # ... the same at this execute (for a runner in a process)
+    # Embeddings: how the fake model pools (None: it cannot embed), whether it generates, and
+    # whether it is an encoder. Its vector is [tokens pooled, their sum, the last token]: a
+    # pooled position missing (a wrong cache hit, a lost chunk) changes it.
+    pooling: str | None = "last"
+    can_generate: bool = True
+    bidirectional: bool = False
+    pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (count, sum)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for slot in range(self.num_slots):
@@ -116,6 +124,9 @@ class FakeRunner:
             prefix_cache_unsupported=self.prefix_cache_unsupported,
             kv_capacity_tokens=self.kv_pool_blocks * self.kv_block_size,
             verify_cost=self.verify_cost,
+            pooling=self.pooling,
+            can_generate=self.can_generate,
+            bidirectional=self.bidirectional,
         )
 
     @property
@@ -162,6 +173,8 @@ class FakeRunner:
                 # A made-up score that names its position, so tests can see order and gaps.
                 score = SampledToken(target, -float(chunk.start_pos + offset + 1))
                 self.prompt_scores.setdefault(chunk.slot, []).append(score)
+            if chunk.embed:
+                self._pool(chunk, held)
             if chunk.sample:  # verified in order, as the real runners do (ScheduledChunk)
                 tokens = sampled[chunk.slot] = []
                 for depth in range(chunk.num_drafts + 1):
@@ -177,6 +190,20 @@ class FakeRunner:
     def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
         scored, self.prompt_scores = self.prompt_scores, {}
         return scored
+
+    def _pool(self, chunk: ScheduledChunk, held: list[int]) -> None:
+        assert not chunk.sample, "an embedding chunk never samples"
+        if self.pooling != "last":
+            assert chunk.start_pos == 0 or chunk.slot in self.pooled, "a pooled position missed"
+        count, total = (0, 0) if chunk.start_pos == 0 else self.pooled.get(chunk.slot, (0, 0))
+        self.pooled[chunk.slot] = (count + len(chunk.token_ids), total + sum(chunk.token_ids))
+        if chunk.embed_last:
+            count, total = self.pooled.pop(chunk.slot)
+            self.embeddings[chunk.slot] = [float(count), float(total), float(held[-1])]
+
+    def take_embeddings(self) -> dict[int, list[float]]:
+        vectors, self.embeddings = self.embeddings, {}
+        return vectors
 
     def remove_sequence(self, slot: int) -> None:
         self.removed.append(slot)

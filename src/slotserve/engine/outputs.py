@@ -72,6 +72,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     time: float = 0.0
     queue_seconds: float | None = None
+    # An embedding request's vector (``SamplingParams.embed``), in its final output: the
+    # pooled hidden state of the prompt, L2-normalised.
+    embedding: list[float] | None = None
 
     @property
     def timed_out(self) -> bool:

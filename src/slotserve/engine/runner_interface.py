@@ -15,6 +15,7 @@ import numpy as np
 
 from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.outputs import SampledToken
+from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,12 @@ class ScheduledChunk:
     # runner scores each with the logits of the position before it (see
     # ``Runner.take_prompt_logprobs``).
     prompt_logprob_targets: Sequence[int] = ()
+    # Embedding (``SamplingParams.embed``): every prompt chunk of such a sequence has ``embed``
+    # set and ``sample`` never; the runner keeps what the model's pooling needs of these
+    # positions (``ModelInfo.pooling``), and after the chunk that ends the prompt
+    # (``embed_last``) hands the slot's vector over in ``Runner.take_embeddings``.
+    embed: bool = False
+    embed_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,22 @@ class ModelInfo:
     # rejected draft); speculative decoding is then off. None when it works.
     speculative_unsupported: str | None = None
     tensor_parallel_size: int = 1  # ranks the model is split across (the PyTorch runner's)
+    # What the model serves: text generation, and embeddings pooled from the prompt's final
+    # hidden states ("last" token, "mean" of all tokens, "cls": the first token's; None: no
+    # embeddings). "mean" and "cls" need every position computed, so those prompts take no
+    # prefix-cache hit.
+    can_generate: bool = True
+    pooling: str | None = None
+    # An encoder: every token attends to the whole prompt, so a prompt runs in one chunk of at
+    # most ``max_batch_tokens`` and its KV is never reused (no prefix cache, no decode).
+    bidirectional: bool = False
+    # What a request gets for the sampling fields it leaves out: the model's own values over
+    # its runner's ecosystem's defaults (``engine/sampling_defaults.py``).
+    sampling_defaults: SamplingDefaults = NEUTRAL
+
+    @property
+    def can_embed(self) -> bool:
+        return self.pooling is not None
 
     @property
     def kv_capacity(self) -> int:
@@ -286,6 +309,11 @@ class Runner(Protocol):
         """By slot, the log-probabilities the last ``execute`` computed for chunks with
         ``prompt_logprob_targets`` (one per target, with the slot's ``prompt_logprobs`` top
         alternatives); cleared by the call."""
+        ...
+
+    def take_embeddings(self) -> dict[int, list[float]]:
+        """By slot, the L2-normalised vectors of the chunks with ``embed_last`` the last
+        ``execute`` ran; cleared by the call."""
         ...
 
     def remove_sequence(self, slot: int) -> None:

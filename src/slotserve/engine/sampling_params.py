@@ -37,6 +37,11 @@ class SamplingParams:
     ``max_tokens=None`` means "until the sequence's context is full". ``logprobs=None`` turns
     log-probabilities off; ``0`` returns only the sampled token's, ``k`` adds the top ``k``.
     ``top_k <= 0`` disables top-k.
+
+    ``embed=True`` makes the request an embedding instead of a generation: the prompt is
+    computed like any other (batched with generation, taking prefix-cache hits where the
+    model's pooling allows) and pooled into one vector, with no token sampled; the sampling
+    fields are then unused.
     """
 
     max_tokens: int | None = None
@@ -59,6 +64,7 @@ class SamplingParams:
     # ``k`` alternatives; None: not computed (the prefix cache is then not used: cached
     # positions have no logits).
     prompt_logprobs: int | None = None
+    embed: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -109,6 +115,9 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be between 0 and {MAX_TOP_LOGPROBS}",
         )
+        if self.embed:
+            _check(self.n == 1, "n", "must be 1 for an embedding")
+            _check(self.prompt_logprobs is None, "prompt_logprobs", "is not for embeddings")
 
     @property
     def is_greedy(self) -> bool:

@@ -48,8 +48,11 @@ class TorchSpec:
     load: TorchLoadConfig
 
     def __call__(self) -> Runner:
+        from slotserve.runners.pytorch.encoder import EncoderRunner, is_encoder
         from slotserve.runners.pytorch.runner import TorchRunner
 
+        if is_encoder(self.load.model_path):
+            return EncoderRunner(self.load)
         return TorchRunner(self.load)
 
     def frontend(self) -> RunnerFrontend:
@@ -59,5 +62,8 @@ class TorchSpec:
 
     def memory_needed(self) -> MemoryNeed:
         from slotserve.runners.pytorch.checkpoint import estimate_memory
+        from slotserve.runners.pytorch.encoder import estimate_encoder_memory, is_encoder
 
+        if is_encoder(self.load.model_path):
+            return estimate_encoder_memory(self.load)
         return estimate_memory(self.load)

@@ -62,7 +62,13 @@ class EngineCore:
         self.speculator = build_speculator(config.speculative, info)
         self.grammars = GrammarMasks(runner.tokenizer, info)
         self.scheduler = Scheduler(
-            config, runner, info.chunk_policy, self.prefix_cache, self.speculator
+            config,
+            runner,
+            info.chunk_policy,
+            self.prefix_cache,
+            self.speculator,
+            whole_prompts=info.bidirectional,
+            embed_reuses_prefix=info.pooling == "last",
         )
         self.counters = EngineCounters()
         self.unhealthy: str | None = None  # why the engine was poisoned
@@ -130,7 +136,8 @@ class EngineCore:
         for slot, scored in self.runner.take_prompt_logprobs().items():
             if (seq := self.scheduler.slots.slots[slot].sequence) is not None:
                 seq.prompt_logprobs.extend(scored)
-        self._update_from_output(chunks, sampled, outputs)
+        embeddings = self.runner.take_embeddings() if any(c.embed_last for c in chunks) else {}
+        self._update_from_output(chunks, sampled, embeddings, outputs)
         self._release_drained()
         self.counters.steps += 1
         elapsed = time.perf_counter() - started
@@ -188,11 +195,18 @@ class EngineCore:
         self,
         chunks: SequenceOf[ScheduledChunk],
         sampled: dict[int, list[SampledToken]],
+        embeddings: dict[int, list[float]],
         outputs: Outputs,
     ) -> None:
         eog = self.model_info.eog_token_ids
         for chunk in chunks:
             seq = self.scheduler.on_chunk_computed(chunk)
+            if chunk.embed_last:  # an embedding ends with its prompt (scheduler invariant 10)
+                output_for(seq.request, outputs).embedding = embeddings[chunk.slot]
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+                self._emit(seq, outputs)
+                continue
             if not chunk.sample:
                 continue
             tokens = sampled[chunk.slot]

@@ -29,6 +29,13 @@ def check_request(
         )
     limit = info.max_seq_len
     num_prompt = len(prompt_token_ids)
+    if params.embed:
+        return _check_embedding(info, config, num_prompt)
+    if not info.can_generate:
+        raise InvalidRequestError(
+            f"The model {info.name} is an embedding model: it serves /v1/embeddings only.",
+            param="model",
+        )
     if num_prompt >= limit:
         # One position must be left to generate into.
         raise InvalidRequestError(
@@ -54,6 +61,26 @@ def check_request(
         )
     params.validate_against_vocab(info.vocab_size)
     return room
+
+
+def _check_embedding(info: ModelInfo, config: EngineConfig, num_prompt: int) -> int:
+    if not info.can_embed:
+        raise InvalidRequestError(
+            f"The model {info.name} does not serve embeddings.", param="model"
+        )
+    # An encoder runs a prompt in one chunk (scheduler invariant 10); the whole context
+    # otherwise: an embedding generates nothing, so it may fill it.
+    limit = (
+        min(info.max_seq_len, config.max_batch_tokens) if info.bidirectional else info.max_seq_len
+    )
+    if num_prompt > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, your input "
+            f"resulted in {num_prompt} tokens. Please reduce the length of the input.",
+            param="input",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    return 0
 
 
 def validate_request(

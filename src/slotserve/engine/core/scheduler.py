@@ -36,6 +36,12 @@ Batch-construction invariants:
    any new request is admitted, as soon as their first chunk's KV can be reserved; they
    recompute their tokens (prompt and output so far) from the longest cached prefix. The
    oldest sequence always fits (``max_seq_len`` is at most the pool), so work never stalls.
+10. An embedding sequence (``SamplingParams.embed``) is prefill only: its chunks are marked
+    ``embed`` and never sample, the one ending its prompt ``embed_last``; it finishes there,
+    never GENERATING. It takes a cached prefix only when the model pools the last token
+    (mean and first-token pooling need every position's hidden state). On an encoder
+    (``ModelInfo.bidirectional``) every prompt runs in one chunk: it waits until the whole of
+    it fits the step's budget (requests were checked against ``max_batch_tokens``).
 """
 
 from __future__ import annotations
@@ -71,7 +77,11 @@ class Scheduler:
         policy: ChunkPolicy,
         prefix_cache: PrefixCache,
         speculator: Speculator | None = None,
+        whole_prompts: bool = False,
+        embed_reuses_prefix: bool = True,
     ) -> None:
+        """``whole_prompts`` and ``embed_reuses_prefix``: invariant 10 (an encoder; a
+        model that pools the last token)."""
         self._max_chunk = policy.max_chunk(config.prefill_chunk)
         if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
             # A prompt's last chunk may need up to two grains less one (invariant 8).
@@ -84,6 +94,8 @@ class Scheduler:
         self.policy = policy
         self.prefix_cache = prefix_cache
         self.speculator = speculator
+        self.whole_prompts = whole_prompts
+        self.embed_reuses_prefix = embed_reuses_prefix
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
@@ -122,7 +134,7 @@ class Scheduler:
         if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs = []  # scored again from the start: no cached positions
         seq.num_computed_tokens = cache.attach(
-            slot.index, seq.token_ids, cache.match(_reusable(seq)), count=False
+            slot.index, seq.token_ids, cache.match(self._reusable(seq)), count=False
         )
         first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
         if not self._make_room(slot.index, first_chunk_end):
@@ -135,12 +147,22 @@ class Scheduler:
         cache = self.prefix_cache
         # Match, choose and attach one sequence at a time: attaching can drop cached content
         # of the chosen slot that an earlier match would have pointed at.
-        match = cache.match(_reusable(sequence))
+        match = cache.match(self._reusable(sequence))
         free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
         slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
         cached = cache.attach(slot.index, sequence.token_ids, match)
         sequence.num_computed_tokens = sequence.num_cached_tokens = cached
         return slot
+
+    def _reusable(self, seq: Sequence) -> list[int]:
+        """What the prefix cache may supply: nothing while prompt log-probabilities are wanted
+        and not yet delivered (cached positions have no logits to score), nor to an embedding
+        whose pooling reads every position (invariant 10)."""
+        if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+            return []
+        if seq.request.params.embed and not self.embed_reuses_prefix:
+            return []
+        return seq.token_ids
 
     def _cacheable_tokens(self, seq: Sequence) -> list[int]:
         length = self.policy.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
@@ -150,6 +172,8 @@ class Scheduler:
         """Invariant 7: True when ``request`` should wait for a running prefill to share."""
         prefilling = self._by_admission(SlotState.PREFILLING)
         if not self.prefix_cache.enabled or not prefilling or request.params.prompt_logprobs:
+            return False
+        if request.params.embed and not self.embed_reuses_prefix:
             return False
         policy, prompt = self.policy, request.prompt_token_ids
         cached = policy.reusable_length(self.prefix_cache.match(prompt).length, len(prompt))
@@ -197,12 +221,15 @@ class Scheduler:
                 targets: list[int] = []
                 if seq.wants_prompt_logprobs:
                     targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
+                embed = seq.request.params.embed  # invariant 10
                 chunks[slot.index] = ScheduledChunk(
                     slot.index,
                     seq.token_ids[start:end],
                     start,
-                    end == seq.num_tokens,
+                    end == seq.num_tokens and not embed,
                     prompt_logprob_targets=targets,
+                    embed=embed,
+                    embed_last=embed and end == seq.num_tokens,
                 )
         return list(chunks.values())
 
@@ -251,7 +278,10 @@ class Scheduler:
         for slot in prefill:
             seq = _sequence(slot)
             rest = seq.num_tokens - seq.num_computed_tokens
-            size = self.policy.chunk_size(rest, budget, self._max_chunk)
+            if self.whole_prompts:  # invariant 10: all of it or nothing
+                size = rest if rest <= budget else 0
+            else:
+                size = self.policy.chunk_size(rest, budget, self._max_chunk)
             truncated = truncated or size < min(rest, self._max_chunk)
             sizes.append(size)
             rests.append(rest)
@@ -266,7 +296,7 @@ class Scheduler:
         if slot.state is SlotState.PREFILLING:
             # Shareable at once by requests queued behind (invariant 7).
             self.prefix_cache.extend(slot.index, self._cacheable_tokens(seq))
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == seq.num_tokens and not seq.request.params.embed:
                 slot.move_to(SlotState.GENERATING)
         return seq
 
@@ -324,14 +354,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.state is not SlotState.FREE for s in self.slots.slots)
-
-
-def _reusable(seq: Sequence) -> list[int]:
-    """What the prefix cache may supply: nothing while prompt log-probabilities are wanted
-    and not yet delivered (cached positions have no logits to score)."""
-    if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
-        return []
-    return seq.token_ids
 
 
 def _sequence(slot: Slot) -> Sequence:

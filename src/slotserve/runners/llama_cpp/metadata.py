@@ -10,6 +10,8 @@ from typing import Any
 
 import llama_cpp as llama
 
+from slotserve.engine.sampling_defaults import LLAMA_SERVER, SamplingDefaults, from_gguf
+
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV type is f16
 
 
@@ -47,3 +49,27 @@ def kv_shape(model: Any) -> KvShape:
     value_length = number("attention.value_length") or key_length
     per_token = n_layer * n_head_kv * (key_length + value_length) * KV_BYTES_PER_VALUE
     return KvShape(per_token, number("context_length") or 4096)
+
+
+def sampling_defaults(model: Any) -> SamplingDefaults:
+    """The GGUF's recommended sampling (``general.sampling.*``) over llama-server's defaults,
+    which the model's users on llama.cpp know."""
+    return from_gguf(lambda key: metadata(model, key)).over(LLAMA_SERVER)
+
+
+# llama.cpp's enum llama_pooling_type, as GGUFs store it in ``<arch>.pooling_type``.
+_GGUF_POOLING = {"1": "mean", "2": "cls", "3": "last"}
+
+
+def pooling_of(model: Any) -> str:
+    """How the model pools a prompt into an embedding: the GGUF's ``<arch>.pooling_type`` when
+    it names mean, first-token or last-token pooling, else the last token's (what a causal
+    model's final hidden state sums up). Encoders are refused: this runner keeps KV per
+    sequence and computes prompts in causal chunks."""
+    arch = metadata(model, "general.architecture")
+    if metadata(model, f"{arch}.attention.causal") == "false":
+        raise RuntimeError(
+            f"the GGUF's {arch} model is an encoder (bidirectional attention), which the "
+            "llama.cpp runner does not serve; serve its HF folder with --runner torch"
+        )
+    return _GGUF_POOLING.get(metadata(model, f"{arch}.pooling_type") or "", "last")

@@ -41,9 +41,10 @@ from slotserve.engine.runner_interface import (
     VerifyCost,
 )
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.llama_cpp.metadata import kv_shape
+from slotserve.runners.llama_cpp.metadata import kv_shape, pooling_of, sampling_defaults
 from slotserve.runners.llama_cpp.sampling import build_chain, with_logprobs
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
+from slotserve.runners.pooling import PromptPools
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class LlamaCppRunner:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
+        # Per-token embeddings, pooled here: llama.cpp's own pooling works per batch, while a
+        # prompt may span several chunks (runners/pooling.py).
+        ctx_params.pooling_type = llama.LLAMA_POOLING_TYPE_NONE
         ctx_params.flash_attn_type = (
             llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
             if flash_attn
@@ -140,6 +144,9 @@ class LlamaCppRunner:
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
+        pooling = pooling_of(self._model)
+        self._pools = PromptPools(pooling)
+        self._n_embd = llama.llama_model_n_embd(self._model)
         self._decode_seconds = 0.0
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
@@ -166,6 +173,8 @@ class LlamaCppRunner:
             # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py). A lone
             # decode past _SPLIT_KV_CONTEXT carries a ballast token a first draft can replace.
             verify_cost=VerifyCost(0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None),
+            sampling_defaults=sampling_defaults(self._model),
+            pooling=pooling,
         )
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
@@ -197,7 +206,7 @@ class LlamaCppRunner:
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
         self.remove_sequence(slot)  # sampler state only; the engine has set up the KV
-        if params.needs_sampler_chain:
+        if params.needs_sampler_chain and not params.embed:
             self._chains[slot] = build_chain(
                 self._vocab,
                 self._n_vocab,
@@ -261,8 +270,10 @@ class LlamaCppRunner:
         row = 0
         sampling: list[tuple[ScheduledChunk, int]] = []  # (chunk, batch row of its first sample)
         scoring: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row): prompt logprobs
+        firsts: dict[int, int] = {}  # slot -> the batch row of its chunk's first token
         for chunk in sorted([*chunks, *ballast], key=lambda c: c.slot):
             size = len(chunk.token_ids)
+            firsts[chunk.slot] = row
             end = row + size
             if end > self._capacity:
                 raise ValueError(f"batch of {end} tokens exceeds capacity {self._capacity}")
@@ -280,13 +291,27 @@ class LlamaCppRunner:
             row = end
         self._n_seq_ids[:row] = 1
         batch.n_tokens = row
+        pooled = [(chunk, self._pools.rows(chunk)) for chunk in chunks if chunk.embed]
+        # Embeddings only for the calls whose rows are pooled: llama.cpp then outputs every
+        # row, logits too (the same values as without), at the cost of the vocabulary
+        # projection of every row.
+        embeddings = any(rows is not None for _, rows in pooled)
+        if embeddings:
+            self._wants_logits[:row] = 1
+            llama.llama_set_embeddings(self._ctx, True)
         started = time.perf_counter()
-        status = llama.llama_decode(self._ctx, batch)
+        try:
+            status = llama.llama_decode(self._ctx, batch)
+        finally:
+            if embeddings:
+                llama.llama_set_embeddings(self._ctx, False)
         self._decode_seconds += time.perf_counter() - started
         for extra in ballast:
             self.trim_kv(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
+        if pooled:
+            self._pool(pooled, firsts, row)
         for chunk, first in scoring:
             top = self._params[chunk.slot].prompt_logprobs or 0
             self._prompt_logprobs.setdefault(chunk.slot, []).extend(
@@ -298,6 +323,25 @@ class LlamaCppRunner:
     def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
         scored, self._prompt_logprobs = self._prompt_logprobs, {}
         return scored
+
+    def _pool(
+        self,
+        pooled: Sequence[tuple[ScheduledChunk, tuple[int, int] | None]],
+        firsts: dict[int, int],
+        num_rows: int,
+    ) -> None:
+        """Hands each embedding chunk's rows (every row was an output) to the pools."""
+        hidden = None
+        if any(rows is not None for _, rows in pooled):
+            pointer = llama.llama_get_embeddings(self._ctx)
+            hidden = np.ctypeslib.as_array(pointer, shape=(num_rows, self._n_embd))
+        for chunk, rows in pooled:
+            at = firsts[chunk.slot]
+            part = None if rows is None or hidden is None else hidden[at + rows[0] : at + rows[1]]
+            self._pools.add(chunk, part)
+
+    def take_embeddings(self) -> dict[int, list[float]]:
+        return self._pools.take()
 
     def _logits_at(self, batch_row: int) -> np.ndarray[Any, Any]:
         return np.ctypeslib.as_array(
@@ -321,6 +365,7 @@ class LlamaCppRunner:
         if chain is not None:
             llama.llama_sampler_free(chain)
         self._params.pop(slot, None)
+        self._pools.forget(slot)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         # Between streams llama.cpp copies only whole sequences: the cell metadata now, the

@@ -5,6 +5,7 @@ configuration (an HF ``config.json`` or GGUF metadata), and the memory the runne
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,8 +15,16 @@ from typing import Any
 import torch
 
 from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.engine.sampling_defaults import (
+    NEUTRAL,
+    SamplingDefaults,
+    from_generation_config,
+    from_gguf,
+)
 from slotserve.runners.pytorch.config import ModelConfig, UnsupportedModelError, config_from_hf
 from slotserve.runners.pytorch.tensor_parallel import shard_config
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +84,25 @@ def read_model_config(path: Path, gguf_reader: Any = None) -> ModelConfig:
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
     return config_from_hf(json.loads(config_file.read_text()), name)
+
+
+def sampling_defaults(path: Path, gguf_reader: Any = None) -> SamplingDefaults:
+    """The checkpoint's recommended sampling (``generation_config.json`` beside
+    ``config.json``, or a GGUF's ``general.sampling.*`` keys) over vLLM's neutral defaults, as
+    vLLM's ``--generation-config auto`` applies them."""
+    if path.is_file():
+        fields = (gguf_reader or open_gguf(path)).fields
+        own = from_gguf(lambda key: fields[key].contents() if key in fields else None)
+        return own.over(NEUTRAL)
+    config_file = path / "generation_config.json"
+    try:
+        raw = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (OSError, ValueError) as exc:
+        # Only advice: a broken file must not stop the model from serving.
+        logger.warning("ignoring %s: %s", config_file, exc)
+        raw = {}
+    own = from_generation_config(raw) if isinstance(raw, dict) else SamplingDefaults()
+    return own.over(NEUTRAL)
 
 
 def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:

@@ -25,7 +25,13 @@ from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, open_gguf, read_model_config
+from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
+from slotserve.runners.pytorch.checkpoint import (
+    TorchLoadConfig,
+    open_gguf,
+    read_model_config,
+    sampling_defaults,
+)
 from slotserve.runners.pytorch.config import ModelConfig
 from slotserve.runners.pytorch.deltanet import BLOCK
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
@@ -97,6 +103,9 @@ class TorchRunner:
         self._samplers: dict[int, SequenceSampler] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
+        # A sentence-transformers folder names its pooling; else the last token's final state.
+        pooling = (sentence_transformers_pooling(path) if path.is_dir() else None) or "last"
+        self._pools = PromptPools(pooling)
         self._info = ModelInfo(
             name=load.model_name or config.name,
             vocab_size=config.vocab_size,
@@ -110,6 +119,8 @@ class TorchRunner:
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
             tensor_parallel_size=ranks,
+            sampling_defaults=sampling_defaults(path, reader),
+            pooling=pooling,
             **_recurrent_state_rules(config),
         )
         logger.info(
@@ -149,12 +160,16 @@ class TorchRunner:
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
+        if params.embed:  # pooled, never sampled
+            self._samplers.pop(slot, None)
+            return
         self._samplers[slot] = new_sequence_sampler(
             params, prompt_token_ids, seed, self.config.vocab_size, self.device
         )
 
     def remove_sequence(self, slot: int) -> None:
         self._samplers.pop(slot, None)
+        self._pools.forget(slot)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         if self.shard.linear_states is not None:
@@ -190,6 +205,8 @@ class TorchRunner:
         hidden = self.shard.forward(plan)
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
+        if any(chunk.embed for chunk in ordered):
+            self._pool(ordered, hidden)
         # Logits in the plan's order: the other ranks gather the vocabulary in the same calls.
         for chunk, rows in zip(scoring, plan.logit_rows, strict=False):
             self._score_prompt(chunk, self.shard.logits(hidden, rows))
@@ -260,6 +277,24 @@ class TorchRunner:
     def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
         scored, self._prompt_logprobs = self._prompt_logprobs, {}
         return scored
+
+    def _pool(self, ordered: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Hands the pools the final-norm states of the embedding chunks' rows they read
+        (``hidden`` holds the step's rows in ``ordered``'s order). The norm is per row, so a
+        vector does not depend on what ran beside it."""
+        first = 0
+        for chunk in ordered:
+            rows = self._pools.rows(chunk)
+            part = None
+            if rows is not None:
+                states = self.shard.model.norm(hidden[first + rows[0] : first + rows[1]])
+                part = states.float().cpu().numpy()
+            if chunk.embed:
+                self._pools.add(chunk, part)
+            first += len(chunk.token_ids)
+
+    def take_embeddings(self) -> dict[int, list[float]]:
+        return self._pools.take()
 
     def _sample_in_order(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor
