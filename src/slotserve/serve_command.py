@@ -64,7 +64,12 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (ModelUnavailableError, ValueError, FileNotFoundError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
         return 2
-    ctx = ServingContext(registry, metrics, api_key=server.api_key or None)
+    ctx = ServingContext(
+        registry,
+        metrics,
+        api_key=server.api_key or None,
+        max_request_bytes=server.max_request_bytes,
+    )
     uvicorn_config = uvicorn.Config(
         create_app(ctx),
         host=server.host,

@@ -16,7 +16,7 @@ from slotserve.models.config import (
     ModelsConfig,
     RunnerConfig,
 )
-from slotserve.options import add_arguments, configure, option, options
+from slotserve.options import add_arguments, configure, option, options, parse_bytes
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -46,6 +46,13 @@ class ServerConfig:
         "are aborted (default 30)",
     )
     log_level: str = option("info", choices=LOG_LEVELS, help="log level")
+    max_request_bytes: int | None = option(
+        None,
+        parse=parse_bytes,
+        help="largest request body accepted (64MiB, or bytes); a larger one is a 413 before "
+        "any of it is parsed (default: 32 bytes per token of every slot's context of the "
+        "largest loaded model, at least 8MiB)",
+    )
     engine_process: bool = option(
         True,
         help="run the scheduler and the runner in a process of their own, apart from HTTP, "
@@ -115,7 +122,11 @@ SERVE_GROUPS: tuple[tuple[str, str, type[DataclassInstance]], ...] = (
         EngineConfig,
     ),
     ("runner (each model)", "How the model runs: llama.cpp or PyTorch.", RunnerConfig),
-    ("chat (each model)", "How requests are rendered and replies parsed.", ModelOptions),
+    (
+        "model (each model)",
+        "How requests are rendered, replies parsed, and a dead engine restarted.",
+        ModelOptions,
+    ),
     ("server", "The HTTP server.", ServerConfig),
     ("replicas", "Engine replicas on Ray Serve.", ReplicaConfig),
 )

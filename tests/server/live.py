@@ -13,7 +13,7 @@ import uvicorn
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
-from slotserve.models.host import ModelHost, ModelLaunch
+from slotserve.models.host import ModelHost, ModelLaunch, RestartPolicy
 from slotserve.models.registry import ModelRegistry
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
@@ -33,11 +33,14 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(
-    build_runner: Callable[[], Runner], config: EngineConfig, name: str = "live"
+    build_runner: Callable[[], Runner],
+    config: EngineConfig,
+    name: str = "live",
+    restart: RestartPolicy | None = None,
 ) -> Iterator[LiveServer]:
     metrics = ServerMetrics()
     models = ModelRegistry(on_outputs=metrics.observe)
-    host = models.add(ModelLaunch(name, build_runner, config))
+    host = models.add(ModelLaunch(name, build_runner, config, restart=restart or RestartPolicy()))
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(

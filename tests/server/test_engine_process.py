@@ -1,6 +1,7 @@
-"""The engine core in its own process behind a real server (issue 13): the same greedy tokens
-as the in-thread engine, a killed engine process turns the model unhealthy and a reload brings
-a new one, and the engine process never outlives its server."""
+"""The engine core in its own process behind a real server: the same greedy tokens as the
+in-thread engine, a killed engine process (with --engine-restart never) turns the model
+unhealthy and a reload brings a new one, and the engine process never outlives its server.
+Restarts by themselves: test_engine_restart.py."""
 
 from __future__ import annotations
 
@@ -53,7 +54,15 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def process_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("proc"), "--slots", "4", "--engine-process")
+    # Restarts off: the killed-engine test shows the unhealthy state and the reload.
+    proc = start_server(
+        tmp_path_factory.mktemp("proc"),
+        "--slots",
+        "4",
+        "--engine-process",
+        "--engine-restart",
+        "never",
+    )
     yield proc
     stop_server(proc)
 

@@ -24,6 +24,7 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from slotserve.models.host import RestartPolicy
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.conftest import wait_until
 from tests.server.live import LiveServer, live_server
@@ -70,7 +71,10 @@ def server(model_path: Path) -> Iterator[tuple[LiveServer, list[FaultInjectingRu
         built.append(runner)
         return cast(Runner, runner)
 
-    with live_server(build, EngineConfig(num_slots=4, max_batch_tokens=256), "smol") as live:
+    # Not restarted by itself: this is the unhealthy state and the reload that ends it.
+    never = RestartPolicy(enabled=False)
+    config = EngineConfig(num_slots=4, max_batch_tokens=256)
+    with live_server(build, config, "smol", restart=never) as live:
         yield live, built
 
 
@@ -135,3 +139,29 @@ def test_fault_makes_the_model_unhealthy_and_reload_recovers(
     assert httpx.get(f"{live.base_url}/health").json() == {"status": "ok"}
     assert _greedy(client) == before, "the reloaded model answers as before the fault"
     assert wait_until(lambda: live.host.model is not None and live.host.num_in_flight == 0)
+
+
+def test_a_poisoned_runner_is_restarted_by_itself(model_path: Path) -> None:
+    built: list[FaultInjectingRunner] = []
+
+    def build() -> Runner:
+        runner = FaultInjectingRunner(
+            LlamaCppRunner(model_path, num_slots=2, ctx_size=2 * 1024, max_batch_tokens=256)
+        )
+        built.append(runner)
+        return cast(Runner, runner)
+
+    config = EngineConfig(num_slots=2, max_batch_tokens=256)
+    with live_server(build, config, "smol", restart=RestartPolicy(limit=3)) as live:
+        client = openai.OpenAI(base_url=live.api_url, api_key="x", max_retries=0)
+        built[-1].arm("raise")
+        with pytest.raises(openai.APIStatusError) as failed:
+            _greedy(client)
+        assert failed.value.status_code == 503 and "injected device fault" in str(failed.value)
+
+        def restarted() -> bool:
+            return httpx.get(f"{live.base_url}/ready", timeout=5).status_code == 200
+
+        assert wait_until(restarted, timeout=60, interval=0.1)
+        assert len(built) == 2 and live.host.restarts == 1
+        assert _greedy(client)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
-from slotserve.models.host import ModelLaunch
+from slotserve.models.host import ModelLaunch, RestartPolicy
 from slotserve.models.registry import ModelRegistry
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
@@ -24,7 +24,14 @@ from tests.fake_runner import FakeRunner
 def make_client(build_runner: object) -> TestClient:
     metrics = ServerMetrics()
     models = ModelRegistry(on_outputs=metrics.observe)
-    models.add(ModelLaunch("fake", build_runner, EngineConfig(num_slots=2)))  # type: ignore[arg-type]
+    # Restarts off: these tests show the unhealthy state and the reload that ends it.
+    launch = ModelLaunch(
+        "fake",
+        build_runner,  # type: ignore[arg-type]
+        EngineConfig(num_slots=2),
+        restart=RestartPolicy(enabled=False),
+    )
+    models.add(launch)
     return TestClient(create_app(ServingContext(models, metrics)), raise_server_exceptions=False)
 
 

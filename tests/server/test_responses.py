@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.conftest import ServerProcess, start_server, stop_server
 
@@ -309,3 +310,155 @@ def test_required_tool_choice_gives_a_function_call(client: openai.OpenAI) -> No
     assert chained.usage.input_tokens == echoed.usage.input_tokens > response.usage.input_tokens
     assert [i.type for i in chained.output] == [i.type for i in echoed.output]
     assert chained.output_text == echoed.output_text
+
+
+# What Codex CLI sends, in small: a namespace of functions, a hosted tool the server cannot
+# run, a free-form tool, developer messages and a history with calls and reasoning.
+NAMESPACE_TOOL: dict[str, Any] = {
+    "type": "namespace",
+    "name": "forecast",
+    "description": "Weather services.",
+    "tools": [WEATHER_TOOL | {"strict": False}],
+}
+PATCH_TOOL: dict[str, Any] = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Write a short note.",
+    "format": {"type": "text"},
+}
+HOSTED_TOOL: dict[str, Any] = {"type": "web_search", "external_web_access": False}
+_EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+
+
+def _codex_request(**fields: Any) -> dict[str, Any]:
+    developer = [{"type": "input_text", "text": "You are a coding agent. Answer briefly."}]
+    history: list[dict[str, Any]] = [
+        {"type": "message", "role": "developer", "content": developer},
+        {"type": "message", "role": "developer", "content": "Sandbox: read-only."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "namespace": "forecast",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    return {
+        "model": MODEL,
+        "input": history,
+        "tools": [WEATHER_TOOL | {"name": "lookup"}, NAMESPACE_TOOL, HOSTED_TOOL, PATCH_TOOL],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+        "store": False,
+        "prompt_cache_key": "thread-1",
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "extra_body": {"client_metadata": {"session_id": "s-1"}},
+    } | fields
+
+
+def test_a_codex_shaped_request_is_served_and_its_events_validate(
+    client: openai.OpenAI,
+) -> None:
+    response = client.responses.create(**_codex_request())
+    Response.model_validate(response.model_dump())
+    assert response.status in ("completed", "incomplete")
+    assert response.store is False and response.prompt_cache_key == "thread-1"
+    assert [t.type for t in response.tools] == ["function", "namespace", "web_search", "custom"]
+    with pytest.raises(openai.NotFoundError):  # store false: nothing to retrieve
+        client.responses.retrieve(response.id)
+
+    events = list(client.responses.create(**_codex_request(stream=True)))
+    checked = [_EVENT.validate_python(e.model_dump()) for e in events]
+    assert [e.sequence_number for e in checked] == list(range(len(checked)))
+    assert checked[0].type == "response.created" and checked[1].type == "response.in_progress"
+    done = checked[-1]
+    assert done.type in ("response.completed", "response.incomplete")
+    assert done.response.usage is not None
+
+
+def test_a_call_to_a_namespaced_function_comes_back_namespaced(client: openai.OpenAI) -> None:
+    tools: Any = {"tools": [NAMESPACE_TOOL, HOSTED_TOOL], "parallel_tool_calls": False}
+    response = _create(
+        client, input=ASK_WEATHER, tool_choice="required", max_output_tokens=60, **tools
+    )
+    (call,) = response.output
+    assert call.type == "function_call"
+    assert call.name == "get_weather" and call.namespace == "forecast"
+    assert isinstance(json.loads(call.arguments), dict)
+
+    events = _stream(
+        client, input=ASK_WEATHER, tool_choice="required", max_output_tokens=60, **tools
+    )
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added[0].item.type == "function_call" and added[0].item.namespace == "forecast"
+
+
+def test_a_custom_tool_call_is_free_form_input(client: openai.OpenAI) -> None:
+    tools: Any = {"tools": [PATCH_TOOL, HOSTED_TOOL], "parallel_tool_calls": False}
+    ask = "Write the note 'hello'."
+    response = _create(client, input=ask, tool_choice="required", max_output_tokens=40, **tools)
+    (call,) = response.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch"
+    assert isinstance(call.input, str) and call.call_id
+
+    events = _stream(client, input=ask, tool_choice="required", max_output_tokens=40, **tools)
+    kinds = [e.type for e in events]
+    assert "response.custom_tool_call_input.delta" in kinds
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == call.input  # greedy: the same call
+
+    # Its result goes back as a custom_tool_call_output item.
+    output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "written"}
+    history = [{"role": "user", "content": ask}, call.model_dump(exclude_none=True), output]
+    follow = _create(client, input=history, max_output_tokens=8, **tools)
+    assert follow.status in ("completed", "incomplete")
+
+
+def test_the_second_turn_reuses_the_first_from_the_prefix_cache(client: openai.OpenAI) -> None:
+    # A long fixed preamble, as an agent's instructions and tools are: turn 2 replays turn 1.
+    rules = " ".join(f"Rule {i}: keep answer {i} short and plain." for i in range(120))
+    first_input: list[dict[str, Any]] = [
+        {"role": "developer", "content": rules},
+        {"role": "user", "content": QUESTION},
+    ]
+    first = _create(client, input=first_input, max_output_tokens=8, store=False)
+    assert first.usage is not None and first.usage.input_tokens > 1000
+    second_input = [
+        *first_input,
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = _create(client, input=second_input, max_output_tokens=8, store=False)
+    assert second.usage is not None
+    # The whole first prompt is reused but for the last part-chunk (llama.cpp's grain: 64).
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 64
+
+
+def test_a_prompt_over_the_slot_context_is_a_400_naming_the_flag(client: openai.OpenAI) -> None:
+    long_text = "word " * 6000  # over the 4096 tokens a slot of this server holds
+    with pytest.raises(openai.BadRequestError) as caught:
+        _create(client, input=long_text, max_output_tokens=4)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["code"] == "context_length_exceeded"
+    assert "--ctx-size" in error["message"] and "4096" in error["message"]
+
+
+def test_top_logprobs_score_the_output_text(client: openai.OpenAI) -> None:
+    response = _create(
+        client, max_output_tokens=4, top_logprobs=2, include=["message.output_text.logprobs"]
+    )
+    message = response.output[0]
+    assert message.type == "message"
+    part = message.content[0]
+    assert part.type == "output_text" and part.logprobs
+    assert response.usage is not None
+    assert len(part.logprobs) == response.usage.output_tokens
+    assert all(len(score.top_logprobs) == 2 for score in part.logprobs)

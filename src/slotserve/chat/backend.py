@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.errors import EngineError
 from slotserve.engine.runner_interface import RunnerSpec
+from slotserve.engine.sampling_defaults import SamplingDefaults
 from slotserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    """None leaves the choice to the model's server (or, in-process, the engine's default)."""
+    """None leaves the choice to the model's defaults (the server's, or in-process the
+    model's own)."""
 
     temperature: float | None = None
     max_tokens: int | None = None
@@ -112,9 +114,10 @@ class EngineBackend:
             # A template that writes the BOS token itself must not get a second one.
             add_bos = not (template.bos_token and text.startswith(template.bos_token))
             prompt = model.tokenizer.encode(text, add_special_tokens=add_bos)
+            # The model's defaults, as the server gives them, under --temperature.
+            given = SamplingDefaults(temperature=options.temperature)
             params = SamplingParams(
-                max_tokens=options.max_tokens,
-                temperature=1.0 if options.temperature is None else options.temperature,
+                max_tokens=options.max_tokens, **given.params(model.sampling_defaults)
             )
             stream = model.engine.submit(f"chat-{next(self._ids)}", prompt, params)
         except (EngineError, ModelUnavailableError) as exc:

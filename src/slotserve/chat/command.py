@@ -88,7 +88,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=env("TEMPERATURE"),  # argparse converts a string default
-        help="sampling temperature, 0 to 2 (default: the server's, in-process 1.0)",
+        help="sampling temperature, 0 to 2 (default: the model's, as the server sets it)",
     )
     talk.add_argument(
         "--max-tokens",

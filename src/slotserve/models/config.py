@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, create_model
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.sampling_defaults import SamplingDefaults
 from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 RUNNERS = ("auto", "llama.cpp", "torch")
+ENGINE_RESTART = ("always", "never")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -131,7 +133,8 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """How a model's requests are rendered and its replies parsed."""
+    """How a model's requests are rendered, its replies parsed, and its engine brought back
+    when it dies."""
 
     chat_template: str | None = option(
         None, help="Jinja2 chat template file overriding the model's own"
@@ -148,6 +151,55 @@ class ModelOptions:
         choices=REASONING_PARSERS,
         help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
+    # llama-server's flag names; each is the default of a request that leaves the field out.
+    temperature: float | None = option(
+        None,
+        help="default sampling temperature, 0 to 2 (default: the model's generation_config.json "
+        "or GGUF general.sampling.* keys, else 0.8 on llama.cpp as llama-server, 1.0 on torch)",
+    )
+    top_p: float | None = option(
+        None, help="default top-p, in (0, 1] (default: the model's, else 0.95 on llama.cpp, 1.0)"
+    )
+    top_k: int | None = option(
+        None, help="default top-k, 0: off (default: the model's, else 40 on llama.cpp, 0)"
+    )
+    min_p: float | None = option(
+        None, help="default min-p, 0 to 1 (default: the model's, else 0.05 on llama.cpp, 0)"
+    )
+    repeat_penalty: float | None = option(
+        None,
+        help="default repetition_penalty, in (0, 2] (default: the model's, else 1.0: off)",
+    )
+    engine_restart: str = option(
+        "always",
+        choices=ENGINE_RESTART,
+        help="always: when the engine dies (its process killed or crashed, or the runner "
+        "failed) restart it with backoff; never: leave the model unhealthy until "
+        "POST /admin/reload (default always)",
+    )
+    engine_restart_limit: int = option(
+        5,
+        ge=1,
+        help="the engine's deaths within --engine-restart-window seconds that count as a crash "
+        "loop: the model is then left failed, with the reason (default 5)",
+    )
+    engine_restart_window: float = option(
+        300.0,
+        ge=0,
+        help="seconds over which --engine-restart-limit counts deaths (default 300)",
+    )
+
+    def __post_init__(self) -> None:
+        bad = [b.replace("repetition_", "repeat_") for b in self.sampling_defaults.out_of_range()]
+        if bad:
+            raise ValueError(f"sampling defaults out of range: {', '.join(bad)}")
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The sampling flags given, over the model's own defaults at load."""
+        return SamplingDefaults(
+            self.temperature, self.top_p, self.top_k, self.min_p, self.repeat_penalty
+        )
 
 
 PER_MODEL: tuple[type[DataclassInstance], ...] = (EngineConfig, RunnerConfig, ModelOptions)

@@ -1,13 +1,19 @@
-"""One served model's life cycle: loading in the background, serving,
-unhealthy after a runner failure, reloading, unloading, draining at shutdown.
+"""One served model's life cycle: loading in the background, serving, restarting its engine
+when it dies (or unhealthy until a reload), reloading, unloading, draining at shutdown.
 
 ::
 
-    loading ──▶ ready ──runner failure──▶ unhealthy ──reload──▶ loading ──▶ ready
-       │          │                                                 ▲
-       ▼          └──────────────────── reload ─────────────────────┘
-     failed (load error; reload retries)
+    loading ──▶ ready ──engine died──▶ loading (restart, after a backoff) ──▶ ready
+       │          │    └─ --engine-restart never ─▶ unhealthy ──reload──▶ loading
+       │          └──────────────────── reload ─────────────────────────────▲
+       ▼
+     failed (load error, or a crash loop; reload retries)
     any ──unload──▶ unloading ──▶ (gone)       any ──SIGTERM──▶ draining ──▶ stopped
+
+An engine dies when its process does (killed, segfault, out of memory) or when its runner
+fails (an exception or non-finite logits poison it). Either way the requests in it end with an
+error; a restart builds a new runner and engine as a reload does. ``RestartPolicy.limit``
+deaths within its window are a crash loop: the model is then left failed, with the reason.
 
 The HTTP server listens from the start: while the model loads, readiness fails and generation
 requests get a 503 that says so. A reload builds a new runner and a new engine; requests still
@@ -19,11 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from slotserve.engine.client import make_client
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
@@ -31,12 +41,25 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats, EngineTotals
 from slotserve.engine.outputs import STOPPED_REASON
 from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, Tokenizer
+from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Tokenizing, rendering templates and compiling grammars for a large request takes long enough
+# to stall every other request if done on the event loop; a few threads bound how many such
+# jobs run at once (the tokenizers release the GIL while they work).
+_PREPARE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slotserve-prepare")
+LEASE_WAIT_S = 60.0  # how long retiring an engine waits for work that still uses its tokenizer
+
 RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
+WATCH_INTERVAL_S = 0.1  # how often a host looks at its engine's health
+RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 class ModelState(enum.Enum):
@@ -67,10 +90,26 @@ class LoadedModel:
     tokenizer: Tokenizer
     info: ModelInfo
     chat_template: ChatTemplate | None
+    # The sampling fields' defaults in force: the server's flags over the model's own.
+    sampling_defaults: SamplingDefaults = NEUTRAL
 
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What happens when the engine dies: restarted (``enabled``) after a backoff that doubles
+    with each death in the window, until the ``limit``-th death within ``window_s`` seconds
+    (a crash loop) leaves the model failed."""
+
+    enabled: bool = True
+    limit: int = 5
+    window_s: float = 300.0
+
+    def backoff_s(self, deaths: int) -> float:
+        return min(RESTART_BACKOFF_S * 2.0 ** max(deaths - 1, 0), RESTART_BACKOFF_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -86,6 +125,8 @@ class ModelLaunch:
     reasoning_parser: ReasoningParser | None = None
     memory: MemoryNeed | None = None  # the pre-flight estimate (None: not known)
     model_path: Path | None = None  # where the weights are (the worker routes report it)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # the sampling flags
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass
@@ -105,6 +146,7 @@ class ModelHost:
     model: LoadedModel | None = None
     load_error: str | None = None
     loads: int = 0
+    restarts: int = 0  # engines rebuilt after a death, not counting reloads
     # Counters of engines reloaded away (and of this name's earlier loads, after an unload).
     retired: EngineTotals = field(default_factory=EngineTotals)
     last_used: float = field(default_factory=time.monotonic)  # for --models-max's LRU
@@ -114,6 +156,12 @@ class ModelHost:
     _draining: bool = False
     _stopped: bool = False
     _load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The engine's recent deaths (monotonic times), and why a restart is under way.
+    _deaths: deque[float] = field(default_factory=deque)
+    _restarting: str | None = None
+    _crash_loop: bool = False  # load_error then says why the restarts stopped
+    _watcher: asyncio.Task[None] | None = None
+    _leases: Counter[int] = field(default_factory=Counter)  # id(LoadedModel) → jobs using it
 
     @property
     def name(self) -> str:
@@ -127,13 +175,18 @@ class ModelHost:
             return ModelState.DRAINING
         if self._unloading:
             return ModelState.UNLOADING
-        if self._loading:
+        if self._loading or self._restarting is not None:
             return ModelState.LOADING
         if self.model is None:
             return ModelState.FAILED if self.load_error else ModelState.LOADING
         if self.model.engine.unhealthy is not None:
-            return ModelState.UNHEALTHY
+            # The watcher restarts a dead engine: from its death on, the model is loading.
+            return ModelState.LOADING if self._watching else ModelState.UNHEALTHY
         return ModelState.READY
+
+    @property
+    def _watching(self) -> bool:
+        return self._watcher is not None and not self._watcher.done()
 
     @property
     def reason(self) -> str | None:
@@ -145,9 +198,14 @@ class ModelHost:
             assert self.model is not None
             return f"the model is unhealthy after a runner failure ({self.model.engine.unhealthy})"
         if state is ModelState.FAILED:
+            if self._crash_loop:
+                return str(self.load_error)
             return f"the model failed to load ({self.load_error})"
         if state is ModelState.LOADING:
-            return "the model is loading"
+            dead = self.model.engine.unhealthy if self.model is not None else None
+            if self._restarting is None and dead is not None:
+                return f"the engine died ({dead}) and is being restarted"
+            return self._restarting or "the model is loading"
         if state is ModelState.UNLOADING:
             return "the model is being unloaded"
         return "the server is shutting down"
@@ -167,8 +225,35 @@ class ModelHost:
             raise ModelUnavailableError(f"{reason}; load it again to use it (POST /models/load).")
         raise ModelUnavailableError(f"{reason}; no new requests are accepted.")
 
-    async def load(self) -> None:
-        """Loads (or reloads) the model; on failure the state is FAILED with the reason."""
+    async def off_loop(
+        self, model: LoadedModel, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs
+    ) -> _T:
+        """Runs ``fn`` (tokenizing, rendering) on the preparation threads. ``model`` is
+        leased meanwhile: retiring it waits, so its tokenizer is not closed under ``fn``. The
+        model may still be reloaded or unloaded by the time this returns: a caller that then
+        submits gets the model again (:meth:`require_same`), with nothing awaited since."""
+        self._leases[id(model)] += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(_PREPARE_POOL, functools.partial(fn, *args, **kwargs))
+        finally:
+            self._leases[id(model)] -= 1
+            if not self._leases[id(model)]:
+                del self._leases[id(model)]
+
+    def require_same(self, model: LoadedModel) -> LoadedModel:
+        """``model`` if it still serves (after an await): else the 503 saying why, or that it
+        was reloaded while the request was being prepared."""
+        if self.require_ready() is not model:
+            raise ModelUnavailableError(
+                "the model was reloaded while this request was being prepared; retry it.",
+                retry_after_s=1,
+            )
+        return model
+
+    async def load(self, restart: bool = False) -> None:
+        """Loads (or reloads) the model; on failure the state is FAILED with the reason. A
+        load asked for (not a ``restart`` after a death) forgets earlier deaths."""
         if self._draining or self._stopped:
             raise ReloadConflictError("the server is shutting down")
         if self._unloading:
@@ -184,7 +269,11 @@ class ModelHost:
                 started = time.monotonic()
                 self.model = await self._build()
                 self.load_error = None
+                self._crash_loop = False
+                if not restart:
+                    self._deaths.clear()
                 self.loads += 1
+                self._watch()
                 logger.info(
                     "model %s ready in %.1f s (load %d)",
                     self.name,
@@ -196,6 +285,78 @@ class ModelHost:
                 self.load_error = f"{type(exc).__name__}: {exc}"
             finally:
                 self._loading = False
+
+    @property
+    def _closing(self) -> bool:
+        return self._draining or self._unloading or self._stopped
+
+    def _watch(self) -> None:
+        """Starts the watcher that restarts a dead engine, unless it runs or is not wanted."""
+        if self.launch.restart.enabled and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._watch_engine(), name=f"watch-{self.name}")
+
+    async def _watch_engine(self) -> None:
+        """Restarts the engine whenever it dies, until a crash loop or the model's end."""
+        while not self._closing:
+            model = self.model
+            if model is None or model.engine.unhealthy is None or self._loading:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                continue
+            if not await self._restart(model, model.engine.unhealthy):
+                return
+
+    async def _restart(self, dead: LoadedModel | None, cause: str) -> bool:
+        """Rebuilds a dead engine after the backoff, again while the rebuild itself fails;
+        False once the deaths make a crash loop (the model is then failed)."""
+        policy = self.launch.restart
+        while True:
+            now = time.monotonic()
+            self._deaths.append(now)
+            while self._deaths and now - self._deaths[0] > policy.window_s:
+                self._deaths.popleft()
+            deaths = len(self._deaths)
+            if deaths >= policy.limit:
+                await self._give_up(dead, cause, deaths)
+                return False
+            delay = policy.backoff_s(deaths)
+            logger.error(
+                "model %s: %s; restarting its engine in %.1f s (death %d within %g s; "
+                "death %d leaves the model failed)",
+                self.name,
+                cause,
+                delay,
+                deaths,
+                policy.window_s,
+                policy.limit,
+            )
+            self._restarting = f"the engine died ({cause}) and is being restarted"
+            try:
+                await asyncio.sleep(delay)
+                if self._closing or self.model is not dead:
+                    return True  # unloaded, stopped or reloaded meanwhile
+                await self.load(restart=True)
+            except ReloadConflictError:
+                return True  # a reload asked for meanwhile has taken over
+            finally:
+                self._restarting = None
+            if self.model is not None:
+                self.restarts += 1
+                return True
+            dead, cause = None, f"restarting failed: {self.load_error}"
+
+    async def _give_up(self, dead: LoadedModel | None, cause: str, deaths: int) -> None:
+        if self.model is not dead:
+            return  # a reload asked for meanwhile has taken over
+        window = self.launch.restart.window_s
+        message = (
+            f"the engine died {deaths} times within {window:g} s and is not restarted "
+            f"again (last: {cause})"
+        )
+        logger.error("model %s: %s; %s", self.name, message, RELOAD_HINT)
+        self.model = None
+        self.load_error, self._crash_loop = message, True
+        if dead is not None:
+            await self._retire(dead, message)
 
     async def _build(self) -> LoadedModel:
         """The runner (slow: reads the weights) and an engine over it, in the engine's own
@@ -223,11 +384,15 @@ class ModelHost:
         except BaseException:
             await engine.shutdown()
             raise
-        return LoadedModel(engine, engine.tokenizer, info, template)
+        defaults = launch.sampling.over(info.sampling_defaults)
+        return LoadedModel(engine, engine.tokenizer, info, template, defaults)
 
     async def _retire(self, model: LoadedModel, reason: str = STOPPED_REASON) -> None:
         """Stops an engine; whatever is still in it ends with an error saying ``reason``."""
         self.retired = self.retired.plus(model.stats, _forward_seconds(model))
+        deadline = time.monotonic() + LEASE_WAIT_S
+        while self._leases[id(model)] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         try:
             await model.engine.shutdown(reason)
         except Exception:  # a broken device may fail to free; the new runner starts clean
@@ -276,6 +441,7 @@ class ModelHost:
 
     async def stop(self) -> None:
         self._draining = True
+        self._stop_watching()
         model, self.model = self.model, None
         if model is not None:
             await self._retire(model)
@@ -289,6 +455,7 @@ class ModelHost:
         if not force:
             await self._wait_idle(timeout_s)
         cut_off = self.num_in_flight
+        self._stop_watching()
         async with self._load_lock:  # a load in progress finishes (or fails) first
             model, self.model = self.model, None
             if model is not None:
@@ -296,6 +463,10 @@ class ModelHost:
                 await self._retire(model, f"the model {self.name} was unloaded ({how})")
         self._stopped = True
         return cut_off
+
+    def _stop_watching(self) -> None:
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
+            self._watcher.cancel()
 
 
 def _forward_seconds(model: LoadedModel) -> float:

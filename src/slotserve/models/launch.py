@@ -75,7 +75,7 @@ def build_launch(
     estimate (an unreadable model or an unsupported architecture fails here, before any
     weight is read; at start-up the load reports it instead, and the server exits with
     status 1)."""
-    from slotserve.models.host import ModelLaunch
+    from slotserve.models.host import ModelLaunch, RestartPolicy
     from slotserve.protocol.reasoning import get_reasoning_parser
 
     chat = config.model
@@ -94,6 +94,10 @@ def build_launch(
         ),
         memory=_memory_needed(spec, at_startup),
         model_path=model_path,
+        sampling=chat.sampling_defaults,
+        restart=RestartPolicy(
+            chat.engine_restart == "always", chat.engine_restart_limit, chat.engine_restart_window
+        ),
     )
 
 

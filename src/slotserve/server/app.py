@@ -16,13 +16,33 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.engine.prefix_cache.base import PrefixCacheStats
 from slotserve.models.host import ModelState
-from slotserve.server.errors import ErrorResponse, install_error_handlers, request_id_of
+from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from slotserve.server.anthropic.serving import count_tokens, create_message
+from slotserve.server.embeddings import EmbeddingRequest, create_embeddings
+from slotserve.server.errors import (
+    AnthropicErrorResponse,
+    ErrorResponse,
+    install_error_handlers,
+    request_id_of,
+)
 from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
-from slotserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from slotserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+)
 from slotserve.server.model_routes import model_routes, prefix_stats
 from slotserve.server.openai.chat import create_chat_completion
 from slotserve.server.openai.completions import create_completion
 from slotserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from slotserve.server.openai.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
@@ -33,6 +53,7 @@ _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in {
         400: "Invalid parameters, or prompt + max_tokens over the context",
+        413: "The request body is over --max-request-bytes",
         401: "Missing or wrong API key (when the server has one)",
         404: "Unknown or unloaded model (the message names the loaded ones)",
         408: "The request did not finish within --request-timeout",
@@ -40,6 +61,17 @@ _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
         500: "Internal error, naming the request id",
         503: "The model is loading, unhealthy, unloading, or the server is shutting down",
     }.items()
+}
+
+
+# The same statuses on the Messages API, in Anthropic's error shape.
+_MESSAGES_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {**answer, "model": AnthropicErrorResponse}
+    for status, answer in _GENERATION_ERRORS.items()
+}
+
+_TOKENIZATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: _GENERATION_ERRORS[status] for status in (400, 401, 404, 503)
 }
 
 
@@ -67,6 +99,12 @@ def create_app(ctx: ServingContext) -> FastAPI:
             api_key=ctx.api_key,
             on_refused=lambda: ctx.count_error(401, "invalid_request_error"),
         )
+    # Before the API key: a huge body is refused without reading it, authorized or not.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=ctx.request_bytes_limit,
+        on_refused=lambda: ctx.count_error(413, "invalid_request_error"),
+    )
     app.add_middleware(RequestIdMiddleware)  # outermost: refusals carry the id too
     install_error_handlers(app, ctx.count_error)
 
@@ -78,6 +116,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, body, raw, request_id_of(raw))
 
+    @app.post("/v1/embeddings", responses=_GENERATION_ERRORS)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embeddings(ctx, body, raw, request_id_of(raw))
+
     response_store = ResponseStore()
 
     @app.post("/v1/responses", responses=_GENERATION_ERRORS)
@@ -87,6 +129,22 @@ def create_app(ctx: ServingContext) -> FastAPI:
     @app.get("/v1/responses/{response_id}", responses={404: {"model": ErrorResponse}})
     async def stored_response(response_id: str) -> Response:
         return get_response(response_store, response_id, ctx.count_error)
+
+    @app.post("/v1/messages", responses=_MESSAGES_ERRORS)
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        return await create_message(ctx, body, raw, request_id_of(raw))
+
+    @app.post("/v1/messages/count_tokens", responses=_MESSAGES_ERRORS)
+    async def messages_count_tokens(body: CountTokensRequest, raw: Request) -> Response:
+        return await count_tokens(ctx, body, raw)
+
+    @app.post("/tokenize", responses=_TOKENIZATION_ERRORS)
+    async def tokenize_route(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
+        return await tokenize(ctx, body, raw)
+
+    @app.post("/detokenize", responses=_TOKENIZATION_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+        return await detokenize(ctx, body, raw)
 
     app.include_router(model_routes(ctx))
     app.include_router(worker_routes(ctx))  # what the SGLang Model Gateway asks
@@ -154,6 +212,7 @@ def _engine_samples(ctx: ServingContext) -> list[tuple[str, EngineSample]]:
                 host.loads,
                 host.model.stats if host.model is not None else None,
                 host.totals(),
+                host.restarts,
             ),
         )
         for name, host in list(ctx.models.hosts.items())

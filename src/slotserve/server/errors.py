@@ -1,11 +1,13 @@
-"""OpenAI-shaped error responses and the handlers that produce them."""
+"""Error responses and the handlers that produce them: OpenAI's shape, and Anthropic's on
+the Messages API routes (``/v1/messages``)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,7 +60,10 @@ def failure_error(
             )
             return 408, message, "timeout_error", "request_timeout"
         case FailureKind.MODEL_UNHEALTHY:
-            message = f"The model failed while serving this request ({detail}); {RELOAD_HINT}."
+            message = (
+                f"The model failed while serving this request ({detail}); retry it once the "
+                f"engine is restarted (with --engine-restart never: {RELOAD_HINT})."
+            )
             return 503, message, "service_unavailable", "model_unhealthy"
         case FailureKind.ENGINE_STOPPED:
             message = f"The request was ended because {detail}; retry it."
@@ -85,9 +90,83 @@ class ApiError:
     code: str | int | None = None
     headers: dict[str, str] | None = None
 
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.param, self.code)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        if anthropic:
+            body = anthropic_error_body(self.status, self.anthropic_message())
+        else:
+            body = error_body(self.message, self.type, self.param, self.code)
         return JSONResponse(body, self.status, headers=self.headers)
+
+    def anthropic_message(self) -> str:
+        """Anthropic's wording for a prompt, or a prompt plus max_tokens, over the context,
+        which clients (Claude Code) parse to compact the conversation or retry with a smaller
+        max_tokens; otherwise the message."""
+        found = _PROMPT_OVER_CONTEXT.search(self.message)
+        if found is not None:
+            limit, prompt = found.group("limit", "prompt")
+            return (
+                f"prompt is too long: {prompt} tokens > {limit} maximum (the context of one "
+                "slot of this server: --ctx-size / --slots)"
+            )
+        found = _OVER_CONTEXT.search(self.message)
+        if found is not None:
+            limit, prompt, output = found.group("limit", "prompt", "output")
+            return (
+                f"input length and `max_tokens` exceed context limit: {prompt} + {output} > "
+                f"{limit}, decrease input length or `max_tokens` and try again"
+            )
+        return self.message
+
+
+# engine/core/limits.py's messages for a prompt, and a prompt plus max_tokens, over the context.
+_PROMPT_OVER_CONTEXT = re.compile(
+    r"maximum context length is (?P<limit>\d+) tokens\. However, your prompt resulted in "
+    r"(?P<prompt>\d+) tokens"
+)
+_OVER_CONTEXT = re.compile(
+    r"maximum context length is (?P<limit>\d+) tokens\. However, you requested \d+ tokens "
+    r"\((?P<prompt>\d+) in the prompt, (?P<output>\d+) for the completion\)"
+)
+
+# Anthropic's error type for each status; other 4xx are invalid requests, other 5xx api errors.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body; a stream's ``error`` event carries the same."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, for the OpenAPI schema."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 def error_response(
@@ -152,13 +231,14 @@ _LOAD_ERROR_TYPES = {
 
 
 def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> None:
-    """Maps every exception a route can raise to OpenAI's error shape; ``count(status, type,
-    model)`` sees each error response (the ``slotserve:http_errors`` metric)."""
+    """Maps every exception a route can raise to OpenAI's error shape, or Anthropic's on the
+    Messages API routes; ``count(status, type, model)`` sees each error response (the
+    ``slotserve:http_errors`` metric, with OpenAI's types on every route)."""
 
     def respond(request: Request, error: ApiError) -> JSONResponse:
         if count is not None:
             count(error.status, error.type, getattr(request.state, "model_name", None))
-        return error.response()
+        return error.response(anthropic=is_anthropic_path(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -47,6 +47,7 @@ PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 # ---- slotserve's own ------------------------------------------------------------------------
 MODEL_STATE = "slotserve:model_state"
 MODEL_LOADS = "slotserve:model_loads"
+ENGINE_RESTARTS = "slotserve:engine_restarts"
 SLOTS = "slotserve:slots"
 KV_CACHE_USED_TOKENS = "slotserve:kv_cache_used_tokens"
 KV_CACHE_CAPACITY_TOKENS = "slotserve:kv_cache_capacity_tokens"
@@ -214,6 +215,7 @@ class EngineSample:
     loads: int
     stats: EngineStats | None  # the current engine's snapshot (None while none is loaded)
     totals: EngineTotals  # counters across reloads
+    restarts: int = 0  # engines rebuilt after they died
 
 
 class EngineCollector(Collector):
@@ -263,6 +265,7 @@ class EngineCollector(Collector):
             (KV_INTEGRITY_CHECKS, "Idle-time KV integrity checks run.", t.integrity_checks),
             (KV_INTEGRITY_FAILURES, "KV integrity checks that failed.", t.integrity_failures),
             (MODEL_LOADS, "Successful model loads (the first and every reload).", s.loads),
+            (ENGINE_RESTARTS, "Engines restarted after they died.", s.restarts),
         ]
         spec = t.spec_decode
         if spec is not None:  # vLLM's speculative-decoding counters, when configured

@@ -1,4 +1,4 @@
-"""ASGI middleware: the request id and the optional API key.
+"""ASGI middleware: the request id, the optional API key and the request size limit.
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``: nothing is buffered, so streamed
 responses and client disconnects pass straight through.
@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from slotserve.server.errors import anthropic_error_body, is_anthropic_path
 from slotserve.server.log_context import current_request_id
 
 Scope = MutableMapping[str, Any]
@@ -27,7 +28,8 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 class RequestIdMiddleware:
     """Gives every request an id (the client's ``x-request-id`` or a new one), echoes it in the
-    ``x-request-id`` response header and names it in every log line of the request."""
+    ``x-request-id`` response header (and ``request-id``, where Anthropic's clients read it, on
+    the Messages API) and names it in every log line of the request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -43,11 +45,13 @@ class RequestIdMiddleware:
                 request_id = candidate if _CLIENT_ID.match(candidate) else ""
         request_id = request_id or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
-        header = (b"x-request-id", request_id.encode("latin-1"))
+        headers = [(b"x-request-id", request_id.encode("latin-1"))]
+        if is_anthropic_path(scope.get("path", "")):
+            headers.append((b"request-id", request_id.encode("latin-1")))
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), *headers]
             await send(message)
 
         token = current_request_id.set(request_id)
@@ -58,12 +62,13 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the API (``/v1/...``), model management
-    (``/models``, ``/models/load``, ``/models/unload``) and admin routes; health, readiness
-    and metrics stay open for probes and scrapers. A refusal is a 401 in OpenAI's shape.
-    The key is compared in constant time and never logged or echoed."""
+    """Requires ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>`` on the API
+    (``/v1/...``), model management (``/models``, ``/models/load``, ``/models/unload``) and
+    admin routes; health, readiness and metrics stay open for probes and scrapers. A refusal
+    is a 401 in OpenAI's shape, or Anthropic's on the Messages API. The key is compared in
+    constant time and never logged or echoed."""
 
-    PROTECTED = ("/v1/", "/admin/", "/models")
+    PROTECTED = ("/v1/", "/admin/", "/models", "/tokenize", "/detokenize")
 
     def __init__(
         self, app: ASGIApp, api_key: str, on_refused: Callable[[], None] | None = None
@@ -77,34 +82,38 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not path.startswith(self.PROTECTED):
             await self.app(scope, receive, send)
             return
-        presented = None
+        presented: list[bytes] = []
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    presented = token.strip()
-        if presented is not None and hmac.compare_digest(presented, self._key):
+                    presented.append(token.strip())
+            elif name == b"x-api-key":
+                presented.append(value.strip())
+        # Either header may hold the key: SDKs set one and may leave a placeholder in the other.
+        if any(hmac.compare_digest(key, self._key) for key in presented):
             await self.app(scope, receive, send)
             return
         if self._on_refused is not None:
             self._on_refused()
-        if presented is None:
+        if not presented:
             message = (
                 "You didn't provide an API key. You need to provide your API key in an "
-                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY) "
+                "or in an x-api-key header."
             )
         else:
             message = "Incorrect API key provided."
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "invalid_api_key",
-                }
+        if is_anthropic_path(path):
+            body = json.dumps(anthropic_error_body(401, message)).encode()
+        else:
+            error = {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
             }
-        ).encode()
+            body = json.dumps({"error": error}).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -113,6 +122,89 @@ class ApiKeyMiddleware:
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
                     (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body larger than ``limit()`` bytes with a 413 (OpenAI's error shape,
+    or Anthropic's ``request_too_large`` on the Messages API) before any of it is parsed: at
+    once when ``Content-Length`` says so, else as soon as the chunks that arrived pass the
+    limit. Nothing is buffered here; the server discards the rest of the upload."""
+
+    def __init__(
+        self, app: ASGIApp, limit: Callable[[], int], on_refused: Callable[[], None] | None = None
+    ) -> None:
+        self.app = app
+        self._limit = limit
+        self._on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit()
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._refuse(scope, send, limit)
+                return
+        received = 0
+        refused = started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    refused = True
+                    if not started:
+                        await self._refuse(scope, send, limit)
+                    # The app stops reading as if the client had left.
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 was the answer
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise  # else: the app's complaint about the cut-off body, already answered
+
+    async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
+        if self._on_refused is not None:
+            self._on_refused()
+        message = (
+            f"The request body is larger than this server accepts ({limit} bytes, "
+            "--max-request-bytes)."
+        )
+        if is_anthropic_path(scope.get("path", "")):
+            body = json.dumps(anthropic_error_body(413, message)).encode()
+        else:
+            error = {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+            body = json.dumps({"error": error}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
                 ],
             }
         )

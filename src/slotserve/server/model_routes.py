@@ -73,6 +73,17 @@ def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
             "max_model_len": model.info.max_seq_len,
             "runner": model.info.runner,
             "slots": model.info.num_slots,
+            # What the model serves: text generation, and /v1/embeddings.
+            "capabilities": [
+                kind
+                for kind, served in (
+                    ("generation", model.info.can_generate),
+                    ("embeddings", model.info.can_embed),
+                )
+                if served
+            ],
+            # What a request gets for the sampling fields it leaves out.
+            "sampling_defaults": model.sampling_defaults.as_dict(),
         }
     if host.keep_alive_s is not None:
         entry["keep_alive"] = host.keep_alive_s

@@ -23,6 +23,7 @@ from slotserve.server.generation import EngineRun, accumulate, submit_prompts
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import ToolPlan, plan_tools, template_messages
+from slotserve.server.prompt_bound import check_prompt_chars
 from slotserve.server.reply_parser import ReplyParser, parse_reply
 from slotserve.server.serving import engine_request_id, require_chat_template
 
@@ -45,12 +46,15 @@ class ChatGeneration:
         request_id: str,
         plan: ToolPlan,
         reasoning: ReasoningParser | None,
+        num_prompt_tokens: int = 0,
     ) -> None:
         self._run = run
         self.request_id = request_id  # the engine's, and the chat completion's "id"
         self.plan = plan
         self.reasoning = reasoning
         self.num_choices = run.num_choices
+        # Known at submission, before any output: what a stream may announce up front.
+        self.num_prompt_tokens = num_prompt_tokens
 
     @property
     def disconnected(self) -> bool:
@@ -108,16 +112,44 @@ class ChatGeneration:
         return ChoiceFinished(choice, reason, stop, has_calls)
 
 
-def start_chat(
+async def start_chat(
     host: ModelHost,
     model: LoadedModel,
     body: ChatCompletionRequest,
     raw: Request,
     http_request_id: str,
 ) -> ChatGeneration:
-    """Renders, plans and submits ``body`` on ``model`` (acquired by the caller, with nothing
-    awaited since); ``InvalidRequestError`` naming the chat field at fault."""
+    """Renders, plans and submits ``body`` on ``model`` (acquired by the caller);
+    ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
+    loop; the model is checked again after it, and nothing awaits from there to the
+    submission, so the model cannot be unloaded in between."""
+    prompt, plan = await host.off_loop(model, render_chat, host, model, body)
+    model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
+    params = _sampling_params(body, plan, model)
+    try:
+        streams = submit_prompts(model.engine, request_id, [prompt], params)
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":  # the chat request's prompt is its messages
+            exc.param = "messages"
+        raise
+    run = EngineRun(model.engine, raw, streams, body.n)
+    return ChatGeneration(run, request_id, plan, host.launch.reasoning_parser, len(prompt))
+
+
+def render_chat(
+    host: ModelHost,
+    model: LoadedModel,
+    body: ChatCompletionRequest,
+    add_special_tokens: bool | None = None,
+    check_length: bool = True,
+) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids as :func:`start_chat` submits them, and the tool plan; also
+    what counting a request's tokens reads, so a count and a run cannot disagree.
+    ``add_special_tokens`` None: the BOS token unless the template writes it itself (a second
+    one would change the prompt). ``check_length``: refuse a prompt whose characters alone
+    cannot fit the context before tokenizing it (counting routes count it anyway). Slow for
+    a long conversation: call it off the event loop (``ModelHost.off_loop``)."""
     template = require_chat_template(model)
     plan = plan_tools(body, template, host.launch.tool_call_parser)
     prompt_text = template.render(
@@ -128,19 +160,16 @@ def start_chat(
         continue_final_message=body.continue_final_message,
     )
     add_bos = not (template.bos_token and prompt_text.startswith(template.bos_token))
-    prompt = model.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
-    params = _sampling_params(body, plan)
-    try:
-        streams = submit_prompts(model.engine, request_id, [prompt], params)
-    except InvalidRequestError as exc:
-        if exc.param == "prompt":  # the chat request's prompt is its messages
-            exc.param = "messages"
-        raise
-    run = EngineRun(model.engine, raw, streams, body.n)
-    return ChatGeneration(run, request_id, plan, host.launch.reasoning_parser)
+    if add_special_tokens is not None:
+        add_bos = add_special_tokens
+    if check_length:
+        check_prompt_chars(model, prompt_text, "messages")
+    return model.tokenizer.encode(prompt_text, add_special_tokens=add_bos), plan
 
 
-def _sampling_params(body: ChatCompletionRequest, plan: ToolPlan) -> SamplingParams:
+def _sampling_params(
+    body: ChatCompletionRequest, plan: ToolPlan, model: LoadedModel
+) -> SamplingParams:
     constraint = structured_output_of(body)
     if plan.constraint is not None:
         if constraint is not None:
@@ -155,4 +184,5 @@ def _sampling_params(body: ChatCompletionRequest, plan: ToolPlan) -> SamplingPar
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         structured_output=constraint,
+        defaults=model.sampling_defaults,
     )

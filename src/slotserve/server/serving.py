@@ -15,12 +15,18 @@ from slotserve.models.registry import ModelRegistry
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.server.metrics import ServerMetrics
 
+# Ordinary text takes 4 to 8 bytes a token as JSON; 32 leaves room for dense escapes (up to 12
+# bytes a character) and for batches of prompts; the floor covers small contexts.
+REQUEST_BYTES_PER_TOKEN = 32
+MIN_REQUEST_BYTES = 8 * 2**20
+
 
 @dataclass
 class ServingContext:
     models: ModelRegistry
     metrics: ServerMetrics
     api_key: str | None = None
+    max_request_bytes: int | None = None  # None: derived from the loaded models' contexts
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def acquire(
@@ -32,6 +38,20 @@ class ServingContext:
         host = await self.models.acquire(requested, parse_keep_alive(keep_alive))
         raw.state.model_name = host.name
         return host, host.require_ready()
+
+    def request_bytes_limit(self) -> int:
+        """The largest request body accepted: ``--max-request-bytes``, else
+        ``REQUEST_BYTES_PER_TOKEN`` bytes for every slot's context of the largest loaded model
+        (room for a full context in JSON escapes and for batches of prompts), at least
+        ``MIN_REQUEST_BYTES``."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        tokens = [
+            model.info.max_seq_len * model.engine.config.num_slots
+            for model in (host.model for host in list(self.models.hosts.values()))
+            if model is not None
+        ]
+        return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max(tokens, default=0))
 
     def count_error(self, status: int, error_type: str, model_name: str | None = None) -> None:
         self.metrics.count_error(status, error_type, model_name or self.models.default_name or "")
@@ -62,6 +82,11 @@ def parse_keep_alive(value: float | str | None) -> float | None:
 
 
 def require_chat_template(model: LoadedModel) -> ChatTemplate:
+    if not model.info.can_generate:
+        raise InvalidRequestError(
+            f"The model {model.info.name} is an embedding model: it serves /v1/embeddings only.",
+            param="model",
+        )
     if model.chat_template is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot format "

@@ -20,7 +20,7 @@ async def create_chat_completion(
 ) -> Response:
     body.reject_unsupported()
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
-    generation = start_chat(host, model, body, raw, http_request_id)
+    generation = await start_chat(host, model, body, raw, http_request_id)
     created = int(time.time())
     if body.stream:
         envelope = Envelope(

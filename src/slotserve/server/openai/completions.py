@@ -25,6 +25,7 @@ from slotserve.server.openai.shapes import (
     usage,
     vllm_prompt_logprobs,
 )
+from slotserve.server.prompt_bound import check_prompt_chars
 from slotserve.server.serving import ServingContext, engine_request_id
 
 MAX_PROMPTS = 64
@@ -47,6 +48,7 @@ def _prompts(model: LoadedModel, body: CompletionRequest) -> tuple[list[list[int
     token_lists, texts = [], []
     for item in items:
         if isinstance(item, str):
+            check_prompt_chars(model, item, "prompt")
             token_lists.append(model.tokenizer.encode(item, add_special_tokens=True))
             texts.append(item)
         else:
@@ -63,7 +65,8 @@ async def create_completion(
 ) -> Response:
     body.reject_unsupported()
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
-    prompts, prompt_texts = _prompts(model, body)
+    prompts, prompt_texts = await host.off_loop(model, _prompts, model, body)
+    model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
     # echo + logprobs: the prompt's tokens are scored too (OpenAI's legacy completions).
     echo_scored = body.logprobs if body.echo and body.logprobs is not None else None
@@ -74,6 +77,7 @@ async def create_completion(
         logprobs=body.logprobs,
         structured_output=structured_output_of(body),
         prompt_logprobs=max(asked) if asked else None,
+        defaults=model.sampling_defaults,
     )
     streams = submit_prompts(model.engine, request_id, prompts, params)
     envelope = Envelope(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.sampling_defaults import SamplingDefaults
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
 from slotserve.server.openai.protocol import SamplingFields
 
@@ -72,15 +73,18 @@ def sampling_params_of(
     logprobs: int | None,
     structured_output: StructuredOutput | None,
     prompt_logprobs: int | None = None,
+    *,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
+    """The request's sampling; a field it leaves out takes the model's default in force
+    (``LoadedModel.sampling_defaults``), so every API samples alike."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    given = SamplingDefaults(
+        body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty
+    )
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_k=body.top_k or 0,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
+        **given.params(defaults),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=_logit_bias(body.logit_bias),

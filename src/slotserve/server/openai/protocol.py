@@ -63,7 +63,7 @@ class AssistantMessage(_Strict):
     content: Content | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
-    reasoning_content: str | None = None  # vLLM's field; not shown to the template
+    reasoning_content: str | None = None  # vLLM's field; the template gets it
 
 
 class ToolMessage(_Strict):

@@ -100,9 +100,10 @@ def plan_tools(
 
 
 def template_messages(body: ChatCompletionRequest, plan: ToolPlan) -> list[dict[str, Any]]:
-    """The request's messages as the chat template reads them: text parts joined, tool-call
-    arguments decoded to mappings (templates would double-encode a JSON string), and for the
-    generic format calls and results written as the JSON the model is asked for."""
+    """The request's messages as the chat template reads them: text parts joined, earlier
+    thinking as ``reasoning_content``, tool-call arguments decoded to mappings (templates would
+    double-encode a JSON string), and for the generic format calls and results written as the
+    JSON the model is asked for."""
     messages: list[dict[str, Any]] = []
     for message in body.messages:
         content = message.content
@@ -110,6 +111,10 @@ def template_messages(body: ChatCompletionRequest, plan: ToolPlan) -> list[dict[
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.role == "assistant" and message.reasoning_content:
+            # Templates of thinking models read it (most show only the latest turn's);
+            # the others ignore the key.
+            entry["reasoning_content"] = message.reasoning_content
         if message.role == "assistant" and message.tool_calls:
             calls = [
                 {

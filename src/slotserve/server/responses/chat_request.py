@@ -11,12 +11,18 @@ from pydantic import ValidationError
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.server.openai.protocol import ChatCompletionRequest
+from slotserve.server.responses.output import decode_reasoning
 from slotserve.server.responses.protocol import (
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
+    FunctionCallOutputItem,
     InputItem,
     MessageItem,
+    ReasoningItem,
     ResponsesRequest,
 )
+from slotserve.server.responses.tools import chat_tool_choice, chat_tools, flat_name, wrapped_input
 
 # Where a chat field came from in the Responses request, for the errors' "param".
 _CHAT_TO_RESPONSES = {
@@ -28,29 +34,65 @@ _CHAT_TO_RESPONSES = {
 
 
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function calls (parallel calls) go into one
-    assistant message, and a call's output is a tool message."""
+    """Input items as chat messages: consecutive calls (parallel calls) go into one assistant
+    message, a call's output is a tool message, and a reasoning item becomes the
+    ``reasoning_content`` of the assistant message after it (templates that know it show it;
+    one with no assistant turn after it is dropped). Calls are named as the model was offered
+    them (``tools.py``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+
+    def assistant(fresh: bool) -> dict[str, Any]:
+        last = messages[-1] if messages else None
+        if fresh or last is None or last["role"] != "assistant" or reasoning:
+            last = {"role": "assistant", "content": None}
+            if reasoning:
+                last["reasoning_content"] = "\n".join(reasoning)
+                reasoning.clear()
+            messages.append(last)
+        return last
+
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
-        elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-                last["content"] = last["content"] or None
+            if item.role == "assistant":
+                assistant(fresh=True)["content"] = item.text()
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+                reasoning.clear()
+                messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            text = _reasoning_text(item)
+            if text:
+                reasoning.append(text)
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            name = flat_name(item.name, item.namespace)
+            arguments = (
+                item.arguments if isinstance(item, FunctionCallItem) else wrapped_input(item.input)
+            )
+            function = {"name": name, "arguments": arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
+            assistant(fresh=False).setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
+            reasoning.clear()
+            call_id = item.call_id
+            if call_id is None:  # an output that answers no call: named by its tool
+                assert isinstance(item, FunctionCallOutputItem)
+                call_id = flat_name(item.name or "tool", item.namespace)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": item.text()})
     return messages
+
+
+def _reasoning_text(item: ReasoningItem) -> str:
+    """The thinking a reasoning item carries: its full text, else what its encrypted content
+    decodes to (ours; another server's cannot be read and is dropped), else its summary."""
+    if item.content:
+        return "".join(part.text for part in item.content)
+    if item.encrypted_content:
+        decoded = decode_reasoning(item.encrypted_content)
+        if decoded is not None:
+            return decoded
+    return "\n".join(part.text for part in item.summary)
 
 
 def chat_request_of(
@@ -74,16 +116,14 @@ def chat_request_of(
     chat["messages"] = messages
     if body.stream:
         chat |= {"stream": True, "stream_options": {"include_usage": True}}
-    if body.tools:
-        chat["tools"] = [
-            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-            for t in body.tools
-        ]
-    choice = body.tool_choice
-    if isinstance(choice, str):
+    if wants_logprobs(body):
+        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
+    tools, _ = chat_tools(body)
+    if tools:
+        chat["tools"] = tools
+    choice = chat_tool_choice(body, tools)
+    if choice is not None:
         chat["tool_choice"] = choice
-    elif choice is not None:
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
@@ -98,6 +138,10 @@ def chat_request_of(
         raise InvalidRequestError(
             f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param
         ) from None
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    return body.top_logprobs is not None or body.includes("message.output_text.logprobs")
 
 
 def responses_param(chat_param: str | None) -> str | None:

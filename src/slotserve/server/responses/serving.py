@@ -18,16 +18,21 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from slotserve.engine.core.limits import CONTEXT_LENGTH_EXCEEDED
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.models.host import LoadedModel
 from slotserve.server.errors import ErrorCounter, GenerationFailed, error_response, stream_error
 from slotserve.server.events import fold
+from slotserve.server.openai.shapes import chat_logprobs
 from slotserve.server.pipeline import ChatGeneration, start_chat
 from slotserve.server.responses.chat_request import (
     chat_request_of,
     input_messages,
     responses_param,
+    wants_logprobs,
 )
 from slotserve.server.responses.output import (
+    OutputOptions,
     assistant_turn,
     finished,
     new_id,
@@ -37,7 +42,14 @@ from slotserve.server.responses.output import (
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.store import ResponseStore, StoredResponse
 from slotserve.server.responses.stream import ResponseEventStream
+from slotserve.server.responses.tools import chat_tools
 from slotserve.server.serving import ServingContext
+
+# Where a prompt too long for a slot is told how to make room.
+_CONTEXT_HINT = (
+    " Each slot holds --ctx-size / --slots tokens (llama.cpp; --max-model-len on the PyTorch "
+    "runner): restart the server with a larger --ctx-size or fewer --slots."
+)
 
 # new_id("resp"): 16 random bytes as hex.
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
@@ -61,26 +73,47 @@ async def create_response(
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = chat_request_of(body, system + conversation)
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
-    shell = response_shell(body, new_id("resp"), int(time.time()), host.name)
+    shell = response_shell(
+        body, new_id("resp"), int(time.time()), host.name, model.sampling_defaults
+    )
     try:
-        generation = start_chat(host, model, chat, raw, http_request_id)
+        generation = await start_chat(host, model, chat, raw, http_request_id)
     except InvalidRequestError as exc:
         # The pipeline names the chat fields; the client sent the Responses ones.
         exc.param = responses_param(exc.param)
+        if exc.code == CONTEXT_LENGTH_EXCEEDED:
+            exc.message += _CONTEXT_HINT
+            if body.truncation == "auto":
+                exc.message += " (truncation 'auto' is not done by this server.)"
+            exc.args = (exc.message,)
         raise
+    options = _output_options(body, model)
+    # store false: nothing is kept, so no later request can name this response.
     kept = store if body.store else None
     if body.stream:
-        frames = _events(generation, ResponseEventStream(shell), kept, conversation)
+        stream = ResponseEventStream(shell, options)
+        frames = _events(generation, stream, kept, conversation)
         return StreamingResponse(frames, media_type="text/event-stream")
     events = await generation.collect()
     if generation.disconnected:
         return Response(status_code=499)
     (reply,), totals = fold(events, 1)
-    output = output_items(reply, reply.finish_reason)
+    output = output_items(reply, reply.finish_reason, options)
     response = finished(shell, output, totals, reply.finish_reason)
     if kept is not None:
         kept.put(StoredResponse(response, [*conversation, assistant_turn(output)]))
     return JSONResponse(response)
+
+
+def _output_options(body: ResponsesRequest, model: LoadedModel) -> OutputOptions:
+    tokenizer = model.tokenizer
+    return OutputOptions(
+        names=chat_tools(body)[1],
+        encrypted_reasoning=body.includes("reasoning.encrypted_content"),
+        logprobs=(lambda tokens: chat_logprobs(tokenizer, tokens)["content"])
+        if wants_logprobs(body)
+        else None,
+    )
 
 
 def get_response(
