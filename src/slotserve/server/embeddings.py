@@ -27,6 +27,7 @@ from slotserve.server.generation import (
     merge_outputs,
     submit_prompts,
 )
+from slotserve.server.openai.completions import prompt_items
 from slotserve.server.prompt_bound import check_prompt_chars
 from slotserve.server.serving import ServingContext, engine_request_id
 
@@ -50,14 +51,7 @@ class EmbeddingRequest(BaseModel):
 
 
 def _inputs(model: LoadedModel, body: EmbeddingRequest) -> list[list[int]]:
-    raw = body.input
-    items: list[str | list[int]]
-    if isinstance(raw, str):
-        items = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [[int(x) for x in raw]]  # type: ignore[arg-type]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    items = prompt_items(body.input)
     if not items:
         raise InvalidRequestError("'input' must not be empty.", param="input")
     if len(items) > MAX_INPUTS:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from slotserve.server.errors import anthropic_error_body, is_anthropic_path
+from slotserve.server.errors import anthropic_error_body, error_body, is_anthropic_path
 from slotserve.server.log_context import current_request_id
 
 Scope = MutableMapping[str, Any]
@@ -104,28 +104,9 @@ class ApiKeyMiddleware:
             )
         else:
             message = "Incorrect API key provided."
-        if is_anthropic_path(path):
-            body = json.dumps(anthropic_error_body(401, message)).encode()
-        else:
-            error = {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_api_key",
-            }
-            body = json.dumps({"error": error}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        await send_refusal(
+            send, path, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
         )
-        await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:
@@ -188,24 +169,33 @@ class BodyLimitMiddleware:
             f"The request body is larger than this server accepts ({limit} bytes, "
             "--max-request-bytes)."
         )
-        if is_anthropic_path(scope.get("path", "")):
-            body = json.dumps(anthropic_error_body(413, message)).encode()
-        else:
-            error = {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "request_too_large",
-            }
-            body = json.dumps({"error": error}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_refusal(send, scope.get("path", ""), 413, message, "request_too_large")
+
+
+async def send_refusal(
+    send: Send,
+    path: str,
+    status: int,
+    message: str,
+    code: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A refusal answered by the middleware itself, before any route: Anthropic's error body on
+    the Messages API, OpenAI's elsewhere (as the error handlers choose)."""
+    if is_anthropic_path(path):
+        payload = anthropic_error_body(status, message)
+    else:
+        payload = error_body(message, "invalid_request_error", None, code)
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -31,16 +31,19 @@ from slotserve.server.serving import ServingContext, engine_request_id
 MAX_PROMPTS = 64
 
 
+def prompt_items(raw: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt or input field as a list of items, each a text or a list of token ids:
+    a lone string or a lone list of ids is one item."""
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(x, int) for x in raw):
+        return [[int(x) for x in raw]]  # type: ignore[arg-type]
+    return list(raw)  # type: ignore[arg-type]
+
+
 def _prompts(model: LoadedModel, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt (a string, strings, token ids, or lists of ids)."""
-    raw = body.prompt
-    items: list[str | list[int]]
-    if isinstance(raw, str):
-        items = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [[int(x) for x in raw]]  # type: ignore[arg-type]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    items = prompt_items(body.prompt)
     if not items:
         raise InvalidRequestError("The prompt must not be empty.", param="prompt")
     if len(items) > MAX_PROMPTS:
