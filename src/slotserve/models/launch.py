@@ -64,6 +64,7 @@ def runner_factory(
         threads=runner.threads,
         model_name=model_name,
         tensor_parallel_size=runner.tensor_parallel_size,
+        cpu_kernels=runner.cpu_kernels,
     )
     return TorchSpec(load)
 

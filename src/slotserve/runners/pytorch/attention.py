@@ -49,9 +49,22 @@ class AttentionGroup:
 
 
 @dataclass
+class PagedStep:
+    """The step as the CPU kernels read the pool (``cpu_kernels.py``): no gather, no mask,
+    int32 numbers per token and per sequence."""
+
+    block_tables: torch.Tensor  # [sequences, blocks], padded with 0 past each table's end
+    token_seq: torch.Tensor  # [tokens]: the token's row of block_tables
+    positions: torch.Tensor  # [tokens]
+    cache_rows: torch.Tensor  # [tokens]: where the token's K/V go
+    block_size: int
+
+
+@dataclass
 class StepAttention:
     write_rows: torch.Tensor  # [tokens]: the cache row each token's K/V goes to
     groups: list[AttentionGroup]
+    paged: PagedStep | None = None  # instead of the groups, on the CPU kernels' path
 
 
 def build_group(

@@ -46,6 +46,7 @@ class TorchLoadConfig:
     threads: int = 0  # per tensor-parallel rank; 0: the cores shared evenly between ranks
     model_name: str | None = None
     tensor_parallel_size: int = 1  # ranks, each a slice of every layer (tensor_parallel.py)
+    cpu_kernels: bool = True  # CPU, bfloat16: the C++ kernels (cpu_kernels.py) where they run
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

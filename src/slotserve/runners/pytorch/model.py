@@ -15,13 +15,37 @@ import math
 import torch
 from torch import nn
 
-from slotserve.runners.pytorch.attention import StepAttention, attend
+from slotserve.runners.pytorch.attention import PagedStep, StepAttention, attend
 from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.deltanet import LinearAttention, LinearStep, linear_attention
 from slotserve.runners.pytorch.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
 from slotserve.runners.pytorch.moe import SparseMlp
 from slotserve.runners.pytorch.rotary import apply_rotary, rotary_tables, without_scaling
 from slotserve.runners.pytorch.tensor_parallel import TensorParallel
+
+
+class _Norms:
+    """RMSNorm through the CPU kernels when they serve the step, else the module itself."""
+
+    def __init__(self, kernels: CpuKernels | None) -> None:
+        self.kernels = kernels
+
+    def __call__(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+        if self.kernels is None:
+            return norm(x)  # type: ignore[no-any-return]
+        return self.kernels.rms_norm(x, norm.weight, norm.eps, norm.plus_one)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RmsNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the first layer's residual is x itself."""
+        if residual is None:
+            return self(x, norm), x
+        if self.kernels is None:
+            summed = residual + x
+            return norm(summed), summed
+        return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps, norm.plus_one)
 
 
 class DecoderLayer(nn.Module):
@@ -81,9 +105,12 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         sliding: bool,
         c: ModelConfig,
+        kernels: CpuKernels | None,
     ) -> torch.Tensor:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = self.qkv(x)
+        if kernels is not None and step.paged is not None:
+            return self._kernel_attention(qkv, rotary, step.paged, kv, sliding, c, kernels)
         gate = None
         if c.attn_output_gate:  # each head's rows: [query | gate]
             both = qkv[:, : 2 * q_size].view(-1, c.num_heads, 2 * c.head_dim)
@@ -108,9 +135,40 @@ class DecoderLayer(nn.Module):
             out = out * torch.sigmoid(gate.reshape(out.shape))
         return self.o_proj(out)  # type: ignore[no-any-return]
 
-    def mlp(self, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    def _kernel_attention(
+        self,
+        qkv: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        paged: PagedStep,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        sliding: bool,
+        c: ModelConfig,
+        kernels: CpuKernels,
+    ) -> torch.Tensor:
+        """The same attention through the CPU kernels: ``rotary`` holds the whole tables (the
+        kernel reads each token's row), the pool is read in place."""
+        q_norm = self.q_norm.weight if c.qk_norm else None
+        k_norm = self.k_norm.weight if c.qk_norm else None
+        q = kernels.rotary_write(
+            qkv, rotary[0], rotary[1], paged.positions, paged.cache_rows, kv[0], kv[1],
+            c.num_heads, c.num_kv_heads, c.head_dim, c.attn_output_gate, q_norm, k_norm,
+            c.rms_norm_eps, c.plus_one_norms,
+        )  # fmt: skip
+        window = (c.sliding_window or 0) if sliding else 0
+        out = kernels.paged_attention(
+            q, kv[0], kv[1], paged.block_tables, paged.token_seq, paged.positions,
+            paged.block_size, window, c.attention_scale,
+        )  # fmt: skip
+        if c.attn_output_gate:
+            both = qkv[:, : 2 * c.num_heads * c.head_dim].view(-1, c.num_heads, 2 * c.head_dim)
+            out = out * torch.sigmoid(both[..., c.head_dim :].reshape(out.shape))
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+    def mlp(self, x: torch.Tensor, c: ModelConfig, kernels: CpuKernels | None) -> torch.Tensor:
         if self.sparse:
             return self.moe(x)  # type: ignore[no-any-return]
+        if kernels is not None and c.hidden_activation == "silu":
+            return self.down(kernels.silu_mul(self.gate_up(x)))  # type: ignore[no-any-return]
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(activation(gate, c.hidden_activation) * up)  # type: ignore[no-any-return]
 
@@ -155,6 +213,7 @@ class Decoder(nn.Module):
             self.register_buffer("local_cos", local_cos, persistent=False)
             self.register_buffer("local_sin", local_sin, persistent=False)
         self._embed_scale = math.sqrt(c.hidden_size)
+        self.kernels: CpuKernels | None = None  # set by the shard where they serve (CPU, bf16)
 
     def make_batch_invariant(self) -> None:
         """After loading: long-input projections split their reduction (see ``Projection``).
@@ -187,16 +246,25 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the last layer (before the final norm), one row per token.
         ``linear_step`` and ``linear_states``: for models with Gated DeltaNet layers."""
-        c, tp = self.config, self.tp
+        c, tp, kernels = self.config, self.tp, self.kernels
+        if step.paged is None:
+            kernels = None  # a step planned for the torch path (the GPU's) stays on it
         hidden = self.embed(token_ids) if tp is None else tp.embed(self.embed, token_ids)
         if c.scale_embeddings:
             hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
-        rotary = self.cos[positions], self.sin[positions]
-        if c.rope_local_theta is not None:
-            local_rotary = self.local_cos[positions], self.local_sin[positions]
+        if kernels is not None:  # the kernels read each token's row of the whole tables
+            rotary = self.cos, self.sin
+            if c.rope_local_theta is not None:
+                local_rotary = self.local_cos, self.local_sin
+        else:
+            rotary = self.cos[positions], self.sin[positions]
+            if c.rope_local_theta is not None:
+                local_rotary = self.local_cos[positions], self.local_sin[positions]
+        norm = _Norms(kernels)
+        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.decoder_layers):
-            residual = hidden
-            x = layer.input_norm(hidden)
+            # The previous layer's MLP output joins the residual stream inside the norm.
+            x, residual = norm.add(hidden, residual, layer.input_norm)
             if layer.is_linear:
                 assert linear_step is not None and linear_states is not None
                 x = linear_attention(layer.linear, x, linear_step, linear_states[index], c)
@@ -204,26 +272,28 @@ class Decoder(nn.Module):
                 sliding = c.is_sliding(index)
                 local = sliding and c.rope_local_theta is not None
                 x = layer.attention(
-                    x, local_rotary if local else rotary, step, kv_layers[index], sliding, c
+                    x,
+                    local_rotary if local else rotary,
+                    step,
+                    kv_layers[index],
+                    sliding,
+                    c,
+                    kernels,
                 )
             if tp is not None:  # each rank's o_proj gave a partial sum
                 x = tp.all_reduce(x)
             if c.gemma_norms:
-                x = layer.post_attention_norm(x)
-                hidden = residual + x
-                residual = hidden
-                x = layer.pre_mlp_norm(hidden)
+                x = norm(x, layer.post_attention_norm)
+                x, residual = norm.add(x, residual, layer.pre_mlp_norm)
             else:
-                hidden = residual + x
-                residual = hidden
-                x = layer.post_attention_norm(hidden)
-            x = layer.mlp(x, c)
+                x, residual = norm.add(x, residual, layer.post_attention_norm)
+            x = layer.mlp(x, c, kernels)
             if tp is not None:
                 x = tp.all_reduce(x)
             if c.gemma_norms:
-                x = layer.post_mlp_norm(x)
-            hidden = residual + x
-        return hidden
+                x = norm(x, layer.post_mlp_norm)
+            hidden = x
+        return hidden if residual is None else residual + hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""

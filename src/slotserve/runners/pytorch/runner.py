@@ -124,13 +124,14 @@ class TorchRunner:
             **_recurrent_state_rules(config),
         )
         logger.info(
-            "loaded %s (%s) on %s%s in %s: %d slots × %d tokens, KV pool %d blocks × %d "
+            "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "
             "(%.0f MiB) in %.1f s",
             config.name,
             config.model_type,
             self.device,
             f" × {ranks} tensor-parallel ranks" if ranks > 1 else "",
             str(self.dtype).removeprefix("torch."),
+            f"CPU kernels: {kernels.isa}" if (kernels := self.shard.model.kernels) else "torch ops",
             load.num_slots,
             self.max_seq_len,
             num_blocks,

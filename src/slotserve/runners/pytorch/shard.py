@@ -16,9 +16,15 @@ from typing import Any
 import msgspec
 import torch
 
-from slotserve.runners.pytorch.attention import StepAttention, build_group
+from slotserve.runners.pytorch.attention import (
+    AttentionGroup,
+    PagedStep,
+    StepAttention,
+    build_group,
+)
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, kv_blocks
 from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
 from slotserve.runners.pytorch.deltanet import LinearStatePool, LinearStep
 from slotserve.runners.pytorch.gguf_weights import gguf_tensors
 from slotserve.runners.pytorch.kv_cache import KvPool
@@ -82,6 +88,8 @@ class ModelShard:
             self.model.make_batch_invariant()
             if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                 self.model.prepack()
+            if load.cpu_kernels and local.head_dim % 16 == 0:
+                self.model.kernels = load_cpu_kernels()
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
             LinearStatePool(local, load.num_slots, dtype, device) if local.linear_layers else None
@@ -94,25 +102,13 @@ class ModelShard:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The step's final hidden states, one row per token of ``plan.tokens``."""
-        device, pool, c = self.device, self.pool, self.model.config
+        device, pool = self.device, self.pool
         pool.copy_blocks(plan.block_copies)
-        window = c.sliding_window if any(c.sliding_layers) else None
-        groups = [
-            build_group(
-                group.first_row,
-                group.tables,
-                group.starts,
-                group.q_len,
-                pool.block_size,
-                pool.zero_block,
-                c.num_kv_heads,
-                window,
-                device,
-            )
-            for group in plan.groups
-        ]
         write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
-        step = StepAttention(write_rows, groups)
+        if self.model.kernels is not None:
+            step = StepAttention(write_rows, [], paged_step(plan, pool.block_size))
+        else:
+            step = StepAttention(write_rows, self._groups(plan))
         linear_step = None
         if self.linear_states is not None:
             self.linear_states.reset(plan.linear_resets)
@@ -127,6 +123,24 @@ class ModelShard:
             self.linear_states.layers if self.linear_states is not None else None,
         )
 
+    def _groups(self, plan: StepPlan) -> list[AttentionGroup]:
+        pool, c = self.pool, self.model.config
+        window = c.sliding_window if any(c.sliding_layers) else None
+        return [
+            build_group(
+                group.first_row,
+                group.tables,
+                group.starts,
+                group.q_len,
+                pool.block_size,
+                pool.zero_block,
+                c.num_kv_heads,
+                window,
+                self.device,
+            )
+            for group in plan.groups
+        ]
+
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
 
@@ -135,3 +149,21 @@ class ModelShard:
         if self.linear_states is not None:
             self.linear_states.clear()
         self.model = None  # type: ignore[assignment]
+
+
+def paged_step(plan: StepPlan, block_size: int) -> PagedStep:
+    """The plan's groups as the kernels read them: one block table per sequence, and for each
+    token its sequence and position (tokens are group after group, sequence-major)."""
+    tables = [table for group in plan.groups for table in group.tables]
+    width = max((len(table) for table in tables), default=1)
+    token_seq: list[int] = []
+    for group in plan.groups:
+        for _ in group.tables:
+            token_seq.extend([token_seq[-1] + 1 if token_seq else 0] * group.q_len)
+    return PagedStep(
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(token_seq, dtype=torch.int32),
+        torch.tensor(plan.positions, dtype=torch.int32),
+        torch.tensor(plan.write_rows, dtype=torch.int32),
+        block_size,
+    )

@@ -1,0 +1,152 @@
+"""The PyTorch runner's C++ CPU kernels (``csrc/``): built once with the installed torch's
+``cpp_extension`` (cached by torch in ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions``
+by default), loaded on first use, and typed here.
+
+What they replace and why (docs/design/pytorch-runner.md): attention reads the paged KV pool
+in place instead of gathering every sequence's K/V into a padded tensor per layer, and the
+small operators around the projections (residual add + RMSNorm, q/k norm + rotary + the K/V
+write, SiLU·mul) run as one pass per row. Every kernel computes a row from that row's inputs in
+an order fixed by the row's own length and position: batch-invariant by construction, whatever
+the thread count. The plain-torch path (``layers.py``, ``attention.py``, ``rotary.py``) is the
+fallback and the reference the kernel tests compare against.
+
+The instruction set is chosen at load from the CPU (AVX-512, else AVX2 with FMA); a machine
+without a compiler, an x86 CPU or either set gets a one-line warning and the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+# Compiler flags for every CPU: the instruction sets are chosen per function in the source
+# (``#pragma GCC target``) and at run time from the CPU, never from the build machine.
+CFLAGS = ["-O3", "-std=c++17", "-Wno-psabi", "-fno-math-errno"]
+
+
+class CpuKernels:
+    """Typed calls into the extension (bfloat16 CPU tensors; int32 index tensors)."""
+
+    def __init__(self, module: Any) -> None:
+        self._m = module
+        self.isa: str = module.isa()
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool
+    ) -> torch.Tensor:
+        return self._m.rms_norm(x, weight, eps, plus_one)  # type: ignore[no-any-return]
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        plus_one: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to bfloat16 first."""
+        return self._m.add_rms_norm(x, residual, weight, eps, plus_one)  # type: ignore[no-any-return]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for rows ``[gate | up]``."""
+        return self._m.silu_mul(gate_up)  # type: ignore[no-any-return]
+
+    def rotary_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache_rows: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        gated: bool,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        plus_one: bool,
+    ) -> torch.Tensor:
+        """The queries ``[tokens, heads, head_dim]`` (normed, rotated); the keys (normed,
+        rotated) and values written into the pool at ``cache_rows``."""
+        return self._m.rotary_write(  # type: ignore[no-any-return]
+            qkv, cos, sin, positions, cache_rows, key_cache, value_cache, heads, kv_heads,
+            head_dim, gated, q_norm, k_norm, eps, plus_one,
+        )  # fmt: skip
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        token_seq: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each token over its sequence's positions up to its own
+        (``window`` > 0: the last ``window`` of them), ``[tokens, heads * head_dim]``."""
+        return self._m.paged_attention(  # type: ignore[no-any-return]
+            q, key_cache, value_cache, block_tables, token_seq, positions, block_size, window,
+            scale,
+        )  # fmt: skip
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, compiled on the first call on this machine (a log line says so); None, after
+    one warning, where they cannot run."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.warning("CPU kernels: x86-64 only; the PyTorch runner uses plain torch")
+        return None
+    from torch.utils import cpp_extension
+
+    # torch's build cache keys on the .cpp file alone: the headers' text goes into the name.
+    digest = hashlib.sha256(
+        b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]*")))
+    ).hexdigest()[:12]
+    started = time.monotonic()
+    logger.info("CPU kernels: loading (compiled once per torch version, ~1 minute)")
+    try:
+        module = cpp_extension.load(
+            name=f"slotserve_cpu_kernels_{digest}",
+            sources=[str(SOURCES / "cpu_kernels.cpp")],
+            extra_include_paths=[str(SOURCES)],
+            extra_cflags=CFLAGS,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers, a failed build: run without them
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        logger.warning("CPU kernels unavailable (%s); the PyTorch runner uses plain torch", reason)
+        return None
+    kernels = CpuKernels(module)
+    if kernels.isa == "none":
+        logger.warning("CPU kernels: this CPU has neither AVX-512 nor AVX2; using plain torch")
+        return None
+    logger.info("CPU kernels: %s, ready in %.1f s", kernels.isa, time.monotonic() - started)
+    return kernels
+
+
+def main() -> None:
+    """``python -m slotserve.runners.pytorch.cpu_kernels``: build (or find) the kernels now."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kernels = load_cpu_kernels()
+    print(f"CPU kernels: {kernels.isa if kernels is not None else 'unavailable'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+// CPU kernels of the PyTorch runner: paged attention reading the KV pool in place, and the
+// fused per-row work around the projections (RMSNorm with the residual add, q/k norm with the
+// rotary embedding and the K/V write, SiLU·mul). bfloat16 in and out, float32 inside.
+//
+// kernels.h holds the computations, compiled twice below: for AVX-512 (F/BW/VL) and for
+// AVX2+FMA; the set is chosen once at load from the CPU (`isa()`), never built with
+// -march=native. The threads are torch's own (at::parallel_for); how rows are spread over
+// them never changes a row's bits (kernels.h).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+struct HeadLayout {
+    int heads, kv_heads, head_dim, rotary_dim;
+    bool gated;              // each query head's rows are [query | gate]
+    const uint16_t* q_norm;  // per-head RMSNorm weights, or null
+    const uint16_t* k_norm;
+    float eps;
+    bool plus_one;
+};
+
+struct PagedKv {
+    const uint16_t* keys;  // [rows, kv_heads, head_dim]
+    const uint16_t* values;
+    int kv_heads, head_dim, block_size;
+};
+
+// Keys are reduced in partitions of this many absolute positions (partition k holds positions
+// [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
+constexpr int kPartition = 256;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace avx512 {
+#define SLOTSERVE_AVX512 1
+#include "vec.h"
+#include "kernels.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#undef SLOTSERVE_AVX512
+#define SLOTSERVE_AVX512 0
+#include "vec.h"
+#include "kernels.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+namespace {
+
+constexpr int kLanes = avx512::kLanes;
+
+struct Kernels {
+    const char* name;
+    decltype(&avx512::norm_bf16_row) norm_bf16_row;
+    decltype(&avx512::add_norm_row) add_norm_row;
+    decltype(&avx512::silu_mul_row) silu_mul_row;
+    decltype(&avx512::rotary_token) rotary_token;
+    decltype(&avx512::attend_partition) attend_partition;
+    decltype(&avx512::merge_partitions) merge_partitions;
+};
+
+#define SLOTSERVE_KERNELS(ns)                                                           \
+    Kernels {                                                                           \
+        #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
+            &ns::attend_partition, &ns::merge_partitions                                \
+    }
+
+Kernels select_kernels() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return SLOTSERVE_KERNELS(avx512);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return SLOTSERVE_KERNELS(avx2);
+    return Kernels{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+}
+
+const Kernels& kernels() {
+    static const Kernels k = select_kernels();
+    return k;
+}
+
+const Kernels& usable() {
+    const Kernels& k = kernels();
+    TORCH_CHECK(k.norm_bf16_row != nullptr, "this CPU has neither AVX-512 nor AVX2 with FMA");
+    return k;
+}
+
+float to_float(uint16_t h) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+const uint16_t* bf16(const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+uint16_t* bf16_mut(at::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16,
+                what, " must be a bfloat16 CPU tensor");
+    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be [rows, n] with unit stride");
+}
+
+// Rows per task so a task carries ~32k elements: one row of a small model stays on one thread.
+int64_t grain(int64_t n) {
+    return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one) {
+    const Kernels& k = usable();
+    check_rows(x, "x");
+    const int64_t rows = x.size(0), n = x.size(1);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const uint16_t *in = bf16(x), *w = bf16(weight);
+    uint16_t* o = bf16_mut(out);
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(n);
+        for (int64_t r = begin; r < end; ++r)
+            k.norm_bf16_row(in + r * stride, n, w, float(eps), plus_one, o + r * n,
+                            scratch.data());
+    });
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps,
+                                                bool plus_one) {
+    const Kernels& k = usable();
+    check_rows(x, "x");
+    check_rows(residual, "residual");
+    TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+    const int64_t rows = x.size(0), n = x.size(1);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    at::Tensor summed = at::empty({rows, n}, x.options());
+    const uint16_t *a = bf16(x), *b = bf16(residual), *w = bf16(weight);
+    uint16_t *o = bf16_mut(out), *s = bf16_mut(summed);
+    const int64_t sa = x.stride(0), sb = residual.stride(0);
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(n);
+        for (int64_t r = begin; r < end; ++r)
+            k.add_norm_row(a + r * sa, b + r * sb, n, w, float(eps), plus_one, s + r * n,
+                           o + r * n, scratch.data());
+    });
+    return {out, summed};
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+    const Kernels& k = usable();
+    check_rows(gate_up, "gate_up");
+    const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({rows, n}, gate_up.options());
+    const uint16_t* in = bf16(gate_up);
+    uint16_t* o = bf16_mut(out);
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+            k.silu_mul_row(in + r * stride, in + r * stride + n, n, o + r * n);
+    });
+    return out;
+}
+
+at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& positions, const at::Tensor& cache_rows,
+                        at::Tensor& key_cache, at::Tensor& value_cache, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, bool gated,
+                        const c10::optional<at::Tensor>& q_norm,
+                        const c10::optional<at::Tensor>& k_norm, double eps, bool plus_one) {
+    const Kernels& k = usable();
+    check_rows(qkv, "qkv");
+    const int64_t tokens = qkv.size(0);
+    const int64_t q_cols = heads * head_dim * (gated ? 2 : 1);
+    TORCH_CHECK(qkv.size(1) >= q_cols + 2 * kv_heads * head_dim, "qkv is too narrow");
+    TORCH_CHECK(positions.scalar_type() == at::kInt && cache_rows.scalar_type() == at::kInt,
+                "positions and cache rows must be int32");
+    TORCH_CHECK(positions.numel() == tokens && cache_rows.numel() == tokens,
+                "one position and one cache row per token");
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rotary tables: contiguous");
+    const int64_t rotary_dim = cos.size(1);
+    const int64_t cache_rows_total = key_cache.size(0);
+    HeadLayout layout{int(heads),
+                      int(kv_heads),
+                      int(head_dim),
+                      int(rotary_dim),
+                      gated,
+                      q_norm ? bf16(*q_norm) : nullptr,
+                      k_norm ? bf16(*k_norm) : nullptr,
+                      float(eps),
+                      plus_one};
+    at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
+    const uint16_t *in = bf16(qkv), *c = bf16(cos), *s = bf16(sin);
+    uint16_t *qo = bf16_mut(q), *kc = bf16_mut(key_cache), *vc = bf16_mut(value_cache);
+    const int32_t *pos = positions.data_ptr<int32_t>(), *rows = cache_rows.data_ptr<int32_t>();
+    const int64_t stride = qkv.stride(0), row_size = kv_heads * head_dim;
+    for (int64_t t = 0; t < tokens; ++t)
+        TORCH_CHECK(rows[t] >= 0 && rows[t] < cache_rows_total && pos[t] >= 0 &&
+                        pos[t] < cos.size(0),
+                    "a cache row or position is out of range");
+    at::parallel_for(0, tokens, grain((heads + kv_heads) * head_dim * 4),
+                     [&](int64_t begin, int64_t end) {
+                         std::vector<float> scratch(2 * head_dim);
+                         for (int64_t t = begin; t < end; ++t)
+                             k.rotary_token(in + t * stride, layout, c + pos[t] * rotary_dim,
+                                            s + pos[t] * rotary_dim, qo + t * heads * head_dim,
+                                            kc + rows[t] * row_size, vc + rows[t] * row_size,
+                                            scratch.data());
+                     });
+    return q;
+}
+
+// Paged attention over the pool, reading every key and value where it lies.
+//
+// Work item: (KV head, token), KV-head-major so a thread walks the tokens of one head in turn
+// and rows that share cached blocks find them in its cache. A token attends to positions
+// max(0, pos - window + 1) .. pos, reduced partition by partition (kPartition absolute
+// positions each) and merged in partition order. With few items (one long sequence decoding)
+// the partitions themselves are spread over the threads and merged afterwards by the same
+// merge: the bits are the same either way.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& token_seq, const at::Tensor& positions,
+                           int64_t block_size, int64_t window, double scale) {
+    const Kernels& k = usable();
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+                "q must be contiguous bfloat16 [tokens, heads, head_dim]");
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2,
+                "block tables: int32 [sequences, blocks]");
+    TORCH_CHECK(token_seq.scalar_type() == at::kInt && positions.scalar_type() == at::kInt,
+                "token sequences and positions must be int32");
+    const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+    const int64_t kv_heads = key_cache.size(1);
+    TORCH_CHECK(d % kLanes == 0 && d <= 256, "head_dim must be a multiple of ", kLanes,
+                " up to 256");
+    TORCH_CHECK(heads % kv_heads == 0 && key_cache.size(2) == d, "head shapes disagree");
+    const int group = int(heads / kv_heads);
+    TORCH_CHECK(group <= 16, "at most 16 query heads per KV head");
+    const int64_t num_blocks = key_cache.size(0) / block_size;
+    const int64_t table_width = block_tables.size(1);
+    const int32_t *tables = block_tables.data_ptr<int32_t>(), *seq = token_seq.data_ptr<int32_t>(),
+                  *pos = positions.data_ptr<int32_t>();
+    // Every block a token may read exists: checked per sequence up to its furthest token.
+    std::vector<int64_t> furthest(block_tables.size(0), -1);
+    for (int64_t t = 0; t < tokens; ++t) {
+        TORCH_CHECK(seq[t] >= 0 && seq[t] < block_tables.size(0), "token sequence out of range");
+        TORCH_CHECK(pos[t] >= 0 && pos[t] / block_size < table_width, "position past its table");
+        furthest[seq[t]] = std::max<int64_t>(furthest[seq[t]], pos[t]);
+    }
+    for (size_t sq = 0; sq < furthest.size(); ++sq)
+        for (int64_t b = 0; b <= furthest[sq] / block_size && furthest[sq] >= 0; ++b) {
+            const int32_t block = tables[sq * table_width + b];
+            TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+        }
+    PagedKv kv{bf16(key_cache), bf16(value_cache), int(kv_heads), int(d), int(block_size)};
+    at::Tensor out = at::empty({tokens, heads * d}, q.options());
+    const uint16_t* qin = bf16(q);
+    uint16_t* o = bf16_mut(out);
+    const float qscale = float(scale);
+    auto first_key = [&](int64_t t) -> int {
+        return window > 0 ? int(std::max<int64_t>(0, pos[t] - window + 1)) : 0;
+    };
+    auto load_query = [&](int64_t t, int64_t h, float* qf) {
+        const uint16_t* src = qin + (t * heads + h * group) * d;
+        for (int64_t i = 0; i < group * d; ++i) qf[i] = to_float(src[i]) * qscale;
+    };
+    const int64_t items = kv_heads * tokens;
+    const int64_t acc_size = int64_t(group) * d;
+    int64_t max_parts = 0;
+    for (int64_t t = 0; t < tokens; ++t)
+        max_parts = std::max<int64_t>(max_parts, pos[t] / kPartition - first_key(t) / kPartition + 1);
+    const bool split = max_parts > 1 && items < 4 * at::get_num_threads();
+    if (!split) {
+        at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> qf(acc_size), scores(int64_t(group) * kPartition);
+            std::vector<float> m(max_parts * group), s(max_parts * group);
+            std::vector<float> acc(max_parts * acc_size);
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t h = item / tokens, t = item % tokens;
+                load_query(t, h, qf.data());
+                const int lo = first_key(t), hi = pos[t] + 1;
+                const int32_t* table = tables + seq[t] * table_width;
+                int parts = 0;
+                for (int p0 = lo / kPartition * kPartition; p0 < hi; p0 += kPartition, ++parts)
+                    k.attend_partition(qf.data(), group, kv, int(h), table, std::max(p0, lo),
+                                       std::min(p0 + kPartition, hi), scores.data(),
+                                       m.data() + parts * group, s.data() + parts * group,
+                                       acc.data() + parts * acc_size);
+                k.merge_partitions(m.data(), s.data(), acc.data(), parts, group, int(d),
+                                   int(acc_size), o + (t * heads + h * group) * d);
+            }
+        });
+        return out;
+    }
+    // Few items and long contexts: one task per (item, partition), then the same merge.
+    std::vector<float> m(items * max_parts * group), s(items * max_parts * group);
+    std::vector<float> acc(items * max_parts * acc_size);
+    at::parallel_for(0, items * max_parts, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(acc_size), scores(int64_t(group) * kPartition);
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t item = task / max_parts, part = task % max_parts;
+            const int64_t h = item / tokens, t = item % tokens;
+            const int lo = first_key(t), hi = pos[t] + 1;
+            const int p0 = int(lo / kPartition + part) * kPartition;
+            if (p0 >= hi) continue;
+            load_query(t, h, qf.data());
+            k.attend_partition(qf.data(), group, kv, int(h), tables + seq[t] * table_width,
+                               std::max(p0, lo), std::min(p0 + kPartition, hi), scores.data(),
+                               m.data() + task * group, s.data() + task * group,
+                               acc.data() + task * acc_size);
+        }
+    });
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t h = item / tokens, t = item % tokens;
+            const int lo = first_key(t), hi = pos[t] + 1;
+            const int parts = (hi - 1) / kPartition - lo / kPartition + 1;
+            k.merge_partitions(m.data() + item * max_parts * group,
+                               s.data() + item * max_parts * group,
+                               acc.data() + item * max_parts * acc_size, parts, group, int(d),
+                               int(acc_size), o + (t * heads + h * group) * d);
+        }
+    });
+    return out;
+}
+
+std::string isa() {
+    return kernels().name;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("isa", &isa, "the instruction set the kernels run on: avx512, avx2 or none");
+    m.def("rms_norm", &rms_norm);
+    m.def("add_rms_norm", &add_rms_norm);
+    m.def("silu_mul", &silu_mul);
+    m.def("rotary_write", &rotary_write);
+    m.def("paged_attention", &paged_attention);
+}

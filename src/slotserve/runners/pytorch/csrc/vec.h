@@ -1,0 +1,139 @@
+// Portable 16-lane float vectors (GCC vector extensions) and the bfloat16 conversions every
+// kernel uses. Included once per instruction set, inside that set's `#pragma GCC target`
+// region and namespace (cpu_kernels.cpp): the same source compiles to one zmm or two ymm
+// operations, so both paths share one definition of every computation.
+//
+// NOTE: nothing here may depend on how many rows a call holds or which thread runs it. Every
+// reduction below runs in an order fixed by the vector width and the length reduced.
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+constexpr int kLanes = 16;
+
+static inline __attribute__((always_inline)) vf splat(float x) {
+    return vf{} + x;
+}
+
+// The widening and narrowing in intrinsics: GCC lowers __builtin_convertvector between these
+// sizes through 128-bit halves.
+static inline __attribute__((always_inline)) vf load_bf16(const uint16_t* p) {
+#if SLOTSERVE_AVX512
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return (vf)_mm512_slli_epi32(wide, 16);
+#else
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+    const __m256i hi =
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16);
+    vf v;
+    std::memcpy(&v, &lo, 32);
+    std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) void store_u16(uint16_t* p, vu x) {
+#if SLOTSERVE_AVX512
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x));
+#else
+    __m256i lo, hi;
+    std::memcpy(&lo, &x, 32);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+    _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8));
+#endif
+}
+
+static inline __attribute__((always_inline)) vf load_f32(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store_f32(float* p, vf v) {
+    std::memcpy(p, &v, sizeof(v));
+}
+
+// Round to nearest even, as c10::BFloat16 does (NaN becomes the canonical quiet NaN).
+static inline __attribute__((always_inline)) void store_bf16(uint16_t* p, vf x) {
+    vu bits = (vu)x;
+    vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    vu nan = (vu)(x != x);
+    store_u16(p, (rounded & ~nan) | (0x7fc0u & nan));
+}
+
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
+    uint32_t bits = uint32_t(h) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float x) {
+    if (x != x) return 0x7fc0;
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) float round_bf16(float x) {
+    return bf16_to_f32(f32_to_bf16(x));
+}
+
+static inline __attribute__((always_inline)) vf round_bf16(vf x) {
+    vu bits = (vu)x;
+    vu rounded = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
+    vu nan = (vu)(x != x);
+    return (vf)((rounded & ~nan) | (0x7fc00000u & nan));
+}
+
+// A fixed pairwise tree over the lanes.
+static inline __attribute__((always_inline)) float hsum(vf v) {
+    float l[kLanes];
+    std::memcpy(l, &v, sizeof(l));
+    for (int w = kLanes / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; ++i) l[i] += l[i + w];
+    return l[0];
+}
+
+static inline __attribute__((always_inline)) float hmax(vf v) {
+    float l[kLanes];
+    std::memcpy(l, &v, sizeof(l));
+    float m = l[0];
+    for (int i = 1; i < kLanes; ++i) m = l[i] > m ? l[i] : m;
+    return m;
+}
+
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
+    return a > b ? a : b;
+}
+
+// exp(x) in float32: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
+// coefficients, ~1 ulp); 0 below the smallest normal's logarithm.
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    const vf hi = splat(88.0f), lo = splat(-87.3365447504f);
+    vi under = x < lo;
+    x = x > hi ? hi : x;
+    x = x < lo ? lo : x;
+    const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    vf n = (x * 1.44269504088896341f + magic) - magic;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf y = p * (r * r) + r + 1.0f;
+    vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    y = y * (vf)scale;
+    return (vf)((vi)y & ~under);
+}
+
+static inline __attribute__((always_inline)) float sexp(float x) {
+    float l[kLanes] = {x};
+    vf v = vexp(load_f32(l));
+    std::memcpy(l, &v, sizeof(l));
+    return l[0];
+}

@@ -1,0 +1,280 @@
+"""The PyTorch runner's C++ CPU kernels (``cpu_kernels.py``) against the plain-torch path they
+replace, and their contract: every row of a call is bit-identical to the same row computed
+alone, with one thread and with two, whatever else the call holds.
+
+Tolerances against the reference: the norms, the residual add and SiLU·mul round as the torch
+operators do (asserted equal up to one bfloat16 step, and equal in the large majority of
+elements); attention keeps scores, softmax and the weighted sum in float32 where the reference
+rounds the scores and probabilities to bfloat16, so it is compared with bfloat16 tolerances to
+a float32 dense reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slotserve.engine.runner_interface import Runner
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
+from slotserve.runners.pytorch.layers import RmsNorm
+from slotserve.runners.pytorch.rotary import apply_rotary
+from slotserve.runners.pytorch.runner import TorchRunner
+
+BLOCK = 16
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    """The kernels; on an x86 Linux machine with AVX2 and FMA they must build and load (a
+    failed build is a test failure there, not a skip)."""
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        if platform.machine() == "x86_64" and {"avx2", "fma"} <= _cpu_flags():
+            pytest.fail("the CPU kernels did not build or load on a CPU that runs them")
+        pytest.skip("no x86-64 CPU with AVX2 and FMA: the kernels do not run here")
+    return loaded
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two same-signed bfloat16 tensors are, element-wise."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _close_to_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    apart = _ulps_apart(out, ref)
+    assert apart.max().item() <= 1, "at most one bfloat16 step from the torch operators"
+    assert (apart == 0).float().mean().item() > 0.95
+
+
+@pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
+def test_norms_match_the_torch_module(kernels: CpuKernels, plus_one: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=gen).bfloat16()
+    residual = torch.randn(37, 576, generator=gen).bfloat16()
+    norm = RmsNorm(576, 1e-5, plus_one, torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=gen).bfloat16()
+    _close_to_reference(kernels.rms_norm(x, norm.weight, 1e-5, plus_one), norm(x))
+    normed, summed = kernels.add_rms_norm(x, residual, norm.weight, 1e-5, plus_one)
+    assert torch.equal(summed, residual + x)
+    _close_to_reference(normed, norm(residual + x))
+
+
+def test_silu_mul_matches_the_torch_operators(kernels: CpuKernels) -> None:
+    gate_up = (torch.randn(29, 2 * 1537, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_to_reference(kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, plus_one: bool) -> torch.Tensor:
+    norm = RmsNorm(x.shape[-1], 1e-6, plus_one, torch.bfloat16)
+    norm.weight.data = weight
+    return norm(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("gated", "qk_norm", "rotary_dim"),
+    [(False, False, DIM), (False, True, DIM), (True, True, DIM // 2)],
+    ids=["llama", "qwen3-qk-norm", "qwen3.5-gated-partial-rotary"],
+)
+def test_rotary_write_matches_the_torch_path_and_fills_the_pool(
+    kernels: CpuKernels, gated: bool, qk_norm: bool, rotary_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens = 11
+    q_cols = HEADS * DIM * (2 if gated else 1)
+    qkv = torch.randn(tokens, q_cols + 2 * KV_HEADS * DIM, generator=gen).bfloat16()
+    angles = torch.rand(64, rotary_dim // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    positions = torch.randint(0, 64, (tokens,), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(40, generator=gen)[:tokens].int()
+    key_cache = torch.zeros(40, KV_HEADS, DIM, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    q_norm = torch.randn(DIM, generator=gen).bfloat16() if qk_norm else None
+    k_norm = torch.randn(DIM, generator=gen).bfloat16() if qk_norm else None
+    q = kernels.rotary_write(
+        qkv, cos, sin, positions, rows, key_cache, value_cache, HEADS, KV_HEADS, DIM, gated,
+        q_norm, k_norm, 1e-6, gated,
+    )  # fmt: skip
+
+    if gated:
+        query = qkv[:, :q_cols].view(tokens, HEADS, 2 * DIM)[..., :DIM]
+    else:
+        query = qkv[:, :q_cols].view(tokens, HEADS, DIM)
+    key = qkv[:, q_cols : q_cols + KV_HEADS * DIM].view(tokens, KV_HEADS, DIM)
+    value = qkv[:, q_cols + KV_HEADS * DIM :].view(tokens, KV_HEADS, DIM)
+    if q_norm is not None and k_norm is not None:
+        query, key = _norm_reference(query, q_norm, gated), _norm_reference(key, k_norm, gated)
+    table = cos[positions.long()], sin[positions.long()]
+    # The reference rounds each rotary operator to bfloat16; the kernel rounds once.
+    torch.testing.assert_close(q, apply_rotary(query, *table), atol=3e-2, rtol=1.6e-2)
+    torch.testing.assert_close(
+        key_cache[rows.long()], apply_rotary(key, *table), atol=3e-2, rtol=1.6e-2
+    )
+    assert torch.equal(value_cache[rows.long()], value)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[rows.long()] = False
+    assert not key_cache[untouched].any() and not value_cache[untouched].any()
+
+
+class _Pool:
+    """Sequences of the given lengths in scattered blocks of one pool, with their contexts."""
+
+    def __init__(self, lengths: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        blocks = sum(-(-n // BLOCK) for n in lengths) + 3
+        self.keys = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+        self.values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+        free = torch.randperm(blocks, generator=gen).tolist()
+        self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+        width = max(len(t) for t in self.tables)
+        self.block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32
+        )
+
+    def rows(self, seq: int, length: int) -> torch.Tensor:
+        table = self.tables[seq]
+        return torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+
+    def attend(
+        self,
+        kernels: CpuKernels,
+        q: torch.Tensor,
+        seqs: list[int],
+        positions: list[int],
+        window: int = 0,
+    ) -> torch.Tensor:
+        return kernels.paged_attention(
+            q.contiguous(), self.keys, self.values, self.block_tables,
+            torch.tensor(seqs, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32),
+            BLOCK, window, 1 / math.sqrt(DIM),
+        )  # fmt: skip
+
+
+def _dense(pool: _Pool, q: torch.Tensor, seq: int, position: int, window: int) -> torch.Tensor:
+    """Float32 attention of one query row over its sequence's positions up to ``position``."""
+    rows = pool.rows(seq, position + 1)
+    first = max(0, position - window + 1) if window else 0
+    keys = pool.keys[rows[first:]].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = pool.values[rows[first:]].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("hd,khd->hk", q.float(), keys) / math.sqrt(DIM)
+    return torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1)
+
+
+@pytest.mark.parametrize("window", [0, 37], ids=["full", "sliding-window"])
+def test_attention_matches_dense_attention(kernels: CpuKernels, window: int) -> None:
+    lengths = [1, 15, 17, 300, 1029]
+    pool = _Pool(lengths, seed=4)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(5))
+    q = q.bfloat16()
+    positions = [n - 1 for n in lengths]
+    out = pool.attend(kernels, q, list(range(len(lengths))), positions, window)
+    for i, position in enumerate(positions):
+        expected = _dense(pool, q[i], i, position, window)
+        torch.testing.assert_close(out[i].float(), expected, atol=1e-2, rtol=1.6e-2)
+
+
+def test_every_row_is_bit_identical_alone_and_in_any_batch(
+    kernels: CpuKernels, threads: int
+) -> None:
+    """Random batches (1-600 rows: decode tokens and prefill chunks of sequences whose lengths
+    are not multiples of a block or a partition) against each row computed alone."""
+    gen = torch.Generator().manual_seed(6 + threads)
+    lengths = [int(n) for n in torch.randint(1, 1400, (24,), generator=gen)]
+    pool = _Pool(lengths, seed=7)
+    for rows_in_batch in (1, 7, 64, 600):
+        seqs = torch.randint(0, len(lengths), (rows_in_batch,), generator=gen).tolist()
+        positions = [int(torch.randint(0, lengths[s], (1,), generator=gen)) for s in seqs]
+        q = torch.randn(rows_in_batch, HEADS, DIM, generator=gen).bfloat16()
+        for window in (0, 100):
+            together = pool.attend(kernels, q, seqs, positions, window)
+            for i in torch.randperm(rows_in_batch, generator=gen)[:12].tolist():
+                alone = pool.attend(kernels, q[i : i + 1], [seqs[i]], [positions[i]], window)
+                assert torch.equal(alone[0], together[i]), (rows_in_batch, i, positions[i])
+
+
+def test_a_prefill_chunk_equals_its_tokens_one_by_one(kernels: CpuKernels, threads: int) -> None:
+    """A chunk's rows against the same positions decoded one at a time (the grain-1 property
+    the engine's chunking relies on)."""
+    pool = _Pool([700], seed=8)
+    q = torch.randn(300, HEADS, DIM, generator=torch.Generator().manual_seed(9)).bfloat16()
+    positions = list(range(400, 700))
+    chunk = pool.attend(kernels, q, [0] * 300, positions)
+    for i in (0, 111, 299):
+        assert torch.equal(pool.attend(kernels, q[i : i + 1], [0], [positions[i]])[0], chunk[i])
+
+
+def test_per_row_kernels_are_batch_invariant(kernels: CpuKernels, threads: int) -> None:
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(600, 576, generator=gen).bfloat16()
+    residual = torch.randn(600, 576, generator=gen).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    gate_up = torch.randn(600, 3072, generator=gen).bfloat16()
+    normed, _ = kernels.add_rms_norm(x, residual, weight, 1e-5, False)
+    activated = kernels.silu_mul(gate_up)
+    for i in (0, 17, 599):
+        alone, _ = kernels.add_rms_norm(x[i : i + 1], residual[i : i + 1], weight, 1e-5, False)
+        assert torch.equal(alone[0], normed[i])
+        assert torch.equal(kernels.silu_mul(gate_up[i : i + 1])[0], activated[i])
+
+
+def test_out_of_range_metadata_is_refused_not_read(kernels: CpuKernels) -> None:
+    pool = _Pool([20], seed=11)
+    q = torch.randn(1, HEADS, DIM).bfloat16()
+    with pytest.raises(RuntimeError, match="position past its table"):
+        pool.attend(kernels, q, [0], [40])
+    with pytest.raises(RuntimeError, match="sequence out of range"):
+        pool.attend(kernels, q, [3], [5])
+
+
+def test_the_runner_serves_through_the_kernels_unless_told_not_to(
+    kernels: CpuKernels, torch_runner: Runner, torch_reference_runner: Runner
+) -> None:
+    assert isinstance(torch_runner, TorchRunner)
+    assert isinstance(torch_reference_runner, TorchRunner)
+    assert torch_runner.shard.model.kernels is not None
+    assert torch_reference_runner.shard.model.kernels is None
+
+
+def test_a_failed_build_warns_once_and_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A machine without a compiler (simulated: the build raises as torch's does)."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'x': c++: not found\nninja: build stopped")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    load_cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert load_cpu_kernels() is None
+            assert load_cpu_kernels() is None  # asked again: no second build, no second warning
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "c++: not found" in warnings[0], warnings
+    finally:
+        load_cpu_kernels.cache_clear()
