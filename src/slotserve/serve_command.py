@@ -35,6 +35,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from slotserve.models.registry import ModelRegistry
     from slotserve.models.source import ModelUnavailableError
     from slotserve.server.app import create_app
+    from slotserve.server.connections import KEEP_ALIVE_S, HttpProtocol, raise_open_file_limit
     from slotserve.server.lifecycle import GracefulServer
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
@@ -70,10 +71,13 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         api_key=server.api_key or None,
         max_request_bytes=server.max_request_bytes,
     )
+    raise_open_file_limit()  # one descriptor per client connection
     uvicorn_config = uvicorn.Config(
         create_app(ctx),
         host=server.host,
         port=server.port,
+        http=HttpProtocol,  # closes connections that stay silent, not only idle keep-alive ones
+        timeout_keep_alive=KEEP_ALIVE_S,
         log_level=server.log_level,
         log_config=None,  # keep ours: every line names its request
         access_log=False,

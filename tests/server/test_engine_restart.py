@@ -119,3 +119,21 @@ def test_a_crash_loop_leaves_the_model_failed(server: ServerProcess) -> None:
     # A reload asked for starts afresh, with its deaths forgotten.
     assert httpx.post(f"{server.base_url}/admin/reload", timeout=120).status_code == 200
     assert complete(server).status_code == 200
+
+
+def test_requests_right_after_a_death_are_told_when_to_come_back(server: ServerProcess) -> None:
+    # The server looks at the engine process every half second; a request in between used to
+    # find its socket gone and get a 503 saying "reload", without Retry-After (a client then
+    # hammers the server until the restart). Now that request notices the death for all.
+    os.kill(engine_pid(server), signal.SIGKILL)
+    answers = [complete(server) for _ in range(20)]
+    assert wait_until(lambda: ready(server), timeout=60, interval=0.1), "no restart"
+    refused = [a for a in answers if a.status_code == 503 and "retry-after" in a.headers]
+    assert refused, [a.text for a in answers]
+    for answer in answers:
+        if answer.status_code == 503 and answer not in refused:
+            assert "failed while serving this request" in answer.json()["error"]["message"]
+        else:
+            assert answer.status_code in (200, 503), answer.text
+        assert "is unhealthy" not in answer.text, answer.text
+    assert restarts(server) == 1

@@ -249,9 +249,11 @@ def test_only_hosted_tools_offer_nothing_and_cannot_be_forced() -> None:
     assert caught.value.param == "tool_choice"
 
 
-def test_an_unknown_tool_type_is_refused_naming_the_types() -> None:
+@pytest.mark.parametrize("kind", ["teleport", {}, ["function"], None, 7])
+def test_an_unknown_tool_type_is_refused_naming_the_types(kind: object) -> None:
+    # An unhashable type (an object, a list) was a TypeError, a 500, before (schemathesis).
     with pytest.raises(ValidationError) as caught:
-        ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": "teleport"}]})
+        ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": kind}]})
     assert "namespace" in str(caught.value) and "web_search" in str(caught.value)
 
 

@@ -24,12 +24,13 @@ of them are loaded, are the registry's (``registry.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from slotserve.engine.client import make_client
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats, EngineTotals
+from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON
 from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, Tokenizer
 from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
@@ -60,6 +62,7 @@ RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
 WATCH_INTERVAL_S = 0.1  # how often a host looks at its engine's health
 RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
 RESTART_BACKOFF_MAX_S = 30.0
+LOADING_RETRY_AFTER_S = 5  # the Retry-After of a request refused while the model loads
 
 
 class ModelState(enum.Enum):
@@ -220,7 +223,9 @@ class ModelHost:
         if state in (ModelState.UNHEALTHY, ModelState.FAILED):
             raise ModelUnavailableError(f"{reason}; {RELOAD_HINT}.")
         if state is ModelState.LOADING:
-            raise ModelUnavailableError(f"{reason}; retry shortly.", retry_after_s=5)
+            raise ModelUnavailableError(
+                f"{reason}; retry shortly.", retry_after_s=LOADING_RETRY_AFTER_S
+            )
         if state is ModelState.UNLOADING:
             raise ModelUnavailableError(f"{reason}; load it again to use it (POST /models/load).")
         raise ModelUnavailableError(f"{reason}; no new requests are accepted.")
@@ -250,6 +255,17 @@ class ModelHost:
                 retry_after_s=1,
             )
         return model
+
+    @contextlib.contextmanager
+    def refusing_a_dead_engine(self) -> Iterator[None]:
+        """Around a submission: an engine the submission finds dead, before this host has seen
+        the death, is refused as :meth:`require_ready` refuses it from then on (a restart under
+        way: a 503 with Retry-After), not with the dead engine's own error."""
+        try:
+            yield
+        except EngineDeadError:
+            self.require_ready()
+            raise
 
     async def load(self, restart: bool = False) -> None:
         """Loads (or reloads) the model; on failure the state is FAILED with the reason. A

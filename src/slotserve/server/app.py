@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -43,6 +42,7 @@ from slotserve.server.openai.tokenization import (
     detokenize,
     tokenize,
 )
+from slotserve.server.openapi import build_openapi
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
@@ -187,13 +187,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        # Validation errors are answered with 400 in OpenAI's shape, not FastAPI's 422.
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for operations in schema.get("paths", {}).values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            app.openapi_schema = schema
+            app.openapi_schema = build_openapi(app)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -93,7 +93,8 @@ async def create_embeddings(
     prompts = await host.off_loop(model, _inputs, model, body)
     model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, "embd", http_request_id, len(prompts))
-    streams = submit_prompts(model.engine, request_id, prompts, SamplingParams(embed=True))
+    with host.refusing_a_dead_engine():
+        streams = submit_prompts(model.engine, request_id, prompts, SamplingParams(embed=True))
     finals: dict[int, RequestOutput] = {}
     async with (
         abort_on_disconnect(raw, abort_all(streams)) as gone,

@@ -128,7 +128,8 @@ async def start_chat(
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
     try:
-        streams = submit_prompts(model.engine, request_id, [prompt], params)
+        with host.refusing_a_dead_engine():
+            streams = submit_prompts(model.engine, request_id, [prompt], params)
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"

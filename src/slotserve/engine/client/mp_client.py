@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -146,12 +147,15 @@ class MPClient(ClientState):
             request.arrival_time,
             request.deadline,
         )
-        with self._lock:
-            self._refuse_unless_serving()
-            self._refuse_when_full(self._sent - self._received)
-            self._send_or_refuse(message)
-            self._sent += 1
-            self._live.add(request.request_id)
+        try:
+            with self._lock:
+                self._refuse_unless_serving()
+                self._refuse_when_full(self._sent - self._received)
+                self._send_or_refuse(message)
+                self._sent += 1
+                self._live.add(request.request_id)
+        except EngineDeadError as refused:
+            raise self._notice_death(refused) from None
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -160,12 +164,15 @@ class MPClient(ClientState):
 
     async def flush_prefix_cache(self) -> int:
         done, settle = answer()
-        with self._lock:
-            self._refuse_unless_serving()
-            self._flush_ids += 1
-            message = wire.FlushPrefixCache(self._flush_ids)
-            self._send_or_refuse(message)
-            self._flushes[message.flush_id] = settle
+        try:
+            with self._lock:
+                self._refuse_unless_serving()
+                self._flush_ids += 1
+                message = wire.FlushPrefixCache(self._flush_ids)
+                self._send_or_refuse(message)
+                self._flushes[message.flush_id] = settle
+        except EngineDeadError as refused:
+            raise self._notice_death(refused) from None
         return await done
 
     def stop(self, reason: str = STOPPED_REASON) -> None:
@@ -182,6 +189,16 @@ class MPClient(ClientState):
             self._to_engine.send(wire.encode(message), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise EngineDeadError("the engine process is not taking requests") from None
+
+    def _notice_death(self, refused: EngineDeadError) -> EngineDeadError:
+        """Not under the lock, after new work was ``refused``; returns the error to raise. The
+        receiving thread looks at the process only every ``POLL_MS``: if it has exited, this
+        ends it now (and its requests), so that :attr:`unhealthy` says so at once and the
+        requests after this one are refused as a dead engine's (the host says it restarts),
+        not offered one by one to a peer that is gone."""
+        if self._dead is None and multiprocessing.connection.wait([self._process.sentinel], 0):
+            self._on_death(None)
+        return EngineDeadError(self._dead) if self._dead is not None else refused
 
     def _send_quietly(self, message: wire.ToEngine) -> None:
         """Under the lock. A peer that cannot take it is dead or dying: the receiving thread
@@ -249,13 +266,16 @@ class MPClient(ClientState):
         if error is None:
             if self._stopping:
                 return
-            code = self._process.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit {code}"
+            code = self._process.exitcode  # None: the other thread is reaping it right now
+            how = "exited" if code is None else f"exit {code}"
+            how = f"killed by signal {-code}" if code is not None and code < 0 else how
             error = f"the engine process died ({how})"
         message = error
-        logger.error("%s: failing its requests", message)
         with self._lock:
+            if self._dead is not None:
+                return  # noticed already (by a refused send), its requests ended
             self._dead = message
+        logger.error("%s: failing its requests", message)
         self._fail_live(message, FailureKind.MODEL_UNHEALTHY)
 
     def _fail_live(self, message: str, kind: FailureKind) -> None:

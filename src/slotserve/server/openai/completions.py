@@ -82,7 +82,8 @@ async def create_completion(
         prompt_logprobs=max(asked) if asked else None,
         defaults=model.sampling_defaults,
     )
-    streams = submit_prompts(model.engine, request_id, prompts, params)
+    with host.refusing_a_dead_engine():
+        streams = submit_prompts(model.engine, request_id, prompts, params)
     envelope = Envelope(
         request_id, "text_completion", int(time.time()), host.name, body.include_usage
     )

@@ -217,8 +217,10 @@ class HostedToolParam(BaseModel):
 
 def _tool_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):  # an object or a list is no tool type (and unhashable)
+        return None
     if kind in ("function", "custom", "namespace"):
-        return str(kind)
+        return kind
     return "hosted" if kind in HOSTED_TOOL_TYPES else None
 
 
