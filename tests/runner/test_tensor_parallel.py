@@ -5,6 +5,8 @@ hits and preemption in play; what cannot be split is refused with the reason."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +167,40 @@ def test_served_with_tensor_parallel_over_http(
     finally:
         stop_server(server)
     assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), 20)
+
+
+def test_a_dead_rank_restarts_the_whole_engine_by_itself(
+    tiny_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A killed rank fails the step it was part of; the server then rebuilds the engine with
+    every rank (no reload asked for) and serves again, counting the restart."""
+    server = start_server(
+        tmp_path,
+        str(tiny_folders["qwen2"]),
+        *("--tensor-parallel-size", "2", "--dtype", "float32", "--threads", "1"),
+        *("--slots", "2", "--max-model-len", "256"),
+    )
+    try:
+        engine = int(server.slots()["engine_pid"])
+        (rank,) = _children(engine)
+        os.kill(rank, signal.SIGKILL)
+        model = httpx.get(f"{server.api_url}/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+
+        def served() -> bool:
+            reply = httpx.post(f"{server.api_url}/completions", json=body, timeout=60)
+            return reply.status_code == 200
+
+        first = httpx.post(f"{server.api_url}/completions", json=body, timeout=60)
+        assert first.status_code in (500, 503), first.text  # its step met the dead rank
+        assert wait_until(served, 120), "serving again without a reload"
+        new_engine = int(server.slots()["engine_pid"])
+        assert new_engine != engine and len(_children(new_engine)) == 1, "every rank anew"
+        assert not Path(f"/proc/{engine}").exists() and not Path(f"/proc/{rank}").exists()
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        assert re.search(r"^slotserve:engine_restarts_total\{[^}]*\} 1\.0$", metrics, re.M)
+    finally:
+        stop_server(server)
 
 
 def test_the_llama_cpp_runner_refuses_tensor_parallel(model_path: Path) -> None:
