@@ -278,3 +278,36 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(
         assert len(warnings) == 1 and "c++: not found" in warnings[0], warnings
     finally:
         load_cpu_kernels.cache_clear()
+
+
+def test_the_avx2_path_gives_the_avx512_paths_bits(kernels: CpuKernels) -> None:
+    """One source, two instruction sets: the AVX2 build (two 256-bit halves per vector) must
+    compute what the AVX-512 one does, bit for bit."""
+    if kernels.isa != "avx512":
+        pytest.skip("the CPU runs one instruction set only")
+    gen = torch.Generator().manual_seed(12)
+    pool = _Pool([5, 300, 700], seed=13)
+    q = torch.randn(40, HEADS, DIM, generator=gen).bfloat16()
+    seqs = torch.randint(0, 3, (40,), generator=gen).tolist()
+    positions = [int(torch.randint(0, [5, 300, 700][s], (1,), generator=gen)) for s in seqs]
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    residual = torch.randn(40, 576, generator=gen).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    gate_up = torch.randn(40, 3072, generator=gen).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        return [
+            pool.attend(kernels, q, seqs, positions),
+            pool.attend(kernels, q, seqs, positions, window=50),
+            *kernels.add_rms_norm(x, residual, weight, 1e-5, False),
+            kernels.silu_mul(gate_up),
+        ]
+
+    wide = run()
+    kernels.select_isa("avx2")
+    try:
+        narrow = run()
+    finally:
+        kernels.select_isa("avx512")
+    for a, b in zip(wide, narrow, strict=True):
+        assert torch.equal(a, b)

@@ -41,6 +41,11 @@ class CpuKernels:
         self._m = module
         self.isa: str = module.isa()
 
+    def select_isa(self, isa: str) -> None:
+        """Runs the kernels compiled for ``isa`` (avx512, avx2) from now on, if the CPU runs
+        it (the tests' way to the AVX2 path on an AVX-512 machine)."""
+        self.isa = self._m.select_isa(isa)
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool
     ) -> torch.Tensor:
