@@ -16,11 +16,14 @@ without a compiler, an x86 CPU or either set gets a one-line warning and the tor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,40 @@ class CpuKernels:
         )  # fmt: skip
 
 
+def build_directory() -> Path:
+    """Where the kernels are built and cached: ``TORCH_EXTENSIONS_DIR`` (torch's own setting,
+    default ``~/.cache/torch_extensions``), one folder per source text and torch version (torch
+    keys its cache on the .cpp file alone, so the headers' text goes into the name)."""
+    digest = hashlib.sha256(
+        b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]*")))
+        + torch.__version__.encode()
+    ).hexdigest()[:12]
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    directory = Path(base) / f"slotserve_cpu_kernels_{digest}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build at a time per folder, under a lock the kernel drops when its holder dies.
+    NOTE: torch's own build lock is a plain file, left behind by a build that was killed (a
+    Ctrl-C at the first start), after which every later load waits for ever; holding ours, no
+    live build can own it, so it is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(directory / "slotserve.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("CPU kernels: removing %s, left by a build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load_cpu_kernels() -> CpuKernels | None:
     """The kernels, compiled on the first call on this machine (a log line says so); None, after
@@ -120,20 +157,19 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     from torch.utils import cpp_extension
 
-    # torch's build cache keys on the .cpp file alone: the headers' text goes into the name.
-    digest = hashlib.sha256(
-        b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]*")))
-    ).hexdigest()[:12]
+    directory = build_directory()
     started = time.monotonic()
     logger.info("CPU kernels: loading (compiled once per torch version, ~1 minute)")
     try:
-        module = cpp_extension.load(
-            name=f"slotserve_cpu_kernels_{digest}",
-            sources=[str(SOURCES / "cpu_kernels.cpp")],
-            extra_include_paths=[str(SOURCES)],
-            extra_cflags=CFLAGS,
-            verbose=False,
-        )
+        with _build_lock(directory):
+            module = cpp_extension.load(
+                name=directory.name,
+                sources=[str(SOURCES / "cpu_kernels.cpp")],
+                extra_include_paths=[str(SOURCES)],
+                extra_cflags=CFLAGS,
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no headers, a failed build: run without them
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         logger.warning("CPU kernels unavailable (%s); the PyTorch runner uses plain torch", reason)
