@@ -48,6 +48,13 @@ class _Norms:
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps, norm.plus_one)
 
 
+def _query_and_gate(qkv: torch.Tensor, c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated attention's query and output-gate heads, [tokens, heads, head_dim] each: each
+    head's rows of the fused projection are [query | gate]."""
+    both = qkv[:, : 2 * c.num_heads * c.head_dim].view(-1, c.num_heads, 2 * c.head_dim)
+    return both[..., : c.head_dim], both[..., c.head_dim :]
+
+
 class DecoderLayer(nn.Module):
     """One layer: a token mixer (full attention, or a Gated DeltaNet ``linear`` layer) and an
     MLP (dense, or a ``moe`` mixture of experts), with their norms."""
@@ -112,9 +119,8 @@ class DecoderLayer(nn.Module):
         if kernels is not None and step.paged is not None:
             return self._kernel_attention(qkv, rotary, step.paged, kv, sliding, c, kernels)
         gate = None
-        if c.attn_output_gate:  # each head's rows: [query | gate]
-            both = qkv[:, : 2 * q_size].view(-1, c.num_heads, 2 * c.head_dim)
-            query, gate = both[..., : c.head_dim], both[..., c.head_dim :]
+        if c.attn_output_gate:
+            query, gate = _query_and_gate(qkv, c)
             kv_start = 2 * q_size
         else:
             query = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
@@ -160,8 +166,7 @@ class DecoderLayer(nn.Module):
             paged.block_size, window, c.attention_scale,
         )  # fmt: skip
         if c.attn_output_gate:
-            both = qkv[:, : 2 * c.num_heads * c.head_dim].view(-1, c.num_heads, 2 * c.head_dim)
-            out = out * torch.sigmoid(both[..., c.head_dim :].reshape(out.shape))
+            out = out * torch.sigmoid(_query_and_gate(qkv, c)[1].reshape(out.shape))
         return self.o_proj(out)  # type: ignore[no-any-return]
 
     def mlp(self, x: torch.Tensor, c: ModelConfig, kernels: CpuKernels | None) -> torch.Tensor:

@@ -104,10 +104,11 @@ class ModelShard:
         """The step's final hidden states, one row per token of ``plan.tokens``."""
         device, pool = self.device, self.pool
         pool.copy_blocks(plan.block_copies)
-        write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
         if self.model.kernels is not None:
-            step = StepAttention(write_rows, [], paged_step(plan, pool.block_size))
+            paged = paged_step(plan, pool.block_size)
+            step = StepAttention(paged.cache_rows, [], paged)  # the kernels write K/V themselves
         else:
+            write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
             step = StepAttention(write_rows, self._groups(plan))
         linear_step = None
         if self.linear_states is not None:
