@@ -300,3 +300,26 @@ class FakeSpec:
 
     def memory_needed(self) -> MemoryNeed:
         return MemoryNeed(weights_bytes=0, kv_bytes=0, kv_tokens=0, overhead_bytes=0)
+
+
+@dataclass
+class SavingFakeRunner(FakeRunner):
+    """The fake runner with the llama.cpp runner's per-sequence state API: a slot's KV saved
+    to host memory and restored into any slot. ``refuse_restores`` makes every restore fail as
+    the real one does for a slot a pending copy still reads (nothing changed)."""
+
+    refuse_restores: bool = False
+    saves: list[int] = field(default_factory=list)
+    restores: list[int] = field(default_factory=list)
+
+    def save_kv(self, slot: int) -> bytearray:
+        assert self.pool is None, "saved states are the per-slot streams' API"
+        self.saves.append(slot)
+        return bytearray(np.asarray(self.streams[slot], dtype=np.int32).tobytes())
+
+    def restore_kv(self, slot: int, data: bytearray) -> bool:
+        if self.refuse_restores:
+            return False
+        self.restores.append(slot)
+        self.streams[slot] = np.frombuffer(bytes(data), dtype=np.int32).tolist()
+        return True

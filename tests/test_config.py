@@ -62,6 +62,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("prefill_chunk", ("--prefill-chunk",), "PREFILL_CHUNK", 512),
     ("prefix_cache", ("--prefix-cache", "--no-prefix-cache"), "PREFIX_CACHE", True),
     ("prefix_cache_budget", ("--prefix-cache-budget",), "PREFIX_CACHE_BUDGET", None),
+    ("prefix_cache_ram", ("--prefix-cache-ram",), "PREFIX_CACHE_RAM", None),
     ("prefix_wait_min_tokens", ("--prefix-wait-min-tokens",), "PREFIX_WAIT_MIN_TOKENS", 256),
     ("ray_address", ("--ray-address",), "RAY_ADDRESS", None),
     ("reasoning_parser", ("--reasoning-parser",), "REASONING_PARSER", None),
@@ -106,6 +107,7 @@ CHAT_MODEL_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
 ENV_VALUES: dict[str, tuple[str, Any]] = {
     "PREFIX_CACHE_BUDGET": ("512MiB", (None, 512 * 2**20)),
     "KV_MEMORY": ("2GiB", 2**31),
+    "PREFIX_CACHE_RAM": ("512MiB", 2**29),
     "MAX_REQUEST_BYTES": ("64MiB", 64 * 2**20),
     "ENGINE_RESTART": ("never", "never"),
     "SPECULATIVE_CONFIG": ('{"method": "ngram"}', SpeculativeConfig()),

@@ -146,3 +146,43 @@ def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppR
         EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), {"c": prompt}, 16
     )
     assert tokens == fresh["c"][0]
+
+
+def test_a_saved_state_restores_into_another_slot_and_computes_the_same(
+    runner: LlamaCppRunner,
+) -> None:
+    EngineCore(runner, EngineConfig(num_slots=8))  # empties every slot
+    tokens = runner.tokenizer.encode(SYSTEM)
+    runner.add_sequence(0, _greedy(1), tokens, None)
+    runner.execute([ScheduledChunk(0, tokens, 0, True)])
+    state = runner.save_kv(0)
+    runner.copy_kv(0, 2, 50)  # slot 0's stream is read by this copy at the next decode
+    assert not runner.restore_kv(0, state), "overwriting a pending copy's source is refused"
+    assert runner.kv_tokens(0) == len(tokens) and runner.kv_tokens(2) == 50
+    assert runner.restore_kv(5, state) and runner.kv_tokens(5) == len(tokens)
+    runner.trim_kv(5, 100)
+    runner.trim_kv(0, 100)
+    outputs = {}
+    for slot in (5, 0):
+        runner.add_sequence(slot, _greedy(1), tokens, None)
+        outputs[slot] = runner.execute([ScheduledChunk(slot, tokens[100:], 100, True)])[slot]
+    assert outputs[5] == outputs[0], "restored KV computes what the original does"
+    for slot in (0, 2, 5):
+        runner.remove_sequence(slot)
+        runner.trim_kv(slot, 0)
+
+
+def test_a_prefix_pushed_out_of_every_slot_comes_back_from_host_ram(
+    runner: LlamaCppRunner,
+) -> None:
+    core = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache_ram=1 << 30))
+    prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a prime number?")
+    first, _ = _run(core, {"a": prompt}, 16)["a"]
+    others = {f"o{i}": runner.tokenizer.encode(p) for i, p in enumerate(PROMPTS[:2])}
+    _run(core, others, 4)  # both slots now hold other prompts
+    assert all(core.prefix_cache.held_tokens(s)[:8] != prompt[:8] for s in range(2))
+    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    assert cached == len(prompt) - GRAIN and again == first
+    stats = core.snapshot().prefix_cache
+    assert stats.host_hits == 1 and stats.host_hit_tokens == cached
+    assert stats.host_saves >= 1 and stats.host_bytes > 0 and stats.host_restore_seconds > 0

@@ -4,6 +4,7 @@ multi-turn hits, and the switch that turns it off."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,41 @@ def test_cache_can_be_switched_off(uncached_server: ServerProcess) -> None:
     stats = _stats(uncached_server)
     assert stats["enabled"] is False and "--no-prefix-cache" in stats["disabled_reason"]
     assert stats["hits"] == 0
+
+
+def test_a_busy_servers_prefix_comes_back_from_host_ram(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> None:
+    busy = start_server(
+        tmp_path_factory.mktemp("host-ram"), "--slots", "2", "--prefix-cache-ram", "256MiB"
+    )
+    try:
+        client = openai.OpenAI(base_url=busy.api_url, api_key="unused", max_retries=0)
+        agent = _chat([{"role": "user", "content": "Which step comes first?"}])
+
+        def ask(messages: list[ChatCompletionMessageParam]) -> tuple[str, int]:
+            reply = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            return reply.choices[0].message.content or "", (
+                reply.usage.prompt_tokens_details.cached_tokens or 0
+            )
+
+        first, _ = ask(agent)
+        with ThreadPoolExecutor(2) as pool:  # two other prompts at once take both slots
+            others = [[{"role": "user", "content": f"Tell me about {t}. " * 40}] for t in "ab"]
+            list(pool.map(ask, others))
+        again, cached = ask(agent)
+        assert again == first and cached > 0
+        tiers = _stats(busy)["tiers"]
+        assert tiers["host_ram"]["hits"] == 1 and tiers["host_ram"]["hit_tokens"] == cached
+        assert 0 < tiers["host_ram"]["bytes"] <= tiers["host_ram"]["budget_bytes"] == 256 << 20
+        text = httpx.get(f"{busy.base_url}/metrics", timeout=10).text
+        assert f'slotserve:prefix_cache_host_restores_total{{model_name="{MODEL}"}} 1.0' in text
+        tier = (
+            f'slotserve:prefix_cache_tier_hit_tokens_total{{model_name="{MODEL}",tier="host_ram"}}'
+        )
+        assert f"{tier} {float(cached)}" in text
+    finally:
+        stop_server(busy)

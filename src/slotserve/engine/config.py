@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from slotserve.options import CacheBudget, option, parse_cache_budget
+from slotserve.options import CacheBudget, option, parse_bytes, parse_cache_budget
 
 _KEYS = {
     "method",
@@ -118,6 +118,15 @@ class EngineConfig:
         help="most cached tokens kept once no request uses them: a token count (20000) or "
         "KV bytes (512MiB); default: all that free slots can hold",
     )
+    prefix_cache_ram: int | None = option(
+        None,
+        parse=parse_bytes,
+        wire=int | str,
+        ge=0,
+        help="host RAM for prefix states a free slot is about to lose (llama.cpp runner), "
+        "restored into a slot on a later hit instead of computed again: bytes (8GiB; 0: off); "
+        "default: a quarter of the free RAM at start, at most 8 GiB",
+    )
     prefix_wait_min_tokens: int = option(
         256,
         ge=1,
@@ -180,6 +189,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.prefix_cache_ram is not None and self.prefix_cache_ram < 0:
+            raise ValueError("prefix_cache_ram must be >= 0")
         if self.prefix_wait_min_tokens < 1:
             raise ValueError("prefix_wait_min_tokens must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

@@ -72,6 +72,13 @@ PREFIX_CACHE_EVICTABLE_TOKENS = "slotserve:prefix_cache_evictable_tokens"
 PREFIX_CACHE_BYTES = "slotserve:prefix_cache_bytes"
 PREFIX_CACHE_NODES = "slotserve:prefix_cache_nodes"
 PREFIX_CACHE_BUDGET_TOKENS = "slotserve:prefix_cache_budget_tokens"
+PREFIX_CACHE_TIER_HITS = "slotserve:prefix_cache_tier_hit_tokens"
+PREFIX_CACHE_TIER_BYTES = "slotserve:prefix_cache_tier_bytes"
+PREFIX_CACHE_HOST_RESTORES = "slotserve:prefix_cache_host_restores"
+PREFIX_CACHE_HOST_RESTORE_SECONDS = "slotserve:prefix_cache_host_restore_seconds"
+PREFIX_CACHE_HOST_SAVES = "slotserve:prefix_cache_host_saves"
+PREFIX_CACHE_HOST_SAVE_SECONDS = "slotserve:prefix_cache_host_save_seconds"
+PREFIX_CACHE_HOST_BUDGET_BYTES = "slotserve:prefix_cache_host_budget_bytes"
 
 MODEL_STATES = ("loading", "ready", "unhealthy", "failed", "draining", "stopped")
 SLOT_STATES = ("free", "prefilling", "generating", "draining", "preempted")
@@ -318,6 +325,22 @@ class PrefixCacheCollector(Collector):
                 (PREFIX_CACHE_LOOKUP_MISSES, "Admitted sequences that reused nothing.", s.misses),
                 (PREFIX_CACHE_EVICTIONS, "Prefix-cache tree nodes evicted.", s.evictions),
                 (PREFIX_CACHE_EVICTED_TOKENS, "Tokens evicted from the cache.", s.evicted_tokens),
+                (
+                    PREFIX_CACHE_HOST_RESTORES,
+                    "Admitted sequences whose prefix was restored from host RAM.",
+                    s.host_hits,
+                ),
+                (
+                    PREFIX_CACHE_HOST_RESTORE_SECONDS,
+                    "Seconds spent restoring saved states into slots.",
+                    s.host_restore_seconds,
+                ),
+                (PREFIX_CACHE_HOST_SAVES, "Slot states saved to host RAM.", s.host_saves),
+                (
+                    PREFIX_CACHE_HOST_SAVE_SECONDS,
+                    "Seconds spent saving slot states to host RAM.",
+                    s.host_save_seconds,
+                ),
             ]
             gauges = [
                 (PREFIX_CACHE_ENABLED, "1 when the prefix cache is on.", int(s.enabled)),
@@ -330,10 +353,30 @@ class PrefixCacheCollector(Collector):
                 (PREFIX_CACHE_BYTES, "KV bytes of the cached tokens.", s.cached_bytes),
                 (PREFIX_CACHE_NODES, "Nodes of the prefix-cache radix tree.", s.nodes),
                 (PREFIX_CACHE_BUDGET_TOKENS, "Evictable tokens kept at most.", s.budget_tokens),
+                (
+                    PREFIX_CACHE_HOST_BUDGET_BYTES,
+                    "Host RAM the saved states may take (0: no host tier).",
+                    s.host_budget_bytes,
+                ),
             ]
             for kind, rows in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
                 for name, documentation, value in rows:
                     if name not in families:
                         families[name] = kind(name, documentation, labels=["model_name"])
                     families[name].add_metric([model], value)
+            tiers = {"slots": (s.hit_tokens - s.host_hit_tokens, s.cached_bytes)}
+            tiers["host_ram"] = (s.host_hit_tokens, s.host_bytes)
+            for name, kind, documentation, index in (
+                (
+                    PREFIX_CACHE_TIER_HITS,
+                    CounterMetricFamily,
+                    "Prompt tokens each tier supplied.",
+                    0,
+                ),
+                (PREFIX_CACHE_TIER_BYTES, GaugeMetricFamily, "Bytes each tier holds.", 1),
+            ):
+                if name not in families:
+                    families[name] = kind(name, documentation, labels=["model_name", "tier"])
+                for tier, values in tiers.items():
+                    families[name].add_metric([model, tier], values[index])
         yield from families.values()

@@ -275,12 +275,9 @@ class EngineCore:
         """Evicts every cached prefix no running sequence uses (``POST /flush_cache``);
         returns the tokens freed. Between steps, like any other message to the core: prefixes
         of running sequences stay (they are locked), so this is safe while requests run."""
-        freed = 0
         if self.unhealthy is not None:  # the runner's KV may not answer any more
-            return freed
-        while evicted := self.prefix_cache.evict_unused():
-            freed += evicted
-        return freed
+            return 0
+        return self.prefix_cache.flush()
 
     def check_integrity_when_idle(self) -> None:
         """Runs :meth:`check_integrity`, counting and logging a failure instead of raising."""

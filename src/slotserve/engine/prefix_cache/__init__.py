@@ -1,20 +1,26 @@
 """The prefix cache: its interface and statistics (``base``), the radix tree it keeps
 (``radix_tree``), one implementation per way a runner keeps KV (``slot_cache`` for per-slot
-streams, ``paged_cache`` for a paged pool whose block tables are ``block_table``), and the
-one choice between them, made once at start-up (:func:`build_prefix_cache`)."""
+streams, with saved states in host RAM behind them (``host_tier``); ``paged_cache`` for a paged
+pool whose block tables are ``block_table``), and the one choice between them, made once at
+start-up (:func:`build_prefix_cache`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_cache.base import NullPrefixCache, PrefixCache
+from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
-from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
+from slotserve.engine.prefix_cache.slot_cache import SavableKvStore, SlotPrefixCache
 from slotserve.engine.runner_interface import ModelInfo, Runner
 
 logger = logging.getLogger(__name__)
+
+# llama-server's --cache-ram default: the most host RAM the tier takes unless told otherwise.
+DEFAULT_HOST_RAM_CAP = 8 * 2**30
 
 
 def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
@@ -46,4 +52,12 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
         return PagedPrefixCache(
             runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token
         )
-    return SlotPrefixCache(runner, config.num_slots, policy, budget, info.kv_bytes_per_token)
+    host = None
+    ram = config.prefix_cache_ram
+    if ram is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram = min(DEFAULT_HOST_RAM_CAP, free // 4)
+    if ram > 0 and isinstance(runner, SavableKvStore):
+        host = HostTier(ram)
+        logger.info("prefix cache host-RAM tier: up to %.1f MiB", ram / 2**20)
+    return SlotPrefixCache(runner, config.num_slots, policy, budget, info.kv_bytes_per_token, host)

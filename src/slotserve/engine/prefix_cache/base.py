@@ -57,6 +57,17 @@ class PrefixCacheStats:
     evicted_tokens: int = 0
     budget_tokens: int = 0
     kv_bytes_per_token: int = 0
+    # The host-RAM tier (``host_tier.py``); zero when the runner has none or it is off.
+    host_budget_bytes: int = 0
+    host_bytes: int = 0
+    host_states: int = 0  # saved sequence states
+    host_hits: int = 0  # admitted sequences whose cached prefix was restored from host RAM
+    host_hit_tokens: int = 0
+    host_saves: int = 0
+    host_saved_tokens: int = 0
+    host_evictions: int = 0
+    host_restore_seconds: float = 0.0
+    host_save_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -90,6 +101,24 @@ class PrefixCacheStats:
             "evicted_tokens": self.evicted_tokens,
             "budget_tokens": self.budget_tokens,
             "budget_bytes": self.budget_tokens * self.kv_bytes_per_token,
+            "tiers": {
+                "slots": {
+                    "hit_tokens": self.hit_tokens - self.host_hit_tokens,
+                    "bytes": self.cached_bytes,
+                },
+                "host_ram": {
+                    "hits": self.host_hits,
+                    "hit_tokens": self.host_hit_tokens,
+                    "bytes": self.host_bytes,
+                    "budget_bytes": self.host_budget_bytes,
+                    "states": self.host_states,
+                    "saves": self.host_saves,
+                    "saved_tokens": self.host_saved_tokens,
+                    "evictions": self.host_evictions,
+                    "restore_seconds": self.host_restore_seconds,
+                    "save_seconds": self.host_save_seconds,
+                },
+            },
         }
 
 
@@ -131,6 +160,10 @@ class PrefixCache(Protocol):
     def is_running(self, slot: int) -> bool: ...
 
     def evict_unused(self) -> int: ...
+
+    def flush(self) -> int:
+        """Evicts every cached prefix no running sequence uses; returns the tokens freed."""
+        ...
 
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""
@@ -174,6 +207,12 @@ class TreePrefixCache(Generic[H]):
         """Gives back the least recently used unlocked leaf whatever the budget; returns the
         tokens freed (0: nothing is left to give back)."""
         return self._evict(1)
+
+    def flush(self) -> int:
+        freed = 0
+        while evicted := self.evict_unused():
+            freed += evicted
+        return freed
 
     def _count_lookup(self, prompt_length: int, reused: int) -> None:
         self.query_tokens += prompt_length
@@ -257,6 +296,9 @@ class NullPrefixCache:
         return slot in self._running
 
     def evict_unused(self) -> int:
+        return 0
+
+    def flush(self) -> int:
         return 0
 
     def held_tokens(self, slot: int) -> list[int]:

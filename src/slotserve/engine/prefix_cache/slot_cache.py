@@ -24,18 +24,30 @@ cache's storage, running slots lock their own path.
 * **Budget**: unlocked (cached) tokens beyond the budget are evicted, least recently used
   leaves first, by trimming the free slots that hold them. Running sequences never wait for the
   cache: a slot's cached content gives way the moment a new sequence needs the slot.
+* **Host tier** (``host_tier.py``, a runner that can save a sequence's state): content a slot is
+  about to lose (eviction, reuse of the slot, an in-place hit cutting its tail) is saved to
+  host memory first unless another slot or a saved state still holds it. A prompt that a saved
+  state covers further than any slot has it restored into the slot it takes, then trimmed to
+  the reusable length, instead of copying a shorter prefix and computing the rest.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
-from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.host_tier import HostMatch, HostTier
+from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
 
 Holders = set[int]  # sequence ids whose cached content ends at a node
+# Content about to be lost is saved to the host tier only when at least this many tokens go,
+# and at least one in this many of the path's (saving copies the whole path).
+MIN_SAVED_TOKENS = 16
+MAX_PATH_PER_LOST_TOKEN = 64
 CacheNode = TreeNode[Holders]
 
 
@@ -55,6 +67,30 @@ class KvStore(Protocol):
         ...
 
 
+@runtime_checkable
+class SavableKvStore(KvStore, Protocol):
+    """A runner that can also copy one sequence's state out to host memory and back."""
+
+    def save_kv(self, slot: int) -> bytearray:
+        """The runner's serialised state of ``slot``'s KV (all its positions)."""
+        ...
+
+    def restore_kv(self, slot: int, data: bytearray) -> bool:
+        """Replaces ``slot``'s KV with a state :meth:`save_kv` wrote. False when it cannot:
+        the slot's KV is then empty, or unchanged when the runner refused before touching it
+        (its content is still to be copied to another slot in this step)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TieredMatch(Match[Holders]):
+    """A match that a saved state in host memory covers further than the slots do:
+    ``length`` tokens from ``saved``, of which ``in_slots`` (ending at ``node``) from slots."""
+
+    in_slots: int = 0
+    saved: HostMatch | None = None
+
+
 def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
     # Sequences that ended at the split node hold all of it: they end at the lower half.
     return set(), holders
@@ -70,14 +106,32 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         policy: ChunkPolicy,
         budget_tokens: int,
         kv_bytes_per_token: int,
+        host: HostTier | None = None,
     ) -> None:
         super().__init__(RadixTree(set, _split_holders), policy, budget_tokens, kv_bytes_per_token)
         self.kv = kv
+        # Only a runner that can save and restore a sequence's state gets the host tier.
+        self.host = host if isinstance(kv, SavableKvStore) else None
         self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
         self.tree.root.value.update(self._end)
         self._running: set[int] = set()
 
     # ---- admission --------------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` without its last token, in slots or in a
+        saved state."""
+        lookup = prompt[: len(prompt) - 1]
+        found = self.tree.match_prefix(lookup)
+        if self.host is None:
+            return found
+        saved = self.host.match(lookup)
+        reusable = self.policy.reusable_length
+        if saved is None or reusable(saved.length, len(prompt)) <= reusable(
+            found.length, len(prompt)
+        ):
+            return found
+        return TieredMatch(found.node, saved.length, in_slots=found.length, saved=saved)
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
@@ -87,7 +141,8 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         """The free slot a sequence with this match should take (see the module docstring)."""
-        if self.policy.reusable_length(match.length, prompt_length) > 0:
+        restoring = isinstance(match, TieredMatch)
+        if not restoring and self.policy.reusable_length(match.length, prompt_length) > 0:
             in_place = sorted(self.holders(match).intersection(free_slots))
             if in_place:
                 return in_place[0]
@@ -101,21 +156,68 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
         assert slot not in self._running, f"slot {slot} is already running"
         length = self.policy.reusable_length(match.length, len(tokens))
+        if isinstance(match, TieredMatch):
+            if self._restore(slot, match, length):
+                return self._attached(slot, tokens, length, count)
+            # The slot's content went; what the slots still hold is matched afresh.
+            match = self.tree.match_prefix(tokens[: len(tokens) - 1])
+            length = self.policy.reusable_length(match.length, len(tokens))
         holders = self.holders(match)
         if slot in holders:
+            self._save(slot, kept=length)  # its tail beyond the prefix is about to go
             self.kv.trim_kv(slot, length)  # it starts with the prefix: cut it back in place
         else:
+            self._save(slot)
             self._forget(slot)
             if length:
                 self.kv.copy_kv(min(holders), slot, length)
             else:
                 self.kv.trim_kv(slot, 0)
+        return self._attached(slot, tokens, length, count)
+
+    def _attached(self, slot: int, tokens: Sequence[int], length: int, count: bool) -> int:
         self._set_end(slot, self.tree.insert(tokens[:length]))
         self._running.add(slot)
         self.tree.lock(self._end[slot])
         if count:
             self._count_lookup(len(tokens), length)
         return length
+
+    def _restore(self, slot: int, match: TieredMatch, length: int) -> bool:
+        """Makes free ``slot``'s KV the saved state's first ``length`` tokens; False (the slot
+        then holds nothing the tree records) when the runner could not restore it."""
+        assert self.host is not None and match.saved is not None
+        state = match.saved.leaf.value
+        assert state is not None, "the host tier changed between match and attach"
+        self._save(slot)  # may drop that state from the tier: ``state`` still holds it
+        self._forget(slot)
+        kv = self.kv
+        assert isinstance(kv, SavableKvStore)
+        started = time.perf_counter()
+        if not kv.restore_kv(slot, state.data):
+            kv.trim_kv(slot, 0)
+            return False
+        kv.trim_kv(slot, length)
+        self.host.record_restore(match.saved, length, time.perf_counter() - started)
+        return True
+
+    def _save(self, slot: int, kept: int = 0) -> None:
+        """Saves free ``slot``'s content to the host tier before all but its first ``kept``
+        tokens go, if nothing else would keep them."""
+        if self.host is None:
+            return
+        end = self._end[slot].end
+        self._save_path(slot, end, min(self._exclusive_tokens(slot), end - kept))
+
+    def _save_path(self, slot: int, end: int, lost: int) -> None:
+        """Saves ``slot``'s first ``end`` tokens (all it holds) when ``lost`` of them would
+        otherwise be gone, and that many are worth the copy: a state is the whole path, so a
+        short tail of a long path is cheaper to compute again than to save."""
+        kv = self.kv
+        assert self.host is not None and isinstance(kv, SavableKvStore)
+        if lost < max(MIN_SAVED_TOKENS, end // MAX_PATH_PER_LOST_TOKEN):
+            return
+        self.host.save(self.tree.path_tokens(self._end[slot]), lambda: kv.save_kv(slot))
 
     # ---- progress and end -------------------------------------------------------------------
 
@@ -169,6 +271,9 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     def _give_back(self, node: CacheNode) -> None:
         assert node.parent is not None
+        if self.host is not None and node.value:
+            # Every holder of a leaf ends at it: any one's whole content is the node's path.
+            self._save_path(min(node.value), node.end, len(node.key))
         for slot in node.value:
             self.kv.trim_kv(slot, node.start)
             node.parent.value.add(slot)
@@ -188,7 +293,36 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             node = node.parent
         return exclusive
 
+    def flush(self) -> int:
+        """Evicts every unused cached prefix, saved states included; returns the tokens."""
+        host, self.host = self.host, None  # what a flush evicts is not saved
+        try:
+            freed = super().flush()
+        finally:
+            self.host = host
+        return freed + (host.clear() if host is not None else 0)
+
     # ---- inspection -------------------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        stats = super().stats()
+        host = self.host
+        if host is None:
+            return stats
+        c = host.counters
+        return replace(
+            stats,
+            host_budget_bytes=host.budget_bytes,
+            host_bytes=host.bytes,
+            host_states=host.entries,
+            host_hits=c.hits,
+            host_hit_tokens=c.hit_tokens,
+            host_saves=c.saves,
+            host_saved_tokens=c.saved_tokens,
+            host_evictions=c.evictions,
+            host_restore_seconds=c.restore_seconds,
+            host_save_seconds=c.save_seconds,
+        )
 
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""
@@ -202,6 +336,8 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         KV account for every slot's stream.
         """
         self.tree.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         assert set(running_tokens) == self._running, (
             f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
         )

@@ -148,6 +148,7 @@ class LlamaCppRunner:
         self._pools = PromptPools(pooling)
         self._n_embd = llama.llama_model_n_embd(self._model)
         self._decode_seconds = 0.0
+        self._stream_copy_sources: set[int] = set()  # slots a pending stream copy reads
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
         self._info = ModelInfo(
@@ -303,6 +304,7 @@ class LlamaCppRunner:
         try:
             status = llama.llama_decode(self._ctx, batch)
         finally:
+            self._stream_copy_sources.clear()  # llama_decode made the copies first
             if embeddings:
                 llama.llama_set_embeddings(self._ctx, False)
         self._decode_seconds += time.perf_counter() - started
@@ -372,7 +374,32 @@ class LlamaCppRunner:
         # buffers at the start of the next llama_decode, in call order. Trimming the copy is
         # metadata only, so a later copy out of or into either slot in the same step is safe.
         llama.llama_memory_seq_cp(self._memory, src_slot, dst_slot, -1, -1)
+        self._stream_copy_sources.add(src_slot)
         self.trim_kv(dst_slot, num_tokens)
+
+    def save_kv(self, slot: int) -> bytearray:
+        size = llama.llama_state_seq_get_size(self._ctx, slot)
+        data = bytearray(size)
+        written = llama.llama_state_seq_get_data(
+            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot
+        )
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {slot}")
+        return data
+
+    def restore_kv(self, slot: int, data: bytearray) -> bool:
+        # The state is written into the stream at once, while a copy out of it waits for the
+        # next llama_decode: overwriting such a stream would hand the copy the wrong KV.
+        if slot in self._stream_copy_sources:
+            return False
+        size = len(data)
+        read = llama.llama_state_seq_set_data(
+            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot
+        )
+        if read == 0:  # llama.cpp has emptied the sequence
+            logger.warning("llama.cpp could not restore a saved state into sequence %d", slot)
+            return False
+        return True
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
         if not llama.llama_memory_seq_rm(self._memory, slot, num_tokens, -1):

@@ -1,0 +1,228 @@
+"""The prefix cache's host-RAM tier: its own bookkeeping, and through the engine with the fake
+runner (whose output depends on the KV it holds, so a wrongly restored state changes the text)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.prefix_cache.host_tier import HostTier
+from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
+from tests.engine.helpers import make_core, run_to_completion, submit, text_of
+from tests.engine.test_prefix_cache import assert_kv_consistent
+from tests.fake_runner import FakeRunner, SavingFakeRunner
+
+SYSTEM = "You are a careful assistant who checks every step twice. " * 4  # 228 tokens
+
+
+def _state(path: list[int]) -> bytearray:
+    return bytearray(4 * len(path))
+
+
+# ---- the tier's bookkeeping -------------------------------------------------------------------
+
+
+def test_a_longer_path_replaces_the_state_it_covers_and_a_covered_one_is_not_kept() -> None:
+    tier = HostTier(budget_bytes=10_000)
+    base = list(range(100))
+    assert tier.save(base, lambda: _state(base))
+    assert tier.covers(base[:40]) and not tier.covers([*base, 1])
+    longer = [*base, *range(500, 550)]
+    assert tier.save(longer, lambda: _state(longer))
+    assert (tier.entries, tier.bytes) == (1, 4 * 150), "the longer state covers the first"
+    assert not tier.save(base[:60], lambda: _state(base[:60])), "already covered"
+    match = tier.match([*base[:70], 9999])
+    assert match is not None and (match.length, match.leaf.end) == (70, 150)
+    tier.check_integrity()
+
+
+def test_states_of_diverging_paths_are_matched_apart_and_evicted_least_recent_first() -> None:
+    tier = HostTier(budget_bytes=4 * 250)
+    a, b = [*range(50), *range(100, 150)], [*range(50), *range(200, 250)]
+    tier.save(a, lambda: _state(a))
+    tier.save(b, lambda: _state(b))
+    match_a, match_b = tier.match([*a, 7]), tier.match([*b[:80], 7])
+    assert match_a is not None and match_b is not None
+    assert (match_a.length, match_b.length) == (100, 80)
+    assert match_a.leaf is not match_b.leaf
+    tier.record_restore(match_a, 100, 0.001)  # a is now the more recently used
+    c = list(range(300, 380))
+    tier.save(c, lambda: _state(c))  # 80 more tokens' bytes: b, the least recent, goes
+    assert tier.covers(a) and tier.covers(c) and not tier.covers(b[:60])
+    assert tier.counters.evictions == 1 and tier.counters.hits == 1
+    tier.check_integrity()
+    assert tier.clear() == 180 and (tier.entries, tier.bytes) == (0, 0)
+    assert tier.tree.num_nodes == 0
+    tier.check_integrity()
+
+
+def test_a_state_larger_than_the_whole_budget_is_not_kept() -> None:
+    tier = HostTier(budget_bytes=100)
+    path = list(range(50))
+    assert not tier.save(path, lambda: _state(path))
+    assert tier.entries == 0 and tier.tree.num_nodes == 0
+    tier.check_integrity()
+
+
+# ---- through the engine -----------------------------------------------------------------------
+
+
+def _two_slot_core(**config: object) -> tuple[EngineCore, SavingFakeRunner]:
+    runner = SavingFakeRunner(num_slots=2, max_seq_len=512)
+    core, _ = make_core(runner, **config)
+    assert isinstance(runner, SavingFakeRunner)
+    return core, runner
+
+
+def _evict_from_slots(core: EngineCore) -> None:
+    """Two unrelated long prompts take both slots: whatever they held must go."""
+    submit(core, "x", "x" * 200, max_tokens=4)
+    submit(core, "y", "y" * 200, max_tokens=4)
+    run_to_completion(core)
+
+
+def test_a_prefix_pushed_out_of_the_slots_is_restored_from_host_ram() -> None:
+    core, runner = _two_slot_core(prefix_cache_ram=1 << 20)
+    prompt = SYSTEM + "Question one?"
+    submit(core, "a", prompt, max_tokens=12)
+    first = text_of(run_to_completion(core)["a"])
+    _evict_from_slots(core)
+    start = list(prompt.encode()[:10])
+    assert all(core.prefix_cache.held_tokens(s)[:10] != start for s in range(2))
+    assert runner.saves, "the slot's content was saved before it was overwritten"
+    submit(core, "b", prompt, max_tokens=12)
+    again = run_to_completion(core)["b"]
+    assert text_of(again) == first
+    assert again[-1].num_cached_tokens == len(prompt) - 1
+    assert len(runner.restores) == 1
+    stats = core.snapshot().prefix_cache
+    assert stats.host_hits == 1 and stats.host_hit_tokens == len(prompt) - 1
+    assert stats.host_states >= 1 and 0 < stats.host_bytes <= stats.host_budget_bytes
+    assert stats.as_dict()["tiers"]["host_ram"]["hits"] == 1  # type: ignore[index]
+    assert_kv_consistent(core, runner)
+
+
+def test_a_refused_restore_computes_the_prompt_and_the_text_is_unchanged() -> None:
+    core, runner = _two_slot_core(prefix_cache_ram=1 << 20)
+    prompt = SYSTEM + "Question two?"
+    submit(core, "a", prompt, max_tokens=12)
+    first = text_of(run_to_completion(core)["a"])
+    _evict_from_slots(core)
+    runner.refuse_restores = True
+    submit(core, "b", prompt, max_tokens=12)
+    again = run_to_completion(core)["b"]
+    assert text_of(again) == first and again[-1].num_cached_tokens == 0
+    assert core.snapshot().prefix_cache.host_hits == 0
+    assert_kv_consistent(core, runner)
+
+
+def test_flush_empties_host_ram_too_and_zero_turns_the_tier_off() -> None:
+    core, _ = _two_slot_core(prefix_cache_ram=1 << 20)
+    submit(core, "a", SYSTEM + "Question three?", max_tokens=4)
+    run_to_completion(core)
+    _evict_from_slots(core)
+    assert core.snapshot().prefix_cache.host_states >= 1
+    assert core.flush_prefix_cache() > 0
+    stats = core.snapshot().prefix_cache
+    assert (stats.host_states, stats.host_bytes, stats.cached_tokens) == (0, 0, 0)
+    off, off_runner = _two_slot_core(prefix_cache_ram=0)
+    assert isinstance(off.prefix_cache, SlotPrefixCache) and off.prefix_cache.host is None
+    submit(off, "a", SYSTEM, max_tokens=4)
+    run_to_completion(off)
+    _evict_from_slots(off)
+    assert off_runner.saves == [] and off.snapshot().prefix_cache.host_budget_bytes == 0
+
+
+def test_a_runner_without_the_state_api_gets_no_host_tier() -> None:
+    core, _ = make_core(FakeRunner(num_slots=2), prefix_cache_ram=1 << 20)
+    assert isinstance(core.prefix_cache, SlotPrefixCache) and core.prefix_cache.host is None
+
+
+@pytest.mark.parametrize("grain", [1, 4])
+def test_three_conversations_on_two_slots_restore_every_turn_and_match_no_cache(
+    grain: int,
+) -> None:
+    prefixes = [c * 150 for c in "pqr"]
+
+    def run(prefix_cache: bool, ram: int) -> tuple[dict[str, str], list[int], SavingFakeRunner]:
+        runner = SavingFakeRunner(
+            num_slots=2, max_seq_len=512, prefill_grain=grain, equal_prefill_chunks=grain > 1
+        )
+        core, _ = make_core(
+            runner, prefix_cache=prefix_cache, prefix_cache_ram=ram, prefill_chunk=32
+        )
+        history = list(prefixes)
+        texts: dict[str, str] = {}
+        cached: list[int] = []
+        for turn in range(4):
+            for k in range(3):  # one request at a time: each turn finds its slot overwritten
+                history[k] += f" turn {turn}?"
+                rid = f"c{k}t{turn}"
+                submit(core, rid, history[k], max_tokens=5)
+                outputs = run_to_completion(core)[rid]
+                texts[rid] = text_of(outputs)
+                cached.append(outputs[-1].num_cached_tokens)
+                history[k] += texts[rid]
+                assert_kv_consistent(core, runner)
+        return texts, cached, runner
+
+    with_host, cached, runner = run(True, 1 << 20)
+    slots_only, cached_in_slots, _ = run(True, 0)
+    without, _, _ = run(False, 0)
+    assert with_host == slots_only == without
+    assert all(c >= 150 for c in cached[3:]), "every later turn reuses its history"
+    assert sum(c < 150 for c in cached_in_slots[3:]) >= 3, "two slots cannot keep three"
+    assert len(runner.restores) >= 3
+
+
+@pytest.mark.parametrize("grain", [1, 4])
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.sampled_from(["", SYSTEM[:40], SYSTEM[:90], SYSTEM, "z" * 150]),
+            st.text(alphabet="abcxyz ", min_size=1, max_size=60),
+            st.integers(1, 6),  # max tokens
+            st.integers(0, 4),  # the request's wave: each wave runs after the last
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+    ram=st.sampled_from([0, 600, 2_000, 1 << 20]),
+    refuse=st.booleans(),
+)
+def test_random_workloads_give_the_text_of_no_cache_whatever_the_tiers_do(
+    grain: int, requests: list[tuple[str, str, int, int]], ram: int, refuse: bool
+) -> None:
+    def run(prefix_cache: bool) -> dict[str, str]:
+        runner = SavingFakeRunner(
+            num_slots=2,
+            max_seq_len=512,
+            prefill_grain=grain,
+            equal_prefill_chunks=grain > 1,
+            refuse_restores=refuse,
+        )
+        core, _ = make_core(
+            runner,
+            prefix_cache=prefix_cache,
+            prefix_cache_ram=ram,
+            max_batch_tokens=48,
+            prefill_chunk=32,
+            prefix_wait_min_tokens=30,
+        )
+        texts: dict[str, str] = {}
+        for wave in range(5):
+            for i, (prefix, own, max_tokens, when) in enumerate(requests):
+                if when == wave:
+                    submit(core, f"r{i}", prefix + own, max_tokens=max_tokens)
+            while core.has_work:
+                for output in core.step():
+                    texts[output.request_id] = texts.get(output.request_id, "") + "".join(
+                        d.text for d in output.deltas
+                    )
+                assert_kv_consistent(core, runner)
+        return texts
+
+    assert run(True) == run(False)
