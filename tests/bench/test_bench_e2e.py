@@ -82,3 +82,42 @@ def test_poisson_arrivals_for_a_duration(server: ServerProcess, tmp_path: Path) 
     report = json.loads(out.read_text())
     assert report["config"]["request_rate"] == 4.0 and report["config"]["duration_s"] == 2.0
     assert report["completed"] >= 1 and report["failed"] == 0
+
+
+def test_agent_workload_reports_ttft_by_turn_apart_from_the_background(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    out = tmp_path / "agent.json"
+    result = _bench(
+        server,
+        out,
+        "--dataset",
+        "agent",
+        "--agent-prefix-len",
+        "200",
+        "--agent-conversations",
+        "2",
+        "--agent-turns",
+        "2",
+        "--agent-background",
+        "1",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert set(report) >= VLLM_KEYS | VLLM_HEADER_KEYS
+    assert report["completed"] == 4 and report["failed"] == 0  # 2 conversations × 2 turns
+    assert report["completed_turn1"] == 2 and report["completed_turn2plus"] == 2
+    for key in ("p50_ttft_turn1_ms", "p90_ttft_turn1_ms", "p50_ttft_turn2plus_ms"):
+        assert report[key] > 0
+    first, second = report["turns"]
+    assert first["turn"] == 1 and second["turn"] == 2
+    # Turn 2 resends turn 1 with its reply: each conversation's prompt grows.
+    pairs = zip(first["prompt_tokens"], second["prompt_tokens"], strict=True)
+    assert all(later > earlier > 200 for earlier, later in pairs)
+    # The background ran beside the agent and is counted apart from it.
+    background = report["background"]
+    assert background["streams"] == 1 and background["completed"] >= 1
+    assert background["failed"] == 0
+    assert report["total_output_tokens"] == 4 * 12
+    assert report["isolation_failures"] == []
+    assert "TTFT by turn" in result.stdout

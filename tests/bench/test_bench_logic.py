@@ -15,13 +15,23 @@ import pytest
 from rich.console import Console
 
 from slotserve.bench.datasets import (
+    agent_dataset,
+    agent_prefix,
+    approx_tokens,
+    background_dataset,
     multi_turn_dataset,
     random_dataset,
     shared_prefix_dataset,
     sharegpt_dataset,
 )
 from slotserve.bench.loadgen import LoadConfig, poisson_gaps
-from slotserve.bench.metrics import RequestResult, isolation_failures, percentile, summarize
+from slotserve.bench.metrics import (
+    RequestResult,
+    isolation_failures,
+    percentile,
+    summarize,
+    turn_summary,
+)
 from slotserve.bench.passages import PASSAGES
 from slotserve.bench.report import Targets
 from slotserve.bench.runner import build_dataset, vllm_header, write_run_json
@@ -130,6 +140,78 @@ def test_multi_turn_conversation_resends_history_with_replies() -> None:
     assert roles == ["user", "assistant", "user", "assistant", "user"]
     assert conv.messages(2)[1]["content"] == "first reply"
     assert conv.prompt(1).splitlines()[1] == "first reply"
+
+
+def test_agent_conversations_share_one_prefix_and_grow_their_own_history() -> None:
+    data = agent_dataset(3, turns=4, prefix_len=500, input_len=6, output_len=16, seed=5)
+    assert len(data) == 3 and all(len(c.user_turns) == 4 for c in data)
+    assert all(c.max_tokens == 16 for c in data)
+    prefix = data[0].system
+    assert prefix is not None and all(c.system == prefix for c in data)
+    assert prefix == agent_prefix(500, seed=5) and 500 <= approx_tokens(prefix) < 800
+    assert prefix != agent_prefix(500, seed=6), "the seed matters"
+    assert '"name": "read_file"' in prefix and '"parameters": {' in prefix  # tool schemas
+    user_turns = [turn for c in data for turn in c.user_turns]
+    assert len(set(user_turns)) == 3 * 4
+    assert data[1].user_turns[2].startswith("Conversation 1, turn 3.")
+    assert agent_dataset(3, 4, 500, 6, 16, seed=5)[2].user_turns == data[2].user_turns
+    # A longer prefix changes only the prefix, not the conversations' own turns.
+    longer = agent_dataset(3, 4, 2000, 6, 16, seed=5)
+    assert approx_tokens(longer[0].system or "") >= 2000
+    assert [c.user_turns for c in longer] == [c.user_turns for c in data]
+
+    conv = data[0]
+    conv.replies += ["reply one", "reply two"]
+    earlier = conv.messages(1)
+    later = conv.messages(2)
+    assert later[0] == {"role": "system", "content": prefix}
+    assert later[: len(earlier)] == earlier  # each turn extends the previous one's prompt
+    assert [m["role"] for m in later] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert conv.prompt(2).startswith(prefix + "\n") and conv.prompt(2).startswith(conv.prompt(1))
+
+
+def test_background_prompts_are_distinct_from_each_other_and_the_agent() -> None:
+    background = background_dataset(8, input_len=6, output_len=16)
+    assert len({c.user_turns[0] for c in background}) == 8
+    assert all(c.system is None and c.max_tokens == 16 for c in background)
+    assert {c.conversation_id for c in background} == {f"background-{i}" for i in range(8)}
+    agent = build_dataset("agent", 2, 6, 16, agent_prefix_len=100, agent_turns=2)
+    agent_turns = {turn for c in agent for turn in c.user_turns}
+    assert agent_turns.isdisjoint(c.user_turns[0] for c in background)
+
+
+def test_turn_summary_splits_first_turns_from_later_ones() -> None:
+    def turn(pid: str, index: int, ttft: float, prompt_tokens: int) -> RequestResult:
+        return RequestResult(pid, success=True, turn=index, ttft=ttft, prompt_tokens=prompt_tokens)
+
+    results = [
+        turn("a/0", 0, 1.0, 100),
+        turn("b/0", 0, 3.0, 100),
+        turn("a/1", 1, 0.2, 130),
+        turn("b/1", 1, 0.4, 140),
+        turn("a/2", 2, 0.6, 170),
+        RequestResult("b/2", turn=2, error="HTTP 500"),
+    ]
+    summary = turn_summary(results)
+    assert summary["completed_turn1"] == 2 and summary["completed_turn2plus"] == 3
+    assert summary["p50_ttft_turn1_ms"] == pytest.approx(2000.0)
+    assert summary["p90_ttft_turn1_ms"] == pytest.approx(2800.0)
+    assert summary["p50_ttft_turn2plus_ms"] == pytest.approx(400.0)
+    assert [t["turn"] for t in summary["turns"]] == [1, 2, 3]
+    assert summary["turns"][1]["prompt_tokens"] == [130, 140]
+    assert summary["turns"][1]["mean_prompt_tokens"] == pytest.approx(135.0)
+    assert summary["turns"][2]["completed"] == 1
+    json.dumps(summary)
+    # No later turn answered: no figure, rather than a 0 that reads as instant.
+    only_first = turn_summary(results[:2])
+    assert only_first["p50_ttft_turn2plus_ms"] is None and only_first["completed_turn2plus"] == 0
 
 
 def test_sharegpt_file_is_read(tmp_path: Path) -> None:

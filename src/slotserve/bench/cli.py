@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.bench.datasets import Conversation
+from slotserve.bench.datasets import Conversation, background_dataset
 from slotserve.bench.loadgen import LoadConfig, LoadOptions
 from slotserve.bench.report import Targets, render_table
 from slotserve.bench.runner import DATASETS, build_dataset, run_benchmark
@@ -42,6 +42,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="shared-prefix: words in the common system prompt",
     )
     parser.add_argument("--turns", type=int, default=3, help="multi-turn: turns per chat")
+    agent = parser.add_argument_group(
+        "agent dataset",
+        "coding-agent conversations: every turn resends a shared system-and-tools prefix and "
+        "the conversation's history; --input-len words a user turn, --max-tokens a reply",
+    )
+    agent.add_argument(
+        "--agent-conversations",
+        type=int,
+        default=4,
+        help="conversations, all run at once (bench sweep: as many as it sends requests)",
+    )
+    agent.add_argument("--agent-turns", type=int, default=6, help="turns per conversation")
+    agent.add_argument(
+        "--agent-prefix-len",
+        type=int,
+        default=6000,
+        help="length of the shared prefix in words and punctuation runs (≈ tokens)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
         "--no-ignore-eos",
@@ -68,6 +86,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, help="send for this many seconds instead")
     add_workload_arguments(parser)
+    parser.add_argument(
+        "--agent-background",
+        type=int,
+        metavar="N",
+        help="agent: N streams of unrelated random prompts (--input-len, --max-tokens) for the "
+        "whole run, reported apart (default: --concurrency minus --agent-conversations)",
+    )
     parser.add_argument("--server-pid", type=int, help="local server process, for its RSS")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--no-progress", action="store_true")
@@ -99,7 +124,23 @@ def dataset_from_args(args: argparse.Namespace, num: int) -> list[Conversation]:
         turns=args.turns,
         path=args.dataset_path,
         seed=args.seed,
+        agent_prefix_len=args.agent_prefix_len,
+        agent_turns=args.agent_turns,
     )
+
+
+def background_from_args(args: argparse.Namespace) -> tuple[list[Conversation], int]:
+    """The agent dataset's background prompts and how many streams send them."""
+    if args.dataset != "agent":
+        return [], 0
+    streams = args.agent_background
+    if streams is None:
+        # The agent's conversations plus the background fill the slots when --concurrency
+        # matches the server's.
+        streams = max(0, args.concurrency - args.agent_conversations)
+    # Enough distinct prompts that a stream rarely resends one while the agent runs.
+    num = max(16, 8 * streams)
+    return background_dataset(num, args.input_len, args.max_tokens, args.seed), streams
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
@@ -120,7 +161,9 @@ def api_url(base_url: str) -> str:
 def main_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
-        conversations = dataset_from_args(args, args.num_requests)
+        num = args.agent_conversations if args.dataset == "agent" else args.num_requests
+        conversations = dataset_from_args(args, num)
+        background, streams = background_from_args(args)
     except (ValueError, OSError) as exc:
         console.print(f"[red]slotserve bench: {exc}")
         return 2
@@ -140,6 +183,8 @@ def main_bench(args: argparse.Namespace) -> int:
         server_pid=args.server_pid,
         show_progress=not args.no_progress,
         label=f"{args.dataset} ×{args.concurrency}",
+        background=background,
+        background_streams=streams,
     )
     render_table(report, f"slotserve bench: {config.base_url}", Console())
     for failure in report["isolation_failures"]:

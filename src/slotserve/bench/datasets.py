@@ -1,4 +1,5 @@
 """Workloads for ``slotserve bench``: random lengths, shared system prompt, multi-turn chat,
+a coding agent's conversations (a long shared system-and-tools prefix, a growing history),
 ShareGPT files, and for speculative decoding an input-grounded one (copy or edit a given text
 or code) and an open-ended one (nothing to copy).
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from slotserve.bench.passages import edit_prompt
@@ -121,6 +123,97 @@ def multi_turn_dataset(
             output_len,
         )
         for i in range(num)
+    ]
+
+
+AGENT_INTRO = (
+    "You are a coding agent working inside a software repository. You read files, search the "
+    "code, run commands and edit files with the tools below, one call at a time, and you keep "
+    "your answers to the user short. Never guess a file's content: read it first."
+)
+# Tools every coding agent has; the rest of the schema list is generated from WORDS.
+AGENT_TOOLS = ("read_file", "write_file", "apply_patch", "search_code", "list_dir", "run_command")
+
+
+def _tool_schema(rng: random.Random, name: str) -> dict[str, object]:
+    """One tool in the OpenAI function-calling layout, its descriptions random words."""
+    names = [f"{rng.choice(WORDS)}_{rng.choice(WORDS)}" for _ in range(rng.randint(2, 4))]
+    properties = {
+        param: {
+            "type": rng.choice(("string", "integer", "boolean")),
+            "description": _words(rng, 12),
+        }
+        for param in names
+    }
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": _words(rng, rng.randint(30, 60)),
+            "parameters": {"type": "object", "properties": properties, "required": names[:1]},
+        },
+    }
+
+
+def approx_tokens(text: str) -> int:
+    """Words and runs of punctuation: JSON's quotes and braces are tokens of their own, which a
+    plain word count misses by far."""
+    return len(re.findall(r"[A-Za-z0-9]+|[^A-Za-z0-9\s]+", text))
+
+
+def agent_prefix(prefix_len: int, seed: int = 0) -> str:
+    """A coding agent's system prompt followed by its tool schemas (one JSON object a line),
+    at least ``prefix_len`` tokens as :func:`approx_tokens` counts them; the same text for the
+    same arguments."""
+    rng = random.Random(seed)
+    lines = [AGENT_INTRO, "", "# Tools", ""]
+    length = approx_tokens("\n".join(lines))
+    index = 0
+    while length < prefix_len:
+        name = (
+            AGENT_TOOLS[index]
+            if index < len(AGENT_TOOLS)
+            else f"{rng.choice(WORDS)}_{rng.choice(WORDS)}_{index}"
+        )
+        line = json.dumps(_tool_schema(rng, name))
+        lines.append(line)
+        length += approx_tokens(line)
+        index += 1
+    return "\n".join(lines)
+
+
+def agent_dataset(
+    num: int, turns: int, prefix_len: int, input_len: int, output_len: int, seed: int = 0
+) -> list[Conversation]:
+    """Coding-agent conversations: each turn resends the shared system-and-tools prefix and the
+    conversation's history. Each user turn opens with its conversation and turn, so only the
+    prefix and a conversation's own history can come from a server's prompt cache."""
+    system = agent_prefix(prefix_len, seed)
+    # A stream of its own: the prefix's length must not change the user turns.
+    rng = random.Random(seed + 1)
+    return [
+        Conversation(
+            f"agent-{i}",
+            [
+                f"Conversation {i}, turn {t + 1}. {ECHO}" + _words(rng, input_len)
+                for t in range(turns)
+            ],
+            output_len,
+            system=system,
+        )
+        for i in range(num)
+    ]
+
+
+def background_dataset(
+    num: int, input_len: int, output_len: int, seed: int = 0
+) -> list[Conversation]:
+    """Unrelated single prompts that keep a server's slots busy beside another workload."""
+    return [
+        replace(
+            conv, conversation_id=f"background-{i}", user_turns=[f"Background {conv.user_turns[0]}"]
+        )
+        for i, conv in enumerate(random_dataset(num, input_len, output_len, seed=seed + 2))
     ]
 
 

@@ -6,8 +6,8 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import httpx
@@ -29,6 +29,16 @@ class LoadConfig:
     seed: int = 0
     timeout_s: float = 600.0
     api_key: str | None = None
+
+
+@dataclass
+class LoadRun:
+    """What a load measured: the workload's results over ``duration`` seconds, and apart from
+    them those of the background traffic sent meanwhile."""
+
+    results: list[RequestResult]
+    duration: float
+    background: list[RequestResult] = field(default_factory=list)
 
 
 class LoadOptions(TypedDict, total=False):
@@ -85,7 +95,9 @@ async def send_one(
     client: httpx.AsyncClient, config: LoadConfig, model: str, conv: Conversation, turn: int
 ) -> RequestResult:
     """One streaming request; the result records chunk timings and the server's usage."""
-    result = RequestResult(f"{conv.conversation_id}/{turn}", temperature=config.temperature)
+    result = RequestResult(
+        f"{conv.conversation_id}/{turn}", turn=turn, temperature=config.temperature
+    )
     route = "/chat/completions" if config.endpoint == "chat" else "/completions"
     pieces: list[str] = []
     last = start = time.perf_counter()
@@ -142,21 +154,34 @@ def _content(choice: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def nth(conversations: Sequence[Conversation], index: int) -> Conversation:
+    """The index-th conversation, fresh; past the list's end it repeats with a new id."""
+    source = conversations[index % len(conversations)]
+    lap = index // len(conversations)
+    name = source.conversation_id + (f"#{lap}" if lap else "")
+    return Conversation(name, source.user_turns, source.max_tokens, source.system)
+
+
 async def run_load(
     config: LoadConfig,
     conversations: list[Conversation],
     warmup: int = 0,
     on_result: Callable[[RequestResult], None] | None = None,
-) -> tuple[list[RequestResult], float]:
+    *,
+    background: Sequence[Conversation] = (),
+    background_streams: int = 0,
+) -> LoadRun:
     """Runs the workload; returns the counted results and the measured duration in seconds.
 
     Conversations start in order, each when a concurrency slot is free and, with a finite
     ``request_rate``, after a Poisson-distributed gap; a conversation's turns run in sequence.
     ``warmup`` single requests (the first prompts, with a different opening) run before the
-    clock starts and are not counted.
+    clock starts and are not counted. ``background_streams`` more requests, outside the
+    concurrency limit, send the ``background`` prompts one after another in each stream until
+    the workload is done; those still running then are cancelled.
     """
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency + 4)
+    limits = httpx.Limits(max_connections=config.concurrency + background_streams + 4)
     async with httpx.AsyncClient(
         base_url=config.base_url, timeout=config.timeout_s, limits=limits, headers=headers
     ) as client:
@@ -170,7 +195,21 @@ async def run_load(
             await send_one(client, config, model, probe, 0)
         gate = asyncio.Semaphore(config.concurrency)
         gaps = poisson_gaps(config.request_rate, config.seed)
-        results: list[RequestResult] = []
+        run = LoadRun([], 0.0)
+
+        async def keep_busy(stream: int) -> None:
+            # Streams take turns through the prompts, so no two send the same one at once.
+            index = stream
+            while True:
+                result = await send_one(client, config, model, nth(background, index), 0)
+                run.background.append(result)
+                if not result.success:
+                    return  # a server refusing everything must not be hammered in a loop
+                index += background_streams
+
+        # Scheduled first, so the workload's first requests meet a server already busy.
+        streams = background_streams if background else 0
+        busy = [asyncio.ensure_future(keep_busy(s)) for s in range(streams)]
         started = time.perf_counter()
         deadline = None if config.duration_s is None else started + config.duration_s
 
@@ -180,19 +219,12 @@ async def run_load(
                     if deadline is not None and time.perf_counter() >= deadline:
                         return
                     result = await send_one(client, config, model, conv, turn)
-                    results.append(result)
+                    run.results.append(result)
                     if on_result is not None:
                         on_result(result)
                     if not result.success:
                         return
                     conv.replies.append(result.text)
-
-        def nth(index: int) -> Conversation:
-            """The index-th conversation; past the dataset's end it repeats with a new id."""
-            source = conversations[index % len(conversations)]
-            lap = index // len(conversations)
-            name = source.conversation_id + (f"#{lap}" if lap else "")
-            return Conversation(name, source.user_turns, source.max_tokens, source.system)
 
         tasks: list[asyncio.Future[None]] = []
         if deadline is not None and config.request_rate == float("inf"):
@@ -200,7 +232,7 @@ async def run_load(
 
             async def worker() -> None:  # duration mode: each worker keeps one slot busy
                 while time.perf_counter() < deadline:
-                    await converse(nth(next(counter)))
+                    await converse(nth(conversations, next(counter)))
 
             tasks = [asyncio.ensure_future(worker()) for _ in range(config.concurrency)]
         else:
@@ -208,11 +240,14 @@ async def run_load(
             while index < len(conversations) or deadline is not None:
                 if deadline is not None and time.perf_counter() >= deadline:
                     break
-                tasks.append(asyncio.ensure_future(converse(nth(index))))
+                tasks.append(asyncio.ensure_future(converse(nth(conversations, index))))
                 index += 1
                 gap = next(gaps)
                 if gap:
                     await asyncio.sleep(gap)
         await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
-    return results, duration
+        run.duration = time.perf_counter() - started
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+    return run

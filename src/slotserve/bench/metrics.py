@@ -30,6 +30,7 @@ class RequestResult:
     text: str = ""
     temperature: float = 0.0
     usage_estimated: bool = False  # no usage from the server: tokens counted from chunks
+    turn: int = 0  # the conversation's turn, from 0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -79,6 +80,40 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
     summary.update(_describe("tpot", tpot))
     summary.update(_describe("itl", [gap for r in ok for gap in r.itl]))
     summary.update(_describe("e2el", [r.latency for r in ok]))
+    return summary
+
+
+def _ttft_percentiles(results: Sequence[RequestResult]) -> dict[str, float | None]:
+    """TTFT p50 and p90 in ms; None without requests, where 0 would read as instant."""
+    ms = [r.ttft * 1000.0 for r in results]
+    return {f"p{q}": percentile(ms, q) if ms else None for q in (50, 90)}
+
+
+def turn_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """TTFT of first turns apart from later ones, and each turn's figures. A later turn resends
+    its conversation's history, which a server's prompt cache can reuse; a first turn has only
+    what conversations share."""
+    ok = [r for r in results if r.success]
+    first = [r for r in ok if r.turn == 0]
+    later = [r for r in ok if r.turn > 0]
+    summary: dict[str, Any] = {"completed_turn1": len(first), "completed_turn2plus": len(later)}
+    for name, group in (("turn1", first), ("turn2plus", later)):
+        for stat, value in _ttft_percentiles(group).items():
+            summary[f"{stat}_ttft_{name}_ms"] = value
+    turns = []
+    for turn in sorted({r.turn for r in ok}):
+        group = sorted((r for r in ok if r.turn == turn), key=lambda r: r.prompt_id)
+        prompt_tokens = [r.prompt_tokens for r in group]
+        turns.append(
+            {
+                "turn": turn + 1,
+                "completed": len(group),
+                **{f"{stat}_ttft_ms": v for stat, v in _ttft_percentiles(group).items()},
+                "mean_prompt_tokens": statistics.fmean(prompt_tokens),
+                "prompt_tokens": prompt_tokens,
+            }
+        )
+    summary["turns"] = turns
     return summary
 
 

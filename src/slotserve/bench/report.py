@@ -50,7 +50,48 @@ def render_table(summary: dict[str, Any], title: str, console: Console | None = 
         "input / output tokens",
         f"{summary['total_input_tokens']} / {summary['total_output_tokens']}",
     )
+    if "background" in summary:
+        background = summary["background"]
+        totals.add_row(
+            f"background ×{background['streams']}: completed / failed",
+            f"{background['completed']} / {background['failed']}",
+        )
+        totals.add_row(
+            "background output throughput (tok/s)", f"{background['output_throughput']:.1f}"
+        )
     console.print(totals)
+    if "turns" in summary:
+        console.print(_turns_table(summary))
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def _turns_table(summary: dict[str, Any]) -> Table:
+    """TTFT by turn: later turns resend what came before, so a prompt cache shows here."""
+    table = Table(title="TTFT by turn")
+    table.add_column("turn")
+    for column in ("completed", "TTFT p50 (ms)", "TTFT p90 (ms)", "prompt tokens (mean)"):
+        table.add_column(column, justify="right")
+    for i, turn in enumerate(summary["turns"]):
+        table.add_row(
+            str(turn["turn"]),
+            str(turn["completed"]),
+            _ms(turn["p50_ttft_ms"]),
+            _ms(turn["p90_ttft_ms"]),
+            f"{turn['mean_prompt_tokens']:.0f}",
+            end_section=i == len(summary["turns"]) - 1,
+        )
+    # Turn 1 has its row above already.
+    table.add_row(
+        "≥ 2",
+        str(summary["completed_turn2plus"]),
+        _ms(summary["p50_ttft_turn2plus_ms"]),
+        _ms(summary["p90_ttft_turn2plus_ms"]),
+        "",
+    )
+    return table
 
 
 @dataclass(frozen=True)

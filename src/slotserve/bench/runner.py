@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from slotserve.bench.datasets import (
     Conversation,
+    agent_dataset,
     edit_dataset,
     multi_turn_dataset,
     open_dataset,
@@ -27,10 +28,10 @@ from slotserve.bench.datasets import (
     sharegpt_dataset,
 )
 from slotserve.bench.loadgen import LoadConfig, resolve_model_sync, run_load
-from slotserve.bench.metrics import RequestResult, isolation_failures, summarize
+from slotserve.bench.metrics import isolation_failures, summarize, turn_summary
 from slotserve.bench.report import rss_bytes
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "sharegpt", "edit", "open")
+DATASETS = ("random", "shared-prefix", "multi-turn", "agent", "sharegpt", "edit", "open")
 
 
 def build_dataset(
@@ -44,6 +45,8 @@ def build_dataset(
     turns: int = 3,
     path: Path | None = None,
     seed: int = 0,
+    agent_prefix_len: int = 6000,
+    agent_turns: int = 6,
 ) -> list[Conversation]:
     if name == "random":
         return random_dataset(num, input_len, output_len, range_ratio, seed)
@@ -51,6 +54,8 @@ def build_dataset(
         return shared_prefix_dataset(num, prefix_len, input_len, output_len, seed)
     if name == "multi-turn":
         return multi_turn_dataset(num, turns, input_len, output_len, seed)
+    if name == "agent":
+        return agent_dataset(num, agent_turns, agent_prefix_len, input_len, output_len, seed)
     if name == "edit":
         return edit_dataset(num, output_len, seed)
     if name == "open":
@@ -70,14 +75,21 @@ def run_benchmark(
     server_pid: int | None = None,
     show_progress: bool = True,
     label: str = "",
+    background: list[Conversation] | None = None,
+    background_streams: int = 0,
 ) -> dict[str, Any]:
-    """Runs the load and returns the flat report: vLLM's result keys, then ours."""
+    """Runs the load and returns the flat report: vLLM's result keys, then ours.
+
+    Conversations of several turns add ``turn_summary``'s keys. ``background_streams``
+    concurrent streams of ``background`` prompts run beside the load; their results are
+    summarized apart, under ``background``, and join the others only in the isolation check and
+    the errors.
+    """
     if config.model is None:
         # vLLM's results name the model; ask the server once instead of inside the load.
         config = replace(config, model=resolve_model_sync(config))
     total = sum(len(c.user_turns) for c in conversations) if config.duration_s is None else None
     rss_before = rss_bytes(server_pid) if server_pid else None
-    results: list[RequestResult]
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -87,21 +99,38 @@ def run_benchmark(
         transient=True,
     ) as progress:
         task = progress.add_task(label or "requests", total=total)
-        results, duration = asyncio.run(
-            run_load(config, conversations, warmup, on_result=lambda _: progress.advance(task))
+        run = asyncio.run(
+            run_load(
+                config,
+                conversations,
+                warmup,
+                on_result=lambda _: progress.advance(task),
+                background=background or [],
+                background_streams=background_streams,
+            )
         )
     rss_after = rss_bytes(server_pid) if server_pid else None
+    results = run.results
+    multi_turn = any(len(c.user_turns) > 1 for c in conversations)
+    extra: dict[str, Any] = turn_summary(results) if multi_turn else {}
+    if background_streams and background:
+        extra["background"] = {
+            "streams": background_streams,
+            **summarize(run.background, run.duration),
+        }
     return {
         **vllm_header(config, label, total if total is not None else len(results)),
-        **summarize(results, duration),
+        **summarize(results, run.duration),
+        **extra,
         "config": {
             **asdict(config),
             "num_conversations": len(conversations),
             "warmup": warmup,
+            "background_streams": background_streams if background else 0,
             "request_rate": None if config.request_rate == float("inf") else config.request_rate,
         },
-        "isolation_failures": isolation_failures(results),
-        "errors": sorted({r.error for r in results if r.error})[:20],
+        "isolation_failures": isolation_failures(results + run.background),
+        "errors": sorted({r.error for r in results + run.background if r.error})[:20],
         "server_memory": {"rss_before_bytes": rss_before, "rss_after_bytes": rss_after},
         # Per-request samples, for latency distribution plots.
         "samples": {
