@@ -323,3 +323,6 @@ class SavingFakeRunner(FakeRunner):
         self.restores.append(slot)
         self.streams[slot] = np.frombuffer(bytes(data), dtype=np.int32).tolist()
         return True
+
+    def kv_fingerprint(self) -> str:
+        return f"fake runner, {self.num_slots} slots of {self.max_seq_len}"

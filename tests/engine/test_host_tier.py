@@ -3,6 +3,8 @@ runner (whose output depends on the KV it holds, so a wrongly restored state cha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,11 +49,11 @@ def test_states_of_diverging_paths_are_matched_apart_and_evicted_least_recent_fi
     assert match_a is not None and match_b is not None
     assert (match_a.length, match_b.length) == (100, 80)
     assert match_a.leaf is not match_b.leaf
-    tier.record_restore(match_a, 100, 0.001)  # a is now the more recently used
+    assert tier.load(match_a) is not None  # a is now the more recently used
     c = list(range(300, 380))
     tier.save(c, lambda: _state(c))  # 80 more tokens' bytes: b, the least recent, goes
     assert tier.covers(a) and tier.covers(c) and not tier.covers(b[:60])
-    assert tier.counters.evictions == 1 and tier.counters.hits == 1
+    assert tier.counters.evictions == 1
     tier.check_integrity()
     assert tier.clear() == 180 and (tier.entries, tier.bytes) == (0, 0)
     assert tier.tree.num_nodes == 0
@@ -226,3 +228,80 @@ def test_random_workloads_give_the_text_of_no_cache_whatever_the_tiers_do(
         return texts
 
     assert run(True) == run(False)
+
+
+# ---- the disk tier beneath RAM ----------------------------------------------------------------
+
+
+def test_states_spill_to_disk_stay_matchable_and_survive_a_restart(tmp_path: Path) -> None:
+    def tier(ram: int) -> HostTier:
+        return HostTier(ram, tmp_path, "model-a", disk_budget_bytes=1 << 20)
+
+    first = tier(4 * 150)
+    a, b = list(range(100)), list(range(1000, 1100))
+    first.save(a, lambda: _state(a))
+    first.save(b, lambda: _state(b))  # RAM holds one: a goes to disk
+    assert first.bytes == 400 and first.disk is not None and len(first.disk) == 1
+    match = first.match([*a[:60], 5])
+    assert match is not None and match.length == 60
+    loaded = first.load(match)
+    assert loaded is not None and loaded[1] and loaded[0] == _state(a), "read back from disk"
+    assert first.bytes == 400 and len(first.disk) == 2, "a back in RAM pushed b to disk"
+    c = list(range(2000, 2100))
+    first.save(c, lambda: _state(c))  # a leaves RAM again: it is on disk already
+    assert first.counters.evictions == 3 and len(first.disk) == 2
+    first.check_integrity()
+    assert first.persist() == 1  # c, only in RAM, is written too
+    restarted = tier(4 * 150)
+    assert restarted.entries == 3 and restarted.bytes == 0
+    again = restarted.match([*b, 5])
+    assert again is not None and again.length == 100
+    assert restarted.load(again) == (_state(b), True)
+    restarted.check_integrity()
+    other = HostTier(4 * 150, tmp_path, "model-b", disk_budget_bytes=1 << 20)
+    assert other.entries == 0 and other.match([*a, 5]) is None, "another model's states"
+
+
+def test_a_damaged_file_is_a_miss_and_the_state_is_forgotten(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = HostTier(1 << 20, tmp_path, "model-a", disk_budget_bytes=1 << 20)
+    path = list(range(100))
+    first.save(path, lambda: bytearray(range(256)) * 2)
+    first.persist()
+    (tmp_path / "junk.kvstate").write_bytes(b"not a state")
+    for file in tmp_path.glob("*.kvstate"):
+        if file.name != "junk.kvstate":
+            data = bytearray(file.read_bytes())
+            data[-1] ^= 0xFF  # one flipped payload byte
+            file.write_bytes(data)
+    restarted = HostTier(1 << 20, tmp_path, "model-a", disk_budget_bytes=1 << 20)
+    match = restarted.match([*path, 1])
+    assert match is not None
+    assert restarted.load(match) is None
+    assert restarted.entries == 0 and restarted.match([*path, 1]) is None
+    assert "junk.kvstate" in caplog.text
+    restarted.check_integrity()
+
+
+def test_an_engine_restarted_on_the_same_folder_serves_the_prefix_from_disk(
+    tmp_path: Path,
+) -> None:
+    def core() -> tuple[EngineCore, SavingFakeRunner]:
+        return _two_slot_core(prefix_cache_ram=1 << 20, prefix_cache_dir=str(tmp_path))
+
+    first, _ = core()
+    prompt = SYSTEM + "Question four?"
+    submit(first, "a", prompt, max_tokens=12)
+    text = text_of(run_to_completion(first)["a"])
+    first.close()  # persists the slots' content
+    (tmp_path / "garbage.bin").write_bytes(b"\x00" * 100)
+    second, runner = core()
+    submit(second, "b", prompt, max_tokens=12)
+    again = run_to_completion(second)["b"]
+    assert text_of(again) == text and again[-1].num_cached_tokens == len(prompt) - 1
+    stats = second.snapshot().prefix_cache
+    assert stats.disk_hits == 1 and stats.disk_hit_tokens == len(prompt) - 1
+    assert stats.as_dict()["tiers"]["disk"]["states"] >= 1  # type: ignore[index]
+    assert len(runner.restores) == 1
+    assert_kv_consistent(second, runner)

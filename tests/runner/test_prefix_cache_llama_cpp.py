@@ -3,6 +3,8 @@ does not change when prompts reuse cached KV (E4 with E8)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
@@ -186,3 +188,18 @@ def test_a_prefix_pushed_out_of_every_slot_comes_back_from_host_ram(
     stats = core.snapshot().prefix_cache
     assert stats.host_hits == 1 and stats.host_hit_tokens == cached
     assert stats.host_saves >= 1 and stats.host_bytes > 0 and stats.host_restore_seconds > 0
+
+
+def test_prefixes_saved_to_a_folder_serve_a_new_engine_from_disk(
+    runner: LlamaCppRunner, tmp_path: Path
+) -> None:
+    config = EngineConfig(num_slots=2, prefix_cache_ram=1 << 30, prefix_cache_dir=str(tmp_path))
+    prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a square number?")
+    first_core = EngineCore(runner, config)
+    first, _ = _run(first_core, {"a": prompt}, 16)["a"]
+    assert first_core.prefix_cache.persist() == 1  # what a graceful stop does
+    core = EngineCore(runner, config)  # empties every slot: only the folder remembers
+    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    assert cached == len(prompt) - GRAIN and again == first
+    stats = core.snapshot().prefix_cache
+    assert stats.disk_hits == 1 and stats.disk_hit_tokens == cached and stats.disk_states == 1

@@ -187,3 +187,33 @@ def test_a_busy_servers_prefix_comes_back_from_host_ram(
         assert f"{tier} {float(cached)}" in text
     finally:
         stop_server(busy)
+
+
+def test_a_restart_on_the_same_prefix_cache_dir_serves_the_prompt_from_disk(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> None:
+    folder = tmp_path_factory.mktemp("kv-states")
+    (folder / "left-by-someone.kvstate").write_bytes(b"garbage")  # ignored, never a crash
+    messages = _chat([{"role": "user", "content": "Which step comes last?"}])
+
+    def serve_once() -> tuple[str, int, dict[str, Any]]:
+        server = start_server(
+            tmp_path_factory.mktemp("restart"), "--slots", "2", "--prefix-cache-dir", str(folder)
+        )
+        try:
+            client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+            return reply.choices[0].message.content or "", cached, _stats(server)["tiers"]
+        finally:
+            stop_server(server)  # a graceful stop writes the cached prefixes to the folder
+
+    first, cold, _ = serve_once()
+    assert cold == 0
+    again, cached, tiers = serve_once()
+    assert again == first and cached > 0
+    assert tiers["disk"]["hits"] == 1 and tiers["disk"]["hit_tokens"] == cached
+    assert tiers["disk"]["bad_files"] >= 1

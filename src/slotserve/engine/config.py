@@ -127,6 +127,20 @@ class EngineConfig:
         "restored into a slot on a later hit instead of computed again: bytes (8GiB; 0: off); "
         "default: a quarter of the free RAM at start, at most 8 GiB",
     )
+    prefix_cache_dir: str | None = option(
+        None,
+        help="directory for a disk tier beneath --prefix-cache-ram: states leaving RAM, and "
+        "every cached prefix at shutdown, are kept there and reused by a later start of the "
+        "same model (servers may share it; default off)",
+    )
+    prefix_cache_dir_size: int | None = option(
+        None,
+        parse=parse_bytes,
+        wire=int | str,
+        ge=0,
+        help="most bytes the disk tier keeps (64GiB); default: a quarter of the free space of "
+        "its filesystem at start, at most 64 GiB",
+    )
     prefix_wait_min_tokens: int = option(
         256,
         ge=1,

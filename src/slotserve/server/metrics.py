@@ -365,7 +365,9 @@ class PrefixCacheCollector(Collector):
                         families[name] = kind(name, documentation, labels=["model_name"])
                     families[name].add_metric([model], value)
             tiers = {"slots": (s.hit_tokens - s.host_hit_tokens, s.cached_bytes)}
-            tiers["host_ram"] = (s.host_hit_tokens, s.host_bytes)
+            # Hits restored from disk are host hits whose state was read from a file.
+            tiers["host_ram"] = (s.host_hit_tokens - s.disk_hit_tokens, s.host_bytes)
+            tiers["disk"] = (s.disk_hit_tokens, s.disk_bytes)
             for name, kind, documentation, index in (
                 (
                     PREFIX_CACHE_TIER_HITS,

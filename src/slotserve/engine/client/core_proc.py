@@ -59,7 +59,7 @@ def run_engine_core(
         last_word = wire.Crashed(f"engine loop crashed: {type(exc).__name__}: {exc}")
     finally:
         with contextlib.suppress(Exception):
-            core.runner.close()
+            core.close()
         outbox.send(wire.encode(last_word))
         outbox.close(linger=5000)
         inbox.close(linger=0)

@@ -126,7 +126,7 @@ class InprocClient(ClientState):
             self.core.add_request(request)
         self._deliver(self.core.fail_all(reason, FailureKind.ENGINE_STOPPED))
         self._refuse_flushes(reason)
-        self.core.runner.close()
+        self.core.close()
 
     # ---- engine thread ----------------------------------------------------------------------
 

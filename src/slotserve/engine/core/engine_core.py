@@ -279,6 +279,19 @@ class EngineCore:
             return 0
         return self.prefix_cache.flush()
 
+    def close(self) -> None:
+        """Saves what the prefix cache can hand to the next start (a disk tier), then closes
+        the runner. A runner that failed is not read: its KV may not be what the cache says."""
+        if self.unhealthy is None:
+            try:
+                saved = self.prefix_cache.persist()
+            except Exception:
+                logger.exception("could not save the prefix cache at shutdown")
+            else:
+                if saved:
+                    logger.info("saved %d cached prefixes to disk", saved)
+        self.runner.close()
+
     def check_integrity_when_idle(self) -> None:
         """Runs :meth:`check_integrity`, counting and logging a failure instead of raising."""
         self.counters.integrity_checks += 1

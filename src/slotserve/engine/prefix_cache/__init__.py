@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from pathlib import Path
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # llama-server's --cache-ram default: the most host RAM the tier takes unless told otherwise.
 DEFAULT_HOST_RAM_CAP = 8 * 2**30
+DEFAULT_DISK_CAP = 64 * 2**30
 
 
 def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
@@ -52,12 +55,46 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
         return PagedPrefixCache(
             runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token
         )
-    host = None
+    return SlotPrefixCache(
+        runner,
+        config.num_slots,
+        policy,
+        budget,
+        info.kv_bytes_per_token,
+        _host_tier(runner, config) if isinstance(runner, SavableKvStore) else None,
+    )
+
+
+def _host_tier(runner: SavableKvStore, config: EngineConfig) -> HostTier | None:
     ram = config.prefix_cache_ram
     if ram is None:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         ram = min(DEFAULT_HOST_RAM_CAP, free // 4)
-    if ram > 0 and isinstance(runner, SavableKvStore):
-        host = HostTier(ram)
-        logger.info("prefix cache host-RAM tier: up to %.1f MiB", ram / 2**20)
-    return SlotPrefixCache(runner, config.num_slots, policy, budget, info.kv_bytes_per_token, host)
+    directory = config.prefix_cache_dir
+    if ram == 0:
+        if directory is not None:
+            logger.warning(
+                "--prefix-cache-dir is ignored: its states pass through RAM, and "
+                "--prefix-cache-ram is 0"
+            )
+        return None
+    logger.info("prefix cache host-RAM tier: up to %.1f MiB", ram / 2**20)
+    if directory is None:
+        return HostTier(ram)
+    disk_budget = config.prefix_cache_dir_size
+    if disk_budget is None:
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            disk_budget = min(DEFAULT_DISK_CAP, shutil.disk_usage(directory).free // 4)
+        except OSError as exc:
+            logger.warning("prefix cache disk tier off: %s is not usable (%s)", directory, exc)
+            return HostTier(ram)
+    tier = HostTier(ram, Path(directory), runner.kv_fingerprint(), disk_budget)
+    assert tier.disk is not None
+    logger.info(
+        "prefix cache disk tier in %s: up to %.1f GiB, %d states found",
+        directory,
+        disk_budget / 2**30,
+        len(tier.disk),
+    )
+    return tier

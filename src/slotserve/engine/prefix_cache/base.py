@@ -68,6 +68,16 @@ class PrefixCacheStats:
     host_evictions: int = 0
     host_restore_seconds: float = 0.0
     host_save_seconds: float = 0.0
+    # The disk tier beneath host RAM (``disk_tier.py``); zero when there is none.
+    disk_budget_bytes: int = 0
+    disk_bytes: int = 0
+    disk_states: int = 0
+    disk_hits: int = 0  # ... of the host hits, those whose state was read from disk
+    disk_hit_tokens: int = 0
+    disk_writes: int = 0
+    disk_write_seconds: float = 0.0
+    disk_read_seconds: float = 0.0
+    disk_bad_files: int = 0  # truncated, damaged or unreadable files ignored
 
     @property
     def hit_rate(self) -> float:
@@ -106,7 +116,7 @@ class PrefixCacheStats:
                     "hit_tokens": self.hit_tokens - self.host_hit_tokens,
                     "bytes": self.cached_bytes,
                 },
-                "host_ram": {
+                "host_ram": {  # hits counted here include those read back from disk
                     "hits": self.host_hits,
                     "hit_tokens": self.host_hit_tokens,
                     "bytes": self.host_bytes,
@@ -117,6 +127,17 @@ class PrefixCacheStats:
                     "evictions": self.host_evictions,
                     "restore_seconds": self.host_restore_seconds,
                     "save_seconds": self.host_save_seconds,
+                },
+                "disk": {
+                    "hits": self.disk_hits,
+                    "hit_tokens": self.disk_hit_tokens,
+                    "bytes": self.disk_bytes,
+                    "budget_bytes": self.disk_budget_bytes,
+                    "states": self.disk_states,
+                    "writes": self.disk_writes,
+                    "write_seconds": self.disk_write_seconds,
+                    "read_seconds": self.disk_read_seconds,
+                    "bad_files": self.disk_bad_files,
                 },
             },
         }
@@ -163,6 +184,10 @@ class PrefixCache(Protocol):
 
     def flush(self) -> int:
         """Evicts every cached prefix no running sequence uses; returns the tokens freed."""
+        ...
+
+    def persist(self) -> int:
+        """At shutdown: saves what a next start can reuse (a disk tier); returns states."""
         ...
 
     def held_tokens(self, slot: int) -> list[int]:
@@ -213,6 +238,9 @@ class TreePrefixCache(Generic[H]):
         while evicted := self.evict_unused():
             freed += evicted
         return freed
+
+    def persist(self) -> int:
+        return 0
 
     def _count_lookup(self, prompt_length: int, reused: int) -> None:
         self.query_tokens += prompt_length
@@ -299,6 +327,9 @@ class NullPrefixCache:
         return 0
 
     def flush(self) -> int:
+        return 0
+
+    def persist(self) -> int:
         return 0
 
     def held_tokens(self, slot: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The prefix cache's host-RAM tier: sequence states saved out of KV slots before their content
+"""The prefix cache's host tiers: sequence states saved out of KV slots before their content
 is lost, so that a later prompt with the same prefix restores them instead of computing.
 
 A saved state covers positions ``0 .. n-1`` of one token path (a slot's whole content, as the
@@ -7,24 +7,32 @@ a state ends at a leaf, and a prompt matching ``m`` tokens of a path can restore
 trim it to ``m``. Saving a path that extends a saved one replaces it (the longer state covers
 the shorter); saving a path another state already covers keeps nothing new.
 
-The budget is in bytes; the least recently saved or restored states go first.
+States live in host RAM (a budget in bytes, least recently used out first) and, with a
+directory, on disk beneath it (``disk_tier.py``): a state leaving RAM is written there and
+stays matchable; a hit on it reads it back into RAM. At start the tree is rebuilt from the
+directory's states of the same model, and ``persist`` writes what is only in RAM at shutdown.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 
 
 @dataclass(eq=False)
 class SavedState:
-    """One sequence state in host memory: the runner's bytes for ``num_tokens`` positions."""
+    """One sequence state: the runner's bytes for ``num_tokens`` positions, in RAM (``data``),
+    in a file (``on_disk``) or both."""
 
     num_tokens: int
-    data: bytearray
+    data: bytearray | None
+    on_disk: DiskEntry | None = None
 
 
 HostNode = TreeNode[SavedState | None]
@@ -49,6 +57,8 @@ class HostTierCounters:
 
     hits: int = 0  # sequences whose cached prefix was restored from host memory
     hit_tokens: int = 0
+    disk_hits: int = 0  # ... of which the state was read from disk
+    disk_hit_tokens: int = 0
     saves: int = 0
     saved_tokens: int = 0
     evictions: int = 0
@@ -57,14 +67,32 @@ class HostTierCounters:
 
 
 class HostTier:
-    """Engine-thread only."""
+    """Engine-thread only. ``disk_dir``: the directory of the disk tier beneath RAM (None:
+    none), whose files are this ``fingerprint``'s (the model's, runner's and KV layout's)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        disk_dir: Path | None = None,
+        fingerprint: str = "",
+        disk_budget_bytes: int = 0,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.tree: RadixTree[SavedState | None] = RadixTree(lambda: None, _state_ends_below)
-        self.bytes = 0
-        self.entries = 0
+        self.bytes = 0  # of the states in RAM
+        self.entries = 0  # states, in RAM or on disk
         self.counters = HostTierCounters()
+        self._in_ram: OrderedDict[HostNode, None] = OrderedDict()  # least recently used first
+        self._on_disk: dict[tuple[int, ...], HostNode] = {}
+        self.disk: DiskTier | None = None
+        if disk_dir is not None:
+            self.disk = DiskTier(
+                disk_dir, fingerprint, disk_budget_bytes, on_drop=self._dropped_from_disk
+            )
+            for entry in self.disk.entries():  # least recently used first
+                self._index(entry)
+
+    # ---- lookup -------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int]) -> HostMatch | None:
         """The longest prefix of ``tokens`` a saved state covers; None when none does."""
@@ -78,6 +106,28 @@ class HostTier:
         """True when a saved state already holds every token of ``path``."""
         return self.tree.match_prefix(path).length == len(path)
 
+    def load(self, match: HostMatch) -> tuple[bytearray, bool] | None:
+        """The bytes of the state at ``match.leaf`` and whether they came from disk (they are
+        then kept in RAM again); None when its file is gone or damaged (the state is then
+        forgotten)."""
+        leaf, state = match.leaf, match.leaf.value
+        assert state is not None, "loading from a node without a saved state"
+        if state.data is not None:
+            self._in_ram.move_to_end(leaf)
+            return state.data, False
+        assert self.disk is not None and state.on_disk is not None
+        data = self.disk.read(state.on_disk)  # a bad file reaches _dropped_from_disk
+        if data is None:
+            return None
+        if len(data) <= self.budget_bytes:
+            state.data = data
+            self.bytes += len(data)
+            self._in_ram[leaf] = None
+            self._evict_ram(keep=leaf)
+        return data, True
+
+    # ---- saving -------------------------------------------------------------------------------
+
     def save(self, path: Sequence[int], write: Callable[[], bytearray]) -> bool:
         """Keeps the state ``write()`` returns for ``path`` unless one already covers it or it
         cannot fit the budget; returns whether it was kept."""
@@ -88,6 +138,49 @@ class HostTier:
         self.counters.save_seconds += time.perf_counter() - started
         if len(data) > self.budget_bytes:
             return False
+        node = self._insert(path, SavedState(len(path), data))
+        self.bytes += len(data)
+        self._in_ram[node] = None
+        self.counters.saves += 1
+        self.counters.saved_tokens += len(path)
+        self._evict_ram()
+        return True
+
+    def persist(self) -> int:
+        """Writes every state only in RAM to the disk tier (at shutdown); returns how many."""
+        written = 0
+        if self.disk is None:
+            return written
+        for node in list(self._in_ram):
+            state = node.value
+            if state is not None and state.on_disk is None and self._write(node, state):
+                written += 1
+        return written
+
+    def record_restore(
+        self, match: HostMatch, tokens: int, seconds: float, from_disk: bool
+    ) -> None:
+        """Counts a hit of ``tokens`` restored from ``match`` in ``seconds``."""
+        self.counters.hits += 1
+        self.counters.hit_tokens += tokens
+        self.counters.restore_seconds += seconds
+        if from_disk:
+            self.counters.disk_hits += 1
+            self.counters.disk_hit_tokens += tokens
+
+    def clear(self) -> int:
+        """Drops every saved state, files included; returns the tokens they covered."""
+        freed = 0
+        for node in [n for n in self.tree.subtree(self.tree.root) if n.value is not None]:
+            freed += node.end
+            self._forget(node)
+        if self.disk is not None:
+            self.disk.clear()
+        return freed
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+
+    def _insert(self, path: Sequence[int], state: SavedState) -> HostNode:
         node = self.tree.insert(path)
         assert node.value is None and node.is_leaf, "a covered path was saved twice"
         # States of the path's own prefixes are covered by this one now.
@@ -96,67 +189,89 @@ class HostTier:
             if walk.value is not None:
                 self._forget(walk)
             walk = walk.parent
-        node.value = SavedState(len(path), data)
-        self.bytes += len(data)
+        node.value = state
         self.entries += 1
-        self.counters.saves += 1
-        self.counters.saved_tokens += len(path)
-        self._evict_over(self.budget_bytes)
+        if state.on_disk is not None:
+            self._on_disk[state.on_disk.tokens] = node
+        # The tree's eviction heap is not used here: keep its stale entries bounded.
+        self.tree.evict(0, lambda _: None)
+        return node
+
+    def _index(self, entry: DiskEntry) -> None:
+        """Makes a state found on disk at start matchable."""
+        assert self.disk is not None
+        if self.covers(entry.tokens):
+            self.disk.remove(entry)  # a longer state holds all of it
+            return
+        self._insert(entry.tokens, SavedState(len(entry.tokens), None, entry))
+
+    def _evict_ram(self, keep: HostNode | None = None) -> None:
+        """Moves the least recently used states out of RAM until the rest fit the budget:
+        to disk when there is one (they stay matchable), else out of the tier."""
+        for node in list(self._in_ram):
+            if self.bytes <= self.budget_bytes:
+                return
+            state = node.value
+            if node is keep or state is None or state.data is None:
+                continue
+            if state.on_disk is None and self.disk is not None:
+                self._write(node, state)
+            self.bytes -= len(state.data)
+            state.data = None
+            del self._in_ram[node]
+            self.counters.evictions += 1
+            if state.on_disk is None:
+                self._forget(node)
+
+    def _write(self, node: HostNode, state: SavedState) -> bool:
+        assert self.disk is not None and state.data is not None
+        entry = self.disk.write(self.tree.path_tokens(node), state.data)
+        if entry is None:
+            return False
+        state.on_disk = entry
+        self._on_disk[entry.tokens] = node
         return True
 
-    def record_restore(self, match: HostMatch, tokens: int, seconds: float) -> None:
-        """Counts a hit of ``tokens`` restored from ``match`` in ``seconds``; the state becomes
-        the most recently used (unless saving the slot's old content just replaced it)."""
-        self.counters.hits += 1
-        self.counters.hit_tokens += tokens
-        self.counters.restore_seconds += seconds
-        if match.leaf.parent is not None:
-            self.tree.match_prefix(self.tree.path_tokens(match.leaf))
-
-    def clear(self) -> int:
-        """Drops every saved state; returns the tokens they covered."""
-        return self._evict_over(0)
-
-    def _evict_over(self, budget: int) -> int:
-        """Drops the least recently used states until they take at most ``budget`` bytes;
-        returns the tokens they covered."""
-        freed = 0
-        parents: list[HostNode] = []
-
-        def drop(node: HostNode) -> None:
-            nonlocal freed
-            freed += self._drop_state(node)
-            self.counters.evictions += 1
-            assert node.parent is not None
-            parents.append(node.parent)
-
-        while self.bytes > budget and self.tree.evict(1, drop):
-            while parents:  # an inner node left without children holds nothing
-                self.tree.prune(parents.pop())
-        return freed
+    def _dropped_from_disk(self, entry: DiskEntry) -> None:
+        """The disk tier evicted a file or found it bad: a state only there is gone."""
+        node = self._on_disk.pop(entry.tokens, None)
+        if node is None or node.value is None:
+            return
+        node.value.on_disk = None
+        if node.value.data is None:
+            self._forget(node)
 
     def _forget(self, node: HostNode) -> None:
-        """Drops an inner node's state (a longer one now covers it)."""
-        self._drop_state(node)
-        self.tree.prune(node)
-
-    def _drop_state(self, node: HostNode) -> int:
+        """Drops a node's state wherever it is kept, and the node if nothing else needs it."""
         state = node.value
         assert state is not None
         node.value = None
-        self.bytes -= len(state.data)
         self.entries -= 1
-        return state.num_tokens
+        if state.data is not None:
+            self.bytes -= len(state.data)
+            self._in_ram.pop(node, None)
+        if state.on_disk is not None:
+            self._on_disk.pop(state.on_disk.tokens, None)
+            if self.disk is not None:
+                self.disk.remove(state.on_disk)
+        self.tree.prune(node)
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` when the tree and the byte and entry counts disagree."""
+        """Raises ``AssertionError`` when the tree, the RAM and disk indexes and the counts
+        disagree."""
         self.tree.check_integrity()
-        states = [n.value for n in self.tree.subtree(self.tree.root) if n.value is not None]
-        assert len(states) == self.entries, f"{len(states)} saved states, count {self.entries}"
-        total = sum(len(s.data) for s in states)
-        assert total == self.bytes, f"saved states take {total} bytes, count {self.bytes}"
-        assert self.bytes <= self.budget_bytes, f"{self.bytes} bytes over {self.budget_bytes}"
-        for node in self.tree.subtree(self.tree.root):
-            if node.value is not None:
-                assert node.is_leaf, f"a saved state ends at an inner node ({node.end} tokens)"
-                assert node.value.num_tokens == node.end, "a state's length is not its path's"
+        nodes = [n for n in self.tree.subtree(self.tree.root) if n.value is not None]
+        assert len(nodes) == self.entries, f"{len(nodes)} saved states, count {self.entries}"
+        in_ram = [n for n in nodes if n.value is not None and n.value.data is not None]
+        assert set(in_ram) == set(self._in_ram), "the RAM order and the states disagree"
+        total = sum(len(n.value.data) for n in in_ram if n.value and n.value.data is not None)
+        assert total == self.bytes, f"states in RAM take {total} bytes, count {self.bytes}"
+        on_disk = {n.value.on_disk.tokens: n for n in nodes if n.value and n.value.on_disk}
+        assert on_disk == self._on_disk, "the disk index and the states disagree"
+        for node in nodes:
+            state = node.value
+            assert state is not None and node.is_leaf, f"a state ends inside ({node.end})"
+            assert state.num_tokens == node.end, "a state's length is not its path's"
+            assert state.data is not None or state.on_disk is not None, "a state kept nowhere"
+            if state.on_disk is not None:
+                assert self.disk is not None and self.disk.get(state.on_disk.tokens) is not None

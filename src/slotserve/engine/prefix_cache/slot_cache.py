@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
@@ -81,6 +81,11 @@ class SavableKvStore(KvStore, Protocol):
         (its content is still to be copied to another slot in this step)."""
         ...
 
+    def kv_fingerprint(self) -> str:
+        """What a saved state is only valid for: the model's weights, the runner, its KV
+        layout and dtype (the disk tier keeps states of one fingerprint apart)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TieredMatch(Match[Holders]):
@@ -89,6 +94,23 @@ class TieredMatch(Match[Holders]):
 
     in_slots: int = 0
     saved: HostMatch | None = None
+
+
+def _disk_stats(host: HostTier) -> dict[str, Any]:
+    disk, c = host.disk, host.counters
+    if disk is None:
+        return {}
+    return {
+        "disk_budget_bytes": disk.budget_bytes,
+        "disk_bytes": disk.bytes,
+        "disk_states": len(disk),
+        "disk_hits": c.disk_hits,
+        "disk_hit_tokens": c.disk_hit_tokens,
+        "disk_writes": disk.counters.writes,
+        "disk_write_seconds": disk.counters.write_seconds,
+        "disk_read_seconds": disk.counters.read_seconds,
+        "disk_bad_files": disk.counters.bad_files,
+    }
 
 
 def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
@@ -184,21 +206,23 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         return length
 
     def _restore(self, slot: int, match: TieredMatch, length: int) -> bool:
-        """Makes free ``slot``'s KV the saved state's first ``length`` tokens; False (the slot
-        then holds nothing the tree records) when the runner could not restore it."""
-        assert self.host is not None and match.saved is not None
-        state = match.saved.leaf.value
-        assert state is not None, "the host tier changed between match and attach"
-        self._save(slot)  # may drop that state from the tier: ``state`` still holds it
-        self._forget(slot)
-        kv = self.kv
-        assert isinstance(kv, SavableKvStore)
+        """Makes free ``slot``'s KV the saved state's first ``length`` tokens. False when the
+        state could not be read (the slot is untouched) or the runner could not restore it
+        (the slot then holds nothing the tree records)."""
+        host, kv = self.host, self.kv
+        assert host is not None and match.saved is not None and isinstance(kv, SavableKvStore)
         started = time.perf_counter()
-        if not kv.restore_kv(slot, state.data):
+        loaded = host.load(match.saved)
+        if loaded is None:
+            return False
+        data, from_disk = loaded
+        self._save(slot)  # may move that state out of RAM: ``data`` still holds it
+        self._forget(slot)
+        if not kv.restore_kv(slot, data):
             kv.trim_kv(slot, 0)
             return False
         kv.trim_kv(slot, length)
-        self.host.record_restore(match.saved, length, time.perf_counter() - started)
+        host.record_restore(match.saved, length, time.perf_counter() - started, from_disk)
         return True
 
     def _save(self, slot: int, kept: int = 0) -> None:
@@ -293,6 +317,18 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             node = node.parent
         return exclusive
 
+    def persist(self) -> int:
+        """Saves every cached prefix to the disk tier, if there is one (at shutdown: the next
+        start with the same model finds them); returns the states written."""
+        host = self.host
+        if host is None or host.disk is None:
+            return 0
+        for node in list(self.tree.subtree(self.tree.root)):
+            free = node.value - self._running  # a running slot's KV holds more than the path
+            if node.is_leaf and free and node.parent is not None:
+                self._save_path(min(free), node.end, node.end)
+        return host.persist()
+
     def flush(self) -> int:
         """Evicts every unused cached prefix, saved states included; returns the tokens."""
         host, self.host = self.host, None  # what a flush evicts is not saved
@@ -322,6 +358,7 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             host_evictions=c.evictions,
             host_restore_seconds=c.restore_seconds,
             host_save_seconds=c.save_seconds,
+            **_disk_stats(host),
         )
 
     def held_tokens(self, slot: int) -> list[int]:

@@ -41,6 +41,7 @@ from slotserve.engine.runner_interface import (
     VerifyCost,
 )
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.llama_cpp.metadata import kv_shape, pooling_of, sampling_defaults
 from slotserve.runners.llama_cpp.sampling import build_chain, with_logprobs
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
@@ -148,6 +149,8 @@ class LlamaCppRunner:
         self._pools = PromptPools(pooling)
         self._n_embd = llama.llama_model_n_embd(self._model)
         self._decode_seconds = 0.0
+        self._model_path = path
+        self._flash_attn = flash_attn
         self._stream_copy_sources: set[int] = set()  # slots a pending stream copy reads
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
@@ -386,6 +389,20 @@ class LlamaCppRunner:
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {slot}")
         return data
+
+    def kv_fingerprint(self) -> str:
+        # A state holds every stream's cell layout and the KV as this context stores it.
+        info = self._info
+        return ";".join(
+            (
+                "llama.cpp",
+                llama.__version__,
+                weights_fingerprint(self._model_path),
+                f"slots={info.num_slots}",
+                f"ctx={info.max_seq_len}",
+                f"flash_attn={self._flash_attn}",
+            )
+        )
 
     def restore_kv(self, slot: int, data: bytearray) -> bool:
         # The state is written into the stream at once, while a copy out of it waits for the

@@ -1,0 +1,454 @@
+"""The prefix cache's disk tier on its own: round trips, restarts, a shared directory, damaged
+and vanished files, the byte budget, and a failing disk."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from slotserve.engine.prefix_cache import disk_tier
+from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
+
+FINGERPRINT = "smollm2-135m|llama.cpp|f16|kv-layout-1"
+OTHER_FINGERPRINT = "gemma3-270m|llama.cpp|f16|kv-layout-1"
+LOGGER = disk_tier.__name__
+
+
+def _payload(n: int, seed: int = 0) -> bytearray:
+    return bytearray(random.Random(seed).randbytes(n))
+
+
+def _path(start: int, n: int = 20) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _state_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.kvstate"))
+
+
+def _temp_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".*.tmp"))
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def directory(tmp_path: Path) -> Path:
+    return tmp_path / "kv"
+
+
+@pytest.fixture(autouse=True)
+def _capture(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+
+
+# ---- round trip and restart -------------------------------------------------------------------
+
+
+def test_a_written_state_reads_back_and_takes_its_file_size(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    data = _payload(5000)
+    entry = tier.write(_path(0), data)
+    assert entry is not None
+    assert (entry.tokens, entry.payload_bytes) == (tuple(_path(0)), 5000)
+    assert entry.path.parent == directory and entry.path.stat().st_size == entry.file_bytes
+    assert tier.bytes == entry.file_bytes and len(tier) == 1
+    assert tier.get(_path(0)) is entry and tier.get(_path(1)) is None
+    assert _temp_files(directory) == []
+    got = tier.read(entry)
+    assert isinstance(got, bytearray) and got == data
+    c = tier.counters
+    assert (c.writes, c.written_bytes, c.reads, c.read_bytes) == (1, 5000, 1, 5000)
+    assert c.write_seconds > 0 and c.read_seconds > 0
+
+
+def test_any_contiguous_buffer_is_written_as_its_bytes(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    words = array("i", range(1000))
+    entry = tier.write(_path(0), memoryview(words))
+    assert entry is not None and entry.payload_bytes == 4000
+    assert tier.read(entry) == bytearray(words.tobytes())
+
+
+def test_an_empty_state_round_trips(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    entry = tier.write([7], b"")
+    assert entry is not None
+    assert DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).read(entry) == bytearray()
+
+
+def test_a_server_started_later_finds_the_states(directory: Path) -> None:
+    first = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    written = {start: _payload(1000 + start, seed=start) for start in (0, 100, 200)}
+    for start, data in written.items():
+        assert first.write(_path(start), data) is not None
+    later = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    assert [e.tokens for e in later.entries()] == [tuple(_path(s)) for s in written]
+    assert later.bytes == first.bytes
+    for entry, (start, data) in zip(later.entries(), written.items(), strict=True):
+        assert entry.payload_bytes == len(data)
+        assert later.read(entry) == data, start
+
+
+def test_writing_the_same_tokens_again_replaces_the_state(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    assert tier.write(_path(0), _payload(1000, seed=1)) is not None
+    entry = tier.write(_path(0), _payload(3000, seed=2))
+    assert entry is not None and len(tier) == 1 and tier.bytes == entry.file_bytes
+    assert len(_state_files(directory)) == 1
+    assert tier.read(entry) == _payload(3000, seed=2)
+
+
+# ---- a shared directory -----------------------------------------------------------------------
+
+
+def test_another_models_states_are_neither_indexed_nor_deleted(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    assert ours.write(_path(0), _payload(1000)) is not None
+    theirs = DiskTier(directory, OTHER_FINGERPRINT, budget_bytes=1 << 20)
+    assert theirs.entries() == [] and theirs.bytes == 0
+    theirs_entry = theirs.write(_path(0), _payload(2000))  # the same tokens: another file
+    assert theirs_entry is not None
+    assert len(_state_files(directory)) == 2
+    # Even a budget that fits none of ours leaves their file alone, and clear too.
+    assert DiskTier(directory, FINGERPRINT, budget_bytes=0).entries() == []
+    assert DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).clear() == 0
+    assert _state_files(directory) == [theirs_entry.path]
+    assert theirs.read(theirs_entry) == _payload(2000)
+    assert _warnings(caplog) == []
+
+
+def test_two_servers_writing_the_same_tokens_leave_one_whole_file(directory: Path) -> None:
+    tiers = [DiskTier(directory, FINGERPRINT, budget_bytes=1 << 26) for _ in range(2)]
+    payloads = [_payload(4 << 20, seed=s) for s in range(2)]
+    for _ in range(3):
+        barrier = threading.Barrier(2)
+        results: list[DiskEntry | None] = [None, None]
+
+        def write(
+            i: int,
+            barrier: threading.Barrier = barrier,
+            results: list[DiskEntry | None] = results,
+        ) -> None:
+            barrier.wait()
+            results[i] = tiers[i].write(_path(0), payloads[i])
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all(r is not None for r in results)
+        assert len(_state_files(directory)) == 1 and _temp_files(directory) == []
+        # Whichever rename came last won; each server reads that one through its own entry.
+        winner = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 26)
+        (entry,) = winner.entries()
+        data = winner.read(entry)
+        assert data in payloads
+        for tier in tiers:
+            own = tier.get(_path(0))
+            assert own is not None and tier.read(own) == data
+
+
+def test_clear_deletes_the_states_another_server_wrote_since_the_scan(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    other = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    assert tier.write(_path(0), _payload(100)) is not None
+    assert other.write(_path(100), _payload(100)) is not None
+    assert DiskTier(directory, OTHER_FINGERPRINT, budget_bytes=1 << 20).write(
+        _path(0), _payload(100)
+    )
+    assert tier.clear() == 2
+    assert (len(tier), tier.bytes) == (0, 0)
+    assert len(_state_files(directory)) == 1  # the other model's
+
+
+def test_remove_deletes_the_file_and_a_removed_entry_reads_as_a_quiet_miss(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    entry = tier.write(_path(0), _payload(100))
+    assert entry is not None
+    tier.remove(entry)
+    assert not entry.path.exists() and (len(tier), tier.bytes) == (0, 0)
+    tier.remove(entry)  # twice is harmless
+    assert tier.read(entry) is None
+    assert _warnings(caplog) == []
+
+
+def test_stale_temp_files_of_this_model_are_removed_and_live_ones_kept(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    entry = tier.write(_path(0), _payload(100))
+    assert entry is not None
+    stale = directory / f".{entry.path.name}.123.0badc0de.tmp"
+    live = directory / f".{entry.path.name}.456.0123abcd.tmp"
+    theirs = directory / f".{'0' * 16}-{'1' * 32}.kvstate.789.00000000.tmp"
+    for path in (stale, live, theirs):
+        path.write_bytes(b"partial")
+    long_ago = time.time() - 2 * 3600
+    for path in (stale, theirs):
+        os.utime(path, (long_ago, long_ago))
+    assert len(DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)) == 1
+    assert not stale.exists() and live.exists() and theirs.exists()
+    assert _warnings(caplog) == []
+
+
+# ---- damaged and vanished files ---------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _flip_payload_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(raw)
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(_payload(path.stat().st_size, seed=99))
+
+
+def _header_only(path: Path) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) - 1000])
+
+
+def _bad_json(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[16] = ord("[")
+    path.write_bytes(raw)
+
+
+def _tokens_of_another_state(path: Path) -> None:
+    other = DiskTier(path.parent.parent / "elsewhere", FINGERPRINT, budget_bytes=1 << 20)
+    entry = other.write(_path(500), _payload(1000))
+    assert entry is not None
+    os.replace(entry.path, path)
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "truncated": _truncate,
+    "payload byte flipped": _flip_payload_byte,
+    "empty": _empty,
+    "garbage": _garbage,
+    "no payload": _header_only,
+    "bad header": _bad_json,
+    "another state": _tokens_of_another_state,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_a_damaged_file_is_a_warned_miss_and_is_deleted(
+    directory: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    dropped: list[DiskEntry] = []
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20, on_drop=dropped.append)
+    entry = tier.write(_path(0), _payload(1000))
+    kept = tier.write(_path(100), _payload(1000, seed=1))
+    assert entry is not None and kept is not None
+    DAMAGE[damage](entry.path)
+    assert tier.read(entry) is None
+    (message,) = _warnings(caplog)
+    assert entry.path.name in message
+    assert dropped == [entry] and tier.entries() == [kept] and tier.bytes == kept.file_bytes
+    assert not entry.path.exists() and tier.counters.bad_files == 1
+    assert tier.read(kept) == _payload(1000, seed=1)
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_a_damaged_file_found_at_start_is_ignored_with_a_warning(
+    directory: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    first = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    entry = first.write(_path(0), _payload(1000))
+    kept = first.write(_path(100), _payload(1000, seed=1))
+    assert entry is not None and kept is not None
+    DAMAGE[damage](entry.path)
+    later = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    if damage == "payload byte flipped":
+        # The scan reads headers only; the read catches the payload's damage.
+        assert len(later) == 2 and _warnings(caplog) == []
+        found = later.get(_path(0))
+        assert found is not None and later.read(found) is None
+    else:
+        assert [e.tokens for e in later.entries()] == [kept.tokens]
+    (message,) = _warnings(caplog)
+    assert entry.path.name in message
+    assert later.counters.bad_files == 1 and not entry.path.exists()
+    assert later.bytes == kept.file_bytes
+
+
+def test_a_file_deleted_behind_the_tiers_back_is_a_warned_miss(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dropped: list[DiskEntry] = []
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20, on_drop=dropped.append)
+    entry = tier.write(_path(0), _payload(1000))
+    assert entry is not None
+    entry.path.unlink()
+    assert tier.read(entry) is None
+    (message,) = _warnings(caplog)
+    assert entry.path.name in message
+    assert dropped == [entry] and (len(tier), tier.bytes) == (0, 0)
+    assert tier.counters.bad_files == 1
+    assert tier.write(_path(0), _payload(1000)) is not None  # and it can be saved again
+
+
+def test_foreign_files_are_ignored_with_a_warning_each_and_kept(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory.mkdir()
+    junk = [directory / "notes.txt", directory / "state.kvstate", directory / "subdir"]
+    junk[0].write_text("hello")
+    junk[1].write_bytes(b"")
+    junk[2].mkdir()
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    assert tier.entries() == [] and tier.counters.bad_files == 3
+    messages = _warnings(caplog)
+    assert len(messages) == 3
+    for path in junk:
+        assert path.exists()
+        assert sum(path.name in m for m in messages) == 1
+
+
+def test_a_state_file_of_another_format_version_is_ignored_and_kept(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    entry = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).write(_path(0), b"x" * 100)
+    assert entry is not None
+    raw = bytearray(entry.path.read_bytes())
+    raw[8] = disk_tier.VERSION + 1
+    entry.path.write_bytes(raw)
+    assert DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).entries() == []
+    (message,) = _warnings(caplog)
+    assert entry.path.name in message and "version" in message
+    assert entry.path.exists()
+
+
+# ---- the budget -------------------------------------------------------------------------------
+
+
+def test_the_least_recently_used_states_are_evicted_and_a_read_refreshes(
+    directory: Path,
+) -> None:
+    dropped: list[DiskEntry] = []
+    probe = DiskTier(directory.parent / "probe", FINGERPRINT, budget_bytes=1 << 20)
+    size = probe.write(_path(0), _payload(1000))
+    assert size is not None
+    budget = 3 * size.file_bytes + size.file_bytes // 2  # room for three states
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=budget, on_drop=dropped.append)
+    a, b, c = (tier.write(_path(s), _payload(1000, seed=s)) for s in (0, 100, 200))
+    assert a is not None and b is not None and c is not None
+    assert tier.read(a) is not None  # a becomes the most recently used: b goes first
+    d = tier.write(_path(300), _payload(1000))
+    assert d is not None
+    assert dropped == [b] and not b.path.exists()
+    assert tier.entries() == [c, a, d] and tier.counters.evictions == 1
+    assert tier.bytes <= budget
+    assert tier.bytes == sum(p.stat().st_size for p in _state_files(directory))
+
+    # The order survives a restart, and a smaller budget there evicts from its old end.
+    later = DiskTier(directory, FINGERPRINT, budget_bytes=budget)
+    assert [e.tokens for e in later.entries()] == [c.tokens, a.tokens, d.tokens]
+    smaller = DiskTier(directory, FINGERPRINT, budget_bytes=2 * size.file_bytes + 100)
+    assert [e.tokens for e in smaller.entries()] == [a.tokens, d.tokens]
+    assert not c.path.exists() and smaller.counters.evictions == 1
+
+
+def test_a_rewrite_of_the_same_tokens_is_not_evicted_to_make_its_own_room(
+    directory: Path,
+) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=5000)
+    a = tier.write(_path(0), _payload(2000))
+    b = tier.write(_path(100), _payload(2000))
+    assert a is not None and b is not None
+    again = tier.write(_path(0), _payload(3000))
+    assert again is not None and tier.entries() == [again]
+    assert not b.path.exists() and tier.bytes == again.file_bytes <= 5000
+
+
+def test_a_state_over_the_whole_budget_is_not_written(directory: Path) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=3000)
+    kept = tier.write(_path(0), _payload(1000))
+    assert kept is not None
+    assert tier.write(_path(100), _payload(3000)) is None
+    assert tier.entries() == [kept] and _state_files(directory) == [kept.path]
+    assert tier.counters.evictions == 0
+
+
+# ---- a failing disk ---------------------------------------------------------------------------
+
+
+def _no_space(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _fail(patch: pytest.MonkeyPatch, name: str) -> None:
+    """Makes ``name`` fail as on a full disk: the creation of the temporary file (the module's
+    ``open``), or its sync or rename (in ``os``)."""
+    if name == "open":
+        patch.setattr(disk_tier, "open", _no_space, raising=False)
+    else:
+        patch.setattr(os, name, _no_space)
+
+
+@pytest.mark.parametrize("failing", ["open", "fsync", "replace"])
+def test_a_failing_write_returns_none_leaves_no_temp_file_and_warns_once(
+    directory: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    failing: str,
+) -> None:
+    tier = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20)
+    kept = tier.write(_path(0), _payload(1000))
+    assert kept is not None
+    with monkeypatch.context() as patch:
+        _fail(patch, failing)
+        assert tier.write(_path(100), _payload(1000)) is None
+        assert tier.write(_path(200), _payload(1000)) is None
+        assert tier.write(_path(0), _payload(500)) is None  # a failed rewrite keeps the old
+    assert _temp_files(directory) == [] and _state_files(directory) == [kept.path]
+    (message,) = _warnings(caplog)
+    assert "No space left on device" in message and str(directory) in message
+    assert tier.entries() == [kept] and tier.read(kept) == _payload(1000)
+
+    # A success ends the failure; the next failure is warned about again.
+    assert tier.write(_path(300), _payload(1000)) is not None
+    with monkeypatch.context() as patch:
+        _fail(patch, failing)
+        assert tier.write(_path(400), _payload(1000)) is None
+    assert len([m for m in _warnings(caplog) if "No space" in m]) == 2
+
+
+def test_a_directory_that_cannot_be_made_disables_the_tier_without_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    tier = DiskTier(blocker / "kv", FINGERPRINT, budget_bytes=1 << 20)
+    assert tier.entries() == []
+    assert tier.write(_path(0), _payload(100)) is None
+    assert tier.write(_path(100), _payload(100)) is None
+    assert tier.clear() == 0
+    assert len(_warnings(caplog)) == 3  # cannot create, cannot list, cannot write (once)
