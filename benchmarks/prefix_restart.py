@@ -1,0 +1,65 @@
+"""TTFT of a long agent prompt on a cold server, then after a restart on the same
+``--prefix-cache-dir`` (the prefix comes back from disk).
+
+    python benchmarks/prefix_restart.py [--prefix-len 6000] [--threads 2]
+
+Starts slotserve on the embedded GGUF twice, one request per start, stopping it gracefully in
+between (the stop writes the cached prefixes to the folder); prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slotserve.bench.datasets import agent_prefix
+from slotserve.bench.servers import running, slotserve_spec
+from slotserve.models.source import embedded_model_path
+
+
+def first_token_seconds(base_url: str, messages: list[dict[str, str]]) -> float:
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=900) as r:
+        for line in r.iter_lines():
+            delta = json.loads(line[6:])["choices"][0]["delta"] if line[:7] == "data: {" else {}
+            if delta.get("content"):
+                return time.perf_counter() - started
+    raise RuntimeError("the stream ended without content")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-len", type=int, default=6000)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    messages = [
+        {"role": "system", "content": agent_prefix(args.prefix_len)},
+        {"role": "user", "content": "List the files."},
+    ]
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for run in ("cold", "after_restart"):
+            spec = slotserve_spec(
+                embedded_model_path(),
+                slots=2,
+                threads=args.threads,
+                ctx_per_slot=16384,
+                extra_args=["--prefix-cache-dir", folder],
+            )
+            with running(spec, Path(folder) / "logs") as server:
+                results[f"{run}_ttft_s"] = first_token_seconds(server.spec.base_url, messages)
+                stats = httpx.get(f"{server.spec.base_url}/v1/prefix_cache_stats", timeout=30)
+                results[f"{run}_disk"] = stats.json()["tiers"]["disk"]
+    results["ratio"] = results["cold_ttft_s"] / results["after_restart_ttft_s"]
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
