@@ -77,8 +77,9 @@ def _assert_anthropic_error(response: httpx.Response, status: int, kind: str) ->
 
 
 def test_a_message_has_text_usage_and_end_turn(client: anthropic.Anthropic) -> None:
+    # Greedy: a sampled reply may run past max_tokens and end with "max_tokens" instead.
     raw = client.messages.with_raw_response.create(
-        model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
+        model=MODEL, max_tokens=256, messages=HI, extra_body=GREEDY
     )
     assert raw.headers["request-id"]
     message = raw.parse()
