@@ -261,6 +261,9 @@ def test_load_options_are_read_as_the_flags_are() -> None:
         ({"speculative_config": {"method": "eagle"}}, "not supported"),
         ({"slots": 600}, "max_batch_tokens"),
         ({"host": "0.0.0.0"}, "unknown options: host"),
+        ({"prefix_cache_ram": -1}, "prefix_cache_ram must be >= 0"),
+        ({"prefix_cache_dir_size": "lots"}, "invalid size"),
+        ({"prefix_cache_dir": "a\0b"}, "prefix_cache_dir must be a folder's path"),
     ):
         with pytest.raises((ValueError, argparse.ArgumentTypeError), match=message):
             base.with_options(bad)

@@ -122,7 +122,6 @@ class EngineConfig:
         None,
         parse=parse_bytes,
         wire=int | str,
-        ge=0,
         help="host RAM for prefix states a free slot is about to lose (llama.cpp runner), "
         "restored into a slot on a later hit instead of computed again: bytes (8GiB; 0: off); "
         "default: a quarter of the free RAM at start, at most 8 GiB",
@@ -137,7 +136,6 @@ class EngineConfig:
         None,
         parse=parse_bytes,
         wire=int | str,
-        ge=0,
         help="most bytes the disk tier keeps (64GiB); default: a quarter of the free space of "
         "its filesystem at start, at most 64 GiB",
     )
@@ -203,8 +201,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.prefix_cache_ram is not None and self.prefix_cache_ram < 0:
-            raise ValueError("prefix_cache_ram must be >= 0")
+        for name in ("prefix_cache_ram", "prefix_cache_dir_size"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.prefix_cache_dir is not None and (
+            not self.prefix_cache_dir or "\0" in self.prefix_cache_dir
+        ):
+            raise ValueError("prefix_cache_dir must be a folder's path")
         if self.prefix_wait_min_tokens < 1:
             raise ValueError("prefix_wait_min_tokens must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
