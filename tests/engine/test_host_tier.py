@@ -85,12 +85,18 @@ def _evict_from_slots(core: EngineCore) -> None:
     run_to_completion(core)
 
 
+def _answer_then_push_out(core: EngineCore, prompt: str, max_tokens: int = 12) -> str:
+    """Runs ``prompt`` alone, then two other prompts over both slots; returns its text."""
+    submit(core, "a", prompt, max_tokens=max_tokens)
+    text = text_of(run_to_completion(core)["a"])
+    _evict_from_slots(core)
+    return text
+
+
 def test_a_prefix_pushed_out_of_the_slots_is_restored_from_host_ram() -> None:
     core, runner = _two_slot_core(prefix_cache_ram=1 << 20)
     prompt = SYSTEM + "Question one?"
-    submit(core, "a", prompt, max_tokens=12)
-    first = text_of(run_to_completion(core)["a"])
-    _evict_from_slots(core)
+    first = _answer_then_push_out(core, prompt)
     start = list(prompt.encode()[:10])
     assert all(core.prefix_cache.held_tokens(s)[:10] != start for s in range(2))
     assert runner.saves, "the slot's content was saved before it was overwritten"
@@ -109,9 +115,7 @@ def test_a_prefix_pushed_out_of_the_slots_is_restored_from_host_ram() -> None:
 def test_a_refused_restore_computes_the_prompt_and_the_text_is_unchanged() -> None:
     core, runner = _two_slot_core(prefix_cache_ram=1 << 20)
     prompt = SYSTEM + "Question two?"
-    submit(core, "a", prompt, max_tokens=12)
-    first = text_of(run_to_completion(core)["a"])
-    _evict_from_slots(core)
+    first = _answer_then_push_out(core, prompt)
     runner.refuse_restores = True
     submit(core, "b", prompt, max_tokens=12)
     again = run_to_completion(core)["b"]
@@ -122,18 +126,14 @@ def test_a_refused_restore_computes_the_prompt_and_the_text_is_unchanged() -> No
 
 def test_flush_empties_host_ram_too_and_zero_turns_the_tier_off() -> None:
     core, _ = _two_slot_core(prefix_cache_ram=1 << 20)
-    submit(core, "a", SYSTEM + "Question three?", max_tokens=4)
-    run_to_completion(core)
-    _evict_from_slots(core)
+    _answer_then_push_out(core, SYSTEM + "Question three?", max_tokens=4)
     assert core.snapshot().prefix_cache.host_states >= 1
     assert core.flush_prefix_cache() > 0
     stats = core.snapshot().prefix_cache
     assert (stats.host_states, stats.host_bytes, stats.cached_tokens) == (0, 0, 0)
     off, off_runner = _two_slot_core(prefix_cache_ram=0)
     assert isinstance(off.prefix_cache, SlotPrefixCache) and off.prefix_cache.host is None
-    submit(off, "a", SYSTEM, max_tokens=4)
-    run_to_completion(off)
-    _evict_from_slots(off)
+    _answer_then_push_out(off, SYSTEM, max_tokens=4)
     assert off_runner.saves == [] and off.snapshot().prefix_cache.host_budget_bytes == 0
 
 

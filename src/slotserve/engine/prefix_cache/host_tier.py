@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
@@ -27,10 +28,9 @@ from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 
 @dataclass(eq=False)
 class SavedState:
-    """One sequence state: the runner's bytes for ``num_tokens`` positions, in RAM (``data``),
-    in a file (``on_disk``) or both."""
+    """One sequence state: the runner's bytes for the positions of its node's path, in RAM
+    (``data``), in a file (``on_disk``) or both."""
 
-    num_tokens: int
     data: bytearray | None
     on_disk: DiskEntry | None = None
 
@@ -138,7 +138,7 @@ class HostTier:
         self.counters.save_seconds += time.perf_counter() - started
         if len(data) > self.budget_bytes:
             return False
-        node = self._insert(path, SavedState(len(path), data))
+        node = self._insert(path, SavedState(data))
         self.bytes += len(data)
         self._in_ram[node] = None
         self.counters.saves += 1
@@ -168,6 +168,36 @@ class HostTier:
             self.counters.disk_hits += 1
             self.counters.disk_hit_tokens += tokens
 
+    def stat_fields(self) -> dict[str, Any]:
+        """This tier's figures, named as :class:`PrefixCacheStats` names them."""
+        c = self.counters
+        fields: dict[str, Any] = {
+            "host_budget_bytes": self.budget_bytes,
+            "host_bytes": self.bytes,
+            "host_states": self.entries,
+            "host_hits": c.hits,
+            "host_hit_tokens": c.hit_tokens,
+            "host_saves": c.saves,
+            "host_saved_tokens": c.saved_tokens,
+            "host_evictions": c.evictions,
+            "host_restore_seconds": c.restore_seconds,
+            "host_save_seconds": c.save_seconds,
+        }
+        disk = self.disk
+        if disk is not None:
+            fields |= {
+                "disk_budget_bytes": disk.budget_bytes,
+                "disk_bytes": disk.bytes,
+                "disk_states": len(disk),
+                "disk_hits": c.disk_hits,
+                "disk_hit_tokens": c.disk_hit_tokens,
+                "disk_writes": disk.counters.writes,
+                "disk_write_seconds": disk.counters.write_seconds,
+                "disk_read_seconds": disk.counters.read_seconds,
+                "disk_bad_files": disk.counters.bad_files,
+            }
+        return fields
+
     def clear(self) -> int:
         """Drops every saved state, files included; returns the tokens they covered."""
         freed = 0
@@ -193,8 +223,6 @@ class HostTier:
         self.entries += 1
         if state.on_disk is not None:
             self._on_disk[state.on_disk.tokens] = node
-        # The tree's eviction heap is not used here: keep its stale entries bounded.
-        self.tree.evict(0, lambda _: None)
         return node
 
     def _index(self, entry: DiskEntry) -> None:
@@ -203,7 +231,7 @@ class HostTier:
         if self.covers(entry.tokens):
             self.disk.remove(entry)  # a longer state holds all of it
             return
-        self._insert(entry.tokens, SavedState(len(entry.tokens), None, entry))
+        self._insert(entry.tokens, SavedState(None, entry))
 
     def _evict_ram(self, keep: HostNode | None = None) -> None:
         """Moves the least recently used states out of RAM until the rest fit the budget:
@@ -271,7 +299,6 @@ class HostTier:
         for node in nodes:
             state = node.value
             assert state is not None and node.is_leaf, f"a state ends inside ({node.end})"
-            assert state.num_tokens == node.end, "a state's length is not its path's"
             assert state.data is not None or state.on_disk is not None, "a state kept nowhere"
             if state.on_disk is not None:
                 assert self.disk is not None and self.disk.get(state.on_disk.tokens) is not None

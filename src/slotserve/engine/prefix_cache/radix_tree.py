@@ -201,10 +201,6 @@ class RadixTree(Generic[V]):
             on_evict(node)
             self._remove_leaf(node)
             freed += len(node.key)
-        if len(self._heap) > 4 * self.num_nodes + 64:  # stale entries pile up: start afresh
-            leaves = (n for n in self._nodes() if n.is_leaf)
-            self._heap = [(n.last_access, next(self._pushes), n) for n in leaves]
-            heapq.heapify(self._heap)
         return freed
 
     def _touch(self, node: TreeNode[V], now: int) -> None:
@@ -212,8 +208,15 @@ class RadixTree(Generic[V]):
         self._push(node)
 
     def _push(self, node: TreeNode[V]) -> None:
-        if node.is_leaf:
-            heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
+        if not node.is_leaf:
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
+        # Touches and unlocks leave stale entries behind, whether or not the owner ever
+        # evicts: past a bound, start afresh from the leaves.
+        if len(self._heap) > 4 * self.num_nodes + 64:
+            leaves = (n for n in self._nodes() if n.is_leaf)
+            self._heap = [(n.last_access, next(self._pushes), n) for n in leaves]
+            heapq.heapify(self._heap)
 
     def prune(self, node: TreeNode[V]) -> int:
         """Removes ``node`` and then its ancestors while each is an unlocked leaf with an empty

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
@@ -94,23 +94,6 @@ class TieredMatch(Match[Holders]):
 
     in_slots: int = 0
     saved: HostMatch | None = None
-
-
-def _disk_stats(host: HostTier) -> dict[str, Any]:
-    disk, c = host.disk, host.counters
-    if disk is None:
-        return {}
-    return {
-        "disk_budget_bytes": disk.budget_bytes,
-        "disk_bytes": disk.bytes,
-        "disk_states": len(disk),
-        "disk_hits": c.disk_hits,
-        "disk_hit_tokens": c.disk_hit_tokens,
-        "disk_writes": disk.counters.writes,
-        "disk_write_seconds": disk.counters.write_seconds,
-        "disk_read_seconds": disk.counters.read_seconds,
-        "disk_bad_files": disk.counters.bad_files,
-    }
 
 
 def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
@@ -342,24 +325,7 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     def stats(self) -> PrefixCacheStats:
         stats = super().stats()
-        host = self.host
-        if host is None:
-            return stats
-        c = host.counters
-        return replace(
-            stats,
-            host_budget_bytes=host.budget_bytes,
-            host_bytes=host.bytes,
-            host_states=host.entries,
-            host_hits=c.hits,
-            host_hit_tokens=c.hit_tokens,
-            host_saves=c.saves,
-            host_saved_tokens=c.saved_tokens,
-            host_evictions=c.evictions,
-            host_restore_seconds=c.restore_seconds,
-            host_save_seconds=c.save_seconds,
-            **_disk_stats(host),
-        )
+        return stats if self.host is None else replace(stats, **self.host.stat_fields())
 
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""
