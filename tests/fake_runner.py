@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -326,3 +326,68 @@ class SavingFakeRunner(FakeRunner):
 
     def kv_fingerprint(self) -> str:
         return f"fake runner, {self.num_slots} slots of {self.max_seq_len}"
+
+
+@dataclass
+class RecurrentFakeRunner(FakeRunner):
+    """The paged fake runner with a recurrent state beside its KV, as a Gated DeltaNet model
+    has: the "state" of a slot is every token it absorbed since position 0, so a snapshot
+    restored from the wrong place, at the wrong time or never leaves it unequal to the slot's
+    KV, which ``execute`` asserts (the engine then fails the request). Prompt chunks must
+    start on the grid from position 0, snapshots are taken only on it, and only within a
+    prompt (as the real runner's chunked form)."""
+
+    snapshot_places: int = 4
+    prefill_grain: int = 8
+    snapshot_bytes: int = 100
+    states: dict[int, list[int]] = field(default_factory=dict)
+    snapshots: dict[int, list[int]] = field(default_factory=dict)  # place -> the state kept
+    pending_saves: dict[int, dict[int, int]] = field(default_factory=dict)
+    pending_restores: dict[int, int] = field(default_factory=dict)
+    saved_at: list[int] = field(default_factory=list)  # positions of every save
+    restored: list[int] = field(default_factory=list)  # lengths of every restored state
+
+    @property
+    def model_info(self) -> ModelInfo:
+        policy = ChunkPolicy(self.prefill_grain, anchored=True)
+        return replace(super().model_info, chunk_policy=policy)
+
+    @property
+    def snapshot_capacity(self) -> int:
+        return self.snapshot_places
+
+    def save_state(self, slot: int, position: int, snapshot: int) -> None:
+        assert position % self.prefill_grain == 0 and 0 <= snapshot < self.snapshot_places
+        self.pending_saves.setdefault(slot, {})[position] = snapshot
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        assert snapshot in self.snapshots, "restored from a place never filled"
+        self.pending_restores[slot] = snapshot
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None:
+        assert num_tokens in (0, self.kv_tokens(slot)), "a recurrent state cannot be cut"
+        if num_tokens == 0:
+            self.pending_saves.pop(slot, None)
+            self.pending_restores.pop(slot, None)
+        super().trim_kv(slot, num_tokens)
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
+        for chunk in chunks:
+            slot, start = chunk.slot, chunk.start_pos
+            if start == 0:
+                self.states[slot] = []
+            if slot in self.pending_restores:
+                self.states[slot] = list(self.snapshots[self.pending_restores.pop(slot)])
+                self.restored.append(len(self.states[slot]))
+            state = self.states[slot]
+            assert state == self._held(slot), f"slot {slot}: state {len(state)} tokens off"
+            end = start + len(chunk.token_ids)
+            if start < self.prompt_lengths[slot]:
+                assert start % self.prefill_grain == 0, f"a prompt chunk starts at {start}"
+            state.extend(chunk.token_ids)
+            pending = self.pending_saves.get(slot, {})
+            for position in [p for p in pending if p <= end]:
+                assert start < position <= self.prompt_lengths[slot], "saved off the prompt"
+                self.snapshots[pending.pop(position)] = state[:position]
+                self.saved_at.append(position)
+        return super().execute(chunks)

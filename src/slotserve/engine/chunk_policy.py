@@ -37,6 +37,12 @@ from dataclasses import dataclass
 class ChunkPolicy:
     grain: int = 1  # chunks of at least this many tokens compute each token alike
     equal_chunks: bool = False  # the step's prefill chunks should share one length
+    # The grain counted from position 0, not from the prompt's end: every chunk but a prompt's
+    # last ends on a multiple of the grain, and the last one takes the odd part. A runner
+    # whose state at a multiple of the grain is the same for every prompt through it (a
+    # recurrent state computed in blocks anchored at position 0) can then hand that state
+    # to any prompt sharing the prefix; cached KV is reused up to such a multiple only.
+    anchored: bool = False
 
     def __post_init__(self) -> None:
         if self.grain < 1:
@@ -62,6 +68,8 @@ class ChunkPolicy:
         room = min(budget, max_chunk)
         if rest <= room:
             return rest
+        if self.anchored:  # a chunk starts on the grid: whole grains, the odd part last
+            return room // grain * grain
         odd = rest % grain
         size = odd + (room - odd) // grain * grain if room >= odd else 0
         if size >= grain:
@@ -92,6 +100,8 @@ class ChunkPolicy:
         tokens before it, so a hit may end anywhere, not only where the source's chunks did."""
         if self.grain == 1:
             return min(matched, prompt_length - 1)
+        if self.anchored:
+            return min(matched, prompt_length - 1) // self.grain * self.grain
         if prompt_length < self.grain:
             return 0
         rest = -(-(prompt_length - matched) // self.grain) * self.grain  # rounded up
@@ -104,6 +114,8 @@ class ChunkPolicy:
         those positions in long chunks)."""
         if self.grain == 1:
             return num_computed_tokens
+        if self.anchored:  # a prompt's last, partial grain is computed as no longer one is
+            return min(num_computed_tokens, num_prompt_tokens) // self.grain * self.grain
         if num_prompt_tokens < self.grain:
             return 0
         return min(num_computed_tokens, num_prompt_tokens)

@@ -139,6 +139,14 @@ class EngineConfig:
         help="most bytes the disk tier keeps (64GiB); default: a quarter of the free space of "
         "its filesystem at start, at most 64 GiB",
     )
+    prefix_cache_snapshot_interval: int = option(
+        1024,
+        ge=1,
+        help="models with recurrent layers (Gated DeltaNet): besides each prompt's end and "
+        "where it leaves a cached prefix, keep the recurrent state every this many prompt "
+        "tokens (rounded down to the chunk grain, 64), so prompts sharing a prefix resume "
+        "from there (default 1024)",
+    )
     prefix_wait_min_tokens: int = option(
         256,
         ge=1,

@@ -250,6 +250,33 @@ class PagedKv(Protocol):
         ...
 
 
+@runtime_checkable
+class StateSnapshots(Protocol):
+    """A runner whose model carries a recurrent state beside its KV (Gated DeltaNet layers),
+    which a prefix of positions cannot be cut from: the prefix cache keeps copies of it,
+    taken at chosen positions of a prompt (multiples of the chunk policy's grain, where the
+    state is the same for every prompt through that prefix), in ``snapshot_capacity``
+    numbered places the cache allocates."""
+
+    @property
+    def snapshot_capacity(self) -> int: ...
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """The memory one snapshot takes."""
+        ...
+
+    def save_state(self, slot: int, position: int, snapshot: int) -> None:
+        """When ``slot``'s coming prompt chunks reach ``position`` tokens, its state then is
+        copied into ``snapshot`` (overwriting it). Forgotten by ``trim_kv(slot, 0)``."""
+        ...
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        """``slot``'s next chunk starts from the state in ``snapshot`` (read when that chunk
+        runs, before any save of the same step)."""
+        ...
+
+
 class Runner(Protocol):
     """A model runner: owns the model, the KV cache and per-sequence sampler state.
 

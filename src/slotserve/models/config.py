@@ -122,6 +122,13 @@ class RunnerConfig:
         0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
+    prefix_cache_snapshots: int | None = option(
+        None,
+        ge=0,
+        help="torch, models with Gated DeltaNet layers: recurrent-state snapshots the prefix "
+        "cache may keep, each one sequence's state (its size is logged at load; default 4 per "
+        "slot; 0: no prefix cache for such models)",
+    )
     cpu_kernels: bool = option(
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from slotserve.models.host import ModelLaunch
     from slotserve.models.registry import LaunchFactory
 
+# Recurrent-state snapshots per slot by default (--prefix-cache-snapshots): a conversation's
+# next turn, a shared prefix's branch point and a few spaced points per running prompt.
+SNAPSHOTS_PER_SLOT = 4
+
 
 def runner_factory(
     runner: RunnerConfig, engine: EngineConfig, model_path: Path, model_name: str
@@ -65,8 +69,18 @@ def runner_factory(
         model_name=model_name,
         tensor_parallel_size=runner.tensor_parallel_size,
         cpu_kernels=runner.cpu_kernels,
+        state_snapshots=_state_snapshots(runner, engine),
     )
     return TorchSpec(load)
+
+
+def _state_snapshots(runner: RunnerConfig, engine: EngineConfig) -> int:
+    """Recurrent-state snapshots for the prefix cache: none when the cache is off."""
+    if not engine.prefix_cache:
+        return 0
+    if runner.prefix_cache_snapshots is not None:
+        return runner.prefix_cache_snapshots
+    return SNAPSHOTS_PER_SLOT * engine.num_slots
 
 
 def build_launch(

@@ -79,6 +79,8 @@ PREFIX_CACHE_HOST_RESTORE_SECONDS = "slotserve:prefix_cache_host_restore_seconds
 PREFIX_CACHE_HOST_SAVES = "slotserve:prefix_cache_host_saves"
 PREFIX_CACHE_HOST_SAVE_SECONDS = "slotserve:prefix_cache_host_save_seconds"
 PREFIX_CACHE_HOST_BUDGET_BYTES = "slotserve:prefix_cache_host_budget_bytes"
+PREFIX_CACHE_STATE_SNAPSHOTS = "slotserve:prefix_cache_state_snapshots"
+PREFIX_CACHE_STATE_SNAPSHOT_BYTES = "slotserve:prefix_cache_state_snapshot_bytes"
 
 MODEL_STATES = ("loading", "ready", "unhealthy", "failed", "draining", "stopped")
 SLOT_STATES = ("free", "prefilling", "generating", "draining", "preempted")
@@ -357,6 +359,16 @@ class PrefixCacheCollector(Collector):
                     PREFIX_CACHE_HOST_BUDGET_BYTES,
                     "Host RAM the saved states may take (0: no host tier).",
                     s.host_budget_bytes,
+                ),
+                (
+                    PREFIX_CACHE_STATE_SNAPSHOTS,
+                    "Recurrent-state snapshots kept (models with recurrent layers).",
+                    s.snapshots,
+                ),
+                (
+                    PREFIX_CACHE_STATE_SNAPSHOT_BYTES,
+                    "Memory the kept recurrent-state snapshots take.",
+                    s.snapshots * s.snapshot_bytes,
                 ),
             ]
             for kind, rows in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):

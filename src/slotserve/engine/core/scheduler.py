@@ -134,7 +134,11 @@ class Scheduler:
         if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs = []  # scored again from the start: no cached positions
         seq.num_computed_tokens = cache.attach(
-            slot.index, seq.token_ids, cache.match(self._reusable(seq)), count=False
+            slot.index,
+            seq.token_ids,
+            cache.match(self._reusable(seq)),
+            count=False,
+            num_prompt_tokens=seq.num_prompt_tokens,
         )
         first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
         if not self._make_room(slot.index, first_chunk_end):
@@ -184,6 +188,8 @@ class Scheduler:
             shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
             shared = policy.reusable_length(shared, len(prompt))
             if shared >= self.config.prefix_wait_min_tokens and shared > cached:
+                # A cache that resumes only where it kept a state must keep one there.
+                self.prefix_cache.keep_state_at(slot.index, shared, seq.num_computed_tokens)
                 return True
         return False
 

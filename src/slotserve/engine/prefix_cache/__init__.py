@@ -1,7 +1,8 @@
 """The prefix cache: its interface and statistics (``base``), the radix tree it keeps
 (``radix_tree``), one implementation per way a runner keeps KV (``slot_cache`` for per-slot
 streams, with saved states in host RAM behind them (``host_tier``); ``paged_cache`` for a paged
-pool whose block tables are ``block_table``), and the one choice between them, made once at
+pool whose block tables are ``block_table``, with recurrent-state snapshots for models that
+need them (``state_snapshots``)), and the one choice between them, made once at
 start-up (:func:`build_prefix_cache`)."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from slotserve.engine.prefix_cache.base import NullPrefixCache, PrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
 from slotserve.engine.prefix_cache.slot_cache import SavableKvStore, SlotPrefixCache
-from slotserve.engine.runner_interface import ModelInfo, Runner
+from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
+from slotserve.engine.runner_interface import ModelInfo, Runner, StateSnapshots
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,19 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
     )
     policy: ChunkPolicy = info.chunk_policy
     if paged is not None:
+        book = None
+        if isinstance(runner, StateSnapshots) and runner.snapshot_capacity > 0:
+            book = SnapshotBook(runner, config.prefix_cache_snapshot_interval, policy.grain)
+            logger.info(
+                "prefix cache keeps up to %d recurrent-state snapshots (%.1f MiB each, %.0f MiB "
+                "in all): at each prompt's end, where it branches, and every %d tokens",
+                book.capacity,
+                book.bytes_each / 2**20,
+                book.capacity * book.bytes_each / 2**20,
+                book.interval,
+            )
         return PagedPrefixCache(
-            runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token
+            runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token, book
         )
     return SlotPrefixCache(
         runner,

@@ -78,6 +78,13 @@ class PrefixCacheStats:
     disk_write_seconds: float = 0.0
     disk_read_seconds: float = 0.0
     disk_bad_files: int = 0  # truncated, damaged or unreadable files ignored
+    # Recurrent-state snapshots (``state_snapshots.py``); zero for a model without them.
+    snapshot_capacity: int = 0
+    snapshots: int = 0  # kept by tree nodes
+    snapshot_bytes: int = 0  # one snapshot's
+    snapshot_interval: int = 0
+    snapshot_saves: int = 0
+    snapshot_taken_back: int = 0  # reused for a newer position while their node stayed
 
     @property
     def hit_rate(self) -> float:
@@ -128,6 +135,15 @@ class PrefixCacheStats:
                     "restore_seconds": self.host_restore_seconds,
                     "save_seconds": self.host_save_seconds,
                 },
+                "state_snapshots": {
+                    "capacity": self.snapshot_capacity,
+                    "snapshots": self.snapshots,
+                    "bytes": self.snapshots * self.snapshot_bytes,
+                    "bytes_each": self.snapshot_bytes,
+                    "interval_tokens": self.snapshot_interval,
+                    "saves": self.snapshot_saves,
+                    "taken_back": self.snapshot_taken_back,
+                },
                 "disk": {
                     "hits": self.disk_hits,
                     "hit_tokens": self.disk_hit_tokens,
@@ -158,11 +174,18 @@ class PrefixCache(Protocol):
         ...
 
     def attach(
-        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        match: PrefixMatch,
+        count: bool = True,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         """Makes free ``slot``'s KV hold the reusable part of the match and marks the slot
         running; returns how many tokens need no computing. ``count=False`` leaves the hit
-        statistics alone (a preempted sequence resuming is not a new lookup)."""
+        statistics alone (a preempted sequence resuming is not a new lookup);
+        ``num_prompt_tokens``: how many of ``tokens`` are prompt when the rest is output (a
+        resuming sequence's), None when all are."""
         ...
 
     def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
@@ -179,6 +202,11 @@ class PrefixCache(Protocol):
         ...
 
     def is_running(self, slot: int) -> bool: ...
+
+    def keep_state_at(self, slot: int, position: int, computed: int) -> None:
+        """Another prompt will resume at ``position`` of running ``slot``'s prompt (computed
+        up to ``computed``): a cache that needs a saved state there asks for one."""
+        ...
 
     def evict_unused(self) -> int: ...
 
@@ -241,6 +269,9 @@ class TreePrefixCache(Generic[H]):
 
     def persist(self) -> int:
         return 0
+
+    def keep_state_at(self, slot: int, position: int, computed: int) -> None:
+        pass
 
     def _count_lookup(self, prompt_length: int, reused: int) -> None:
         self.query_tokens += prompt_length
@@ -305,7 +336,12 @@ class NullPrefixCache:
         return min(free_slots)
 
     def attach(
-        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        match: PrefixMatch,
+        count: bool = True,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         self._running.add(slot)
         return 0
@@ -322,6 +358,9 @@ class NullPrefixCache:
 
     def is_running(self, slot: int) -> bool:
         return slot in self._running
+
+    def keep_state_at(self, slot: int, position: int, computed: int) -> None:
+        pass
 
     def evict_unused(self) -> int:
         return 0

@@ -26,18 +26,22 @@ slot shares those blocks; the runner copies a shared block before writing into i
   unlock, and drop the slot's own references: the blocks stay in the pool as cache.
 * **Evict**: the least recently used unlocked leaves give up their holds (heap kept by the
   tree); under pool pressure ``evict_unused`` frees one leaf at a time, whatever the budget.
+
+A model with recurrent layers also needs their state where a hit resumes: ``snapshots``
+(``state_snapshots.py``) ties copies of it to nodes, and a hit ends at the deepest of them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import PagedKv
 
 
@@ -71,6 +75,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         policy: ChunkPolicy,
         budget_tokens: int,
         kv_bytes_per_token: int,
+        snapshots: SnapshotBook | None = None,
     ) -> None:
         tree: RadixTree[BlockSpan] = RadixTree(BlockSpan, self._split_span)
         super().__init__(tree, policy, budget_tokens, kv_bytes_per_token)
@@ -78,6 +83,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         self.paged = paged
         self.block_size = paged.block_size
         self.num_slots = num_slots
+        self.snapshots = snapshots
         self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
 
     # ---- admission --------------------------------------------------------------------------
@@ -86,11 +92,20 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         return min(free_slots)  # free slots hold nothing: any will do
 
     def attach(
-        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        match: PrefixMatch,
+        count: bool = True,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         assert slot not in self._end, f"slot {slot} is already running"
         length = self.policy.reusable_length(match.length, len(tokens))
         node = match.node
+        book = self.snapshots
+        if book is not None:  # resume where the recurrent state was kept, if anywhere
+            kept = book.deepest(node, length)
+            node, length = (kept, kept.end) if kept is not None else (self.tree.root, 0)
         if node.end != length:
             # The match ends inside a node's edge (or the policy reuses less of it): lock a
             # node ending exactly at the reused tokens (the edge is split), so the slot's
@@ -100,6 +115,12 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             self.paged.share(slot, self._path_blocks(node, length), length)
         self._end[slot] = node
         self.tree.lock(node)
+        if book is not None:
+            if length:
+                book.runner.restore_state(slot, book.at_node[node])
+            prompt = len(tokens) if num_prompt_tokens is None else num_prompt_tokens
+            cacheable = self.policy.cacheable_length(prompt, len(tokens))
+            book.plan(slot, length, match.length, cacheable)
         if count:
             self._count_lookup(len(tokens), length)
         return length
@@ -131,6 +152,8 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
         self._insert(slot, cacheable_tokens)
         self.tree.unlock(self._end.pop(slot))
+        if self.snapshots is not None:
+            self.snapshots.forget_slot(slot)
         self.kv.trim_kv(slot, 0)
         self._evict_over_budget()
 
@@ -138,26 +161,42 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         node = self._end.pop(slot, None)
         if node is not None:
             self.tree.unlock(node)
+        if self.snapshots is not None:
+            self.snapshots.forget_slot(slot)
         self.kv.trim_kv(slot, 0)
 
     def is_running(self, slot: int) -> bool:
         return slot in self._end
 
+    def keep_state_at(self, slot: int, position: int, computed: int) -> None:
+        if self.snapshots is not None and slot in self._end:
+            self.snapshots.plan_one(slot, position, computed)
+
     def _insert(self, slot: int, tokens: Sequence[int]) -> None:
-        """Records running ``slot``'s first ``tokens`` (computed) and moves its lock there."""
+        """Records running ``slot``'s first ``tokens`` (computed) and moves its lock there;
+        the snapshots its prompt has filled go to the nodes ending where they were taken."""
         assert slot in self._end, f"slot {slot} is not running"
-        node = self.tree.insert(tokens)
-        if node.parent is not None and not node.value:  # a new leaf: the slot's blocks
-            size = self.block_size
-            table = self.paged.table(slot)
-            span = BlockSpan(node.start, list(table[node.start // size : -(-node.end // size)]))
-            self.paged.hold(span.blocks)
-            node.value = span
+        if self.snapshots is not None:
+            for position, snapshot in self.snapshots.reached(slot, len(tokens)):
+                self.snapshots.keep(self._place(slot, tokens[:position]), snapshot)
+        node = self._place(slot, tokens)
         old = self._end[slot]
         if node is not old:
             self.tree.lock(node)
             self.tree.unlock(old)
             self._end[slot] = node
+
+    def _place(self, slot: int, tokens: Sequence[int]) -> TreeNode[BlockSpan]:
+        """The node ending at ``tokens`` (computed by running ``slot``); a new leaf holds the
+        slot's blocks for its positions."""
+        node = self.tree.insert(tokens)
+        if node.parent is not None and not node.value:
+            size = self.block_size
+            table = self.paged.table(slot)
+            span = BlockSpan(node.start, list(table[node.start // size : -(-node.end // size)]))
+            self.paged.hold(span.blocks)
+            node.value = span
+        return node
 
     def _split_span(self, span: BlockSpan, k: int) -> tuple[BlockSpan, BlockSpan]:
         """Divides a node's blocks at its ``k``-th token; a block holding both sides' positions
@@ -173,9 +212,25 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     def _give_back(self, node: TreeNode[BlockSpan]) -> None:
         self.paged.unhold(node.value.blocks)
         node.value.blocks = []
+        if self.snapshots is not None:
+            self.snapshots.release_node(node)
         self.evictions += 1
 
     # ---- inspection -------------------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        stats, book = super().stats(), self.snapshots
+        if book is None:
+            return stats
+        return replace(
+            stats,
+            snapshot_capacity=book.capacity,
+            snapshots=book.num_snapshots,
+            snapshot_bytes=book.bytes_each,
+            snapshot_interval=book.interval,
+            snapshot_saves=book.saves,
+            snapshot_taken_back=book.taken_back,
+        )
 
     def held_tokens(self, slot: int) -> list[int]:
         node = self._end.get(slot)
@@ -200,6 +255,9 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             assert len(span.blocks) == expected_blocks, f"node ending at {node.end}: blocks"
             held.update(span.blocks)
         self.paged.check_integrity(held)
+        if self.snapshots is not None:
+            nodes = list(self.tree.subtree(self.tree.root))
+            self.snapshots.check_integrity(nodes, running_tokens)
         for slot in range(self.num_slots):
             tokens = self.kv.kv_tokens(slot)
             expected = running_tokens.get(slot, 0)

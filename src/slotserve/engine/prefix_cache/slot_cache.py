@@ -154,7 +154,12 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
 
     def attach(
-        self, slot: int, tokens: Sequence[int], match: PrefixMatch, count: bool = True
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        match: PrefixMatch,
+        count: bool = True,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         """Makes free ``slot``'s KV hold the matched prefix of ``tokens`` and marks the slot
         running; returns the number of tokens that need no computing. ``count=False`` leaves

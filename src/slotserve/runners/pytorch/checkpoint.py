@@ -47,6 +47,8 @@ class TorchLoadConfig:
     model_name: str | None = None
     tensor_parallel_size: int = 1  # ranks, each a slice of every layer (tensor_parallel.py)
     cpu_kernels: bool = True  # CPU, bfloat16: the C++ kernels (cpu_kernels.py) where they run
+    # Gated DeltaNet models: recurrent states the prefix cache may keep (0: no prefix cache).
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -59,6 +61,8 @@ class TorchLoadConfig:
             raise ValueError("--gpu-memory-fraction must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.state_snapshots < 0:
+            raise ValueError("--prefix-cache-snapshots must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -177,7 +181,8 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
         if load.kv_memory_bytes:
             kv *= ranks
     buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
-    buffers += load.num_slots * config.linear_state_bytes(dtype_bytes)  # DeltaNet state
+    # DeltaNet states: the slots' and the prefix cache's snapshots.
+    buffers += (load.num_slots + load.state_snapshots) * config.linear_state_bytes(dtype_bytes)
     return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
 
 

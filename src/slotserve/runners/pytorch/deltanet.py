@@ -14,21 +14,24 @@ then ``o`` is RMS-normalised per head (plain ``w``), gated by ``silu(z_t)`` and 
 out. A sequence's state is the convolution's last ``kernel - 1`` inputs and ``S`` per layer
 (:class:`LinearStatePool`, one row per slot, zeroed when a sequence starts at position 0).
 
-Two forms of the same recurrence. A one-token chunk (decode) takes the step above, batched
-over the step's decoding sequences. A longer chunk takes the chunked form: blocks of
-``BLOCK`` tokens, each solved at once (a unit lower-triangular system gives the block's
-``u``; then matmuls give its outputs and the state after it), the state carried from block to
-block. Blocks are counted back from the chunk's end, the first block taking the odd part;
-with the runner's chunk grain of ``BLOCK`` every chunk boundary of a prompt falls on that
-grid, so a prompt's blocks, and their bits, are the same however the scheduler cut it and
-whatever ran beside it (batch invariance). The two forms agree to float32 rounding,
-not bit for bit: a preempted sequence recomputing its output tokens as a prompt may differ
-from its first pass in the last bits.
+Two forms of the same recurrence. A decoded token takes the step above, batched over the
+step's decoding sequences. Prompt chunks take the chunked form: blocks of ``BLOCK`` tokens,
+each solved at once (a unit lower-triangular system gives the block's ``u``; then matmuls
+give its outputs and the state after it), the state carried from block to block. Blocks sit
+on a grid anchored at position 0, the prompt's last block taking the odd part; the runner's
+chunk policy cuts prompts on the same grid, so a prompt's blocks, and their bits, are the
+same however the scheduler cut it and whatever ran beside it (batch invariance), and the
+state at a multiple of ``BLOCK`` is the same for every prompt through that prefix: a
+snapshot of it (a spare row of :class:`LinearStatePool`) lets the prefix cache resume
+another prompt from there. The two forms agree to float32 rounding, not bit for bit: a
+preempted sequence recomputing its output tokens as a prompt may differ from its first pass
+in the last bits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +67,14 @@ class LinearAttention(nn.Module):
 
 @dataclass
 class LinearStep:
-    """Where each sequence's tokens sit in the step: the one-token chunks first (rows
-    ``0 .. len(decode_slots) - 1``), then each longer chunk as (first row, tokens, slot)."""
+    """Where each sequence's tokens sit in the step: the decoded tokens first (rows
+    ``0 .. len(decode_slots) - 1``), then each prompt chunk as (first row, tokens, slot, its
+    first position); ``saves``: (slot, position, pool row): copy the slot's state after
+    ``position`` tokens, which its chunk reaches on the block grid, into that row."""
 
     decode_slots: torch.Tensor  # [decoding sequences], int64
-    prefills: list[tuple[int, int, int]]
+    prefills: list[tuple[int, int, int, int]]
+    saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_decode(self) -> int:
@@ -76,23 +82,34 @@ class LinearStep:
 
 
 class LinearStatePool:
-    """Every slot's DeltaNet state, per linear layer: ``conv[slot]`` the convolution's last
-    ``kernel - 1`` inputs (model dtype), ``recurrent[slot]`` the ``[heads, d_k, d_v]`` float32
-    matrices."""
+    """Every slot's DeltaNet state, per linear layer: ``conv[row]`` the convolution's last
+    ``kernel - 1`` inputs (model dtype), ``recurrent[row]`` the ``[heads, d_k, d_v]`` float32
+    matrices. Rows ``0 .. num_slots - 1`` are the slots'; the ``num_snapshots`` after them keep
+    states saved for the prefix cache (:meth:`snapshot_row`)."""
 
     def __init__(
-        self, c: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        c: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_snapshots: int = 0,
     ) -> None:
-        conv_shape = (num_slots, c.linear_conv_kernel - 1, c.linear_conv_channels)
+        rows = num_slots + num_snapshots
+        self.num_slots = num_slots
+        conv_shape = (rows, c.linear_conv_kernel - 1, c.linear_conv_channels)
         heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         self.layers = {
             index: (
                 torch.zeros(conv_shape, dtype=dtype, device=device),
-                torch.zeros((num_slots, heads, dk, dv), dtype=torch.float32, device=device),
+                torch.zeros((rows, heads, dk, dv), dtype=torch.float32, device=device),
             )
             for index in range(c.num_layers)
             if c.is_linear(index)
         }
+
+    def snapshot_row(self, snapshot: int) -> int:
+        return self.num_slots + snapshot
 
     def reset(self, slots: list[int]) -> None:
         if not slots:  # most steps: nothing starts at position 0
@@ -101,10 +118,10 @@ class LinearStatePool:
             conv[slots] = 0
             recurrent[slots] = 0
 
-    def copy(self, src_slot: int, dst_slot: int) -> None:
+    def copy(self, src_row: int, dst_row: int) -> None:
         for conv, recurrent in self.layers.values():
-            conv[dst_slot] = conv[src_slot]
-            recurrent[dst_slot] = recurrent[src_slot]
+            conv[dst_row] = conv[src_row]
+            recurrent[dst_row] = recurrent[src_row]
 
     def clear(self) -> None:
         self.layers.clear()
@@ -137,12 +154,19 @@ def linear_attention(
         conv_state[slots] = window[:, 1:]
         q, k, v = _heads(_causal_conv(window, layer.conv_weight, 1)[:, 0], c)
         out[:n], recurrent[slots] = _recurrent_step(q, k, v, decay[:n], beta[:n], recurrent[slots])
-    for first, length, slot in step.prefills:
+    for first, length, slot, start in step.prefills:
         rows = slice(first, first + length)
         window = torch.cat([conv_state[slot], mixed[rows]])  # [kernel - 1 + length, C]
+        marks = {pos - start: row for s, pos, row in step.saves if s == slot}
+        for offset, row in marks.items():  # the inputs before position start + offset
+            conv_state[row] = window[offset : offset + conv_state.shape[1]]
         conv_state[slot] = window[length:]
         q, k, v = _heads(_causal_conv(window[None], layer.conv_weight, length)[0], c)
-        out[rows], recurrent[slot] = _chunked(q, k, v, decay[rows], beta[rows], recurrent[slot])
+        out[rows], recurrent[slot], marked = _chunked(
+            q, k, v, decay[rows], beta[rows], recurrent[slot], start, list(marks)
+        )
+        for offset, row in marks.items():
+            recurrent[row] = marked[offset]
     normed = layer.norm(out.to(x.dtype))
     gated = (normed * F.silu(z.view(tokens, heads, dv).float())).to(x.dtype)
     return layer.out_proj(gated.view(tokens, value_dim))  # type: ignore[no-any-return]
@@ -201,18 +225,24 @@ def _chunked(
     decay: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    start: int,
+    marks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """The tokens of one sequence's chunk (q, k [T, heads, d_k], v [T, heads, d_v], decay and
-    beta [T, heads]) from ``state`` [heads, d_k, d_v], in blocks counted back from the end."""
+    beta [T, heads]) from ``state`` [heads, d_k, d_v], the chunk's first token at position
+    ``start``, in blocks on the grid of ``BLOCK`` positions from 0. Also the state after each
+    of the chunk's first ``marks`` tokens (each must end a block)."""
     total = q.shape[0]
-    sizes = ([total % BLOCK] if total % BLOCK else []) + [BLOCK] * (total // BLOCK)
-    outputs, start = [], 0
-    for size in sizes:
-        rows = slice(start, start + size)
+    cuts = sorted({0, total, *range(-start % BLOCK, total, BLOCK)})
+    assert set(marks) <= set(cuts[1:]), f"states kept off the block grid: {marks}"
+    outputs, kept = [], {}
+    for begin, end in itertools.pairwise(cuts):
+        rows = slice(begin, end)
         block_out, state = _block(q[rows], k[rows], v[rows], decay[rows], beta[rows], state)
         outputs.append(block_out)
-        start += size
-    return torch.cat(outputs), state
+        if end in marks:
+            kept[end] = state
+    return torch.cat(outputs), state, kept
 
 
 def _block(

@@ -101,6 +101,11 @@ class TorchRunner:
         bytes_per_token = self.shard.kv_bytes_per_token * ranks
         num_blocks = self.pool.tables.num_blocks
         self._samplers: dict[int, SequenceSampler] = {}
+        self._prompt_lengths: dict[int, int] = {}  # by slot: where decoding starts
+        # Recurrent-state snapshots asked for by the prefix cache, by slot, until a chunk
+        # reaches them: {position: snapshot} to save, the snapshot to resume from.
+        self._pending_saves: dict[int, dict[int, int]] = {}
+        self._pending_restores: dict[int, int] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
         # A sentence-transformers folder names its pooling; else the last token's final state.
@@ -121,7 +126,7 @@ class TorchRunner:
             tensor_parallel_size=ranks,
             sampling_defaults=sampling_defaults(path, reader),
             pooling=pooling,
-            **_recurrent_state_rules(config),
+            **_recurrent_state_rules(config, self.snapshot_capacity),
         )
         logger.info(
             "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "
@@ -158,9 +163,31 @@ class TorchRunner:
     def paged_kv(self) -> PagedKvTables:
         return self.pool.tables
 
+    # ---- StateSnapshots (models with Gated DeltaNet layers) -----------------------------------
+
+    @property
+    def snapshot_capacity(self) -> int:
+        states = self.shard.linear_states
+        return 0 if states is None else self.load.state_snapshots
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.config.linear_state_bytes(self.dtype.itemsize)
+
+    def save_state(self, slot: int, position: int, snapshot: int) -> None:
+        assert 0 <= snapshot < self.snapshot_capacity and position % BLOCK == 0
+        self._pending_saves.setdefault(slot, {})[position] = snapshot
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        assert 0 <= snapshot < self.snapshot_capacity
+        self._pending_restores[slot] = snapshot
+
+    # ---- Runner protocol (continued) ----------------------------------------------------------
+
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
+        self._prompt_lengths[slot] = len(prompt_token_ids)
         if params.embed:  # pooled, never sampled
             self._samplers.pop(slot, None)
             return
@@ -170,6 +197,7 @@ class TorchRunner:
 
     def remove_sequence(self, slot: int) -> None:
         self._samplers.pop(slot, None)
+        self._prompt_lengths.pop(slot, None)
         self._pools.forget(slot)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
@@ -184,6 +212,9 @@ class TorchRunner:
         # position 0 zeroes it (``execute``).
         if self.shard.linear_states is not None and 0 < num_tokens < self.pool.tables.lengths[slot]:
             raise RuntimeError(f"cannot roll slot {slot}'s recurrent state back to {num_tokens}")
+        if num_tokens == 0:
+            self._pending_saves.pop(slot, None)
+            self._pending_restores.pop(slot, None)
         self.pool.tables.trim(slot, num_tokens)
 
     def kv_tokens(self, slot: int) -> int:
@@ -198,8 +229,9 @@ class TorchRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         started = time.perf_counter()
-        # One-token chunks (decode steps) attend as one group, first; each longer chunk alone.
-        ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, c.slot))
+        # One-token chunks attend as one group, first (decoded tokens before one-token prompt
+        # chunks, which a recurrent layer computes as prompts); each longer chunk alone.
+        ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, not self._decodes(c), c.slot))
         plan, scoring, sampling = self._plan(ordered)
         if self.ranks is not None:
             self.ranks.send(plan)
@@ -348,20 +380,42 @@ class TorchRunner:
             row += q_len * len(batch)
         return groups
 
+    def _decodes(self, chunk: ScheduledChunk) -> bool:
+        """A decoded token: one token past the prompt (a recurrent layer's one-token step)."""
+        return len(chunk.token_ids) == 1 and chunk.start_pos >= self._prompt_lengths.get(
+            chunk.slot, 0
+        )
+
     def _linear_plan(self, ordered: Sequence[ScheduledChunk]) -> dict[str, Any]:
-        """The Gated DeltaNet layers' view of the step (one-token chunks first, as in
-        ``ordered``); a sequence starting at position 0 starts from a zero state."""
-        if self.shard.linear_states is None:
+        """The Gated DeltaNet layers' view of the step (decoded tokens first, as in
+        ``ordered``): a sequence starting at position 0 starts from a zero state, one the
+        prefix cache resumed from a snapshot; snapshots its chunks reach are taken."""
+        states = self.shard.linear_states
+        if states is None:
             return {}
-        decode = [c.slot for c in ordered if len(c.token_ids) == 1]
-        prefills, row = [], len(decode)
+        decode = [c.slot for c in ordered if self._decodes(c)]
+        prefills, saves, row = [], [], len(decode)
         for chunk in ordered[len(decode) :]:
-            prefills.append((row, len(chunk.token_ids), chunk.slot))
-            row += len(chunk.token_ids)
+            length = len(chunk.token_ids)
+            prefills.append((row, length, chunk.slot, chunk.start_pos))
+            row += length
+            pending = self._pending_saves.get(chunk.slot, {})
+            for position in [p for p in pending if p <= chunk.start_pos + length]:
+                # A position already passed would leave the snapshot unwritten: the cache
+                # asks only for positions ahead of the slot.
+                assert position > chunk.start_pos, f"slot {chunk.slot}: {position} is passed"
+                saves.append((chunk.slot, position, states.snapshot_row(pending.pop(position))))
+        loads = [
+            (states.snapshot_row(self._pending_restores.pop(c.slot)), c.slot)
+            for c in ordered
+            if c.slot in self._pending_restores
+        ]
         return {
             "linear_resets": [c.slot for c in ordered if c.start_pos == 0],
+            "linear_loads": loads,
             "linear_decode": decode,
             "linear_prefills": prefills,
+            "linear_saves": saves,
         }
 
     def close(self) -> None:
@@ -375,18 +429,20 @@ class TorchRunner:
             torch.cuda.empty_cache()
 
 
-def _recurrent_state_rules(config: ModelConfig) -> dict[str, Any]:
+def _recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]:
     """What a model with Gated DeltaNet layers changes in the engine's rules: chunks cut on
-    the chunked delta rule's block grid (batch invariance, ``deltanet.py``), no prefix cache
-    and no speculation (a recurrent state is neither shareable by position range nor
-    rewindable)."""
+    the chunked delta rule's block grid from position 0 (batch invariance, ``deltanet.py``);
+    a prefix cache only through snapshots of the recurrent state, which cannot be cut at
+    any position; no speculation (the state cannot be rewound past a rejected draft)."""
     if not config.linear_layers:
         return {}
     return {
-        "chunk_policy": ChunkPolicy(grain=BLOCK),
+        "chunk_policy": ChunkPolicy(grain=BLOCK, anchored=True),
         "prefix_cache_unsupported": (
-            "the model's Gated DeltaNet layers keep a recurrent state, which cannot be shared "
-            "by position range"
+            None
+            if snapshots
+            else "the model's Gated DeltaNet layers keep a recurrent state, which the cache "
+            "keeps only as snapshots, and --prefix-cache-snapshots is 0"
         ),
         "speculative_unsupported": RECURRENT_STATE_NO_ROLLBACK,
     }

@@ -51,10 +51,14 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=True):
     groups: list[GroupPlan]
     block_copies: list[tuple[int, int]]  # copy-on-write before the step: (source, target)
     logit_rows: list[list[int]]  # rows whose logits are computed, call by call, in order
-    # Gated DeltaNet: slots starting from a zero state, decoding slots, (row, length, slot).
+    # Gated DeltaNet (``deltanet.LinearStep``): slots starting from a zero state, slots
+    # resuming from a saved state (pool row, slot), decoding slots, prompt chunks (row,
+    # length, slot, position), states to save (slot, position, pool row).
     linear_resets: list[int] = []
+    linear_loads: list[tuple[int, int]] = []
     linear_decode: list[int] = []
-    linear_prefills: list[tuple[int, int, int]] = []
+    linear_prefills: list[tuple[int, int, int, int]] = []
+    linear_saves: list[tuple[int, int, int]] = []
 
 
 class ModelShard:
@@ -92,7 +96,9 @@ class ModelShard:
                 self.model.kernels = load_cpu_kernels()
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
-            LinearStatePool(local, load.num_slots, dtype, device) if local.linear_layers else None
+            LinearStatePool(local, load.num_slots, dtype, device, load.state_snapshots)
+            if local.linear_layers
+            else None
         )
         self.kv_bytes_per_token = local.kv_bytes_per_token(dtype.itemsize)
         num_blocks = kv_blocks(load, device, max_seq_len, self.kv_bytes_per_token)
@@ -113,8 +119,10 @@ class ModelShard:
         linear_step = None
         if self.linear_states is not None:
             self.linear_states.reset(plan.linear_resets)
+            for row, slot in plan.linear_loads:
+                self.linear_states.copy(row, slot)
             decode = torch.tensor(plan.linear_decode, dtype=torch.int64, device=device)
-            linear_step = LinearStep(decode, list(plan.linear_prefills))
+            linear_step = LinearStep(decode, list(plan.linear_prefills), list(plan.linear_saves))
         return self.model(  # type: ignore[no-any-return]
             torch.tensor(plan.tokens, dtype=torch.int64, device=device),
             torch.tensor(plan.positions, dtype=torch.int64, device=device),
