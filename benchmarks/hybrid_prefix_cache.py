@@ -1,0 +1,164 @@
+"""Prefix cache on a hybrid model (Qwen3.5: Gated DeltaNet and full attention, 3:1), PyTorch
+runner, random weights: TTFT of prompts that repeat a prefix, cache on against off.
+
+    python benchmarks/hybrid_prefix_cache.py [--prefix-len 4000] [--rounds 2]
+
+Per round, a server with the prefix cache on and one with it off (alternating which goes
+first) serve the same sequence over ``/v1/completions`` (streamed, greedy): a conversation's
+three turns (each resends the last prompt, its reply and a new message) and then a second
+conversation over the same system prompt. The first prompt is cold on both; the rest repeat a
+prefix. Tokens must match between the two servers. Prints JSON: medians per kind of prompt and
+the ratio off ÷ on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slotserve.bench.datasets import agent_prefix
+from slotserve.bench.servers import ServerSpec, free_port, running
+
+LAYERS = 24
+# Qwen3.5's small-model shapes (hidden 1024; its Gated DeltaNet layers: 16 value heads and 16
+# key heads of 128) with the SmolLM2 tokenizer's vocabulary.
+CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 49152,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "layer_types": [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(LAYERS)
+    ],
+}
+MESSAGES = [
+    "Read the file src/app.py and tell me what it does.",
+    "Now add a function that parses the configuration file.",
+    "Write a test for it.",
+]
+
+
+def make_folder(root: Path) -> Path:
+    """A config-only HF folder (random weights at load) with the SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    from slotserve.models.source import embedded_model_path
+
+    gguf = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    folder = root / "qwen35-shapes"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def server_spec(folder: Path, threads: int, cache: bool) -> ServerSpec:
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "slotserve.cli", "serve", str(folder)),
+        *("--runner", "torch", "--load-format", "dummy"),
+        *("--host", "127.0.0.1", "--port", str(port), "--slots", "2"),
+        *("--threads", str(threads), "--max-model-len", "8192", "--log-level", "warning"),
+        "--prefix-cache" if cache else "--no-prefix-cache",
+    ]
+    name = "slotserve-cache" if cache else "slotserve-no-cache"
+    return ServerSpec(name, command, port, ready_path="/ready")
+
+
+def complete(base_url: str, prompt: str, max_tokens: int) -> tuple[float, list[str]]:
+    """Seconds to the first streamed token, and the reply's tokens."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 1,
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    tokens: list[str] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=1800) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            got = (choice.get("logprobs") or {}).get("tokens") or []
+            if got and first is None:
+                first = time.perf_counter() - started
+            tokens += got
+    assert first is not None, "no token came back"
+    return first, tokens
+
+
+def play(base_url: str, system: str, max_tokens: int) -> list[tuple[str, float, list[str]]]:
+    """The sequence of prompts; (kind, TTFT, tokens) each."""
+    results = []
+    prompt = system
+    for turn, message in enumerate(MESSAGES):
+        prompt += f"\nUser: {message}\nAssistant:"
+        ttft, tokens = complete(base_url, prompt, max_tokens)
+        results.append(("cold" if turn == 0 else "next turn", ttft, tokens))
+        prompt += "".join(tokens)
+    ttft, tokens = complete(base_url, system + "\nUser: List the files.\nAssistant:", max_tokens)
+    results.append(("same system prompt", ttft, tokens))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-len", type=int, default=4000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    system = agent_prefix(args.prefix_len)
+    ttfts: dict[tuple[bool, str], list[float]] = {}
+    identical = True
+    with tempfile.TemporaryDirectory() as root:
+        folder = make_folder(Path(root))
+        for round_ in range(args.rounds):
+            tokens: dict[bool, list[list[str]]] = {}
+            for cache in (True, False) if round_ % 2 == 0 else (False, True):
+                spec = server_spec(folder, args.threads, cache)
+                with running(spec, Path(root) / "logs", timeout_s=600) as server:
+                    played = play(server.spec.base_url, system, args.max_tokens)
+                for kind, ttft, _ in played:
+                    ttfts.setdefault((cache, kind), []).append(ttft)
+                tokens[cache] = [t for _, _, t in played]
+            identical = identical and tokens[True] == tokens[False]
+    kinds = ["cold", "next turn", "same system prompt"]
+    summary: dict[str, Any] = {"prefix_len": args.prefix_len, "tokens_identical": identical}
+    for kind in kinds:
+        on, off = statistics.median(ttfts[True, kind]), statistics.median(ttfts[False, kind])
+        summary[kind] = {"on_s": on, "off_s": off, "off_over_on": off / on}
+    summary["all"] = {f"{'on' if c else 'off'}|{k}": v for (c, k), v in ttfts.items()}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
