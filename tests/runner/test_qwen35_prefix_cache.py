@@ -66,7 +66,7 @@ def _run(core: EngineCore, jobs: dict[str, list[int]], max_tokens: int = 6) -> d
     return replies
 
 
-def _conversations(runner: TorchRunner, rng: random.Random) -> list[list[str]]:
+def _conversations(rng: random.Random) -> list[list[str]]:
     """Turns of four conversations over one system prompt, as text (each turn's prompt is
     the previous turn's prompt, its reply and a new message, built when run)."""
     return [[f" User {c}: {rng.choice(PROMPTS)}" for _ in range(3)] for c in range(4)]
@@ -77,7 +77,7 @@ def _play(core: EngineCore, runner: TorchRunner, seed: int) -> dict[str, Reply]:
     shuffled order), each turn resending the conversation so far."""
     rng = random.Random(seed)
     encode = runner.tokenizer.encode
-    turns = _conversations(runner, rng)
+    turns = _conversations(rng)
     history = {c: encode(SYSTEM) for c in range(4)}
     replies: dict[str, Reply] = {}
     for turn in range(3):
