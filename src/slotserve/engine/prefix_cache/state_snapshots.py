@@ -66,27 +66,27 @@ class SnapshotBook:
         branch = min(matched, cacheable) // grain * grain
         spaced = range(cacheable // self.interval * self.interval, reused, -self.interval)
         positions = dict.fromkeys([cacheable, branch, *spaced])  # ordered, no duplicates
-        planned = self._pending.setdefault(slot, {})
         for position in positions:
-            if position <= reused or position in planned:
-                continue
-            snapshot = self._allocate()
-            if snapshot is None:
+            if not self._ask(slot, position, reused):
                 break
-            planned[position] = snapshot
-            self.runner.save_state(slot, position, snapshot)
 
     def plan_one(self, slot: int, position: int, computed: int) -> None:
         """One more position for running ``slot``, computed up to ``computed``: where a
         prompt waiting for it will resume (rounded down to the grain)."""
-        position = position // self.grain * self.grain
+        self._ask(slot, position // self.grain * self.grain, computed)
+
+    def _ask(self, slot: int, position: int, computed: int) -> bool:
+        """Has the runner save ``slot``'s state at ``position`` unless it is passed or already
+        asked for; False when no place can be found."""
         planned = self._pending.setdefault(slot, {})
         if position <= computed or position in planned:
-            return
+            return True
         snapshot = self._allocate()
-        if snapshot is not None:
-            planned[position] = snapshot
-            self.runner.save_state(slot, position, snapshot)
+        if snapshot is None:
+            return False
+        planned[position] = snapshot
+        self.runner.save_state(slot, position, snapshot)
+        return True
 
     def reached(self, slot: int, length: int) -> list[tuple[int, int]]:
         """The planned (position, snapshot) of ``slot`` that its computed prompt now covers,
