@@ -1,10 +1,12 @@
 """The box's limits beside what the PyTorch runner's projections reach on them.
 
 Measures, with torch's threads (``--threads``): the memory bandwidth (a float32 sum over a
-buffer far larger than the caches), the bfloat16 matmul peak as oneDNN reaches it (a large
-square prepacked matmul), and one decode step's projections of the embedded SmolLM2 shapes
-(30 layers of distinct weights and the head, prepacked as the runner prepacks them) at 1 and 64
-rows: GB/s of weights read at one row, GFLOP/s at 64.
+buffer far larger than the caches), the bfloat16 matmul peak as oneDNN and the runner's CPU
+kernels reach it (a large square matmul, weights packed once), and one decode step's
+projections of the embedded SmolLM2 shapes (30 layers of distinct weights and the head) at 1,
+16 and 64 rows through each: GB/s of weights read, GFLOP/s. oneDNN's rows split the down
+projection's input as the runner does without the kernels (batch invariance); the kernels'
+GEMM needs no split.
 
     python benchmarks/cpu_limits.py --threads 2
 """
@@ -19,12 +21,15 @@ from collections.abc import Callable
 
 import torch
 
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
+
 REORDER = torch.ops.mkldnn._reorder_linear_weight
 LINEAR = torch.ops.mkldnn._linear_pointwise
 
-# SmolLM2-135M: (rows, input) of each layer's projections; down's 1,536-long input is split
-# into two 768-long halves by the runner (batch invariance), as here.
-LAYER = [(960, 576), (576, 576), (3072, 576), (576, 768), (576, 768)]
+# SmolLM2-135M: (rows, input) of each layer's projections; for oneDNN down's 1,536-long input
+# is split into two 768-long halves, as the runner splits it (batch invariance).
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYER_ONEDNN = [(960, 576), (576, 576), (3072, 576), (576, 768), (576, 768)]
 HEAD = (49152, 576)
 LAYERS = 30
 
@@ -44,22 +49,36 @@ def memory_bandwidth() -> float:
     return buffer.numel() * 4 / _median_seconds(buffer.sum, 5) / 1e9
 
 
-def matmul_peak() -> float:
+def matmul_peak(kernels: CpuKernels | None) -> float:
     n = 4096
-    weight = REORDER(torch.randn(n, n).bfloat16(), 1)
-    x = torch.randn(n, n).bfloat16()
-    seconds = _median_seconds(lambda: LINEAR(x, weight, None, "none", [], ""), 5)
-    return 2 * n**3 / seconds / 1e12 * 1e3
+    x, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    if kernels is None:
+        weight = REORDER(w, 1)
+        seconds = _median_seconds(lambda: LINEAR(x, weight, None, "none", [], ""), 5)
+    else:
+        packed = kernels.pack_weight(w)
+        seconds = _median_seconds(lambda: kernels.linear(x, packed, None, n), 5)
+    return 2 * n**3 / seconds / 1e9
 
 
-def projections(rows: int) -> dict[str, float]:
-    shapes = LAYER * LAYERS + [HEAD]
-    weights = [REORDER(torch.randn(n, k).bfloat16(), 1) for n, k in shapes]
+def projections(rows: int, kernels: CpuKernels | None) -> dict[str, float]:
+    """One decode step's projections: oneDNN's prepacked call, or the kernels' GEMM."""
+    shapes = (LAYER_ONEDNN if kernels is None else LAYER) * LAYERS + [HEAD]
     inputs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
+    if kernels is None:
+        weights = [REORDER(torch.randn(n, k).bfloat16(), 1) for n, k in shapes]
 
-    def step() -> None:
-        for (_, k), weight in zip(shapes, weights, strict=True):
-            LINEAR(inputs[k], weight, None, "none", [], "")
+        def step() -> None:
+            for (_, k), weight in zip(shapes, weights, strict=True):
+                LINEAR(inputs[k], weight, None, "none", [], "")
+
+    else:
+        gemm = kernels
+        packed = [gemm.pack_weight(torch.randn(n, k).bfloat16()) for n, k in shapes]
+
+        def step() -> None:
+            for (n, k), weight in zip(shapes, packed, strict=True):
+                gemm.linear(inputs[k], weight, None, n)
 
     seconds = _median_seconds(step, 7)
     params = sum(n * k for n, k in shapes)
@@ -77,17 +96,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bandwidth, peak = memory_bandwidth(), matmul_peak()
-    one, many = projections(1), projections(64)
-    result = {
+    kernels = load_cpu_kernels()
+    paths: dict[str, CpuKernels | None] = {"onednn": None}
+    if kernels is not None and kernels.has_gemm:
+        paths["kernels"] = kernels
+    bandwidth = memory_bandwidth()
+    peaks = {name: matmul_peak(k) for name, k in paths.items()}
+    peak = max(peaks.values())
+    result: dict[str, object] = {
         "threads": torch.get_num_threads(),
         "memory_gb_s": bandwidth,
-        "bf16_matmul_gflop_s": peak,
-        "projections_1_row": one,
-        "projections_64_rows": many,
-        "fraction_of_bandwidth_at_1_row": one["weight_gb_s"] / bandwidth,
-        "fraction_of_peak_at_64_rows": many["gflop_s"] / peak,
+        "bf16_matmul_gflop_s": peaks,
     }
+    for name, k in paths.items():
+        steps = [projections(rows, k) for rows in (1, 16, 64)]
+        result[f"projections_{name}"] = steps
+        result[f"{name}_fraction_of_bandwidth_at_1_row"] = steps[0]["weight_gb_s"] / bandwidth
+        result[f"{name}_fraction_of_peak_at_64_rows"] = steps[2]["gflop_s"] / peak
     print(json.dumps(result, indent=2))
 
 

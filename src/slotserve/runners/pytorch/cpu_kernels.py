@@ -34,7 +34,11 @@ logger = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # Compiler flags for every CPU: the instruction sets are chosen per function in the source
 # (``#pragma GCC target``) and at run time from the CPU, never from the build machine.
-CFLAGS = ["-O3", "-std=c++17", "-Wno-psabi", "-fno-math-errno"]
+CFLAGS = ("-O3", "-std=c++17", "-Wno-psabi", "-fno-math-errno", "-fopenmp")
+# Without OpenMP, ``at::parallel_for`` compiles to a serial loop. The library it links is
+# found at run time by its soname, libgomp.so.1, which torch has already loaded (its own copy
+# on Linux wheels): one thread pool, torch's, sized by ``torch.set_num_threads``.
+LDFLAGS = ("-fopenmp",)
 
 
 class CpuKernels:
@@ -43,6 +47,8 @@ class CpuKernels:
     def __init__(self, module: Any) -> None:
         self._m = module
         self.isa: str = module.isa()
+        # The projections' own GEMM needs AVX512-BF16; without it oneDNN's serves them.
+        self.has_gemm: bool = module.has_bf16_gemm()
 
     def select_isa(self, isa: str) -> None:
         """Runs the kernels compiled for ``isa`` (avx512, avx2) from now on, if the CPU runs
@@ -94,6 +100,17 @@ class CpuKernels:
             head_dim, gated, q_norm, k_norm, eps, plus_one,
         )  # fmt: skip
 
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A ``[out, in]`` bfloat16 weight in the layout :meth:`linear` reads."""
+        return self._m.pack_weight(weight)  # type: ignore[no-any-return]
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` in bfloat16, each output summed over the inputs in order
+        in float32: a row's bits do not depend on the other rows or the thread count."""
+        return self._m.linear(x, packed, bias, out_features)  # type: ignore[no-any-return]
+
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -117,10 +134,12 @@ class CpuKernels:
 def build_directory() -> Path:
     """Where the kernels are built and cached: ``TORCH_EXTENSIONS_DIR`` (torch's own setting,
     default ``~/.cache/torch_extensions``), one folder per source text and torch version (torch
-    keys its cache on the .cpp file alone, so the headers' text goes into the name)."""
+    keys its cache on the .cpp file alone, so the headers' text and the flags go into the
+    name)."""
     digest = hashlib.sha256(
         b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]*")))
         + torch.__version__.encode()
+        + " ".join(CFLAGS + LDFLAGS).encode()
     ).hexdigest()[:12]
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     directory = Path(base) / f"slotserve_cpu_kernels_{digest}"
@@ -166,7 +185,8 @@ def load_cpu_kernels() -> CpuKernels | None:
                 name=directory.name,
                 sources=[str(SOURCES / "cpu_kernels.cpp")],
                 extra_include_paths=[str(SOURCES)],
-                extra_cflags=CFLAGS,
+                extra_cflags=list(CFLAGS),  # torch appends to the lists it is given
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),
                 verbose=False,
             )

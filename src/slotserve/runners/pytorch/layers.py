@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+
 # oneDNN's bfloat16 matmuls give every row the same bits whatever the batch while the reduced
 # dimension is at most this long (measured up to 600 rows); beyond it some row counts switch to
 # a split-K schedule that sums in another order.
@@ -22,14 +24,25 @@ def _packed_linear(
 
 
 class Projection(nn.Linear):
-    """A linear layer that can be made batch-invariant on CPU: :meth:`split_k` cuts a long
-    input dimension into equal chunks of at most ``INVARIANT_MAX_K``, whose bfloat16 products
-    are summed in float32 in a fixed order. :meth:`prepack` stores the weights in oneDNN's
-    blocked layout once, instead of oneDNN reordering them on every call."""
+    """A linear layer that is batch-invariant on CPU in one of two ways. :meth:`pack` hands it
+    to the CPU kernels' GEMM, whose every output sums its inputs in order whatever the rows.
+    Without it, oneDNN serves: :meth:`split_k` cuts a long input dimension into equal chunks of
+    at most ``INVARIANT_MAX_K``, whose bfloat16 products are summed in float32 in a fixed
+    order, and :meth:`prepack` stores the weights in oneDNN's blocked layout once, instead of
+    oneDNN reordering them on every call."""
 
     chunks: list[torch.Tensor] | None = None
     chunks_packed = False
-    packed: torch.Tensor | None = None  # the whole weight, prepacked
+    packed: torch.Tensor | None = None  # the whole weight, prepacked for oneDNN
+    kernels: CpuKernels | None = None
+    kernel_weight: torch.Tensor | None = None  # the whole weight, packed for the kernels
+
+    def pack(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
+        """The kernels' GEMM from now on (CPU, bfloat16). ``keep_weight``: as :meth:`prepack`."""
+        self.kernel_weight = kernels.pack_weight(self.weight.detach())
+        self.kernels = kernels
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def split_k(self) -> None:
         k = self.in_features
@@ -60,6 +73,13 @@ class Projection(nn.Linear):
         return F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is not None:
+            assert self.kernels is not None
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = self.kernels.linear(rows, self.kernel_weight, self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         if self.chunks is None:

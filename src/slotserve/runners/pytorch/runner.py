@@ -136,7 +136,12 @@ class TorchRunner:
             self.device,
             f" × {ranks} tensor-parallel ranks" if ranks > 1 else "",
             str(self.dtype).removeprefix("torch."),
-            f"CPU kernels: {kernels.isa}" if (kernels := self.shard.model.kernels) else "torch ops",
+            (
+                f"CPU kernels: {kernels.isa}, projections by "
+                + ("their GEMM (avx512-bf16)" if kernels.has_gemm else "oneDNN")
+            )
+            if (kernels := self.shard.model.kernels)
+            else "torch ops",
             load.num_slots,
             self.max_seq_len,
             num_blocks,

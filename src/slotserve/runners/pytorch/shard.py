@@ -89,11 +89,14 @@ class ModelShard:
         load_into(self.model, tensors, tensor_slicer(tp) if tp is not None else None)
         if device.type == "cpu" and dtype == torch.bfloat16:
             # Batch invariance holds in bfloat16 on CPU only (attention.py).
-            self.model.make_batch_invariant()
-            if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-                self.model.prepack()
             if load.cpu_kernels and local.head_dim % 16 == 0:
                 self.model.kernels = load_cpu_kernels()
+            if self.model.kernels is not None and self.model.kernels.has_gemm:
+                self.model.pack_for(self.model.kernels)
+            else:
+                self.model.make_batch_invariant()
+                if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+                    self.model.prepack()
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
             LinearStatePool(local, load.num_slots, dtype, device, load.state_snapshots)

@@ -58,6 +58,114 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+
+// ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------
+//
+// The weight is packed once as [N/16][K/2][16 outputs][2 inputs] (zero-padded), the operand
+// layout of `vdpbf16ps`: one 64-byte load holds two k-steps of sixteen outputs. Every output
+// is one float32 accumulator fed k-pair by k-pair from k = 0 upwards, then rounded once: the
+// same instructions in the same order for any number of rows, any tile a row falls in, and any
+// thread count (threads split the outputs, never K). Batch-invariant by construction, for every
+// K (no split-K needed).
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+namespace gemm512 {
+
+constexpr int kRowsPerTile = 6;    // rows sharing each weight load: 6 x 4 accumulators
+constexpr int kBlocksPerTile = 4;  // 16-output blocks per tile
+constexpr int kRowsPerPass = 96;   // rows whose inputs stay in L2 while a tile's panel streams
+
+static inline __m512bh pair_of(const uint16_t* row, int64_t kp, int64_t k) {
+    int32_t pair;
+    if (2 * kp + 1 < k)
+        std::memcpy(&pair, row + 2 * kp, sizeof(pair));
+    else  // odd K: the packed weight holds a zero beside the last input
+        pair = int32_t(row[2 * kp]);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+static inline void store_row(uint16_t* out, __m512 v, int valid) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+    const __mmask16 keep = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+    _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(rounded));
+}
+
+// Rows [0, MR) of x against NB consecutive packed blocks; `valid`: outputs of the last block
+// that exist (N need not be a multiple of 16).
+template <int MR, int NB>
+static void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_stride,
+                 int64_t k, const float* bias, uint16_t* out, int64_t out_stride, int valid) {
+    const int64_t k_pairs = (k + 1) / 2;
+    __m512 acc[MR][NB];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        __m512bh wv[NB];
+        for (int j = 0; j < NB; ++j)
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_stride + kp * 32);
+        for (int r = 0; r < MR; ++r) {
+            const __m512bh a = pair_of(x + r * x_stride, kp, k);
+            for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NB; ++j) {
+            __m512 v = acc[r][j];
+            if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
+            store_row(out + r * out_stride + j * 16, v, j == NB - 1 ? valid : 16);
+        }
+}
+
+template <int NB>
+static void rows_tile(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* w,
+                      int64_t block_stride, int64_t k, const float* bias, uint16_t* out,
+                      int64_t out_stride, int valid) {
+    switch (rows) {
+        case 6: return tile<6, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        case 5: return tile<5, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        case 4: return tile<4, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        case 3: return tile<3, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        case 2: return tile<2, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        default: return tile<1, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+    }
+}
+
+// Output blocks [b0, b1) for every row.
+static void blocks(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w,
+                   int64_t k, int64_t n, const float* bias, uint16_t* out, int64_t b0,
+                   int64_t b1) {
+    const int64_t block_stride = (k + 1) / 2 * 32;
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
+        const int64_t m1 = std::min(rows, m0 + kRowsPerPass);
+        for (int64_t b = b0; b < b1; b += kBlocksPerTile) {
+            const int nb = int(std::min<int64_t>(kBlocksPerTile, b1 - b));
+            const int valid = int(std::min<int64_t>(16, n - (b + nb - 1) * 16));
+            const uint16_t* wb = w + b * block_stride;
+            const float* bb = bias != nullptr ? bias + b * 16 : nullptr;
+            for (int64_t m = m0; m < m1; m += kRowsPerTile) {
+                const int mr = int(std::min<int64_t>(kRowsPerTile, m1 - m));
+                const uint16_t* xm = x + m * x_stride;
+                uint16_t* om = out + m * n + b * 16;
+                switch (nb) {
+                    case 4: rows_tile<4>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
+                    case 3: rows_tile<3>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
+                    case 2: rows_tile<2>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
+                    default: rows_tile<1>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace gemm512
+#pragma GCC pop_options
+
 namespace {
 
 constexpr int kLanes = avx512::kLanes;
@@ -363,6 +471,66 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     return out;
 }
 
+
+bool runs_bf16_gemm() {
+    __builtin_cpu_init();
+    return runs_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// [N, K] bfloat16 → the packed layout of gemm512 (see there), zero-padded to whole blocks.
+at::Tensor pack_weight(const at::Tensor& weight) {
+    TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                    weight.device().is_cpu(),
+                "weight must be a bfloat16 CPU matrix");
+    const at::Tensor w = weight.contiguous();
+    const int64_t n = w.size(0), k = w.size(1), blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
+    at::Tensor packed = at::zeros({blocks, k_pairs, 16, 2}, w.options());
+    const uint16_t* src = bf16(w);
+    uint16_t* dst = bf16_mut(packed);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b)
+            for (int64_t lane = 0; lane < 16 && b * 16 + lane < n; ++lane) {
+                const uint16_t* row = src + (b * 16 + lane) * k;
+                uint16_t* block = dst + b * k_pairs * 32 + lane * 2;
+                for (int64_t i = 0; i < k; ++i) block[(i / 2) * 32 + i % 2] = row[i];
+            }
+    });
+    return packed;
+}
+
+// x [M, K] bfloat16 (unit inner stride) times a packed weight of N outputs, plus an optional
+// bias (any float dtype, added in float32 before the one rounding to bfloat16).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t n) {
+    check_rows(x, "x");
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
+                    packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+                "packed weight: [N/16, K/2, 16, 2] bfloat16 from pack_weight");
+    const int64_t rows = x.size(0), k = x.size(1), blocks = packed.size(0);
+    TORCH_CHECK(packed.size(1) == (k + 1) / 2 && (n + 15) / 16 == blocks,
+                "x and the packed weight disagree in shape");
+    at::Tensor out = at::empty({rows, n}, x.options());
+    if (rows == 0) return out;
+    at::Tensor bias32;
+    if (bias) {
+        bias32 = bias->to(at::kFloat).contiguous();
+        TORCH_CHECK(bias32.numel() == n, "one bias per output");
+        bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
+    }
+    const float* b = bias ? bias32.data_ptr<float>() : nullptr;
+    const uint16_t *in = bf16(x), *w = bf16(packed);
+    uint16_t* o = bf16_mut(out);
+    const int64_t stride = x.stride(0);
+    // Threads take whole tiles of outputs; a call too small to pay for a second thread runs on one.
+    const int64_t work = rows * k * 16;  // multiply-adds per block
+    const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        gemm512::blocks(in, rows, stride, w, k, n, b, o, begin, end);
+    });
+    return out;
+}
+
 std::string isa() {
     return kernels().name;
 }
@@ -377,4 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul);
     m.def("rotary_write", &rotary_write);
     m.def("paged_attention", &paged_attention);
+    m.def("has_bf16_gemm", &runs_bf16_gemm);
+    m.def("pack_weight", &pack_weight);
+    m.def("linear", &linear);
 }
