@@ -72,9 +72,20 @@ namespace avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace gemm512 {
 
-constexpr int kRowsPerTile = 6;    // rows sharing each weight load: 6 x 4 accumulators
-constexpr int kBlocksPerTile = 4;  // 16-output blocks per tile
-constexpr int kRowsPerPass = 96;   // rows whose inputs stay in L2 while a tile's panel streams
+constexpr int kRowsPerTile = 6;      // rows sharing each weight load: 6 x 4 accumulators
+constexpr int kBlocksPerTile = 4;    // 16-output blocks per tile
+constexpr int kRowsPerPass = 96;     // rows whose inputs stay in L2 while a panel is reused
+constexpr int64_t kPairsPerPanel = 1024;  // input pairs per panel: 4 blocks x 1024 x 64 B, in L2
+
+struct Operands {
+    const uint16_t* x;
+    int64_t x_stride, k;
+    const uint16_t* w;
+    int64_t block_stride;  // elements from one packed block to the next
+    const float* bias;     // padded to whole blocks, or null
+    uint16_t* out;
+    int64_t n;
+};
 
 static inline __m512bh pair_of(const uint16_t* row, int64_t kp, int64_t k) {
     int32_t pair;
@@ -96,67 +107,78 @@ static inline void store_row(uint16_t* out, __m512 v, int valid) {
     _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(rounded));
 }
 
-// Rows [0, MR) of x against NB consecutive packed blocks; `valid`: outputs of the last block
-// that exist (N need not be a multiple of 16).
+// Rows [m, m + MR) against NB blocks from block b, input pairs [kp0, kp1). Between panels the
+// accumulators wait in `partial` (float32, stored and reloaded exactly), so a long input is
+// still one accumulation in order; the last panel adds the bias and rounds. `valid`: outputs of
+// the last block that exist (N need not be a multiple of 16).
 template <int MR, int NB>
-static void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t block_stride,
-                 int64_t k, const float* bias, uint16_t* out, int64_t out_stride, int valid) {
-    const int64_t k_pairs = (k + 1) / 2;
+static void tile(const Operands& op, int64_t m, int64_t b, int64_t kp0, int64_t kp1,
+                 float* partial, int valid) {
+    const int64_t k_pairs = (op.k + 1) / 2;
+    const uint16_t* x = op.x + m * op.x_stride;
+    const uint16_t* w = op.w + b * op.block_stride;
+    constexpr int kStride = kBlocksPerTile * 16;  // floats per row of `partial`
     __m512 acc[MR][NB];
     for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        for (int j = 0; j < NB; ++j)
+            acc[r][j] = kp0 == 0 ? _mm512_setzero_ps()
+                                 : _mm512_loadu_ps(partial + r * kStride + j * 16);
+    for (int64_t kp = kp0; kp < kp1; ++kp) {
         __m512bh wv[NB];
         for (int j = 0; j < NB; ++j)
-            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_stride + kp * 32);
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * op.block_stride + kp * 32);
         for (int r = 0; r < MR; ++r) {
-            const __m512bh a = pair_of(x + r * x_stride, kp, k);
+            const __m512bh a = pair_of(x + r * op.x_stride, kp, op.k);
             for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
         }
+    }
+    if (kp1 < k_pairs) {
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < NB; ++j) _mm512_storeu_ps(partial + r * kStride + j * 16, acc[r][j]);
+        return;
     }
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NB; ++j) {
             __m512 v = acc[r][j];
-            if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
-            store_row(out + r * out_stride + j * 16, v, j == NB - 1 ? valid : 16);
+            if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + (b + j) * 16));
+            store_row(op.out + (m + r) * op.n + (b + j) * 16, v, j == NB - 1 ? valid : 16);
         }
 }
 
 template <int NB>
-static void rows_tile(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* w,
-                      int64_t block_stride, int64_t k, const float* bias, uint16_t* out,
-                      int64_t out_stride, int valid) {
+static void rows_tile(int rows, const Operands& op, int64_t m, int64_t b, int64_t kp0,
+                      int64_t kp1, float* partial, int valid) {
     switch (rows) {
-        case 6: return tile<6, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
-        case 5: return tile<5, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
-        case 4: return tile<4, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
-        case 3: return tile<3, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
-        case 2: return tile<2, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
-        default: return tile<1, NB>(x, x_stride, w, block_stride, k, bias, out, out_stride, valid);
+        case 6: return tile<6, NB>(op, m, b, kp0, kp1, partial, valid);
+        case 5: return tile<5, NB>(op, m, b, kp0, kp1, partial, valid);
+        case 4: return tile<4, NB>(op, m, b, kp0, kp1, partial, valid);
+        case 3: return tile<3, NB>(op, m, b, kp0, kp1, partial, valid);
+        case 2: return tile<2, NB>(op, m, b, kp0, kp1, partial, valid);
+        default: return tile<1, NB>(op, m, b, kp0, kp1, partial, valid);
     }
 }
 
-// Output blocks [b0, b1) for every row.
-static void blocks(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w,
-                   int64_t k, int64_t n, const float* bias, uint16_t* out, int64_t b0,
-                   int64_t b1) {
-    const int64_t block_stride = (k + 1) / 2 * 32;
+// Output blocks [b0, b1) for every row: passes of rows, and within a pass each tile's weight
+// panel (up to kPairsPerPanel input pairs of 64 outputs) reused by every row of the pass.
+static void blocks(const Operands& op, int64_t rows, int64_t b0, int64_t b1) {
+    const int64_t k_pairs = (op.k + 1) / 2;
+    std::vector<float> partial(kRowsPerPass * kBlocksPerTile * 16);
     for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
         const int64_t m1 = std::min(rows, m0 + kRowsPerPass);
         for (int64_t b = b0; b < b1; b += kBlocksPerTile) {
             const int nb = int(std::min<int64_t>(kBlocksPerTile, b1 - b));
-            const int valid = int(std::min<int64_t>(16, n - (b + nb - 1) * 16));
-            const uint16_t* wb = w + b * block_stride;
-            const float* bb = bias != nullptr ? bias + b * 16 : nullptr;
-            for (int64_t m = m0; m < m1; m += kRowsPerTile) {
-                const int mr = int(std::min<int64_t>(kRowsPerTile, m1 - m));
-                const uint16_t* xm = x + m * x_stride;
-                uint16_t* om = out + m * n + b * 16;
-                switch (nb) {
-                    case 4: rows_tile<4>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
-                    case 3: rows_tile<3>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
-                    case 2: rows_tile<2>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid); break;
-                    default: rows_tile<1>(mr, xm, x_stride, wb, block_stride, k, bb, om, n, valid);
+            const int valid = int(std::min<int64_t>(16, op.n - (b + nb - 1) * 16));
+            for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kPairsPerPanel) {
+                const int64_t kp1 = std::min(k_pairs, kp0 + kPairsPerPanel);
+                for (int64_t m = m0; m < m1; m += kRowsPerTile) {
+                    const int mr = int(std::min<int64_t>(kRowsPerTile, m1 - m));
+                    float* part = partial.data() + (m - m0) * kBlocksPerTile * 16;
+                    switch (nb) {
+                        case 4: rows_tile<4>(mr, op, m, b, kp0, kp1, part, valid); break;
+                        case 3: rows_tile<3>(mr, op, m, b, kp0, kp1, part, valid); break;
+                        case 2: rows_tile<2>(mr, op, m, b, kp0, kp1, part, valid); break;
+                        default: rows_tile<1>(mr, op, m, b, kp0, kp1, part, valid);
+                    }
                 }
             }
         }
@@ -525,8 +547,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     // Threads take whole tiles of outputs; a call too small to pay for a second thread runs on one.
     const int64_t work = rows * k * 16;  // multiply-adds per block
     const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
+    const gemm512::Operands op{in, stride, k, w, (k + 1) / 2 * 32, b, o, n};
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-        gemm512::blocks(in, rows, stride, w, k, n, b, o, begin, end);
+        gemm512::blocks(op, rows, begin, end);
     });
     return out;
 }
