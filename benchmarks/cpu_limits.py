@@ -6,7 +6,7 @@ kernels reach it (a large square matmul, weights packed once), and one decode st
 projections of the embedded SmolLM2 shapes (30 layers of distinct weights and the head) at 1,
 16 and 64 rows through each: GB/s of weights read, GFLOP/s. oneDNN's rows split the down
 projection's input as the runner does without the kernels (batch invariance); the kernels'
-GEMM needs no split.
+GEMM needs no split. With ``--shapes``, single matmuls of larger models' shapes through each.
 
     python benchmarks/cpu_limits.py --threads 2
 """
@@ -14,6 +14,7 @@ GEMM needs no split.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -90,9 +91,38 @@ def projections(rows: int, kernels: CpuKernels | None) -> dict[str, float]:
     }
 
 
+# (rows, outputs, inputs): a square matmul; Qwen3-0.6B's MLP at a 512-token prefill; Llama-3.2-1B's
+# MLP at 512 rows, at 64 and at one.
+SHAPES = [
+    (4096, 4096, 4096),
+    (512, 3072, 1024),
+    (512, 1024, 3072),
+    (512, 8192, 2048),
+    (512, 2048, 8192),
+    (64, 8192, 2048),
+    (1, 8192, 2048),
+]
+
+
+def larger_shapes(kernels: CpuKernels) -> list[dict[str, float]]:
+    rows = []
+    for m, n, k in SHAPES:
+        x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        prepacked, packed = REORDER(w, 1), kernels.pack_weight(w)
+        onednn = _median_seconds(functools.partial(LINEAR, x, prepacked, None, "none", [], ""), 5)
+        ours = _median_seconds(functools.partial(kernels.linear, x, packed, None, n), 5)
+        flop = 2 * m * n * k
+        rows.append(
+            {"m": m, "n": n, "k": k, "onednn_gflop_s": flop / onednn / 1e9,
+             "kernels_gflop_s": flop / ours / 1e9}
+        )  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--shapes", action="store_true", help="larger models' shapes too")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,6 +143,8 @@ def main() -> None:
         result[f"projections_{name}"] = steps
         result[f"{name}_fraction_of_bandwidth_at_1_row"] = steps[0]["weight_gb_s"] / bandwidth
         result[f"{name}_fraction_of_peak_at_64_rows"] = steps[2]["gflop_s"] / peak
+    if args.shapes and "kernels" in paths and kernels is not None:
+        result["larger_shapes"] = larger_shapes(kernels)
     print(json.dumps(result, indent=2))
 
 

@@ -2,8 +2,10 @@
 
 Builds the runner and an ``EngineCore`` in this process, admits B sequences at once (random
 64-token prompts, greedy, ``ignore_eos``) and steps until all have ``--max-tokens`` tokens.
-Reports decode tokens/s (prefill steps excluded) per batch size, and with ``--profile`` the
-torch profiler's top operators for the largest batch. Used to A/B runner changes before the
+Reports decode tokens/s (prefill steps excluded) per batch size; with ``--profile`` the torch
+profiler's top operators for the largest batch, and with ``--step-times`` where a decode step's
+time goes (each CPU kernel and the projections timed around their Python calls: the profiler
+sees neither the kernels nor, inside them, the GEMM). Used to A/B runner changes before the
 server-level benchmarks (``slotserve bench runners``).
 
     python benchmarks/engine_steps.py --runner torch --batch-sizes 1 16 64 --max-tokens 64
@@ -75,6 +77,55 @@ def run(
     return {"batch": batch, "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0}
 
 
+def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float]:
+    """Milliseconds per decode step spent in each kernel call and in the projections, and the
+    rest, over ``batch`` sequences once all of them decode."""
+    from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+    from slotserve.runners.pytorch.layers import Projection
+
+    spent: dict[str, float] = {}
+    originals: list[tuple[type, str, object]] = []
+
+    def timed(owner: type, name: str, label: str) -> None:
+        original = getattr(owner, name)
+        originals.append((owner, name, original))
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, wrapper)
+
+    for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention"):
+        timed(CpuKernels, name, name)
+    timed(Projection, "forward", "projections")
+    rng = random.Random(7)
+    vocab = core.model_info.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
+        core.add_request(core.make_request(f"times-{i}", prompt, params))
+    try:
+        while not all(s.num_output_tokens > 0 for s in core.snapshot().slots[:batch]):
+            core.step()
+        spent.clear()
+        steps, started = 0, time.perf_counter()
+        while core.has_work:
+            core.step()
+            steps += 1
+        total = time.perf_counter() - started
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    result = {label: 1e3 * seconds / steps for label, seconds in spent.items()}
+    result["rest"] = 1e3 * (total - sum(spent.values())) / steps
+    result["step"] = 1e3 * total / steps
+    return {"batch": batch, **{k: round(v, 2) for k, v in result.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
@@ -83,6 +134,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--step-times", action="store_true", help="torch: ms per decode step in each part"
+    )
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch: the plain-torch path (reference)"
     )
@@ -98,6 +152,9 @@ def main() -> None:
             print(json.dumps(result), flush=True)
     if args.profile:
         run(core, args.batch_sizes[-1], 24, seed=99, profile=True)
+    if args.step_times:
+        for batch in args.batch_sizes:
+            print(json.dumps(step_times(core, batch, args.max_tokens)), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
 
