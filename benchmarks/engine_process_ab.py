@@ -17,10 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from slotserve.bench.datasets import random_dataset
-from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark
-from slotserve.bench.servers import running, slotserve_spec
+from slotserve.bench.runner import random_completions_on
+from slotserve.bench.servers import slotserve_spec
 from slotserve.models.source import embedded_model_path
 
 MODES = {"process": "--engine-process", "thread": "--no-engine-process"}
@@ -29,18 +27,10 @@ MODES = {"process": "--engine-process", "thread": "--no-engine-process"}
 def one_run(args: argparse.Namespace, mode: str, concurrency: int, seed: int) -> dict[str, Any]:
     extra = [MODES[mode], "--runner", args.runner, *args.server_args.split()]
     spec = slotserve_spec(embedded_model_path(), max(args.concurrency), args.threads, 512, extra)
-    conversations = random_dataset(
-        concurrency * args.requests_per_client, args.input_len, args.max_tokens, 0.0, seed
-    )
-    with running(spec, args.log_dir) as server:
-        config = LoadConfig(
-            base_url=server.api_url, endpoint="completions", concurrency=concurrency
-        )
-        report = run_benchmark(
-            config, conversations, warmup=2, server_pid=server.pid, show_progress=False
-        )
-    assert report["failed"] == 0, report.get("errors")
-    return report
+    return random_completions_on(
+        spec, concurrency, args.requests_per_client, args.input_len, args.max_tokens, seed,
+        args.log_dir,
+    )  # fmt: skip
 
 
 def main() -> None:

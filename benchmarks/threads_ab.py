@@ -19,10 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from slotserve.bench.datasets import random_dataset
-from slotserve.bench.loadgen import LoadConfig
-from slotserve.bench.runner import run_benchmark
-from slotserve.bench.servers import running, slotserve_spec
+from slotserve.bench.runner import random_completions_on
+from slotserve.bench.servers import slotserve_spec
 from slotserve.models.source import embedded_model_path
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # libtcmalloc-minimal4
@@ -37,18 +35,10 @@ def one_run(args: argparse.Namespace, setting: str, concurrency: int, seed: int)
     extra = ["--runner", "torch", "--max-model-len", "512"]
     spec = slotserve_spec(embedded_model_path(), max(args.concurrency), args.threads, 512, extra)
     spec = replace(spec, env=SETTINGS[setting])
-    conversations = random_dataset(
-        concurrency * args.requests_per_client, args.input_len, args.max_tokens, 0.0, seed
-    )
-    with running(spec, args.log_dir) as server:
-        config = LoadConfig(
-            base_url=server.api_url, endpoint="completions", concurrency=concurrency
-        )
-        report = run_benchmark(
-            config, conversations, warmup=2, server_pid=server.pid, show_progress=False
-        )
-    assert report["failed"] == 0, report.get("errors")
-    return report
+    return random_completions_on(
+        spec, concurrency, args.requests_per_client, args.input_len, args.max_tokens, seed,
+        args.log_dir,
+    )  # fmt: skip
 
 
 def main() -> None:

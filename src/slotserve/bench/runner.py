@@ -30,6 +30,7 @@ from slotserve.bench.datasets import (
 from slotserve.bench.loadgen import LoadConfig, resolve_model_sync, run_load
 from slotserve.bench.metrics import isolation_failures, summarize, turn_summary
 from slotserve.bench.report import rss_bytes
+from slotserve.bench.servers import ServerSpec, running
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "agent", "sharegpt", "edit", "open")
 
@@ -138,6 +139,33 @@ def run_benchmark(
             "itl_ms": [gap * 1000 for r in results if r.success for gap in r.itl],
         },
     }
+
+
+def random_completions_on(
+    spec: ServerSpec,
+    concurrency: int,
+    requests_per_client: int,
+    input_len: int,
+    max_tokens: int,
+    seed: int,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """Starts ``spec`` alone for one run: ``concurrency`` clients each send
+    ``requests_per_client`` completions of random ``input_len``-word prompts for ``max_tokens``
+    greedy tokens (``ignore_eos``). The report; a failed request raises."""
+    conversations = random_dataset(
+        concurrency * requests_per_client, input_len, max_tokens, 0.0, seed
+    )
+    with running(spec, log_dir) as server:
+        config = LoadConfig(
+            base_url=server.api_url, endpoint="completions", concurrency=concurrency
+        )
+        report = run_benchmark(
+            config, conversations, warmup=2, server_pid=server.pid, show_progress=False
+        )
+    if report["failed"]:
+        raise RuntimeError(f"{report['failed']} requests failed: {report.get('errors')}")
+    return report
 
 
 def vllm_header(config: LoadConfig, label: str, num_prompts: int) -> dict[str, Any]:

@@ -5,9 +5,10 @@ by default), loaded on first use, and typed here.
 What they replace and why (docs/design/pytorch-runner.md): attention reads the paged KV pool
 in place instead of gathering every sequence's K/V into a padded tensor per layer, and the
 small operators around the projections (residual add + RMSNorm, q/k norm + rotary + the K/V
-write, SiLU·mul) run as one pass per row. Every kernel computes a row from that row's inputs in
-an order fixed by the row's own length and position: batch-invariant by construction, whatever
-the thread count. The plain-torch path (``layers.py``, ``attention.py``, ``rotary.py``) is the
+write, SiLU·mul) run as one pass per row. On CPUs with AVX512-BF16 a GEMM of ours serves the
+projections instead of oneDNN. Every kernel computes a row from that row's inputs in an order
+fixed by the row's own length and position: batch-invariant by construction, whatever the
+thread count. The plain-torch path (``layers.py``, ``attention.py``, ``rotary.py``) is the
 fallback and the reference the kernel tests compare against.
 
 The instruction set is chosen at load from the CPU (AVX-512, else AVX2 with FMA); a machine

@@ -1,6 +1,7 @@
-// CPU kernels of the PyTorch runner: paged attention reading the KV pool in place, and the
-// fused per-row work around the projections (RMSNorm with the residual add, q/k norm with the
-// rotary embedding and the K/V write, SiLU·mul). bfloat16 in and out, float32 inside.
+// CPU kernels of the PyTorch runner: paged attention reading the KV pool in place, the fused
+// per-row work around the projections (RMSNorm with the residual add, q/k norm with the rotary
+// embedding and the K/V write, SiLU·mul), and the projections' GEMM on CPUs with AVX512-BF16
+// (gemm512 below). bfloat16 in and out, float32 inside.
 //
 // kernels.h holds the computations, compiled twice below: for AVX-512 (F/BW/VL) and for
 // AVX2+FMA; the set is chosen once at load from the CPU (`isa()`), never built with
@@ -57,7 +58,6 @@ namespace avx2 {
 #include "kernels.h"
 }  // namespace avx2
 #pragma GCC pop_options
-
 
 // ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------
 //
@@ -134,13 +134,15 @@ static void tile(const Operands& op, int64_t m, int64_t b, int64_t kp0, int64_t 
     }
     if (kp1 < k_pairs) {
         for (int r = 0; r < MR; ++r)
-            for (int j = 0; j < NB; ++j) _mm512_storeu_ps(partial + r * kStride + j * 16, acc[r][j]);
+            for (int j = 0; j < NB; ++j)
+                _mm512_storeu_ps(partial + r * kStride + j * 16, acc[r][j]);
         return;
     }
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NB; ++j) {
             __m512 v = acc[r][j];
-            if (op.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + (b + j) * 16));
+            if (op.bias != nullptr)
+                v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + (b + j) * 16));
             store_row(op.out + (m + r) * op.n + (b + j) * 16, v, j == NB - 1 ? valid : 16);
         }
 }
@@ -493,7 +495,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     return out;
 }
 
-
 bool runs_bf16_gemm() {
     __builtin_cpu_init();
     return runs_avx512() && __builtin_cpu_supports("avx512bf16");
@@ -544,7 +545,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     const uint16_t *in = bf16(x), *w = bf16(packed);
     uint16_t* o = bf16_mut(out);
     const int64_t stride = x.stride(0);
-    // Threads take whole tiles of outputs; a call too small to pay for a second thread runs on one.
+    // Threads take runs of whole 16-output blocks, at least a tile's worth each; a call too
+    // small to pay for a second thread runs on one.
     const int64_t work = rows * k * 16;  // multiply-adds per block
     const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
     const gemm512::Operands op{in, stride, k, w, (k + 1) / 2 * 32, b, o, n};
