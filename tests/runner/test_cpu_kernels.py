@@ -17,16 +17,21 @@ import platform
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, build_directory, load_cpu_kernels
 from slotserve.runners.pytorch.layers import Projection, RmsNorm
 from slotserve.runners.pytorch.rotary import apply_rotary
 from slotserve.runners.pytorch.runner import TorchRunner
+from tests.prompts import PROMPTS
+from tests.runner.engine_runs import alone_then_together, greedy
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -308,6 +313,28 @@ def test_the_runner_serves_through_the_kernels_unless_told_not_to(
     # The projections: the kernels' GEMM where the CPU has AVX512-BF16, else oneDNN.
     assert (torch_runner.shard.model.lm_head.kernel_weight is not None) == kernels.has_gemm
     assert torch_reference_runner.shard.model.lm_head.kernel_weight is None
+
+
+def test_without_avx512_bf16_onednn_serves_the_projections_beside_the_kernels(
+    kernels: CpuKernels, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU with the kernels' instruction sets but no AVX512-BF16 (simulated): oneDNN's
+    prepacked, split-K projections serve beside the attention and per-row kernels, and every
+    sequence keeps its tokens in a batch."""
+    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+
+    monkeypatch.setattr(kernels, "has_gemm", False)
+    runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_seq_len=512))
+    try:
+        model = runner.shard.model
+        assert model.kernels is kernels
+        assert model.lm_head.kernel_weight is None and model.lm_head.packed is not None
+        core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
+        prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+        alone, together = alone_then_together(core, prompts, greedy(12))
+        assert together == alone
+    finally:
+        runner.close()
 
 
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(
