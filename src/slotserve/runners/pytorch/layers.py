@@ -36,10 +36,13 @@ class Projection(nn.Linear):
     packed: torch.Tensor | None = None  # the whole weight, prepacked for oneDNN
     kernels: CpuKernels | None = None
     kernel_weight: torch.Tensor | None = None  # the whole weight, packed for the kernels
+    kernel_bias: torch.Tensor | None = None  # the bias in float32, as the GEMM adds it
 
     def pack(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """The kernels' GEMM from now on (CPU, bfloat16). ``keep_weight``: as :meth:`prepack`."""
         self.kernel_weight = kernels.pack_weight(self.weight.detach())
+        if self.bias is not None:
+            self.kernel_bias = self.bias.detach().float()
         self.kernels = kernels
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
@@ -78,7 +81,7 @@ class Projection(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernels.linear(rows, self.kernel_weight, self.bias, self.out_features)
+            out = self.kernels.linear(rows, self.kernel_weight, self.kernel_bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)

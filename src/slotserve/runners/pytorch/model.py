@@ -232,22 +232,17 @@ class Decoder(nn.Module):
                 self.lm_head.weight = nn.Parameter(self.embed.weight.clone(), requires_grad=False)
             self.lm_head.split_k()
 
-    def pack_for(self, kernels: CpuKernels) -> None:
-        """Every projection through the CPU kernels' GEMM (CPU, bfloat16; instead of
-        :meth:`make_batch_invariant` and :meth:`prepack`: that GEMM is invariant for any input
-        size). A tied head keeps the embedding's weight."""
+    def prepack(self, kernels: CpuKernels | None = None) -> None:
+        """Every projection's weights packed once (CPU, bfloat16): for the CPU kernels' GEMM,
+        which is invariant for any input size, or without ``kernels`` in oneDNN's blocked layout
+        (after :meth:`make_batch_invariant`). A tied head keeps the embedding's weight."""
         for module in self.modules():
             if isinstance(module, Projection):
                 tied = module is self.lm_head and self.lm_head.weight is self.embed.weight
-                module.pack(kernels, keep_weight=tied)
-
-    def prepack(self) -> None:
-        """Every projection's weights in oneDNN's blocked layout (CPU, bfloat16; after
-        :meth:`make_batch_invariant`). A tied head keeps the embedding's weight."""
-        for module in self.modules():
-            if isinstance(module, Projection):
-                tied = module is self.lm_head and self.lm_head.weight is self.embed.weight
-                module.prepack(keep_weight=tied)
+                if kernels is not None:
+                    module.pack(kernels, keep_weight=tied)
+                else:
+                    module.prepack(keep_weight=tied)
 
     def forward(
         self,

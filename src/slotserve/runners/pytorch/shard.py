@@ -92,7 +92,7 @@ class ModelShard:
             if load.cpu_kernels and local.head_dim % 16 == 0:
                 self.model.kernels = load_cpu_kernels()
             if self.model.kernels is not None and self.model.kernels.has_gemm:
-                self.model.pack_for(self.model.kernels)
+                self.model.prepack(self.model.kernels)
             else:
                 self.model.make_batch_invariant()
                 if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]

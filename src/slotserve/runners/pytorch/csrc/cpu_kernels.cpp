@@ -523,7 +523,8 @@ at::Tensor pack_weight(const at::Tensor& weight) {
 }
 
 // x [M, K] bfloat16 (unit inner stride) times a packed weight of N outputs, plus an optional
-// bias (any float dtype, added in float32 before the one rounding to bfloat16).
+// bias (any float dtype; float32 spares a conversion per call), added in float32 before the one
+// rounding to bfloat16.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias, int64_t n) {
     check_rows(x, "x");
@@ -537,9 +538,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     if (rows == 0) return out;
     at::Tensor bias32;
     if (bias) {
-        bias32 = bias->to(at::kFloat).contiguous();
+        bias32 = bias->to(at::kFloat).contiguous();  // no copy for a float32 bias
         TORCH_CHECK(bias32.numel() == n, "one bias per output");
-        bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
+        if (blocks * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
     }
     const float* b = bias ? bias32.data_ptr<float>() : nullptr;
     const uint16_t *in = bf16(x), *w = bf16(packed);
