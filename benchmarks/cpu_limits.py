@@ -50,15 +50,20 @@ def memory_bandwidth() -> float:
     return buffer.numel() * 4 / _median_seconds(buffer.sum, 5) / 1e9
 
 
+def linear_of(weight: torch.Tensor, kernels: CpuKernels | None) -> Callable[[torch.Tensor], object]:
+    """``x ↦ x @ weight.T`` with the weight packed once: oneDNN's prepacked call without
+    ``kernels``, else the kernels' GEMM."""
+    if kernels is None:
+        prepacked = REORDER(weight, 1)
+        return lambda x: LINEAR(x, prepacked, None, "none", [], "")
+    gemm, packed, outputs = kernels, kernels.pack_weight(weight), weight.shape[0]
+    return lambda x: gemm.linear(x, packed, None, outputs)
+
+
 def matmul_peak(kernels: CpuKernels | None) -> float:
     n = 4096
     x, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    if kernels is None:
-        weight = REORDER(w, 1)
-        seconds = _median_seconds(lambda: LINEAR(x, weight, None, "none", [], ""), 5)
-    else:
-        packed = kernels.pack_weight(w)
-        seconds = _median_seconds(lambda: kernels.linear(x, packed, None, n), 5)
+    seconds = _median_seconds(functools.partial(linear_of(w, kernels), x), 5)
     return 2 * n**3 / seconds / 1e9
 
 
@@ -66,20 +71,11 @@ def projections(rows: int, kernels: CpuKernels | None) -> dict[str, float]:
     """One decode step's projections: oneDNN's prepacked call, or the kernels' GEMM."""
     shapes = (LAYER_ONEDNN if kernels is None else LAYER) * LAYERS + [HEAD]
     inputs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
-    if kernels is None:
-        weights = [REORDER(torch.randn(n, k).bfloat16(), 1) for n, k in shapes]
+    calls = [linear_of(torch.randn(n, k).bfloat16(), kernels) for n, k in shapes]
 
-        def step() -> None:
-            for (_, k), weight in zip(shapes, weights, strict=True):
-                LINEAR(inputs[k], weight, None, "none", [], "")
-
-    else:
-        gemm = kernels
-        packed = [gemm.pack_weight(torch.randn(n, k).bfloat16()) for n, k in shapes]
-
-        def step() -> None:
-            for (n, k), weight in zip(shapes, packed, strict=True):
-                gemm.linear(inputs[k], weight, None, n)
+    def step() -> None:
+        for (_, k), call in zip(shapes, calls, strict=True):
+            call(inputs[k])
 
     seconds = _median_seconds(step, 7)
     params = sum(n * k for n, k in shapes)
@@ -108,9 +104,8 @@ def larger_shapes(kernels: CpuKernels) -> list[dict[str, float]]:
     rows = []
     for m, n, k in SHAPES:
         x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-        prepacked, packed = REORDER(w, 1), kernels.pack_weight(w)
-        onednn = _median_seconds(functools.partial(LINEAR, x, prepacked, None, "none", [], ""), 5)
-        ours = _median_seconds(functools.partial(kernels.linear, x, packed, None, n), 5)
+        onednn = _median_seconds(functools.partial(linear_of(w, None), x), 5)
+        ours = _median_seconds(functools.partial(linear_of(w, kernels), x), 5)
         flop = 2 * m * n * k
         rows.append(
             {"m": m, "n": n, "k": k, "onednn_gflop_s": flop / onednn / 1e9,

@@ -42,17 +42,28 @@ def build(runner: str, slots: int, threads: int, cpu_kernels: bool = True) -> En
     return EngineCore(spec(), config)
 
 
-def run(
-    core: EngineCore, batch: int, max_tokens: int, seed: int, profile: bool = False
-) -> dict[str, float]:
-    """With ``profile``: the torch profiler's top operators over the decode steps only (the
-    prompts' prefill would otherwise dominate the table)."""
+def admit(core: EngineCore, batch: int, max_tokens: int, seed: int) -> None:
+    """``batch`` requests at once: random 64-token prompts, greedy, ``ignore_eos``."""
     rng = random.Random(seed)
     vocab = core.model_info.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
         core.add_request(core.make_request(f"r{seed}-{i}", prompt, params))
+
+
+def all_decoding(core: EngineCore, batch: int) -> bool:
+    """Every one of the first ``batch`` slots has produced a token (prefill behind it)."""
+    slots = core.snapshot().slots
+    return bool(slots) and all(s.num_output_tokens > 0 for s in slots[:batch])
+
+
+def run(
+    core: EngineCore, batch: int, max_tokens: int, seed: int, profile: bool = False
+) -> dict[str, float]:
+    """With ``profile``: the torch profiler's top operators over the decode steps only (the
+    prompts' prefill would otherwise dominate the table)."""
+    admit(core, batch, max_tokens, seed)
     decode_tokens, decode_seconds = 0, 0.0
     profiler = None
     while core.has_work:
@@ -60,9 +71,7 @@ def run(
         outputs = core.step()
         elapsed = time.perf_counter() - started
         produced = sum(len(d.token_ids) for o in outputs for d in o.deltas)
-        if core.snapshot().slots and all(
-            s.num_output_tokens > 0 for s in core.snapshot().slots[:batch]
-        ):
+        if all_decoding(core, batch):
             decode_tokens += produced
             decode_seconds += elapsed
             if profile and profiler is None:
@@ -102,14 +111,9 @@ def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float
     for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention"):
         timed(CpuKernels, name, name)
     timed(Projection, "forward", "projections")
-    rng = random.Random(7)
-    vocab = core.model_info.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
-        core.add_request(core.make_request(f"times-{i}", prompt, params))
+    admit(core, batch, max_tokens, seed=7)
     try:
-        while not all(s.num_output_tokens > 0 for s in core.snapshot().slots[:batch]):
+        while not all_decoding(core, batch):
             core.step()
         spent.clear()
         steps, started = 0, time.perf_counter()
