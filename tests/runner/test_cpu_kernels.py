@@ -257,14 +257,15 @@ def gemm(kernels: CpuKernels) -> CpuKernels:
 
 @pytest.mark.parametrize(
     ("outputs", "inputs"),
-    [(960, 576), (576, 1536), (49, 33), (40, 4500)],
-    ids=["qkv", "down", "ragged", "inputs-in-panels"],
+    [(960, 576), (576, 1536), (1100, 96), (49, 33), (40, 4500)],
+    ids=["qkv", "down", "wide", "ragged", "inputs-in-panels"],
 )
 def test_the_gemm_gives_every_row_the_same_bits_in_any_batch(
     gemm: CpuKernels, threads: int, outputs: int, inputs: int
 ) -> None:
     """1-600 rows (tiles of 6 rows and 4 blocks, passes of 96 rows, and their remainders; an
-    input longer than one panel), with and without a bias, against each row alone; within
+    input longer than one panel; threads splitting the rows of narrow layers and the outputs of
+    wide ones), with and without a bias, against each row alone; within
     bfloat16 rounding of a float32 matmul."""
     gen = torch.Generator().manual_seed(20 + outputs)
     weight = torch.randn(outputs, inputs, generator=gen).bfloat16()

@@ -65,8 +65,8 @@ namespace avx2 {
 // layout of `vdpbf16ps`: one 64-byte load holds two k-steps of sixteen outputs. Every output
 // is one float32 accumulator fed k-pair by k-pair from k = 0 upwards, then rounded once: the
 // same instructions in the same order for any number of rows, any tile a row falls in, and any
-// thread count (threads split the outputs, never K). Batch-invariant by construction, for every
-// K (no split-K needed).
+// thread count (threads split the outputs, or for narrow layers the rows, never K).
+// Batch-invariant by construction, for every K (no split-K needed).
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -381,8 +381,9 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 // Paged attention over the pool, reading every key and value where it lies.
 //
-// Work item: (KV head, token), KV-head-major so a thread walks the tokens of one head in turn
-// and rows that share cached blocks find them in its cache. A token attends to positions
+// Work item: (token, KV head), token-major so a position's row of keys (every head side by side)
+// is fetched from memory in one run (see attend_partition_t's prefetches); a cached prefix that
+// rows share stays in the last-level cache between them. A token attends to positions
 // max(0, pos - window + 1) .. pos, reduced partition by partition (kPartition absolute
 // positions each) and merged in partition order. With few items (one long sequence decoding)
 // the partitions themselves are spread over the threads and merged afterwards by the same
@@ -442,12 +443,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         max_parts = std::max<int64_t>(max_parts, pos[t] / kPartition - first_key(t) / kPartition + 1);
     const bool split = max_parts > 1 && items < 4 * at::get_num_threads();
     if (!split) {
-        at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        // Each thread a run of whole tokens of about equal cost (keys read, plus a fixed cost
+        // per token): contexts differ, so equal counts of tokens would leave one thread idle.
+        const int64_t chunks = std::min<int64_t>(at::get_num_threads(), tokens);
+        std::vector<int64_t> cost(tokens + 1, 0);
+        for (int64_t t = 0; t < tokens; ++t)
+            cost[t + 1] = cost[t] + (pos[t] + 1 - first_key(t)) + 32;
+        std::vector<int64_t> first_token(chunks + 1, tokens);
+        for (int64_t c = 0, t = 0; c < chunks; ++c) {
+            while (t < tokens && cost[t] * chunks < cost[tokens] * c) ++t;
+            first_token[c] = t;
+        }
+        at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
             std::vector<float> qf(acc_size), scores(int64_t(group) * kPartition);
             std::vector<float> m(max_parts * group), s(max_parts * group);
             std::vector<float> acc(max_parts * acc_size);
-            for (int64_t item = begin; item < end; ++item) {
-                const int64_t h = item / tokens, t = item % tokens;
+            for (int64_t item = first_token[begin] * kv_heads; item < first_token[end] * kv_heads;
+                 ++item) {
+                const int64_t t = item / kv_heads, h = item % kv_heads;
                 load_query(t, h, qf.data());
                 const int lo = first_key(t), hi = pos[t] + 1;
                 const int32_t* table = tables + seq[t] * table_width;
@@ -551,6 +564,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     const int64_t work = rows * k * 16;  // multiply-adds per block
     const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
     const gemm512::Operands op{in, stride, k, w, (k + 1) / 2 * 32, b, o, n};
+    const int64_t threads = at::get_num_threads();
+    if (blocks < 32 * threads && rows >= 2 * gemm512::kRowsPerTile * threads) {
+        // Few outputs, many rows: each thread takes whole rows and every output, so no thread
+        // is left a ragged share of a few blocks. A row's bits do not depend on its tile.
+        const int64_t per_thread = (rows + threads - 1) / threads;
+        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t part = begin; part < end; ++part) {
+                const int64_t m0 = part * per_thread, m1 = std::min(rows, m0 + per_thread);
+                if (m0 >= m1) continue;
+                gemm512::Operands rows_op = op;
+                rows_op.x = in + m0 * stride;
+                rows_op.out = o + m0 * n;
+                gemm512::blocks(rows_op, m1 - m0, 0, blocks);
+            }
+        });
+        return out;
+    }
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
         gemm512::blocks(op, rows, begin, end);
     });

@@ -175,11 +175,19 @@ static void attend_partition_t(const float* q, int runtime_group, const PagedKv&
     const int group = G ? G : runtime_group;
     const int64_t stride = int64_t(kv.kv_heads) * d;
     const int padded = (n + kLanes - 1) / kLanes * kLanes;
+    // Prefetches cover this head and the ones after it in the position's row: the row is read
+    // from memory in one contiguous run, and the next heads' items find it in cache.
+    const int rest_of_row = (kv.kv_heads - kv_head) * d * 2;
     int64_t offsets[kPartition];
-    for (int j = 0; j < n; ++j) {
-        const int pos = lo + j;
-        offsets[j] = (int64_t(table[pos / kv.block_size]) * kv.block_size +
-                      pos % kv.block_size) * stride + int64_t(kv_head) * d;
+    // Block by block: one division per call, not two per key.
+    for (int j = 0, block = lo / kv.block_size, within = lo % kv.block_size; j < n; ++block) {
+        const int64_t base = int64_t(table[block]) * kv.block_size * stride + int64_t(kv_head) * d;
+        for (; within < kv.block_size && j < n; ++within, ++j) offsets[j] = base + within * stride;
+        within = 0;
+    }
+    for (int j = 0; j < kPrefetch && j < n; ++j) {  // the loop below prefetches the rest
+        const char* first = (const char*)(kv.keys + offsets[j]);
+        for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(first + line);
     }
     // Each key is loaded once for the whole group; its dot products wait, one vector per
     // (head, key), until sixteen keys are there to be summed together.
@@ -190,7 +198,11 @@ static void attend_partition_t(const float* q, int runtime_group, const PagedKv&
             const uint16_t* key = kv.keys + offsets[j0 + jj];
             if (j0 + jj + kPrefetch < n) {
                 const char* ahead = (const char*)(kv.keys + offsets[j0 + jj + kPrefetch]);
-                for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(ahead + line);
+                for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(ahead + line);
+            }
+            {  // the value row too: it is read after this partition's softmax
+                const char* later = (const char*)(kv.values + offsets[j0 + jj]);
+                for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(later + line);
             }
             vf k[kMaxChunks];
             for (int c = 0; c < chunks; ++c) k[c] = load_bf16(key + c * kLanes);
