@@ -1,7 +1,7 @@
 """TTFT of a long agent prompt on a cold server, then after a restart on the same
 ``--prefix-cache-dir`` (the prefix comes back from disk).
 
-    python benchmarks/prefix_restart.py [--prefix-len 6000] [--threads 2]
+    python benchmarks/prefix_restart.py [--prefix-len 6000] [--threads 2] [--runner torch]
 
 Starts slotserve on the embedded GGUF twice, one request per start, stopping it gracefully in
 between (the stop writes the cached prefixes to the folder); prints JSON.
@@ -38,22 +38,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-len", type=int, default=6000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runner", choices=("llama.cpp", "torch"), default="llama.cpp")
     args = parser.parse_args()
     messages = [
         {"role": "system", "content": agent_prefix(args.prefix_len)},
         {"role": "user", "content": "List the files."},
     ]
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as folder:
+    # The PyTorch runner sizes a sequence by --max-model-len, not by --ctx-size.
+    per_runner = ["--max-model-len", "16384"] if args.runner == "torch" else []
+    results: dict[str, Any] = {"runner": args.runner}
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as logs:
         for run in ("cold", "after_restart"):
             spec = slotserve_spec(
                 embedded_model_path(),
                 slots=2,
                 threads=args.threads,
                 ctx_per_slot=16384,
-                extra_args=["--prefix-cache-dir", folder],
+                extra_args=["--prefix-cache-dir", folder, "--runner", args.runner, *per_runner],
             )
-            with running(spec, Path(folder) / "logs") as server:
+            with running(spec, Path(logs) / run) as server:
                 results[f"{run}_ttft_s"] = first_token_seconds(server.spec.base_url, messages)
                 stats = httpx.get(f"{server.spec.base_url}/v1/prefix_cache_stats", timeout=30)
                 results[f"{run}_disk"] = stats.json()["tiers"]["disk"]

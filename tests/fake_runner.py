@@ -329,6 +329,36 @@ class SavingFakeRunner(FakeRunner):
 
 
 @dataclass
+class PagedSavingFakeRunner(FakeRunner):
+    """The paged fake runner with the PyTorch runner's copy of positions out of its pool and
+    back: a saved state is the tokens written at positions ``0 .. n-1``, so a state restored
+    into the wrong blocks or positions changes the output. ``refuse_restores`` makes every
+    restore fail as a state the runner cannot read does (nothing written)."""
+
+    kv_pool_blocks: int = 64
+    refuse_restores: bool = False
+    saves: list[int] = field(default_factory=list)  # positions saved, per save
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (start, end) written
+
+    def save_kv_blocks(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
+        size = self.kv_block_size
+        tokens = [self.block_tokens[blocks[p // size]][p % size] for p in range(num_tokens)]
+        self.saves.append(num_tokens)
+        return bytearray(np.asarray(tokens, dtype=np.int32).tobytes())
+
+    def restore_kv_blocks(self, slot: int, start: int, end: int, data: bytearray) -> bool:
+        tokens = np.frombuffer(bytes(data), dtype=np.int32).tolist()
+        if self.refuse_restores or len(tokens) < end:
+            return False
+        self.restores.append((start, end))
+        self._write(slot, start, tokens[start:end])
+        return True
+
+    def kv_fingerprint(self) -> str:
+        return f"paged fake runner, blocks of {self.kv_block_size}"
+
+
+@dataclass
 class RecurrentFakeRunner(FakeRunner):
     """The paged fake runner with a recurrent state beside its KV, as a Gated DeltaNet model
     has: the "state" of a slot is every token it absorbed since position 0, so a snapshot

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
@@ -39,3 +40,26 @@ def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, li
 
 def text_of(outputs: list[RequestOutput], index: int = 0) -> str:
     return "".join(d.text for o in outputs for d in o.deltas if d.index == index)
+
+
+def texts_in_waves(
+    core: EngineCore,
+    requests: Sequence[tuple[str, str, int, int]],
+    after_step: Callable[[], None],
+    waves: int = 5,
+) -> dict[str, str]:
+    """Runs ``requests`` (prefix, own text, max tokens, wave) wave by wave, each wave once the
+    last is done, calling ``after_step`` after every step; returns each request's text, by
+    ``r<index>``."""
+    texts: dict[str, str] = {}
+    for wave in range(waves):
+        for i, (prefix, own, max_tokens, when) in enumerate(requests):
+            if when == wave:
+                submit(core, f"r{i}", prefix + own, max_tokens=max_tokens)
+        while core.has_work:
+            for output in core.step():
+                texts[output.request_id] = texts.get(output.request_id, "") + "".join(
+                    d.text for d in output.deltas
+                )
+            after_step()
+    return texts

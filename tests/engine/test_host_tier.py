@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
-from tests.engine.helpers import make_core, run_to_completion, submit, text_of
+from tests.engine.helpers import make_core, run_to_completion, submit, text_of, texts_in_waves
 from tests.engine.test_prefix_cache import assert_kv_consistent
 from tests.fake_runner import FakeRunner, SavingFakeRunner
 
@@ -214,18 +214,7 @@ def test_random_workloads_give_the_text_of_no_cache_whatever_the_tiers_do(
             prefill_chunk=32,
             prefix_wait_min_tokens=30,
         )
-        texts: dict[str, str] = {}
-        for wave in range(5):
-            for i, (prefix, own, max_tokens, when) in enumerate(requests):
-                if when == wave:
-                    submit(core, f"r{i}", prefix + own, max_tokens=max_tokens)
-            while core.has_work:
-                for output in core.step():
-                    texts[output.request_id] = texts.get(output.request_id, "") + "".join(
-                        d.text for d in output.deltas
-                    )
-                assert_kv_consistent(core, runner)
-        return texts
+        return texts_in_waves(core, requests, lambda: assert_kv_consistent(core, runner))
 
     assert run(True) == run(False)
 
@@ -305,3 +294,18 @@ def test_an_engine_restarted_on_the_same_folder_serves_the_prefix_from_disk(
     assert stats.as_dict()["tiers"]["disk"]["states"] >= 1  # type: ignore[index]
     assert len(runner.restores) == 1
     assert_kv_consistent(second, runner)
+
+
+def test_states_sharing_a_prefix_on_disk_are_indexed_apart_at_a_restart(tmp_path: Path) -> None:
+    first = HostTier(1 << 20, tmp_path, "model-a", disk_budget_bytes=1 << 20)
+    a, b = [*range(100), 1, 2, 3], [*range(100), 7, 8, 9, 10]
+    first.save(a, lambda: _state(a))
+    first.save(b, lambda: _state(b))
+    assert first.persist() == 2
+    restarted = HostTier(1 << 20, tmp_path, "model-a", disk_budget_bytes=1 << 20)
+    assert restarted.entries == 2
+    for path in (a, b):
+        match = restarted.match([*path, 5])
+        assert match is not None and match.length == len(path)
+    assert not restarted.covers([*range(50), 99])
+    restarted.check_integrity()

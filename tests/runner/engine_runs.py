@@ -72,3 +72,25 @@ class Recording:
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         self._batches.append([len(c.token_ids) for c in chunks])
         return self._runner.execute(chunks)
+
+
+def run_logprobs(
+    core: EngineCore, jobs: dict[str, list[int]], n: int
+) -> dict[str, tuple[list[tuple[int, float | None]], int]]:
+    """Submits all jobs at once, greedy with the chosen tokens' log-probabilities (any
+    rounding difference shows there); returns each one's output (token, logprob) pairs and
+    cached prompt tokens, after the engine's integrity check."""
+    for rid, prompt in jobs.items():
+        core.add_request(core.make_request(rid, prompt, greedy(n, logprobs=0)))
+    tokens: dict[str, list[tuple[int, float | None]]] = {rid: [] for rid in jobs}
+    cached: dict[str, int] = {}
+    while len(cached) < len(jobs):
+        for out in core.step():
+            assert out.error is None, out.error
+            for delta in out.deltas:
+                assert delta.logprobs is not None
+                tokens[out.request_id].extend((t.token_id, t.logprob) for t in delta.logprobs)
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+    core.check_integrity()
+    return {rid: (tokens[rid], cached[rid]) for rid in jobs}

@@ -12,6 +12,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
+from tests.runner.engine_runs import run_logprobs
 
 GRAIN = 64  # the llama.cpp runner's prefill grain: a hit leaves this much to compute
 
@@ -27,27 +28,6 @@ SYSTEM = (
 def _greedy(n: int) -> SamplingParams:
     # Log-probabilities of the chosen tokens come along: any rounding difference shows there.
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def _run(
-    core: EngineCore, jobs: dict[str, list[int]], n: int
-) -> dict[str, tuple[list[tuple[int, float | None]], int]]:
-    """Submits all jobs at once; returns each one's output (token, logprob) pairs and cached
-    prompt tokens."""
-    for rid, prompt in jobs.items():
-        core.add_request(core.make_request(rid, prompt, _greedy(n)))
-    tokens: dict[str, list[tuple[int, float | None]]] = {rid: [] for rid in jobs}
-    cached: dict[str, int] = {}
-    while len(cached) < len(jobs):
-        for out in core.step():
-            assert out.error is None, out.error
-            for delta in out.deltas:
-                assert delta.logprobs is not None
-                tokens[out.request_id].extend((t.token_id, t.logprob) for t in delta.logprobs)
-            if out.finished:
-                cached[out.request_id] = out.num_cached_tokens
-    core.check_integrity()
-    return {rid: (tokens[rid], cached[rid]) for rid in jobs}
 
 
 def test_copy_and_trim_between_streams(runner: LlamaCppRunner) -> None:
@@ -70,7 +50,7 @@ def test_copy_and_trim_between_streams(runner: LlamaCppRunner) -> None:
 def test_identical_prompts_back_to_back_hit_and_agree(runner: LlamaCppRunner) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=8))
     prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a prime number?")
-    results = [_run(core, {f"r{i}": prompt}, 24)[f"r{i}"] for i in range(4)]
+    results = [run_logprobs(core, {f"r{i}": prompt}, 24)[f"r{i}"] for i in range(4)]
     reused = len(prompt) - GRAIN  # invariant 8: a grain is always computed
     assert [cached for _, cached in results] == [0] + [reused] * 3
     assert all(tokens == results[0][0] for tokens, _ in results)
@@ -92,7 +72,7 @@ def test_sixteen_concurrent_prompts_sharing_a_system_prompt_match_cache_off(
     outputs = {}
     for prefix_cache in (False, True):
         core = EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=prefix_cache))
-        outputs[prefix_cache] = _run(core, prompts, 24)
+        outputs[prefix_cache] = run_logprobs(core, prompts, 24)
     off, on = outputs[False], outputs[True]
     assert {rid: t for rid, (t, _) in on.items()} == {rid: t for rid, (t, _) in off.items()}
     system_tokens = len(runner.tokenizer.encode(SYSTEM))
@@ -106,10 +86,10 @@ def test_sixteen_concurrent_prompts_sharing_a_system_prompt_match_cache_off(
 def test_fully_cached_prompt_still_computes_its_last_grain(runner: LlamaCppRunner) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=8))
     prompt = runner.tokenizer.encode(SYSTEM)
-    first, _ = _run(core, {"a": prompt}, 16)["a"]
+    first, _ = run_logprobs(core, {"a": prompt}, 16)["a"]
     assert core.prefix_cache.enabled
     assert len(max((core.prefix_cache.held_tokens(s) for s in range(8)), key=len)) == len(prompt)
-    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    again, cached = run_logprobs(core, {"b": prompt}, 16)["b"]
     assert cached == len(prompt) - GRAIN  # the last 64 tokens are computed as alone
     assert again == first
 
@@ -119,12 +99,14 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
     prompts = {
         f"p{i}": runner.tokenizer.encode(p + SYSTEM[:600]) for i, p in enumerate(PROMPTS[:4])
     }
-    reference = _run(EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), prompts, 12)
+    reference = run_logprobs(
+        EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), prompts, 12
+    )
     core = EngineCore(
         runner, EngineConfig(num_slots=2, prefix_cache_budget=CacheBudget(tokens=GRAIN))
     )
     for rid, prompt in prompts.items():
-        tokens, _ = _run(core, {rid: prompt}, 12)[rid]
+        tokens, _ = run_logprobs(core, {rid: prompt}, 12)[rid]
         assert tokens == reference[rid][0]
         assert core.snapshot().prefix_cache.evictable_tokens <= GRAIN
     assert core.snapshot().prefix_cache.evictions > 0
@@ -142,9 +124,9 @@ def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppR
     # Two chunks ran: the odd part plus a grain (so whole grains are left), then a grain.
     computed = len(prompt) % GRAIN + 2 * GRAIN
     assert core.snapshot().prefix_cache.cached_tokens == computed
-    tokens, cached = _run(core, {"b": prompt}, 16)["b"]
+    tokens, cached = run_logprobs(core, {"b": prompt}, 16)["b"]
     assert cached == computed
-    fresh = _run(
+    fresh = run_logprobs(
         EngineCore(runner, EngineConfig(num_slots=8, prefix_cache=False)), {"c": prompt}, 16
     )
     assert tokens == fresh["c"][0]
@@ -179,11 +161,11 @@ def test_a_prefix_pushed_out_of_every_slot_comes_back_from_host_ram(
 ) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache_ram=1 << 30))
     prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a prime number?")
-    first, _ = _run(core, {"a": prompt}, 16)["a"]
+    first, _ = run_logprobs(core, {"a": prompt}, 16)["a"]
     others = {f"o{i}": runner.tokenizer.encode(p) for i, p in enumerate(PROMPTS[:2])}
-    _run(core, others, 4)  # both slots now hold other prompts
+    run_logprobs(core, others, 4)  # both slots now hold other prompts
     assert all(core.prefix_cache.held_tokens(s)[:8] != prompt[:8] for s in range(2))
-    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    again, cached = run_logprobs(core, {"b": prompt}, 16)["b"]
     assert cached == len(prompt) - GRAIN and again == first
     stats = core.snapshot().prefix_cache
     assert stats.host_hits == 1 and stats.host_hit_tokens == cached
@@ -196,10 +178,10 @@ def test_prefixes_saved_to_a_folder_serve_a_new_engine_from_disk(
     config = EngineConfig(num_slots=2, prefix_cache_ram=1 << 30, prefix_cache_dir=str(tmp_path))
     prompt = runner.tokenizer.encode(SYSTEM + "Question: what is a square number?")
     first_core = EngineCore(runner, config)
-    first, _ = _run(first_core, {"a": prompt}, 16)["a"]
+    first, _ = run_logprobs(first_core, {"a": prompt}, 16)["a"]
     assert first_core.prefix_cache.persist() == 1  # what a graceful stop does
     core = EngineCore(runner, config)  # empties every slot: only the folder remembers
-    again, cached = _run(core, {"b": prompt}, 16)["b"]
+    again, cached = run_logprobs(core, {"b": prompt}, 16)["b"]
     assert cached == len(prompt) - GRAIN and again == first
     stats = core.snapshot().prefix_cache
     assert stats.disk_hits == 1 and stats.disk_hit_tokens == cached and stats.disk_states == 1

@@ -189,8 +189,9 @@ def test_a_busy_servers_prefix_comes_back_from_host_ram(
         stop_server(busy)
 
 
+@pytest.mark.parametrize("runner", ["llama.cpp", "torch"])
 def test_a_restart_on_the_same_prefix_cache_dir_serves_the_prompt_from_disk(
-    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, runner: str
 ) -> None:
     folder = tmp_path_factory.mktemp("kv-states")
     (folder / "left-by-someone.kvstate").write_bytes(b"garbage")  # ignored, never a crash
@@ -198,7 +199,8 @@ def test_a_restart_on_the_same_prefix_cache_dir_serves_the_prompt_from_disk(
 
     def serve_once() -> tuple[str, int, dict[str, Any]]:
         server = start_server(
-            tmp_path_factory.mktemp("restart"), "--slots", "2", "--prefix-cache-dir", str(folder)
+            tmp_path_factory.mktemp("restart"),
+            *("--runner", runner, "--slots", "2", "--prefix-cache-dir", str(folder)),
         )
         try:
             client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)

@@ -122,9 +122,10 @@ class EngineConfig:
         None,
         parse=parse_bytes,
         wire=int | str,
-        help="host RAM for prefix states a free slot is about to lose (llama.cpp runner), "
-        "restored into a slot on a later hit instead of computed again: bytes (8GiB; 0: off); "
-        "default: a quarter of the free RAM at start, at most 8 GiB",
+        help="host RAM for cached prefixes about to leave the runner's KV (a free llama.cpp "
+        "slot reused, a leaf evicted from the PyTorch pool), restored on a later hit instead of "
+        "computed again: bytes (8GiB; 0: off); default: a quarter of the free RAM at start, at "
+        "most 8 GiB",
     )
     prefix_cache_dir: str | None = option(
         None,

@@ -1,9 +1,9 @@
 """The prefix cache: its interface and statistics (``base``), the radix tree it keeps
 (``radix_tree``), one implementation per way a runner keeps KV (``slot_cache`` for per-slot
-streams, with saved states in host RAM behind them (``host_tier``); ``paged_cache`` for a paged
-pool whose block tables are ``block_table``, with recurrent-state snapshots for models that
-need them (``state_snapshots``)), and the one choice between them, made once at
-start-up (:func:`build_prefix_cache`)."""
+streams; ``paged_cache`` for a paged pool whose block tables are ``block_table``, with
+recurrent-state snapshots for models that need them (``state_snapshots``)), the saved states
+behind either in host RAM (``host_tier``) and on disk (``disk_tier``), and the one choice
+between them, made once at start-up (:func:`build_prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_cache.base import NullPrefixCache, PrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier
-from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
+from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache, SavablePagedKv
 from slotserve.engine.prefix_cache.slot_cache import SavableKvStore, SlotPrefixCache
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import ModelInfo, Runner, StateSnapshots
@@ -65,8 +65,20 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
                 book.capacity * book.bytes_each / 2**20,
                 book.interval,
             )
+        # Saved states hold one rank's KV and no recurrent state: neither kind of model gets
+        # the tiers.
+        host = None
+        if isinstance(runner, SavablePagedKv) and info.tensor_parallel_size == 1 and book is None:
+            host = _host_tier(runner, config)
         return PagedPrefixCache(
-            runner, paged, config.num_slots, policy, budget, info.kv_bytes_per_token, book
+            runner,
+            paged,
+            config.num_slots,
+            policy,
+            budget,
+            info.kv_bytes_per_token,
+            book,
+            host,
         )
     return SlotPrefixCache(
         runner,
@@ -78,7 +90,7 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
     )
 
 
-def _host_tier(runner: SavableKvStore, config: EngineConfig) -> HostTier | None:
+def _host_tier(runner: SavableKvStore | SavablePagedKv, config: EngineConfig) -> HostTier | None:
     ram = config.prefix_cache_ram
     if ram is None:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
 from slotserve.engine.runner_interface import Runner
 
@@ -231,7 +232,8 @@ class PrefixCache(Protocol):
 
 class TreePrefixCache(Generic[H]):
     """What the caches that are on share: the radix tree, its budget, the hit and eviction
-    counters, the lookup (never covering the last prompt token) and LRU eviction. A subclass
+    counters, the lookup (never covering the last prompt token), LRU eviction, and the saved
+    states behind the tree (``host``, set by a subclass whose runner can save them). A subclass
     says how a node's KV is given back (:meth:`_give_back`)."""
 
     def __init__(
@@ -247,6 +249,7 @@ class TreePrefixCache(Generic[H]):
         self.kv_bytes_per_token = kv_bytes_per_token
         self.hits = self.misses = self.query_tokens = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = 0
+        self.host: HostTier | None = None
 
     @property
     def enabled(self) -> bool:
@@ -262,10 +265,15 @@ class TreePrefixCache(Generic[H]):
         return self._evict(1)
 
     def flush(self) -> int:
+        """Evicts every unused cached prefix, saved states included; returns the tokens."""
+        host, self.host = self.host, None  # what a flush evicts is not saved
         freed = 0
-        while evicted := self.evict_unused():
-            freed += evicted
-        return freed
+        try:
+            while evicted := self.evict_unused():
+                freed += evicted
+        finally:
+            self.host = host
+        return freed + (host.clear() if host is not None else 0)
 
     def persist(self) -> int:
         return 0
@@ -297,6 +305,7 @@ class TreePrefixCache(Generic[H]):
 
     def stats(self) -> PrefixCacheStats:
         tree, bytes_per_token = self.tree, self.kv_bytes_per_token
+        tiers = {} if self.host is None else self.host.stat_fields()
         return PrefixCacheStats(
             enabled=True,
             hits=self.hits,
@@ -311,6 +320,7 @@ class TreePrefixCache(Generic[H]):
             evicted_tokens=self.evicted_tokens,
             budget_tokens=self.budget_tokens,
             kv_bytes_per_token=bytes_per_token,
+            **tiers,
         )
 
 

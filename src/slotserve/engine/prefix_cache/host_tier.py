@@ -7,6 +7,11 @@ a state ends at a leaf, and a prompt matching ``m`` tokens of a path can restore
 trim it to ``m``. Saving a path that extends a saved one replaces it (the longer state covers
 the shorter); saving a path another state already covers keeps nothing new.
 
+The tier serves both ways a runner keeps KV: states saved out of llama.cpp's slots
+(``slot_cache.py``) and the positions of cached prefixes leaving the PyTorch runner's paged pool
+(``paged_cache.py``). A prompt that a state covers further than the cache's own tree gets a
+:class:`TieredMatch`, and the cache restores the state instead of computing.
+
 States live in host RAM (a budget in bytes, least recently used out first) and, with a
 directory, on disk beneath it (``disk_tier.py``): a state leaving RAM is written there and
 stays matchable; a hit on it reads it back into RAM. At start the tree is rebuilt from the
@@ -22,8 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
-from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
+
+# Content about to be lost is saved only when at least this many tokens go, and at least one
+# in this many of the path's (a state is the whole path: a short tail of a long path is cheaper
+# to compute again than to copy).
+MIN_SAVED_TOKENS = 16
+MAX_PATH_PER_LOST_TOKEN = 64
 
 
 @dataclass(eq=False)
@@ -45,6 +57,21 @@ class HostMatch:
 
     leaf: HostNode
     length: int
+
+
+@dataclass(frozen=True)
+class TieredMatch(Match[Any]):
+    """A match that a saved state covers further than the cache's tree does: ``length``
+    tokens from ``saved``, of which ``in_tree`` (ending at ``node``) are in the tree."""
+
+    in_tree: int = 0
+    saved: HostMatch | None = None
+
+
+def worth_saving(lost_tokens: int, path_tokens: int) -> bool:
+    """Whether a path of ``path_tokens`` whose last ``lost_tokens`` would otherwise be gone is
+    worth saving as a whole."""
+    return lost_tokens >= max(MIN_SAVED_TOKENS, path_tokens // MAX_PATH_PER_LOST_TOKEN)
 
 
 def _state_ends_below(value: SavedState | None, k: int) -> tuple[None, SavedState | None]:
@@ -101,6 +128,17 @@ class HostTier:
             return None
         leaves = [n for n in self.tree.subtree(found.node) if n.value is not None]
         return HostMatch(min(leaves, key=lambda n: n.end), found.length)
+
+    def tiered(self, found: Match[Any], prompt: Sequence[int], policy: ChunkPolicy) -> Match[Any]:
+        """``found`` (the tree's match of ``prompt`` without its last token), or a
+        :class:`TieredMatch` when a saved state lets more of the prompt be reused."""
+        saved = self.match(prompt[: len(prompt) - 1])
+        reusable = policy.reusable_length
+        if saved is None or reusable(saved.length, len(prompt)) <= reusable(
+            found.length, len(prompt)
+        ):
+            return found
+        return TieredMatch(found.node, saved.length, in_tree=found.length, saved=saved)
 
     def covers(self, path: Sequence[int]) -> bool:
         """True when a saved state already holds every token of ``path``."""
@@ -228,10 +266,11 @@ class HostTier:
     def _index(self, entry: DiskEntry) -> None:
         """Makes a state found on disk at start matchable."""
         assert self.disk is not None
-        if self.covers(entry.tokens):
+        path = list(entry.tokens)  # the tree compares edges as lists: a tuple never matches
+        if self.covers(path):
             self.disk.remove(entry)  # a longer state holds all of it
             return
-        self._insert(entry.tokens, SavedState(None, entry))
+        self._insert(path, SavedState(None, entry))
 
     def _evict_ram(self, keep: HostNode | None = None) -> None:
         """Moves the least recently used states out of RAM until the rest fit the budget:

@@ -29,17 +29,29 @@ slot shares those blocks; the runner copies a shared block before writing into i
 
 A model with recurrent layers also needs their state where a hit resumes: ``snapshots``
 (``state_snapshots.py``) ties copies of it to nodes, and a hit ends at the deepest of them.
+
+With a host tier (``host_tier.py``, a runner that can copy positions out of its pool and back):
+
+* **Evict** first saves the leaf's whole path (its positions ``0 .. end - 1``) to host RAM, and
+  from there to disk, unless a saved state covers it already or too few tokens would go.
+* **Attach** of a prompt that a saved state covers further than the tree: the tree's whole
+  blocks are shared as usual, fresh blocks are reserved for the rest (unused cache is evicted
+  to make room), and the state's positions are written into them; the restored positions are
+  then the tree's like any computed ones.
+* **Persist** (at shutdown) saves every leaf's path, so the disk holds the whole tree.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import PagedKv
@@ -64,6 +76,29 @@ class SlotKv(Protocol):
     def kv_tokens(self, slot: int) -> int: ...
 
 
+@runtime_checkable
+class SavablePagedKv(SlotKv, Protocol):
+    """A paged runner that can also copy the KV of positions out to host memory and back."""
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
+
+    def save_kv_blocks(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
+        """The runner's serialised KV of positions ``0 .. num_tokens - 1``, held in
+        ``blocks`` (every layer)."""
+        ...
+
+    def restore_kv_blocks(self, slot: int, start: int, end: int, data: bytearray) -> bool:
+        """Writes positions ``start .. end - 1`` of a state :meth:`save_kv_blocks` wrote into
+        ``slot``'s reserved blocks and records them written. False, with nothing written, when
+        ``data`` is not such a state or holds fewer positions."""
+        ...
+
+    def kv_fingerprint(self) -> str:
+        """What a saved state is only valid for: the model's weights, the runner, its KV
+        layout and dtype."""
+        ...
+
+
 class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
 
@@ -76,6 +111,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         budget_tokens: int,
         kv_bytes_per_token: int,
         snapshots: SnapshotBook | None = None,
+        host: HostTier | None = None,
     ) -> None:
         tree: RadixTree[BlockSpan] = RadixTree(BlockSpan, self._split_span)
         super().__init__(tree, policy, budget_tokens, kv_bytes_per_token)
@@ -84,9 +120,17 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         self.block_size = paged.block_size
         self.num_slots = num_slots
         self.snapshots = snapshots
+        # A saved state has no recurrent state beside it: the tiers are for attention-only KV.
+        self.host = host if isinstance(kv, SavablePagedKv) and snapshots is None else None
         self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
 
     # ---- admission --------------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``prompt`` without its last token, in the tree or in a
+        saved state."""
+        found = super().match(prompt)
+        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)  # free slots hold nothing: any will do
@@ -100,7 +144,14 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         num_prompt_tokens: int | None = None,
     ) -> int:
         assert slot not in self._end, f"slot {slot} is already running"
-        length = self.policy.reusable_length(match.length, len(tokens))
+        reusable = self.policy.reusable_length
+        length = reusable(match.length, len(tokens))
+        if isinstance(match, TieredMatch):
+            restored = self._restore(slot, tokens, match, length)
+            if restored is not None:
+                return self._attached(slot, restored, len(tokens), length, count)
+            match = self.tree.match_prefix(tokens[: len(tokens) - 1])  # the tree's part only
+            length = reusable(match.length, len(tokens))
         node = match.node
         book = self.snapshots
         if book is not None:  # resume where the recurrent state was kept, if anywhere
@@ -113,17 +164,52 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             node = self.tree.insert(tokens[:length])
         if length:
             self.paged.share(slot, self._path_blocks(node, length), length)
-        self._end[slot] = node
-        self.tree.lock(node)
+        self._attached(slot, node, len(tokens), length, count)
         if book is not None:
             if length:
                 book.runner.restore_state(slot, book.at_node[node])
             prompt = len(tokens) if num_prompt_tokens is None else num_prompt_tokens
             cacheable = self.policy.cacheable_length(prompt, len(tokens))
             book.plan(slot, length, match.length, cacheable)
-        if count:
-            self._count_lookup(len(tokens), length)
         return length
+
+    def _attached(
+        self, slot: int, node: TreeNode[BlockSpan], num_tokens: int, length: int, count: bool
+    ) -> int:
+        self._end[slot] = node
+        self.tree.lock(node)
+        if count:
+            self._count_lookup(num_tokens, length)
+        return length
+
+    def _restore(
+        self, slot: int, tokens: Sequence[int], match: TieredMatch, length: int
+    ) -> TreeNode[BlockSpan] | None:
+        """Makes free ``slot`` hold the first ``length`` tokens of ``tokens``: the tree's whole
+        blocks shared, the rest written from the saved state. Returns the node ending at
+        ``length`` (holding the written blocks), or None, with the slot empty, when the state
+        could not be read, the pool has no room or the runner refused the state."""
+        host, kv = self.host, self.kv
+        assert host is not None and match.saved is not None and isinstance(kv, SavablePagedKv)
+        started = time.perf_counter()
+        loaded = host.load(match.saved)
+        if loaded is None:
+            return None
+        data, from_disk = loaded
+        shared = min(match.in_tree, length) // self.block_size * self.block_size
+        if shared:
+            self.paged.share(slot, self._path_blocks(match.node, shared), shared)
+        # The slot's references keep the shared blocks whatever is evicted to make room.
+        while not kv.reserve_kv(slot, length):
+            if self.evict_unused() == 0:
+                kv.trim_kv(slot, 0)
+                return None
+        if not kv.restore_kv_blocks(slot, shared, length, data):
+            kv.trim_kv(slot, 0)
+            return None
+        node = self._place(slot, tokens[:length])
+        host.record_restore(match.saved, length, time.perf_counter() - started, from_disk)
+        return node
 
     def _path_blocks(self, node: TreeNode[BlockSpan], length: int) -> list[int]:
         """The blocks holding positions ``0 .. length - 1`` along the path to ``node``."""
@@ -210,11 +296,31 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         return upper, lower
 
     def _give_back(self, node: TreeNode[BlockSpan]) -> None:
+        if self.host is not None and node.is_leaf and worth_saving(len(node.key), node.end):
+            self._save_path(node)
         self.paged.unhold(node.value.blocks)
         node.value.blocks = []
         if self.snapshots is not None:
             self.snapshots.release_node(node)
         self.evictions += 1
+
+    def _save_path(self, node: TreeNode[BlockSpan]) -> None:
+        """Saves the positions of the path to ``node`` to the host tier (unless covered)."""
+        kv, host = self.kv, self.host
+        assert host is not None and isinstance(kv, SavablePagedKv)
+        blocks = self._path_blocks(node, node.end)
+        host.save(self.tree.path_tokens(node), lambda: kv.save_kv_blocks(blocks, node.end))
+
+    def persist(self) -> int:
+        """Saves every cached prefix to the disk tier, if there is one (at shutdown: the next
+        start with the same model finds them); returns the states written."""
+        host = self.host
+        if host is None or host.disk is None:
+            return 0
+        for node in list(self.tree.subtree(self.tree.root)):
+            if node.parent is not None and node.is_leaf and node.value:
+                self._save_path(node)
+        return host.persist()
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -240,6 +346,8 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         """Beyond the tree's own rules: each node's span covers exactly its positions, the pool's
         holds are the tree's, running slots hold their computed tokens and free slots none."""
         self.tree.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         assert set(running_tokens) == set(self._end), (
             f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._end)}"
         )

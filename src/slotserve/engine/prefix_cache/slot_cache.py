@@ -35,19 +35,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
-from slotserve.engine.prefix_cache.host_tier import HostMatch, HostTier
-from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
+from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
+from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 
 Holders = set[int]  # sequence ids whose cached content ends at a node
-# Content about to be lost is saved to the host tier only when at least this many tokens go,
-# and at least one in this many of the path's (saving copies the whole path).
-MIN_SAVED_TOKENS = 16
-MAX_PATH_PER_LOST_TOKEN = 64
 CacheNode = TreeNode[Holders]
 
 
@@ -87,15 +82,6 @@ class SavableKvStore(KvStore, Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class TieredMatch(Match[Holders]):
-    """A match that a saved state in host memory covers further than the slots do:
-    ``length`` tokens from ``saved``, of which ``in_slots`` (ending at ``node``) from slots."""
-
-    in_slots: int = 0
-    saved: HostMatch | None = None
-
-
 def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
     # Sequences that ended at the split node hold all of it: they end at the lower half.
     return set(), holders
@@ -126,17 +112,8 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
     def match(self, prompt: Sequence[int]) -> PrefixMatch:
         """The longest cached prefix of ``prompt`` without its last token, in slots or in a
         saved state."""
-        lookup = prompt[: len(prompt) - 1]
-        found = self.tree.match_prefix(lookup)
-        if self.host is None:
-            return found
-        saved = self.host.match(lookup)
-        reusable = self.policy.reusable_length
-        if saved is None or reusable(saved.length, len(prompt)) <= reusable(
-            found.length, len(prompt)
-        ):
-            return found
-        return TieredMatch(found.node, saved.length, in_slots=found.length, saved=saved)
+        found = super().match(prompt)
+        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
@@ -223,11 +200,10 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     def _save_path(self, slot: int, end: int, lost: int) -> None:
         """Saves ``slot``'s first ``end`` tokens (all it holds) when ``lost`` of them would
-        otherwise be gone, and that many are worth the copy: a state is the whole path, so a
-        short tail of a long path is cheaper to compute again than to save."""
+        otherwise be gone, and that many are worth the copy."""
         kv = self.kv
         assert self.host is not None and isinstance(kv, SavableKvStore)
-        if lost < max(MIN_SAVED_TOKENS, end // MAX_PATH_PER_LOST_TOKEN):
+        if not worth_saving(lost, end):
             return
         self.host.save(self.tree.path_tokens(self._end[slot]), lambda: kv.save_kv(slot))
 
@@ -317,20 +293,7 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
                 self._save_path(min(free), node.end, node.end)
         return host.persist()
 
-    def flush(self) -> int:
-        """Evicts every unused cached prefix, saved states included; returns the tokens."""
-        host, self.host = self.host, None  # what a flush evicts is not saved
-        try:
-            freed = super().flush()
-        finally:
-            self.host = host
-        return freed + (host.clear() if host is not None else 0)
-
     # ---- inspection -------------------------------------------------------------------------
-
-    def stats(self) -> PrefixCacheStats:
-        stats = super().stats()
-        return stats if self.host is None else replace(stats, **self.host.stat_fields())
 
     def held_tokens(self, slot: int) -> list[int]:
         """The token prefix the cache records for ``slot``'s KV."""

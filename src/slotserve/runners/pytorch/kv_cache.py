@@ -4,11 +4,15 @@ reference between slots for prefix-cache hits (bookkeeping in
 
 Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. One
 extra block at the end is never handed out and stays zero: attention pads gathers with it.
+
+The prefix cache's host and disk tiers keep positions copied out of the pool
+(:meth:`KvPool.save_positions`) as one array ``[attention layer, K or V, position, KV head,
+head dim]`` in the pool's dtype, whatever blocks held them: a state restores into any blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -43,6 +47,9 @@ class KvPool:
                 )
             )
         self._pending_copies: list[tuple[int, int]] = []
+        self._attention = [kv for kv in self.layers if kv[0].shape[0]]
+        self._position_shape = (config.num_kv_heads, config.head_dim)
+        self._dtype = dtype
 
     @property
     def capacity_tokens(self) -> int:
@@ -78,3 +85,43 @@ class KvPool:
 
     def used_tokens(self, slots: Collection[int]) -> int:
         return self.tables.used_blocks(slots) * self.block_size
+
+    # ---- positions copied out to host memory and back (the prefix cache's tiers) -----------
+
+    @property
+    def bytes_per_position(self) -> int:
+        heads, dim = self._position_shape
+        return 2 * len(self._attention) * heads * dim * self._dtype.itemsize
+
+    def save_positions(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
+        """Positions ``0 .. num_tokens - 1``, held in ``blocks``, as one host array."""
+        size = self.block_size
+        device = self._attention[0][0].device
+        table = torch.tensor(list(blocks), dtype=torch.long, device=device)
+        rows = (table[:, None] * size + torch.arange(size, device=device)).flatten()[:num_tokens]
+        data = bytearray(num_tokens * self.bytes_per_position)
+        out = self._view(data, num_tokens)
+        for layer, (key_cache, value_cache) in enumerate(self._attention):
+            out[layer, 0].copy_(key_cache.index_select(0, rows))
+            out[layer, 1].copy_(value_cache.index_select(0, rows))
+        return data
+
+    def load_positions(self, slot: int, start: int, end: int, data: bytearray) -> bool:
+        """Writes positions ``start .. end - 1`` of a saved array into ``slot``'s reserved
+        blocks; False, with nothing written, when ``data`` holds fewer positions or is not
+        such an array."""
+        held, rest = divmod(len(data), self.bytes_per_position)
+        if rest or held < end or start >= end:
+            return False
+        device = self._attention[0][0].device
+        rows = torch.tensor(self.rows(slot, start, end), dtype=torch.long, device=device)
+        saved = self._view(data, held)
+        for layer, (key_cache, value_cache) in enumerate(self._attention):
+            key_cache.index_copy_(0, rows, saved[layer, 0, start:end].to(device))
+            value_cache.index_copy_(0, rows, saved[layer, 1, start:end].to(device))
+        self.tables.commit(slot, end)
+        return True
+
+    def _view(self, data: bytearray, num_tokens: int) -> torch.Tensor:
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype)
+        return flat.view(len(self._attention), 2, num_tokens, *self._position_shape)

@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
+import slotserve
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
 from slotserve.runners.pytorch.checkpoint import (
     TorchLoadConfig,
@@ -230,6 +232,33 @@ class TorchRunner:
 
     def kv_used_tokens(self, slots: Collection[int]) -> int:
         return self.pool.used_tokens(slots)
+
+    # ---- SavablePagedKv (the prefix cache's host and disk tiers) -----------------------------
+
+    def save_kv_blocks(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
+        return self.pool.save_positions(blocks, num_tokens)
+
+    def restore_kv_blocks(self, slot: int, start: int, end: int, data: bytearray) -> bool:
+        return self.pool.load_positions(slot, start, end, data)
+
+    def kv_fingerprint(self) -> str:
+        # The KV's bits depend on the weights and on the code computing them: the kernels
+        # (their GEMM or oneDNN), torch and this release.
+        kernels = self.shard.model.kernels
+        config = self.config
+        return ";".join(
+            (
+                "torch",
+                slotserve.__version__,
+                torch.__version__,
+                weights_fingerprint(self.load.model_path),
+                f"load={self.load.load_format}",
+                str(self.dtype),
+                self.device.type,
+                "torch ops" if kernels is None else f"{kernels.isa},gemm={kernels.has_gemm}",
+                f"layers={config.num_attention_layers}x{config.num_kv_heads}x{config.head_dim}",
+            )
+        )
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
