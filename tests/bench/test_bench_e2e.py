@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slotserve.bench.datasets import Conversation
+from slotserve.bench.loadgen import LoadConfig
+from slotserve.bench.runner import run_benchmark
 from tests.bench.test_bench_logic import VLLM_HEADER_KEYS, VLLM_KEYS
 from tests.conftest import ServerProcess
 
@@ -121,3 +124,18 @@ def test_agent_workload_reports_ttft_by_turn_apart_from_the_background(
     assert report["total_output_tokens"] == 4 * 12
     assert report["isolation_failures"] == []
     assert "TTFT by turn" in result.stdout
+
+
+def test_identical_replies_that_each_prompt_gives_alone_are_not_an_isolation_failure(
+    server: ServerProcess,
+) -> None:
+    # Two conversations asking the same: the greedy replies are identical by right, which the
+    # check can only tell from cross-talk by sending each again alone.
+    question = "Name three rivers in Europe and say one thing about each."
+    conversations = [Conversation(name, [question], 16) for name in ("first", "second")]
+    config = LoadConfig(base_url=server.api_url, concurrency=2)
+    report = run_benchmark(config, conversations, show_progress=False)
+    assert report["completed"] == 2 and report["isolation_failures"] == []
+    assert report["isolation_reproduced_alone"][0]["prompt_ids"] == ["first/0", "second/0"]
+    unchecked = run_benchmark(config, conversations, show_progress=False, recheck_isolation=False)
+    assert len(unchecked["isolation_failures"]) == 1

@@ -27,8 +27,10 @@ from slotserve.bench.datasets import (
 from slotserve.bench.loadgen import LoadConfig, poisson_gaps
 from slotserve.bench.metrics import (
     RequestResult,
+    describe_isolation,
     isolation_failures,
     percentile,
+    reproduced_alone,
     summarize,
     turn_summary,
 )
@@ -275,7 +277,14 @@ def test_isolation_check_flags_identical_greedy_outputs_of_distinct_prompts() ->
         _result("p4", same, temperature=0.7),
     ]
     failures = isolation_failures(results)
-    assert failures == [{"prompt_ids": ["p1", "p2"], "text": same}]
+    assert [describe_isolation(group) for group in failures] == [
+        {"prompt_ids": ["p1", "p2"], "text": same}
+    ]
+    # Sent again one at a time: the same text from each is the model's own answer.
+    alone = {"p1": _result("p1", same), "p2": _result("p2", same)}
+    assert reproduced_alone(failures[0], alone)
+    assert not reproduced_alone(failures[0], {**alone, "p2": _result("p2", "its own answer")})
+    assert not reproduced_alone(failures[0], {"p1": alone["p1"]}), "p2 was not sent again"
     assert isolation_failures([_result("p1", same), _result("p1", same)]) == []
     # Two turns of one conversation may repeat themselves; two conversations may not.
     assert isolation_failures([_result("c1/0", same), _result("c1/1", same)]) == []

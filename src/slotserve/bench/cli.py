@@ -185,10 +185,16 @@ def main_bench(args: argparse.Namespace) -> int:
         label=f"{args.dataset} ×{args.concurrency}",
         background=background,
         background_streams=streams,
+        recheck_isolation=args.isolation,
     )
     render_table(report, f"slotserve bench: {config.base_url}", Console())
     for failure in report["isolation_failures"]:
         console.print(f"[red]isolation: prompts {failure['prompt_ids']} returned the same text")
+    for group in report["isolation_reproduced_alone"]:
+        console.print(
+            f"[dim]isolation: prompts {group['prompt_ids']} returned the same text, and again "
+            "each sent alone: the model's own answer"
+        )
     for error in report["errors"]:
         console.print(f"[yellow]error: {error}")
     targets = Targets(**{field.name: getattr(args, field.name) for field in fields(Targets)})

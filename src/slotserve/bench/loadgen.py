@@ -39,6 +39,9 @@ class LoadRun:
     results: list[RequestResult]
     duration: float
     background: list[RequestResult] = field(default_factory=list)
+    # Every conversation as sent, by the id its results carry (with the replies it got), so
+    # that any of its requests can be sent again.
+    sent: dict[str, Conversation] = field(default_factory=dict)
 
 
 class LoadOptions(TypedDict, total=False):
@@ -201,7 +204,9 @@ async def run_load(
             # Streams take turns through the prompts, so no two send the same one at once.
             index = stream
             while True:
-                result = await send_one(client, config, model, nth(background, index), 0)
+                conv = nth(background, index)
+                run.sent[conv.conversation_id] = conv
+                result = await send_one(client, config, model, conv, 0)
                 run.background.append(result)
                 if not result.success:
                     return  # a server refusing everything must not be hammered in a loop
@@ -214,6 +219,7 @@ async def run_load(
         deadline = None if config.duration_s is None else started + config.duration_s
 
         async def converse(conv: Conversation) -> None:
+            run.sent[conv.conversation_id] = conv
             async with gate:
                 for turn in range(len(conv.user_turns)):
                     if deadline is not None and time.perf_counter() >= deadline:
@@ -251,3 +257,21 @@ async def run_load(
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
     return run
+
+
+async def resend_alone(
+    config: LoadConfig, run: LoadRun, prompt_ids: Sequence[str]
+) -> dict[str, RequestResult]:
+    """Sends the requests ``prompt_ids`` of ``run`` again, one at a time (nothing else in
+    flight): what each returns by itself, by prompt id."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=config.base_url, timeout=config.timeout_s, headers=headers
+    ) as client:
+        model = config.model or await resolve_model(client)
+        alone = {}
+        for prompt_id in prompt_ids:
+            conversation_id, turn = prompt_id.rsplit("/", 1)
+            conv = run.sent[conversation_id]
+            alone[prompt_id] = await send_one(client, config, model, conv, int(turn))
+    return alone

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,8 +117,9 @@ def turn_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
     return summary
 
 
-def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
-    """Greedy requests of different conversations whose outputs came back byte-identical.
+def isolation_failures(results: Sequence[RequestResult]) -> list[list[RequestResult]]:
+    """Groups of greedy requests of different conversations whose outputs came back
+    byte-identical.
 
     Under greedy sampling two different prompts producing exactly the same (non-trivial) text
     almost always means one request saw another's state: a batching or KV isolation bug.
@@ -133,12 +134,26 @@ def isolation_failures(results: Sequence[RequestResult]) -> list[dict[str, Any]]
     for r in results:
         if r.success and r.temperature == 0.0 and len(r.text) >= 16 and not _looping(r.text):
             by_text.setdefault(r.text, []).append(r)
-    failures = []
-    for text, group in by_text.items():
-        prompts = sorted({r.prompt_id for r in group})
-        if len({_source_conversation(p) for p in prompts}) > 1:
-            failures.append({"prompt_ids": prompts, "text": text[:200]})
-    return failures
+    return [
+        sorted(group, key=lambda r: r.prompt_id)
+        for group in by_text.values()
+        if len({_source_conversation(r.prompt_id) for r in group}) > 1
+    ]
+
+
+def reproduced_alone(group: Sequence[RequestResult], alone: Mapping[str, RequestResult]) -> bool:
+    """Whether every request of an isolation failure's ``group`` returned the same text when
+    sent again by itself (``alone``, by prompt id): the identical replies are then the model's
+    own answer to those prompts, not one request seeing another's state."""
+    return all(
+        r.prompt_id in alone and alone[r.prompt_id].success and alone[r.prompt_id].text == r.text
+        for r in group
+    )
+
+
+def describe_isolation(group: Sequence[RequestResult]) -> dict[str, Any]:
+    """An isolation group as the report lists it."""
+    return {"prompt_ids": sorted({r.prompt_id for r in group}), "text": group[0].text[:200]}
 
 
 def _looping(text: str) -> bool:

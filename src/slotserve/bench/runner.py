@@ -2,8 +2,8 @@
 
 The report is flat like the JSON ``vllm bench serve --save-result`` writes (``completed``,
 ``output_throughput``, ``mean_ttft_ms``, ``max_concurrency``... at the top level), so tools that
-read vLLM's results read ours; our own keys (``config``, ``isolation_failures``, ``errors``,
-``server_memory``, ``samples``) sit beside them.
+read vLLM's results read ours; our own keys (``config``, ``isolation_failures``,
+``isolation_reproduced_alone``, ``errors``, ``server_memory``, ``samples``) sit beside them.
 """
 
 from __future__ import annotations
@@ -27,11 +27,19 @@ from slotserve.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from slotserve.bench.loadgen import LoadConfig, resolve_model_sync, run_load
-from slotserve.bench.metrics import isolation_failures, summarize, turn_summary
+from slotserve.bench.loadgen import LoadConfig, resend_alone, resolve_model_sync, run_load
+from slotserve.bench.metrics import (
+    describe_isolation,
+    isolation_failures,
+    reproduced_alone,
+    summarize,
+    turn_summary,
+)
 from slotserve.bench.report import rss_bytes
 from slotserve.bench.servers import ServerSpec, running
 
+# Requests of flagged isolation groups sent again alone, at most: a bound on the recheck's time.
+MAX_RESENT = 64
 DATASETS = ("random", "shared-prefix", "multi-turn", "agent", "sharegpt", "edit", "open")
 
 
@@ -78,13 +86,17 @@ def run_benchmark(
     label: str = "",
     background: list[Conversation] | None = None,
     background_streams: int = 0,
+    recheck_isolation: bool = True,
 ) -> dict[str, Any]:
     """Runs the load and returns the flat report: vLLM's result keys, then ours.
 
     Conversations of several turns add ``turn_summary``'s keys. ``background_streams``
     concurrent streams of ``background`` prompts run beside the load; their results are
     summarized apart, under ``background``, and join the others only in the isolation check and
-    the errors.
+    the errors. With ``recheck_isolation``, the requests of every group the isolation check
+    flags are sent again one at a time (at most ``MAX_RESENT``): a group whose every request
+    returns the same text by itself is the model's own answer, listed under
+    ``isolation_reproduced_alone`` instead of ``isolation_failures``.
     """
     if config.model is None:
         # vLLM's results name the model; ask the server once instead of inside the load.
@@ -112,6 +124,13 @@ def run_benchmark(
         )
     rss_after = rss_bytes(server_pid) if server_pid else None
     results = run.results
+    flagged = isolation_failures(results + run.background)
+    reproduced = []
+    if flagged and recheck_isolation:
+        members = [r.prompt_id for group in flagged for r in group][:MAX_RESENT]
+        alone = asyncio.run(resend_alone(config, run, members))
+        reproduced = [group for group in flagged if reproduced_alone(group, alone)]
+        flagged = [group for group in flagged if not reproduced_alone(group, alone)]
     multi_turn = any(len(c.user_turns) > 1 for c in conversations)
     extra: dict[str, Any] = turn_summary(results) if multi_turn else {}
     if background_streams and background:
@@ -130,7 +149,8 @@ def run_benchmark(
             "background_streams": background_streams if background else 0,
             "request_rate": None if config.request_rate == float("inf") else config.request_rate,
         },
-        "isolation_failures": isolation_failures(results + run.background),
+        "isolation_failures": [describe_isolation(group) for group in flagged],
+        "isolation_reproduced_alone": [describe_isolation(group) for group in reproduced],
         "errors": sorted({r.error for r in results + run.background if r.error})[:20],
         "server_memory": {"rss_before_bytes": rss_before, "rss_after_bytes": rss_after},
         # Per-request samples, for latency distribution plots.
