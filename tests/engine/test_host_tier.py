@@ -17,6 +17,18 @@ from tests.engine.test_prefix_cache import assert_kv_consistent
 from tests.fake_runner import FakeRunner, SavingFakeRunner
 
 SYSTEM = "You are a careful assistant who checks every step twice. " * 4  # 228 tokens
+# Random workloads for ``texts_in_waves``: prompts sharing prefixes of the system prompt or not.
+WAVE_REQUESTS = st.lists(
+    st.tuples(
+        st.sampled_from(["", SYSTEM[:40], SYSTEM[:90], SYSTEM, "z" * 150]),
+        st.text(alphabet="abcxyz ", min_size=1, max_size=60),
+        st.integers(1, 6),  # max tokens
+        st.integers(0, 4),  # the request's wave: each wave runs after the last
+    ),
+    min_size=1,
+    max_size=14,
+)
+RAM_BUDGETS = st.sampled_from([0, 600, 2_000, 1 << 20])
 
 
 def _state(path: list[int]) -> bytearray:
@@ -181,20 +193,7 @@ def test_three_conversations_on_two_slots_restore_every_turn_and_match_no_cache(
 
 @pytest.mark.parametrize("grain", [1, 4])
 @settings(max_examples=40, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(
-            st.sampled_from(["", SYSTEM[:40], SYSTEM[:90], SYSTEM, "z" * 150]),
-            st.text(alphabet="abcxyz ", min_size=1, max_size=60),
-            st.integers(1, 6),  # max tokens
-            st.integers(0, 4),  # the request's wave: each wave runs after the last
-        ),
-        min_size=1,
-        max_size=14,
-    ),
-    ram=st.sampled_from([0, 600, 2_000, 1 << 20]),
-    refuse=st.booleans(),
-)
+@given(requests=WAVE_REQUESTS, ram=RAM_BUDGETS, refuse=st.booleans())
 def test_random_workloads_give_the_text_of_no_cache_whatever_the_tiers_do(
     grain: int, requests: list[tuple[str, str, int, int]], ram: int, refuse: bool
 ) -> None:

@@ -20,8 +20,8 @@ def pooled(blocks: int, **options: object) -> FakeRunner:
     return FakeRunner(kv_pool_blocks=blocks, kv_block_size=4, **options)  # type: ignore[arg-type]
 
 
-def solo_text(prompt: str, max_tokens: int) -> str:
-    core, _ = make_core(FakeRunner(max_seq_len=128), prefix_cache=False)
+def solo_text(prompt: str, max_tokens: int, max_seq_len: int = 128) -> str:
+    core, _ = make_core(FakeRunner(max_seq_len=max_seq_len), prefix_cache=False)
     submit(core, "solo", prompt, max_tokens=max_tokens, ignore_eos=True)
     return text_of(run_to_completion(core)["solo"])
 

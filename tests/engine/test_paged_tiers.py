@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.core.slots import SlotState
 from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
 from slotserve.options import CacheBudget
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of, texts_in_waves
+from tests.engine.test_host_tier import RAM_BUDGETS, SYSTEM, WAVE_REQUESTS
+from tests.engine.test_paged_prefix_cache import check as check_paged
+from tests.engine.test_paged_prefix_cache import solo_text
 from tests.fake_runner import FakeRunner, PagedSavingFakeRunner
-
-SYSTEM = "You are a careful assistant who checks every step twice. " * 4  # 228 tokens
 
 
 def _core(blocks: int = 128, **config: object) -> tuple[EngineCore, PagedSavingFakeRunner]:
@@ -35,13 +35,9 @@ def _paged(core: EngineCore) -> PagedPrefixCache:
 
 
 def check(core: EngineCore, runner: FakeRunner) -> None:
-    """The engine's integrity check, every running slot's KV, and every cached node's blocks
-    holding the node's own tokens."""
-    core.check_integrity()
-    for slot in core.scheduler.slots.slots:
-        seq = slot.sequence
-        if seq is not None and slot.state is not SlotState.PREEMPTED:
-            assert runner.kv[slot.index] == seq.token_ids[: seq.num_computed_tokens]
+    """The paged cache's checks, and every cached node's blocks holding the node's own
+    tokens."""
+    check_paged(core, runner)
     cache, size = _paged(core), runner.kv_block_size
     for node in cache.tree.subtree(cache.tree.root):
         if node.parent is None:
@@ -50,12 +46,6 @@ def check(core: EngineCore, runner: FakeRunner) -> None:
         for position in range(node.start, node.end):
             block = node.value.blocks[position // size - first]
             assert runner.block_tokens[block][position % size] == path[position], position
-
-
-def _solo(prompt: str, max_tokens: int) -> str:
-    core, _ = make_core(FakeRunner(max_seq_len=512), prefix_cache=False)
-    submit(core, "solo", prompt, max_tokens=max_tokens)
-    return text_of(run_to_completion(core)["solo"])
 
 
 def _push_out(core: EngineCore) -> None:
@@ -81,7 +71,7 @@ def test_a_prefix_evicted_from_the_pool_is_written_back_from_host_ram() -> None:
     assert runner.saves, "the evicted prefix was saved first"
     submit(core, "b", prompt, max_tokens=12)
     again = run_to_completion(core)["b"]
-    assert text_of(again) == first == _solo(prompt, 12)
+    assert text_of(again) == first == solo_text(prompt, 12, max_seq_len=512)
     assert again[-1].num_cached_tokens == len(prompt) - 1
     assert runner.restores == [(0, len(prompt) - 1)]
     stats = core.snapshot().prefix_cache
@@ -101,7 +91,7 @@ def test_the_tree_shares_its_whole_blocks_and_the_state_supplies_the_rest() -> N
     assert _paged(core).tree.match_prefix(list(prompt.encode())).length == len(SYSTEM)
     submit(core, "c", prompt, max_tokens=8)
     outputs = run_to_completion(core)["c"]
-    assert text_of(outputs) == _solo(prompt, 8)
+    assert text_of(outputs) == solo_text(prompt, 8, max_seq_len=512)
     assert outputs[-1].num_cached_tokens >= len(tail_a)
     start, end = runner.restores[-1]
     assert start == len(SYSTEM) // 4 * 4 > 0, "the tree's blocks are shared, not rewritten"
@@ -171,18 +161,9 @@ def test_conversations_on_a_small_pool_restore_turns_and_match_no_cache() -> Non
 @pytest.mark.parametrize("grain", [1, 4])
 @settings(max_examples=40, deadline=None)
 @given(
-    requests=st.lists(
-        st.tuples(
-            st.sampled_from(["", SYSTEM[:40], SYSTEM[:90], SYSTEM, "z" * 150]),
-            st.text(alphabet="abcxyz ", min_size=1, max_size=60),
-            st.integers(1, 6),  # max tokens
-            st.integers(0, 4),  # the request's wave: each wave runs after the last
-        ),
-        min_size=1,
-        max_size=14,
-    ),
+    requests=WAVE_REQUESTS,
     blocks=st.sampled_from([90, 140]),
-    ram=st.sampled_from([0, 600, 2_000, 1 << 20]),
+    ram=RAM_BUDGETS,
     refuse=st.booleans(),
 )
 def test_random_workloads_give_the_text_of_no_cache_whatever_the_tiers_do(

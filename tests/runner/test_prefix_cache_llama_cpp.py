@@ -8,11 +8,10 @@ from pathlib import Path
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
-from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import run_logprobs
+from tests.runner.engine_runs import greedy, run_logprobs
 
 GRAIN = 64  # the llama.cpp runner's prefill grain: a hit leaves this much to compute
 
@@ -25,20 +24,15 @@ SYSTEM = (
 )
 
 
-def _greedy(n: int) -> SamplingParams:
-    # Log-probabilities of the chosen tokens come along: any rounding difference shows there.
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
 def test_copy_and_trim_between_streams(runner: LlamaCppRunner) -> None:
     EngineCore(runner, EngineConfig(num_slots=8))  # empties every slot
     tokens = runner.tokenizer.encode(SYSTEM)
-    runner.add_sequence(0, _greedy(1), tokens, None)
+    runner.add_sequence(0, greedy(1, logprobs=0), tokens, None)
     runner.execute([ScheduledChunk(0, tokens, 0, True)])
     runner.copy_kv(0, 3, 100)
     assert runner.kv_tokens(0) == len(tokens) and runner.kv_tokens(3) == 100
     runner.trim_kv(0, 10)
-    runner.add_sequence(3, _greedy(1), tokens, None)
+    runner.add_sequence(3, greedy(1, logprobs=0), tokens, None)
     # The copy lands before the next forward reads slot 3 (llama.cpp copies buffers lazily).
     runner.execute([ScheduledChunk(3, tokens[100:], 100, True)])
     assert runner.kv_tokens(3) == len(tokens) and runner.kv_tokens(0) == 10
@@ -115,7 +109,7 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
 def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppRunner) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=8, max_batch_tokens=160, prefill_chunk=64))
     prompt = runner.tokenizer.encode(SYSTEM + "Tell me a story.")
-    core.add_request(core.make_request("a", prompt, _greedy(8)))
+    core.add_request(core.make_request("a", prompt, greedy(8, logprobs=0)))
     core.step()
     core.step()
     core.abort("a")
@@ -137,7 +131,7 @@ def test_a_saved_state_restores_into_another_slot_and_computes_the_same(
 ) -> None:
     EngineCore(runner, EngineConfig(num_slots=8))  # empties every slot
     tokens = runner.tokenizer.encode(SYSTEM)
-    runner.add_sequence(0, _greedy(1), tokens, None)
+    runner.add_sequence(0, greedy(1, logprobs=0), tokens, None)
     runner.execute([ScheduledChunk(0, tokens, 0, True)])
     state = runner.save_kv(0)
     runner.copy_kv(0, 2, 50)  # slot 0's stream is read by this copy at the next decode
@@ -148,7 +142,7 @@ def test_a_saved_state_restores_into_another_slot_and_computes_the_same(
     runner.trim_kv(0, 100)
     outputs = {}
     for slot in (5, 0):
-        runner.add_sequence(slot, _greedy(1), tokens, None)
+        runner.add_sequence(slot, greedy(1, logprobs=0), tokens, None)
         outputs[slot] = runner.execute([ScheduledChunk(slot, tokens[100:], 100, True)])[slot]
     assert outputs[5] == outputs[0], "restored KV computes what the original does"
     for slot in (0, 2, 5):

@@ -129,8 +129,9 @@ def run_benchmark(
     if flagged and recheck_isolation:
         members = [r.prompt_id for group in flagged for r in group][:MAX_RESENT]
         alone = asyncio.run(resend_alone(config, run, members))
-        reproduced = [group for group in flagged if reproduced_alone(group, alone)]
-        flagged = [group for group in flagged if not reproduced_alone(group, alone)]
+        own_answer = [reproduced_alone(group, alone) for group in flagged]
+        reproduced = [group for group, own in zip(flagged, own_answer, strict=True) if own]
+        flagged = [group for group, own in zip(flagged, own_answer, strict=True) if not own]
     multi_turn = any(len(c.user_turns) > 1 for c in conversations)
     extra: dict[str, Any] = turn_summary(results) if multi_turn else {}
     if background_streams and background:

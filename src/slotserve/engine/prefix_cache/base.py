@@ -276,7 +276,19 @@ class TreePrefixCache(Generic[H]):
         return freed + (host.clear() if host is not None else 0)
 
     def persist(self) -> int:
-        return 0
+        """Saves every cached prefix to the disk tier, if there is one (at shutdown: the next
+        start with the same model finds them); returns the states written."""
+        host = self.host
+        if host is None or host.disk is None:
+            return 0
+        for node in list(self.tree.subtree(self.tree.root)):
+            if node.parent is not None and node.is_leaf:
+                self._save_leaf(node)
+        return host.persist()
+
+    def _save_leaf(self, node: TreeNode[H]) -> None:
+        """Saves the KV of a leaf's whole path to the host tier (a cache with one says how)."""
+        raise NotImplementedError
 
     def keep_state_at(self, slot: int, position: int, computed: int) -> None:
         pass

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
@@ -36,6 +36,8 @@ from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
 # to compute again than to copy).
 MIN_SAVED_TOKENS = 16
 MAX_PATH_PER_LOST_TOKEN = 64
+
+R = TypeVar("R")  # what a cache's restore returns on success
 
 
 @dataclass(eq=False)
@@ -195,16 +197,27 @@ class HostTier:
                 written += 1
         return written
 
-    def record_restore(
-        self, match: HostMatch, tokens: int, seconds: float, from_disk: bool
-    ) -> None:
-        """Counts a hit of ``tokens`` restored from ``match`` in ``seconds``."""
+    def restore(
+        self, match: HostMatch, tokens: int, write: Callable[[bytearray], R | None]
+    ) -> R | None:
+        """Loads the state at ``match`` and hands its bytes to ``write``, which puts them into
+        the runner's KV and returns None when it could not. A write that succeeds counts a hit
+        of ``tokens``, timed from the load. None when the state could not be read."""
+        started = time.perf_counter()
+        loaded = self.load(match)
+        if loaded is None:
+            return None
+        data, from_disk = loaded
+        written = write(data)
+        if written is None:
+            return None
         self.counters.hits += 1
         self.counters.hit_tokens += tokens
-        self.counters.restore_seconds += seconds
+        self.counters.restore_seconds += time.perf_counter() - started
         if from_disk:
             self.counters.disk_hits += 1
             self.counters.disk_hit_tokens += tokens
+        return written
 
     def stat_fields(self) -> dict[str, Any]:
         """This tier's figures, named as :class:`PrefixCacheStats` names them."""

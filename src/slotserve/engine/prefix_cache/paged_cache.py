@@ -43,7 +43,6 @@ With a host tier (``host_tier.py``, a runner that can copy positions out of its 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -121,7 +120,8 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         self.num_slots = num_slots
         self.snapshots = snapshots
         # A saved state has no recurrent state beside it: the tiers are for attention-only KV.
-        self.host = host if isinstance(kv, SavablePagedKv) and snapshots is None else None
+        assert host is None or snapshots is None, "a host tier for a model with recurrent state"
+        self.host = host if isinstance(kv, SavablePagedKv) else None
         self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
 
     # ---- admission --------------------------------------------------------------------------
@@ -191,25 +191,22 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         could not be read, the pool has no room or the runner refused the state."""
         host, kv = self.host, self.kv
         assert host is not None and match.saved is not None and isinstance(kv, SavablePagedKv)
-        started = time.perf_counter()
-        loaded = host.load(match.saved)
-        if loaded is None:
-            return None
-        data, from_disk = loaded
         shared = min(match.in_tree, length) // self.block_size * self.block_size
-        if shared:
-            self.paged.share(slot, self._path_blocks(match.node, shared), shared)
-        # The slot's references keep the shared blocks whatever is evicted to make room.
-        while not kv.reserve_kv(slot, length):
-            if self.evict_unused() == 0:
+
+        def write(data: bytearray) -> TreeNode[BlockSpan] | None:
+            if shared:
+                self.paged.share(slot, self._path_blocks(match.node, shared), shared)
+            # The slot's references keep the shared blocks whatever is evicted to make room.
+            while not kv.reserve_kv(slot, length):
+                if self.evict_unused() == 0:
+                    kv.trim_kv(slot, 0)
+                    return None
+            if not kv.restore_kv_blocks(slot, shared, length, data):
                 kv.trim_kv(slot, 0)
                 return None
-        if not kv.restore_kv_blocks(slot, shared, length, data):
-            kv.trim_kv(slot, 0)
-            return None
-        node = self._place(slot, tokens[:length])
-        host.record_restore(match.saved, length, time.perf_counter() - started, from_disk)
-        return node
+            return self._place(slot, tokens[:length])
+
+        return host.restore(match.saved, length, write)
 
     def _path_blocks(self, node: TreeNode[BlockSpan], length: int) -> list[int]:
         """The blocks holding positions ``0 .. length - 1`` along the path to ``node``."""
@@ -296,7 +293,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         return upper, lower
 
     def _give_back(self, node: TreeNode[BlockSpan]) -> None:
-        if self.host is not None and node.is_leaf and worth_saving(len(node.key), node.end):
+        if self.host is not None and worth_saving(len(node.key), node.end):
             self._save_path(node)
         self.paged.unhold(node.value.blocks)
         node.value.blocks = []
@@ -311,16 +308,9 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         blocks = self._path_blocks(node, node.end)
         host.save(self.tree.path_tokens(node), lambda: kv.save_kv_blocks(blocks, node.end))
 
-    def persist(self) -> int:
-        """Saves every cached prefix to the disk tier, if there is one (at shutdown: the next
-        start with the same model finds them); returns the states written."""
-        host = self.host
-        if host is None or host.disk is None:
-            return 0
-        for node in list(self.tree.subtree(self.tree.root)):
-            if node.parent is not None and node.is_leaf and node.value:
-                self._save_path(node)
-        return host.persist()
+    def _save_leaf(self, node: TreeNode[BlockSpan]) -> None:
+        if node.value:
+            self._save_path(node)
 
     # ---- inspection -------------------------------------------------------------------------
 

@@ -33,7 +33,6 @@ cache's storage, running slots lock their own path.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -176,19 +175,17 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         (the slot then holds nothing the tree records)."""
         host, kv = self.host, self.kv
         assert host is not None and match.saved is not None and isinstance(kv, SavableKvStore)
-        started = time.perf_counter()
-        loaded = host.load(match.saved)
-        if loaded is None:
-            return False
-        data, from_disk = loaded
-        self._save(slot)  # may move that state out of RAM: ``data`` still holds it
-        self._forget(slot)
-        if not kv.restore_kv(slot, data):
-            kv.trim_kv(slot, 0)
-            return False
-        kv.trim_kv(slot, length)
-        host.record_restore(match.saved, length, time.perf_counter() - started, from_disk)
-        return True
+
+        def write(data: bytearray) -> bool | None:
+            self._save(slot)  # may move that state out of RAM: ``data`` still holds it
+            self._forget(slot)
+            if not kv.restore_kv(slot, data):
+                kv.trim_kv(slot, 0)
+                return None
+            kv.trim_kv(slot, length)
+            return True
+
+        return host.restore(match.saved, length, write) is not None
 
     def _save(self, slot: int, kept: int = 0) -> None:
         """Saves free ``slot``'s content to the host tier before all but its first ``kept``
@@ -281,17 +278,10 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             node = node.parent
         return exclusive
 
-    def persist(self) -> int:
-        """Saves every cached prefix to the disk tier, if there is one (at shutdown: the next
-        start with the same model finds them); returns the states written."""
-        host = self.host
-        if host is None or host.disk is None:
-            return 0
-        for node in list(self.tree.subtree(self.tree.root)):
-            free = node.value - self._running  # a running slot's KV holds more than the path
-            if node.is_leaf and free and node.parent is not None:
-                self._save_path(min(free), node.end, node.end)
-        return host.persist()
+    def _save_leaf(self, node: CacheNode) -> None:
+        free = node.value - self._running  # a running slot's KV holds more than the path
+        if free:
+            self._save_path(min(free), node.end, node.end)
 
     # ---- inspection -------------------------------------------------------------------------
 

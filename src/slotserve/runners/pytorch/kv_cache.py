@@ -80,7 +80,11 @@ class KvPool:
 
     def rows(self, slot: int, start: int, end: int) -> list[int]:
         """Cache rows of the slot's positions ``start .. end - 1`` (reserved)."""
-        table, size = self.tables.tables[slot], self.block_size
+        return self._rows_in(self.tables.tables[slot], start, end)
+
+    def _rows_in(self, table: Sequence[int], start: int, end: int) -> list[int]:
+        """Cache rows of positions ``start .. end - 1`` held in the blocks of ``table``."""
+        size = self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]
 
     def used_tokens(self, slots: Collection[int]) -> int:
@@ -95,10 +99,8 @@ class KvPool:
 
     def save_positions(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
         """Positions ``0 .. num_tokens - 1``, held in ``blocks``, as one host array."""
-        size = self.block_size
         device = self._attention[0][0].device
-        table = torch.tensor(list(blocks), dtype=torch.long, device=device)
-        rows = (table[:, None] * size + torch.arange(size, device=device)).flatten()[:num_tokens]
+        rows = torch.tensor(self._rows_in(blocks, 0, num_tokens), dtype=torch.long, device=device)
         data = bytearray(num_tokens * self.bytes_per_position)
         out = self._view(data, num_tokens)
         for layer, (key_cache, value_cache) in enumerate(self._attention):
