@@ -10,7 +10,13 @@ import torch
 
 from slotserve.bench.hf_reference import convert_gguf_to_hf
 
-__all__ = ["convert_gguf_to_hf", "qwen3_moe_gguf", "qwen35_gguf", "tiny_random_checkpoint"]
+__all__ = [
+    "convert_gguf_to_hf",
+    "q8_0_gguf",
+    "qwen3_moe_gguf",
+    "qwen35_gguf",
+    "tiny_random_checkpoint",
+]
 
 
 QWEN3_5: dict[str, Any] = {
@@ -206,6 +212,22 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
     return _write(writer, tensors, out_path)
 
 
+def q8_0_gguf(path: Path, out_path: Path) -> Path:
+    """``path`` quantised to Q8_0 by llama.cpp, as served GGUFs are: ggml's float32 matrix
+    products round differently by batch size, so llama.cpp is batch-invariant on quantised
+    weights only."""
+    import llama_cpp as llama
+
+    from slotserve.runners.llama_cpp.runner import init_llama_backend
+
+    init_llama_backend()  # its log goes to ours
+    params = llama.llama_model_quantize_default_params()
+    params.ftype = llama.LLAMA_FTYPE_MOSTLY_Q8_0
+    status = llama.llama_model_quantize(str(path).encode(), str(out_path).encode(), params)
+    assert status == 0, f"llama_model_quantize returned {status}"
+    return out_path
+
+
 def _gguf_writer(out_path: Path, arch: Any, hp: dict[str, Any]) -> Any:
     """A ``GGUFWriter`` for ``arch`` with the metadata every decoder has, from config.json."""
     import gguf
@@ -263,3 +285,5 @@ def _copy_vocabulary(reader: Any, writer: Any) -> None:
     writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
     writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
     writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
+    if "tokenizer.chat_template" in fields:
+        writer.add_chat_template(fields["tokenizer.chat_template"].contents())

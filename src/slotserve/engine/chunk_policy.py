@@ -43,6 +43,10 @@ class ChunkPolicy:
     # recurrent state computed in blocks anchored at position 0) can then hand that state
     # to any prompt sharing the prefix; cached KV is reused up to such a multiple only.
     anchored: bool = False
+    # Anchored only: the odd part at a prompt's end is a chunk of its own, never the tail of a
+    # longer one, for a runner whose attention computes a short chunk's queries on another
+    # path than a long chunk's (reason 1 above).
+    odd_part_alone: bool = False
 
     def __post_init__(self) -> None:
         if self.grain < 1:
@@ -66,10 +70,13 @@ class ChunkPolicy:
         then it exceeds ``max_chunk`` by less than a grain. 0 when nothing fits."""
         grain = self.grain
         room = min(budget, max_chunk)
+        if self.anchored:  # a chunk starts on the grid: whole grains, the odd part last
+            whole = min(rest, room) // grain * grain
+            if rest <= room and not (self.odd_part_alone and whole and rest % grain):
+                return rest
+            return whole
         if rest <= room:
             return rest
-        if self.anchored:  # a chunk starts on the grid: whole grains, the odd part last
-            return room // grain * grain
         odd = rest % grain
         size = odd + (room - odd) // grain * grain if room >= odd else 0
         if size >= grain:

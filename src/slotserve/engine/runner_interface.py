@@ -268,12 +268,14 @@ class StateSnapshots(Protocol):
 
     def save_state(self, slot: int, position: int, snapshot: int) -> None:
         """When ``slot``'s coming prompt chunks reach ``position`` tokens, its state then is
-        copied into ``snapshot`` (overwriting it). Forgotten by ``trim_kv(slot, 0)``."""
+        copied into ``snapshot`` (overwriting it). Forgotten by ``trim_kv(slot, 0)`` (with
+        per-slot streams, by any ``trim_kv`` of the slot)."""
         ...
 
     def restore_state(self, slot: int, snapshot: int) -> None:
         """``slot``'s next chunk starts from the state in ``snapshot`` (read when that chunk
-        runs, before any save of the same step)."""
+        runs, before any save of the same step; with per-slot streams, read at once, so the
+        stream can then be trimmed to the snapshot's position)."""
         ...
 
 

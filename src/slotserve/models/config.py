@@ -125,9 +125,9 @@ class RunnerConfig:
     prefix_cache_snapshots: int | None = option(
         None,
         ge=0,
-        help="torch, models with Gated DeltaNet layers: recurrent-state snapshots the prefix "
-        "cache may keep, each one sequence's state (its size is logged at load; default 4 per "
-        "slot; 0: no prefix cache for such models)",
+        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
+        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
+        "load; default 4 per slot; 0: no prefix cache for such models)",
     )
     cpu_kernels: bool = option(
         True,

@@ -45,6 +45,7 @@ def runner_factory(
             n_threads=runner.threads or None,
             flash_attn=runner.flash_attn,
             model_name=model_name,
+            state_snapshots=_state_snapshots(runner, engine),
         )
     try:
         from slotserve.runners.pytorch.checkpoint import TorchLoadConfig

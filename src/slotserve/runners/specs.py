@@ -24,6 +24,7 @@ class LlamaCppSpec:
     n_threads: int | None = None
     flash_attn: bool = True
     model_name: str | None = None
+    state_snapshots: int = 0
 
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner

@@ -53,18 +53,18 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
         budget * info.kv_bytes_per_token / 2**20,
     )
     policy: ChunkPolicy = info.chunk_policy
+    book = None
+    if isinstance(runner, StateSnapshots) and runner.snapshot_capacity > 0:
+        book = SnapshotBook(runner, config.prefix_cache_snapshot_interval, policy.grain)
+        logger.info(
+            "prefix cache keeps up to %d recurrent-state snapshots (%.1f MiB each, %.0f MiB "
+            "in all): at each prompt's end, where it branches, and every %d tokens",
+            book.capacity,
+            book.bytes_each / 2**20,
+            book.capacity * book.bytes_each / 2**20,
+            book.interval,
+        )
     if paged is not None:
-        book = None
-        if isinstance(runner, StateSnapshots) and runner.snapshot_capacity > 0:
-            book = SnapshotBook(runner, config.prefix_cache_snapshot_interval, policy.grain)
-            logger.info(
-                "prefix cache keeps up to %d recurrent-state snapshots (%.1f MiB each, %.0f MiB "
-                "in all): at each prompt's end, where it branches, and every %d tokens",
-                book.capacity,
-                book.bytes_each / 2**20,
-                book.capacity * book.bytes_each / 2**20,
-                book.interval,
-            )
         # Saved states hold one rank's KV and no recurrent state: neither kind of model gets
         # the tiers.
         host = None
@@ -80,13 +80,11 @@ def build_prefix_cache(runner: Runner, config: EngineConfig) -> PrefixCache:
             book,
             host,
         )
+    host = None
+    if isinstance(runner, SavableKvStore) and book is None:  # states hold no recurrent state
+        host = _host_tier(runner, config)
     return SlotPrefixCache(
-        runner,
-        config.num_slots,
-        policy,
-        budget,
-        info.kv_bytes_per_token,
-        _host_tier(runner, config) if isinstance(runner, SavableKvStore) else None,
+        runner, config.num_slots, policy, budget, info.kv_bytes_per_token, host, book
     )
 
 

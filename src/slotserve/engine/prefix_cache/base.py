@@ -33,6 +33,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
+from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import Runner
 
 H = TypeVar("H")  # what a tree node holds: the runner's handle to the node's KV
@@ -250,6 +251,7 @@ class TreePrefixCache(Generic[H]):
         self.hits = self.misses = self.query_tokens = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = 0
         self.host: HostTier | None = None
+        self.snapshots: SnapshotBook | None = None
 
     @property
     def enabled(self) -> bool:
@@ -318,6 +320,8 @@ class TreePrefixCache(Generic[H]):
     def stats(self) -> PrefixCacheStats:
         tree, bytes_per_token = self.tree, self.kv_bytes_per_token
         tiers = {} if self.host is None else self.host.stat_fields()
+        if self.snapshots is not None:
+            tiers |= self.snapshots.stat_fields()
         return PrefixCacheStats(
             enabled=True,
             hits=self.hits,

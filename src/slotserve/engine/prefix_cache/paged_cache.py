@@ -45,11 +45,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixCacheStats, PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
@@ -313,20 +313,6 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             self._save_path(node)
 
     # ---- inspection -------------------------------------------------------------------------
-
-    def stats(self) -> PrefixCacheStats:
-        stats, book = super().stats(), self.snapshots
-        if book is None:
-            return stats
-        return replace(
-            stats,
-            snapshot_capacity=book.capacity,
-            snapshots=book.num_snapshots,
-            snapshot_bytes=book.bytes_each,
-            snapshot_interval=book.interval,
-            snapshot_saves=book.saves,
-            snapshot_taken_back=book.taken_back,
-        )
 
     def held_tokens(self, slot: int) -> list[int]:
         node = self._end.get(slot)

@@ -218,13 +218,18 @@ class RadixTree(Generic[V]):
             self._heap = [(n.last_access, next(self._pushes), n) for n in leaves]
             heapq.heapify(self._heap)
 
-    def prune(self, node: TreeNode[V]) -> int:
+    def prune(
+        self, node: TreeNode[V], on_remove: Callable[[TreeNode[V]], None] | None = None
+    ) -> int:
         """Removes ``node`` and then its ancestors while each is an unlocked leaf with an empty
-        handle (no KV left behind it); returns the number of tokens removed."""
+        handle (no KV left behind it), telling ``on_remove`` of each; returns the number of
+        tokens removed."""
         removed = 0
         walk = node
         while walk.parent is not None and walk.is_leaf and walk.lock_ref == 0 and not walk.value:
             removed += len(walk.key)
+            if on_remove is not None:
+                on_remove(walk)
             walk = self._remove_leaf(walk)
         return removed
 

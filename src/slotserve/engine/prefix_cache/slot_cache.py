@@ -29,6 +29,11 @@ cache's storage, running slots lock their own path.
   host memory first unless another slot or a saved state still holds it. A prompt that a saved
   state covers further than any slot has it restored into the slot it takes, then trimmed to
   the reusable length, instead of copying a shorter prefix and computing the rest.
+* **Recurrent state** (``state_snapshots.py``, a hybrid model): a stream's recurrent state
+  covers all its positions and cannot be trimmed to fewer, so a hit resumes only at a node
+  holding a snapshot: the stream is copied whole, given the snapshot's state, then trimmed to
+  its position. A free slot's end moves up to the deepest snapshot on its path (attention KV
+  past it is never resumed from), with that state.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 
 Holders = set[int]  # sequence ids whose cached content ends at a node
 CacheNode = TreeNode[Holders]
@@ -97,14 +103,19 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         budget_tokens: int,
         kv_bytes_per_token: int,
         host: HostTier | None = None,
+        snapshots: SnapshotBook | None = None,
     ) -> None:
         super().__init__(RadixTree(set, _split_holders), policy, budget_tokens, kv_bytes_per_token)
         self.kv = kv
         # Only a runner that can save and restore a sequence's state gets the host tier.
         self.host = host if isinstance(kv, SavableKvStore) else None
+        # A saved state has no recurrent state beside it: the tier is for attention-only KV.
+        assert self.host is None or snapshots is None, "a host tier for a recurrent model"
+        self.snapshots = snapshots
         self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
         self.tree.root.value.update(self._end)
         self._running: set[int] = set()
+        self._unsettled: set[int] = set()  # free slots an eviction moved up (recurrent state)
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -116,18 +127,29 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
-        if match.length == 0:
-            return set()
-        return {slot for node in self.tree.subtree(match.node) for slot in node.value}
+        return self._holders_of(match.node) if match.length else set()
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         """The free slot a sequence with this match should take (see the module docstring)."""
-        restoring = isinstance(match, TieredMatch)
-        if not restoring and self.policy.reusable_length(match.length, prompt_length) > 0:
-            in_place = sorted(self.holders(match).intersection(free_slots))
+        if not isinstance(match, TieredMatch):
+            node, length = self._resume_point(match, prompt_length)
+            in_place = sorted(self._holders_of(node).intersection(free_slots)) if length else []
             if in_place:
                 return in_place[0]
         return min(free_slots, key=lambda slot: (self._exclusive_tokens(slot), slot))
+
+    def _resume_point(self, match: PrefixMatch, prompt_length: int) -> tuple[CacheNode, int]:
+        """Where a prompt with this match resumes: the reusable part of the match, or with
+        recurrent state the deepest node within it holding a snapshot (root, 0: nowhere)."""
+        length = self.policy.reusable_length(match.length, prompt_length)
+        book = self.snapshots
+        if book is None:
+            return match.node, length
+        kept = book.deepest(match.node, length)
+        return (kept, kept.end) if kept is not None else (self.tree.root, 0)
+
+    def _holders_of(self, node: CacheNode) -> set[int]:
+        return {slot for walk in self.tree.subtree(node) for slot in walk.value}
 
     def attach(
         self,
@@ -141,6 +163,8 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         running; returns the number of tokens that need no computing. ``count=False`` leaves
         the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
         assert slot not in self._running, f"slot {slot} is already running"
+        if self.snapshots is not None:
+            return self._attach_resuming(slot, tokens, match, count, num_prompt_tokens)
         length = self.policy.reusable_length(match.length, len(tokens))
         if isinstance(match, TieredMatch):
             if self._restore(slot, match, length):
@@ -160,6 +184,33 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             else:
                 self.kv.trim_kv(slot, 0)
         return self._attached(slot, tokens, length, count)
+
+    def _attach_resuming(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        match: PrefixMatch,
+        count: bool,
+        num_prompt_tokens: int | None,
+    ) -> int:
+        """``attach`` with recurrent state: the slot's stream becomes a holder's, whole, with
+        the state of the snapshot it resumes from, trimmed to that snapshot's position."""
+        book = self.snapshots
+        assert book is not None
+        node, length = self._resume_point(match, len(tokens))
+        holders = self._holders_of(node) if length else set()
+        if slot not in holders:
+            self._forget(slot)
+            if length:
+                source = min(holders)
+                self.kv.copy_kv(source, slot, self.kv.kv_tokens(source))
+        if length:
+            book.runner.restore_state(slot, book.at_node[node])
+        self.kv.trim_kv(slot, length)
+        reused = self._attached(slot, tokens, length, count)
+        prompt = len(tokens) if num_prompt_tokens is None else num_prompt_tokens
+        book.plan(slot, length, match.length, self.policy.cacheable_length(prompt, len(tokens)))
+        return reused
 
     def _attached(self, slot: int, tokens: Sequence[int], length: int, count: bool) -> int:
         self._set_end(slot, self.tree.insert(tokens[:length]))
@@ -211,6 +262,10 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         more: see :meth:`cacheable_length`)."""
         assert slot in self._running, f"slot {slot} is not running"
         self._set_end(slot, self.tree.insert(cacheable_tokens))
+        book = self.snapshots
+        if book is not None:  # the snapshots its prompt has filled go to the nodes ending there
+            for position, snapshot in book.reached(slot, len(cacheable_tokens)):
+                book.keep(self.tree.insert(cacheable_tokens[:position]), snapshot)
 
     def release(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
         """The slot's sequence ended: its KV is trimmed to ``cacheable_tokens`` and stays in
@@ -218,8 +273,27 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         self.extend(slot, cacheable_tokens)
         self._running.discard(slot)
         self.tree.unlock(self._end[slot])
-        self.kv.trim_kv(slot, len(cacheable_tokens))
+        if self.snapshots is None:
+            self.kv.trim_kv(slot, len(cacheable_tokens))
+        else:
+            self.snapshots.forget_slot(slot)
+            self._settle(slot)
         self._evict_over_budget()
+
+    def _settle(self, slot: int) -> None:
+        """Moves free ``slot``'s end up to the deepest node of its path holding a snapshot and
+        gives its stream that state (see the module docstring)."""
+        book = self.snapshots
+        assert book is not None and slot not in self._running
+        node = self._end[slot]
+        kept = book.deepest(node, node.end)
+        if kept is None:
+            self._forget(slot)
+            self.kv.trim_kv(slot, 0)
+            return
+        book.runner.restore_state(slot, book.at_node[kept])
+        self.kv.trim_kv(slot, kept.end)
+        self._set_end(slot, kept)
 
     def is_running(self, slot: int) -> bool:
         """True between ``attach`` and ``release`` / ``drop``."""
@@ -230,8 +304,14 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         if slot in self._running:
             self._running.discard(slot)
             self.tree.unlock(self._end[slot])
+        if self.snapshots is not None:
+            self.snapshots.forget_slot(slot)
         self._forget(slot)
         self.kv.trim_kv(slot, 0)
+
+    def keep_state_at(self, slot: int, position: int, computed: int) -> None:
+        if self.snapshots is not None and slot in self._running:
+            self.snapshots.plan_one(slot, position, computed)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -247,7 +327,8 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             self.tree.unlock(old)
         # Nodes no slot holds any more lost their KV: that is an eviction too.
         nodes_before = self.tree.num_nodes
-        self.evicted_tokens += self.tree.prune(old)
+        book = self.snapshots
+        self.evicted_tokens += self.tree.prune(old, None if book is None else book.release_node)
         self.evictions += nodes_before - self.tree.num_nodes
 
     def _forget(self, slot: int) -> None:
@@ -260,11 +341,22 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             # Every holder of a leaf ends at it: any one's whole content is the node's path.
             self._save_path(min(node.value), node.end, len(node.key))
         for slot in node.value:
-            self.kv.trim_kv(slot, node.start)
+            if self.snapshots is None:
+                self.kv.trim_kv(slot, node.start)
+            else:  # trimmed once the eviction is over, where a snapshot is
+                self._unsettled.add(slot)
             node.parent.value.add(slot)
             self._end[slot] = node.parent
         node.value.clear()
+        if self.snapshots is not None:
+            self.snapshots.release_node(node)
         self.evictions += 1
+
+    def _evict(self, num_tokens: int) -> int:
+        evicted = super()._evict(num_tokens)
+        while self._unsettled:
+            self._settle(self._unsettled.pop())
+        return evicted
 
     def _exclusive_tokens(self, slot: int) -> int:
         """Cached tokens only this slot holds: what reusing the slot for other work loses."""
@@ -299,6 +391,9 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         self.tree.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
+        if self.snapshots is not None:
+            nodes = list(self.tree.subtree(self.tree.root))
+            self.snapshots.check_integrity(nodes, running_tokens)
         assert set(running_tokens) == self._running, (
             f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
         )

@@ -1,4 +1,5 @@
-"""Recurrent-state snapshots for the paged prefix cache (models with Gated DeltaNet layers).
+"""Recurrent-state snapshots for the prefix cache (models with recurrent layers: Gated DeltaNet,
+Mamba...), on either runner's KV.
 
 Such a model's KV blocks are not enough to resume a prompt: its recurrent layers carry one
 state through every position, which no prefix of positions can be cut from. The runner
@@ -131,6 +132,17 @@ class SnapshotBook:
     @property
     def num_snapshots(self) -> int:
         return len(self.at_node)
+
+    def stat_fields(self) -> dict[str, int]:
+        """The book's figures, named as :class:`PrefixCacheStats` names them."""
+        return {
+            "snapshot_capacity": self.capacity,
+            "snapshots": self.num_snapshots,
+            "snapshot_bytes": self.bytes_each,
+            "snapshot_interval": self.interval,
+            "snapshot_saves": self.saves,
+            "snapshot_taken_back": self.taken_back,
+        }
 
     def check_integrity(self, tree_nodes: Sequence[Node], running: Mapping[int, object]) -> None:
         """Every place is free, kept by a node of the tree, or planned by a running slot, once."""

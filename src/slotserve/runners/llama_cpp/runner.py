@@ -13,6 +13,13 @@ a prefix between slots copies KV between streams instead of sharing cells
 (docs/design/batch-invariance.md):
 ``llama_memory_seq_cp`` between streams copies the whole stream buffer (a few ms), then
 ``llama_memory_seq_rm`` trims the copy to the shared prefix.
+
+Hybrid models (attention beside recurrent layers: Qwen3.5's Gated DeltaNet, Mamba...): a
+sequence's recurrent state covers all its positions and cannot be trimmed to fewer, so the
+prefix cache keeps copies of it taken at chosen positions (:class:`StateSnapshots`), in host
+memory as llama.cpp serialises a sequence's recurrent part alone. A state exists only after a
+whole ``llama_decode``, so a chunk is cut where one is wanted; cuts fall on the 64-token grid
+anchored at position 0, where a chunk computes its tokens as a longer one would.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import math
 import os
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +78,8 @@ _FA_TILE_Q = 64
 # ggml takes its split-KV decode path from 512 KV cells, and llama.cpp pads a stream's cells
 # to multiples of 256: a lone query at position 256 or later can take it (margin of one).
 _SPLIT_KV_CONTEXT = 255
+# A sequence's state without its attention KV: the recurrent layers' (hybrid models).
+_RECURRENT_PART = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
 @llama.llama_log_callback  # type: ignore[untyped-decorator]
@@ -97,6 +107,7 @@ class LlamaCppRunner:
         n_threads: int | None = None,
         flash_attn: bool = True,
         model_name: str | None = None,
+        state_snapshots: int = 0,
     ) -> None:
         init_llama_backend()
         path = Path(model_path)
@@ -152,6 +163,12 @@ class LlamaCppRunner:
         self._model_path = path
         self._flash_attn = flash_attn
         self._stream_copy_sources: set[int] = set()  # slots a pending stream copy reads
+        self._hybrid = bool(llama.llama_model_is_hybrid(self._model))
+        # Recurrent-state snapshots by place, and the saves asked for: {slot: {position: place}}.
+        snapshots = state_snapshots if self._hybrid else 0
+        self._snapshots: list[bytearray | None] = [None] * snapshots
+        self._pending_saves: dict[int, dict[int, int]] = {}
+        self._ballast_states: dict[int, bytearray] = {}  # slot -> its state under a ballast
         max_seq_len = llama.llama_n_ctx_seq(self._ctx)
         template = llama.llama_model_chat_template(self._model, None)
         self._info = ModelInfo(
@@ -164,7 +181,12 @@ class LlamaCppRunner:
             bos_token=self._tokenizer.special_token_text(llama.llama_vocab_bos(self._vocab)),
             eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
             runner="llama.cpp",
-            chunk_policy=ChunkPolicy(grain=_FA_TILE_Q, equal_chunks=True),
+            chunk_policy=ChunkPolicy(
+                grain=_FA_TILE_Q,
+                equal_chunks=True,
+                anchored=self._hybrid,
+                odd_part_alone=self._hybrid,
+            ),
             kv_bytes_per_token=kv_shape(self._model).bytes_per_token,
             prefix_cache_unsupported=self._why_no_prefix_sharing(),
             speculative_unsupported=(
@@ -180,6 +202,7 @@ class LlamaCppRunner:
             sampling_defaults=sampling_defaults(self._model),
             pooling=pooling,
         )
+        self._snapshot_bytes = self._recurrent_state_bytes() if snapshots else 0
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
             path.name,
@@ -221,7 +244,76 @@ class LlamaCppRunner:
             )
         self._params[slot] = params
 
+    # ---- StateSnapshots (hybrid models) -----------------------------------------------------
+
+    @property
+    def snapshot_capacity(self) -> int:
+        return len(self._snapshots)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self._snapshot_bytes
+
+    def save_state(self, slot: int, position: int, snapshot: int) -> None:
+        assert 0 <= snapshot < self.snapshot_capacity and position % _FA_TILE_Q == 0
+        self._pending_saves.setdefault(slot, {})[position] = snapshot
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        # Read at once: the slot's stream can then be trimmed to the snapshot's position.
+        data = self._snapshots[snapshot]
+        assert data is not None, f"snapshot {snapshot} was never taken"
+        if not self._set_state(slot, data, _RECURRENT_PART):
+            raise RuntimeError(f"llama.cpp could not restore a snapshot into sequence {slot}")
+
+    def _recurrent_state_bytes(self) -> int:
+        """One sequence's recurrent state as llama.cpp serialises it, measured after one token
+        (an empty sequence serialises no state)."""
+        self._decode([ScheduledChunk(0, [0], 0, False)])
+        size = int(llama.llama_state_seq_get_size_ext(self._ctx, 0, _RECURRENT_PART))
+        self.trim_kv(0, 0)
+        return size
+
+    def _rounds(self, chunks: Sequence[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """The step's chunks, cut where a snapshot is wanted inside one: the pieces before
+        each cut run in earlier rounds (one ``llama_decode`` per length and round)."""
+        if not self._pending_saves:
+            return [list(chunks)]
+        rounds: list[list[ScheduledChunk]] = []
+        for chunk in chunks:
+            end = chunk.start_pos + len(chunk.token_ids)
+            wanted = self._pending_saves.get(chunk.slot, {})
+            cuts = sorted(p for p in wanted if chunk.start_pos < p < end)
+            for depth, piece in enumerate(_cut(chunk, cuts)):
+                if depth == len(rounds):
+                    rounds.append([])
+                rounds[depth].append(piece)
+        return rounds
+
+    def _take_snapshots(self, chunks: Sequence[ScheduledChunk]) -> None:
+        for chunk in chunks:
+            wanted = self._pending_saves.get(chunk.slot)
+            if not wanted:
+                continue
+            end = chunk.start_pos + len(chunk.token_ids)
+            snapshot = wanted.pop(end, None)
+            if snapshot is not None:
+                self._snapshots[snapshot] = self._state_of(chunk.slot, _RECURRENT_PART)
+            # A position passed would leave its place unwritten: the cache asks only ahead.
+            assert all(p > end for p in wanted), f"slot {chunk.slot}: {sorted(wanted)} passed"
+            if not wanted:
+                del self._pending_saves[chunk.slot]
+
+    # ---- forward ----------------------------------------------------------------------------
+
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
+        sampled: dict[int, list[SampledToken]] = {}
+        for pieces in self._rounds(chunks):
+            sampled.update(self._execute_round(pieces))
+            if self._pending_saves:
+                self._take_snapshots(pieces)
+        return sampled
+
+    def _execute_round(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         # One llama_decode per chunk length. With per-sequence KV streams llama.cpp cuts a
         # batch into sub-batches taking the same number of tokens from each of a run of
         # consecutive sequence ids, so chunks of different lengths in one call would be cut
@@ -262,6 +354,10 @@ class LlamaCppRunner:
                 if 0 <= neighbour < num_slots and neighbour not in taken:
                     held = self.kv_tokens(neighbour)
                     if held < self._info.max_seq_len:  # a full slot cannot take a token
+                        if self._hybrid and held:  # its recurrent state cannot be trimmed
+                            self._ballast_states[neighbour] = self._state_of(
+                                neighbour, _RECURRENT_PART
+                            )
                         ballast.append(ScheduledChunk(neighbour, [0], held, False))
                         taken.add(neighbour)
                         break
@@ -312,7 +408,10 @@ class LlamaCppRunner:
                 llama.llama_set_embeddings(self._ctx, False)
         self._decode_seconds += time.perf_counter() - started
         for extra in ballast:
-            self.trim_kv(extra.slot, extra.start_pos)
+            state = self._ballast_states.pop(extra.slot, None)
+            if state is not None:
+                self._set_state(extra.slot, state, _RECURRENT_PART)
+            self._cut_stream(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         if pooled:
@@ -381,14 +480,24 @@ class LlamaCppRunner:
         self.trim_kv(dst_slot, num_tokens)
 
     def save_kv(self, slot: int) -> bytearray:
-        size = llama.llama_state_seq_get_size(self._ctx, slot)
+        return self._state_of(slot, 0)
+
+    def _state_of(self, slot: int, flags: int) -> bytearray:
+        size = llama.llama_state_seq_get_size_ext(self._ctx, slot, flags)
         data = bytearray(size)
-        written = llama.llama_state_seq_get_data(
-            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot
+        written = llama.llama_state_seq_get_data_ext(
+            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot, flags
         )
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {slot}")
         return data
+
+    def _set_state(self, slot: int, data: bytearray, flags: int) -> bool:
+        size = len(data)
+        read = llama.llama_state_seq_set_data_ext(
+            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot, flags
+        )
+        return bool(read)
 
     def kv_fingerprint(self) -> str:
         # A state holds every stream's cell layout and the KV as this context stores it.
@@ -409,16 +518,16 @@ class LlamaCppRunner:
         # next llama_decode: overwriting such a stream would hand the copy the wrong KV.
         if slot in self._stream_copy_sources:
             return False
-        size = len(data)
-        read = llama.llama_state_seq_set_data(
-            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot
-        )
-        if read == 0:  # llama.cpp has emptied the sequence
+        if not self._set_state(slot, data, 0):  # llama.cpp has emptied the sequence
             logger.warning("llama.cpp could not restore a saved state into sequence %d", slot)
             return False
         return True
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
+        self._pending_saves.pop(slot, None)  # asked for by the sequence the slot held
+        self._cut_stream(slot, num_tokens)
+
+    def _cut_stream(self, slot: int, num_tokens: int) -> None:
         if not llama.llama_memory_seq_rm(self._memory, slot, num_tokens, -1):
             raise RuntimeError(f"llama.cpp refused to trim sequence {slot} to {num_tokens}")
 
@@ -427,7 +536,9 @@ class LlamaCppRunner:
         last = llama.llama_memory_seq_pos_max(self._memory, slot)
         if last < 0:
             return 0
-        if first != 0:
+        # A recurrent state is one cell at the sequence's last position: a hybrid model's
+        # first position is that cell's.
+        if first != 0 and not (self._hybrid and first == last):
             raise RuntimeError(f"sequence {slot} holds positions {first}..{last}, not from 0")
         return int(last) + 1
 
@@ -450,7 +561,12 @@ class LlamaCppRunner:
 
     def _why_no_prefix_sharing(self) -> str | None:
         model = self._model
-        if llama.llama_model_is_recurrent(model) or llama.llama_model_is_hybrid(model):
+        if self._hybrid and not self._snapshots:
+            return (
+                "the model's recurrent layers keep a state, which the cache keeps only as "
+                "snapshots, and --prefix-cache-snapshots is 0"
+            )
+        if llama.llama_model_is_recurrent(model) and not self._hybrid:
             return "the model keeps recurrent state, which cannot be shared by position range"
         if llama.llama_model_n_swa(model) > 0:
             return "sliding-window layers discard early positions, so a prefix cannot be reused"
@@ -478,3 +594,27 @@ class LlamaCppRunner:
         if params.logprobs is None:
             return SampledToken(token_id)
         return with_logprobs(token_id, raw, params.logprobs)
+
+
+def _cut(chunk: ScheduledChunk, cuts: Sequence[int]) -> list[ScheduledChunk]:
+    """``chunk`` as pieces ending at each of ``cuts`` (positions inside it) and at its end; the
+    last piece samples, the others only compute (and score their prompt log-probabilities)."""
+    pieces = []
+    start = chunk.start_pos
+    for cut in [*cuts, chunk.start_pos + len(chunk.token_ids)]:
+        offset, size = start - chunk.start_pos, cut - start
+        pieces.append(
+            replace(
+                chunk,
+                token_ids=chunk.token_ids[offset : offset + size],
+                start_pos=start,
+                prompt_logprob_targets=chunk.prompt_logprob_targets[offset : offset + size],
+            )
+        )
+        start = cut
+    last = pieces[-1]
+    pieces[:-1] = [
+        replace(p, sample=False, num_drafts=0, allowed_tokens=None, embed_last=False)
+        for p in pieces[:-1]
+    ]
+    return [*pieces[:-1], last]
