@@ -1,7 +1,11 @@
-"""Prefix cache on a hybrid model (Qwen3.5: Gated DeltaNet and full attention, 3:1), PyTorch
-runner, random weights: TTFT of prompts that repeat a prefix, cache on against off.
+"""Prefix cache on a hybrid model (Qwen3.5: Gated DeltaNet and full attention, 3:1), random
+weights: TTFT of prompts that repeat a prefix, cache on against off.
 
-    python benchmarks/hybrid_prefix_cache.py [--prefix-len 4000] [--rounds 2]
+    python benchmarks/hybrid_prefix_cache.py [--prefix-len 4000] [--rounds 2] [--runner torch]
+
+``--runner torch`` (default): the HF config alone, weights drawn at load (``--load-format
+dummy``, bfloat16). ``--runner llama.cpp``: random weights saved by transformers, written as
+llama.cpp's converter writes a ``qwen35`` GGUF and quantised to Q8_0.
 
 Per round, a server with the prefix cache on and one with it off (alternating which goes
 first) serve the same sequence over ``/v1/completions`` (streamed, greedy): a conversation's
@@ -76,13 +80,35 @@ def make_folder(root: Path) -> Path:
     return folder
 
 
-def server_spec(folder: Path, threads: int, cache: bool) -> ServerSpec:
+def make_gguf(root: Path) -> Path:
+    """The config with random weights (transformers' initialisation) as a Q8_0 ``qwen35``
+    GGUF."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from slotserve.bench.hf_gguf import q8_0_gguf, qwen35_gguf
+    from slotserve.models.source import embedded_model_path
+
+    folder = make_folder(root)
+    torch.manual_seed(0)
+    settings = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**settings)).save_pretrained(folder)
+    full = qwen35_gguf(folder, root / "qwen35-shapes-f32.gguf", embedded_model_path())
+    quantised = q8_0_gguf(full, root / "qwen35-shapes-q8_0.gguf")
+    full.unlink()
+    return quantised
+
+
+def server_spec(model: Path, runner: str, threads: int, cache: bool) -> ServerSpec:
     port = free_port()
+    sizes: tuple[str, ...] = ("--ctx-size", "16384")  # llama.cpp: 8192 per slot
+    if runner == "torch":
+        sizes = ("--load-format", "dummy", "--max-model-len", "8192")
     command = [
-        *(sys.executable, "-m", "slotserve.cli", "serve", str(folder)),
-        *("--runner", "torch", "--load-format", "dummy"),
+        *(sys.executable, "-m", "slotserve.cli", "serve", str(model), "--runner", runner),
+        *sizes,
         *("--host", "127.0.0.1", "--port", str(port), "--slots", "2"),
-        *("--threads", str(threads), "--max-model-len", "8192", "--log-level", "warning"),
+        *("--threads", str(threads), "--log-level", "warning"),
         "--prefix-cache" if cache else "--no-prefix-cache",
     ]
     name = "slotserve-cache" if cache else "slotserve-no-cache"
@@ -135,16 +161,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
     args = parser.parse_args()
     system = agent_prefix(args.prefix_len)
     ttfts: dict[tuple[bool, str], list[float]] = {}
     identical = True
     with tempfile.TemporaryDirectory() as root:
-        folder = make_folder(Path(root))
+        model = make_folder(Path(root)) if args.runner == "torch" else make_gguf(Path(root))
         for round_ in range(args.rounds):
             tokens: dict[bool, list[list[str]]] = {}
             for cache in (True, False) if round_ % 2 == 0 else (False, True):
-                spec = server_spec(folder, args.threads, cache)
+                spec = server_spec(model, args.runner, args.threads, cache)
                 with running(spec, Path(root) / "logs", timeout_s=600) as server:
                     played = play(server.spec.base_url, system, args.max_tokens)
                 for kind, ttft, _ in played:
@@ -152,7 +179,11 @@ def main() -> None:
                 tokens[cache] = [t for _, _, t in played]
             identical = identical and tokens[True] == tokens[False]
     kinds = ["cold", "next turn", "same system prompt"]
-    summary: dict[str, Any] = {"prefix_len": args.prefix_len, "tokens_identical": identical}
+    summary: dict[str, Any] = {
+        "runner": args.runner,
+        "prefix_len": args.prefix_len,
+        "tokens_identical": identical,
+    }
     for kind in kinds:
         on, off = statistics.median(ttfts[True, kind]), statistics.median(ttfts[False, kind])
         summary[kind] = {"on_s": on, "off_s": off, "off_over_on": off / on}

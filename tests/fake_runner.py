@@ -360,12 +360,16 @@ class PagedSavingFakeRunner(FakeRunner):
 
 @dataclass
 class RecurrentFakeRunner(FakeRunner):
-    """The paged fake runner with a recurrent state beside its KV, as a Gated DeltaNet model
-    has: the "state" of a slot is every token it absorbed since position 0, so a snapshot
+    """The fake runner with a recurrent state beside its KV, as a Gated DeltaNet model has:
+    the "state" of a slot is every token it absorbed since position 0, so a snapshot
     restored from the wrong place, at the wrong time or never leaves it unequal to the slot's
     KV, which ``execute`` asserts (the engine then fails the request). Prompt chunks must
     start on the grid from position 0, snapshots are taken only on it, and only within a
-    prompt (as the real runner's chunked form)."""
+    prompt (as the real runner's chunked form).
+
+    Paged (``kv_pool_blocks``) as the PyTorch runner; else per-slot streams as llama.cpp's
+    hybrid models: a restore is read at once, a copy takes the source's whole state, and a
+    stream's state cannot be trimmed to fewer positions than it covers (only emptied)."""
 
     snapshot_places: int = 4
     prefill_grain: int = 8
@@ -392,14 +396,35 @@ class RecurrentFakeRunner(FakeRunner):
 
     def restore_state(self, slot: int, snapshot: int) -> None:
         assert snapshot in self.snapshots, "restored from a place never filled"
-        self.pending_restores[slot] = snapshot
+        if self.pool is None:
+            self.states[slot] = list(self.snapshots[snapshot])
+            self.restored.append(len(self.states[slot]))
+        else:
+            self.pending_restores[slot] = snapshot
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
-        assert num_tokens in (0, self.kv_tokens(slot)), "a recurrent state cannot be cut"
-        if num_tokens == 0:
+        if self.pool is None:
+            self._cut_state(slot, num_tokens)
             self.pending_saves.pop(slot, None)
-            self.pending_restores.pop(slot, None)
+        else:
+            assert num_tokens in (0, self.kv_tokens(slot)), "a recurrent state cannot be cut"
+            if num_tokens == 0:
+                self.pending_saves.pop(slot, None)
+                self.pending_restores.pop(slot, None)
         super().trim_kv(slot, num_tokens)
+
+    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
+        if self.pool is None:
+            self.states[dst_slot] = list(self.states.get(src_slot, []))
+            self._cut_state(dst_slot, num_tokens)
+            self.pending_saves.pop(dst_slot, None)
+        super().copy_kv(src_slot, dst_slot, num_tokens)
+
+    def _cut_state(self, slot: int, num_tokens: int) -> None:
+        state = self.states.setdefault(slot, [])
+        assert num_tokens == 0 or num_tokens >= len(state), "a recurrent state cannot be cut"
+        if num_tokens == 0:
+            state.clear()
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         for chunk in chunks:

@@ -1,11 +1,12 @@
-"""The paged prefix cache with recurrent-state snapshots (``state_snapshots.py``), on a fake
-runner whose "state" is every token a slot absorbed: it asserts, at every chunk, that the
-state equals the slot's KV, so a snapshot tied to the wrong node, restored into the wrong
-slot or taken back while still needed fails the request. Random workloads compare with the
-cache off and check the books after every step."""
+"""The prefix cache with recurrent-state snapshots (``state_snapshots.py``), paged and over
+per-slot streams, on a fake runner whose "state" is every token a slot absorbed: it asserts,
+at every chunk, that the state equals the slot's KV, so a snapshot tied to the wrong node,
+restored into the wrong slot or taken back while still needed fails the request. Random
+workloads compare with the cache off and check the books after every step."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ SYSTEM = "You are a careful assistant. "  # 29 bytes: off the 8-token grid
 
 
 def recurrent(places: int = 4, blocks: int = 200) -> RecurrentFakeRunner:
+    """A paged pool of ``blocks`` blocks, or per-slot streams with 0."""
     return RecurrentFakeRunner(
         kv_pool_blocks=blocks, kv_block_size=4, max_seq_len=128, snapshot_places=places
     )
@@ -38,16 +40,18 @@ def texts_of(core: EngineCore, jobs: dict[str, tuple[str, int]]) -> dict[str, st
     return {rid: text_of(outputs[rid]) for rid in jobs}
 
 
-def test_a_conversation_resumes_each_turn_from_the_last_turns_prompt() -> None:
-    runner = recurrent()
+@pytest.mark.parametrize("blocks", [200, 0], ids=["paged", "streams"])
+def test_a_conversation_resumes_each_turn_from_the_last_turns_prompt(blocks: int) -> None:
+    runner = recurrent(blocks=blocks)
     core, _ = make_core(runner, prefix_cache_snapshot_interval=1000)
     prompt = SYSTEM + "Hi."
     for turn in range(3):
         reply = texts_of(core, {f"t{turn}": (prompt, 5)})[f"t{turn}"]
         core.check_integrity()
         prompt += reply + f" Turn {turn}."
-    # Turns 2 and 3 resumed from the previous prompt's last multiple of 8.
-    assert runner.restored == [32, 40]
+    # Turns 2 and 3 resumed from the previous prompt's last multiple of 8. A stream also
+    # takes that state when its turn ends, since its own state is past the reply by then.
+    assert runner.restored == ([32, 40] if blocks else [32, 32, 40, 40, 56])
     assert all(position % 8 == 0 for position in runner.saved_at)
     assert core.prefix_cache.stats().hit_tokens == 32 + 40
 
@@ -94,7 +98,7 @@ jobs = st.lists(
     places=st.integers(1, 6),
     interval=st.sampled_from([8, 16, 40, 1000]),
     budget=st.sampled_from([None, 0, 40, 200]),
-    blocks=st.sampled_from([40, 200]),
+    blocks=st.sampled_from([0, 40, 200]),  # 0: per-slot streams
 )
 def test_random_workloads_equal_the_cache_off(
     rounds: list[list[tuple[tuple[str, str], int]]],
