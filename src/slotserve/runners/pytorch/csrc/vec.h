@@ -137,3 +137,50 @@ static inline __attribute__((always_inline)) float sexp(float x) {
     std::memcpy(l, &v, sizeof(l));
     return l[0];
 }
+
+// a * b + c with one rounding, in every build (the emulated dot product below depends on it).
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
+#if SLOTSERVE_AVX512
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    __m256 h[3][2];
+    std::memcpy(h[0], &a, 64);
+    std::memcpy(h[1], &b, 64);
+    std::memcpy(h[2], &c, 64);
+    const __m256 r[2] = {_mm256_fmadd_ps(h[0][0], h[1][0], h[2][0]),
+                         _mm256_fmadd_ps(h[0][1], h[1][1], h[2][1])};
+    vf out;
+    std::memcpy(&out, r, 64);
+    return out;
+#endif
+}
+
+// ---- bfloat16 pairs -------------------------------------------------------------------------
+// Sixteen 32-bit lanes, each two bfloat16 with the even element in the low half: the operand
+// of AVX512-BF16's `vdpbf16ps`.
+
+static inline __attribute__((always_inline)) vi load_pairs(const uint16_t* p) {
+    vi v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline __attribute__((always_inline)) vi splat_pair(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return vi{} + pair;
+}
+
+// acc + a_odd * b_odd, then + a_even * b_even, lane by lane, each step fused: `vdpbf16ps`
+// where the CPU has it, else the same two steps (bfloat16 products are exact in float32, so
+// the fused steps round as the instruction does). The instruction treats denormals as zero
+// whatever MXCSR says; the emulation matches it only under DAZ and FTZ (FlushDenormals).
+static inline __attribute__((always_inline)) vf dot_pairs(vf acc, vi a, vi b) {
+#if SLOTSERVE_BF16
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+    const vi high = vi{} + int32_t(0xffff0000u);
+    acc = vfma((vf)(a & high), (vf)(b & high), acc);
+    return vfma((vf)(a << 16), (vf)(b << 16), acc);
+#endif
+}
