@@ -79,6 +79,9 @@ def _seconds_or_no_limit(text: str) -> float | None:
     return float(text) or None
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduling limits.
@@ -90,7 +93,8 @@ class EngineConfig:
     The prefix cache (``prefix_cache``) keeps at most ``prefix_cache_budget`` of unused tokens
     (a token count, or bytes of their KV; None: all the free slots can hold). A waiting request
     whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still being
-    prefilled waits until those are computed, then reuses them.
+    prefilled waits until those are computed, then reuses them. ``schedule_policy`` orders the
+    waiting requests for free slots (scheduler invariant 4).
 
     ``request_timeout_s`` ends a request that has not finished that long after it arrived
     (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
@@ -147,6 +151,13 @@ class EngineConfig:
         "where it leaves a cached prefix, keep the recurrent state every this many prompt "
         "tokens (rounded down to the chunk grain, 64), so prompts sharing a prefix resume "
         "from there (default 1024)",
+    )
+    schedule_policy: str = option(
+        "fcfs",
+        choices=SCHEDULE_POLICIES,
+        help="which waiting request takes a free slot: fcfs, in arrival order; lpm, SGLang's "
+        "longest prefix match: the longest cached prompt prefix first (a conversation's next "
+        "turn before cold prompts), a request overtaken at most --slots times (default fcfs)",
     )
     prefix_wait_min_tokens: int = option(
         256,
@@ -218,6 +229,8 @@ class EngineConfig:
             not self.prefix_cache_dir or "\0" in self.prefix_cache_dir
         ):
             raise ValueError("prefix_cache_dir must be a folder's path")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}")
         if self.prefix_wait_min_tokens < 1:
             raise ValueError("prefix_wait_min_tokens must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

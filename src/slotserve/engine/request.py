@@ -30,6 +30,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     admitted_time: float | None = None
     deadline: float | None = None  # monotonic time after which the engine ends the request
+    overtaken: int = 0  # later requests admitted first (schedule policy lpm)
 
     @property
     def finished(self) -> bool:

@@ -11,8 +11,12 @@ Batch-construction invariants:
    each taking at most ``prefill_chunk`` tokens; so running streams wait at most one chunk.
 3. A sequence appears at most once per batch, with contiguous positions starting at its
    ``num_computed_tokens``.
-4. A request with ``n`` sequences is admitted only when ``n`` slots are free (FIFO: a large
-   request is not overtaken, so it cannot starve).
+4. A request with ``n`` sequences is admitted only when ``n`` slots are free, in the order of
+   the schedule policy, never overtaken while it does not fit (so a large request cannot
+   starve): ``fcfs``, arrival order; ``lpm`` (SGLang's longest prefix match), the longest
+   reusable cached prefix first, arrival order among equals, except that a request overtaken
+   by ``num_slots`` later ones goes first. With more than ``LPM_MAX_WAITING`` waiting, lpm
+   keeps arrival order (matching every waiting prompt would cost more than it saves).
 5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
 6. When the runner's chunk policy asks for equal chunks, the chunks chosen by invariant 2 are
    trimmed to the shortest whole one (``ChunkPolicy.equalize``; why: ``chunk_policy.py``).
@@ -59,6 +63,7 @@ from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 
 _HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
+LPM_MAX_WAITING = 128  # SGLang's bound
 
 
 class KvAllocator(Protocol):
@@ -115,7 +120,9 @@ class Scheduler:
         for slot in self._by_admission(SlotState.PREEMPTED):
             if not self._resume(slot):
                 return placed  # memory is short: new requests wait behind the preempted ones
+        lpm = self.config.schedule_policy == "lpm" and self._order_by_cached_prefix()
         passed_over: list[Request] = []
+        admitted: list[Request] = []
         while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
             request = self.waiting.popleft()
             if self._waits_for_prefill_in_flight(request):
@@ -124,8 +131,30 @@ class Scheduler:
             for sequence in request.sequences:
                 self._place(sequence)
                 placed.append(sequence)
+            admitted.append(request)
         self.waiting.extendleft(reversed(passed_over))
+        if lpm:
+            for request in self.waiting:
+                request.overtaken += sum(a.arrival_time > request.arrival_time for a in admitted)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_time))
         return placed
+
+    def _order_by_cached_prefix(self) -> bool:
+        """Invariant 4 under lpm: reorders the waiting queue for admission; False when it keeps
+        arrival order."""
+        if not 1 < len(self.waiting) <= LPM_MAX_WAITING or not self.prefix_cache.enabled:
+            return False
+
+        def order(item: tuple[int, Request]) -> tuple[int, int, int]:
+            arrival, request = item
+            if request.overtaken >= self.config.num_slots:
+                return (0, 0, arrival)
+            prompt = request.prompt_token_ids
+            match = self.prefix_cache.match(prompt).length
+            return (1, -self.policy.reusable_length(match, len(prompt)), arrival)
+
+        self.waiting = deque(request for _, request in sorted(enumerate(self.waiting), key=order))
+        return True
 
     def _resume(self, slot: Slot) -> bool:
         """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
