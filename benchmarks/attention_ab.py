@@ -1,0 +1,122 @@
+"""The PyTorch runner's paged attention kernel: this checkout's build against another git
+revision's, both loaded in one process, calls alternated (A B A B ...), on shapes of the
+embedded model's serving (prefill chunks at long contexts, decode rows):
+
+    python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9]
+
+Prints, per case, each build's median time per call and the median of the paired ratios
+base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
+blocks of 16 positions, as the runner keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import cpp_extension
+
+from slotserve.runners.pytorch.cpu_kernels import CFLAGS, LDFLAGS, SOURCES, load_cpu_kernels
+
+BLOCK = 16
+HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M
+
+
+def build_revision(rev: str, folder: Path) -> Any:
+    """The kernels' sources at ``rev``, compiled as a module of their own."""
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    sources = folder / "csrc"
+    sources.mkdir()
+    for path in SOURCES.glob("*.[ch]*"):
+        relative = path.relative_to(root).as_posix()
+        text = subprocess.check_output(["git", "show", f"{rev}:{relative}"], cwd=root)
+        (sources / path.name).write_bytes(text)
+    build = folder / "build"
+    build.mkdir()
+    return cpp_extension.load(
+        name="attention_ab_base",
+        sources=[str(sources / "cpu_kernels.cpp")],
+        extra_include_paths=[str(sources)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def case(
+    lengths: list[int], rows: list[tuple[int, int]], shared: int = 0, seed: int = 0
+) -> tuple[Any, ...]:
+    """Sequences of ``lengths`` (the first ``shared`` positions in common blocks) and query
+    rows (sequence, position): the paged_attention arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // BLOCK) for n in lengths) + 8
+    keys = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+    values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+    free = torch.randperm(blocks, generator=gen).tolist()
+    common = [free.pop() for _ in range(shared // BLOCK)]
+    tables = [common + [free.pop() for _ in range(-(-n // BLOCK) - len(common))] for n in lengths]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(rows), HEADS, DIM, generator=gen).bfloat16()
+    seqs = torch.tensor([s for s, _ in rows], dtype=torch.int32)
+    positions = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    return (q, keys, values, table, seqs, positions, BLOCK, 0, 1 / math.sqrt(DIM))
+
+
+CASES = {
+    "122-row chunk at 6.4k + 5 decodes": case(
+        [6522] + [6500] * 5,
+        [(0, 6400 + i) for i in range(122)] + [(1 + j, 6499) for j in range(5)],
+        shared=6144,
+    ),
+    "512-row chunk at 5.6k": case([6144], [(0, 5632 + i) for i in range(512)]),
+    "512-row chunk from 0": case([512], [(0, i) for i in range(512)]),
+    "6 decodes at 6.5k, shared prefix": case(
+        [6500] * 6, [(j, 6499) for j in range(6)], shared=6144
+    ),
+    "6 decodes at 6.5k": case([6500] * 6, [(j, 6499) for j in range(6)]),
+    "64 decodes at 190": case([190] * 64, [(j, 189) for j in range(64)]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-rev", required=True, help="git revision to compare against")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=9, help="paired calls per case")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels do not run here")
+    with tempfile.TemporaryDirectory() as folder:
+        base = build_revision(args.base_rev, Path(folder))
+        print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
+        for name, call in CASES.items():
+            same = torch.equal(base.paged_attention(*call), kernels.paged_attention(*call))
+            times: dict[str, list[float]] = {"base": [], "this": []}
+            ratios = []
+            builds = (("base", base.paged_attention), ("this", kernels.paged_attention))
+            for _ in range(args.pairs):
+                for label, run in builds:
+                    started = time.perf_counter()
+                    run(*call)
+                    times[label].append(time.perf_counter() - started)
+                ratios.append(times["base"][-1] / times["this"][-1])
+            print(
+                f"{name:36s} {statistics.median(times['base']) * 1e3:9.3f} "
+                f"{statistics.median(times['this']) * 1e3:9.3f} {statistics.median(ratios):9.2f}  "
+                f"{'equal' if same else 'differ'}"
+            )
+
+
+if __name__ == "__main__":
+    main()
