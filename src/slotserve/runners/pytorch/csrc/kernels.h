@@ -144,7 +144,8 @@ static void rotary_token(const uint16_t* qkv, const HeadLayout& l, const uint16_
 //   p_j     = bf16(exp(score_j - m)), m the partition's largest score
 //   s       = the p_j summed lane-wise in sixteens from j = 0, then by hsum's tree
 //   acc     = dot_pairs over the key pairs (0, 1), (2, 3), ...: (p_j, p_j+1) with (v_j, v_j+1),
-//             sixteen dimensions a vector; a pair past the row's last key has p and v zero
+//             sixteen dimensions a vector (the odd key of a row's last pair, past its end, has p and
+//             v zero)
 //
 // Nothing in it depends on the other rows of a call: a row has the same bits alone, in a tile,
 // on any thread and in any split. A lone row (a decode token) reads its keys in place: lane l
