@@ -106,6 +106,10 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+static_assert(sizeof(avx2::ValuePair) * 8 <= kVectorScratch - kKeysBytes &&
+                  sizeof(avx512bf16::ValuePair) <= sizeof(avx2::ValuePair),
+              "eight key pairs' values fit the vector scratch");
+
 // ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------
 //
 // The weight is packed once as [N/16][K/2][16 outputs][2 inputs] (zero-padded), the operand
@@ -304,13 +308,6 @@ const Kernels& usable() {
     return k;
 }
 
-float to_float(uint16_t h) {
-    const uint32_t bits = uint32_t(h) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof(x));
-    return x;
-}
-
 const uint16_t* bf16(const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
@@ -503,7 +500,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     };
     int64_t max_parts = 0;
     for (int64_t t = 0; t < tokens; ++t) max_parts = std::max<int64_t>(max_parts, parts_of(t));
-    // A unit's results: m and s [part][row-head], acc [part][row-head][d].
+    // A unit's results: m and s [part][row-head], acc [part][row-head][d]; a thread's buffers
+    // hold a whole tile's.
     const int64_t ms_slot = max_parts * row_heads, acc_slot = ms_slot * d;
     struct Scratch {
         std::vector<uint16_t> q, probs;
@@ -575,8 +573,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         });
         return out;
     }
-    // Few items and long contexts: one task per (item, partition), then the same merge.
-    std::vector<float> m(items * ms_slot), s(items * ms_slot), acc(items * acc_slot);
+    // Few items and long contexts: one task per (item, partition), then the same merge. A
+    // unit's results sit at its first row's place, each unit sized by its own rows.
+    const int64_t head_floats = tokens * max_parts * group;
+    auto slot_of = [&](int64_t h, int64_t u) {
+        return h * head_floats + unit_start[u] * max_parts * group;
+    };
+    std::vector<float> m(kv_heads * head_floats), s(kv_heads * head_floats);
+    std::vector<float> acc(kv_heads * head_floats * d);
     at::parallel_for(0, items * max_parts, 1, [&](int64_t begin, int64_t end) {
         const FlushDenormals flush;
         Scratch w(row_heads, q_stride);
@@ -586,16 +590,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
             if (part >= parts_of(unit_start[u + 1] - 1)) continue;
             if (loaded != item) load_queries(w, u, h);
             loaded = item;
-            attend(w, u, h, part, m.data() + item * ms_slot, s.data() + item * ms_slot,
-                   acc.data() + item * acc_slot);
+            const int64_t at = slot_of(h, u);
+            attend(w, u, h, part, m.data() + at, s.data() + at, acc.data() + at * d);
         }
     });
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
         const FlushDenormals flush;
         for (int64_t item = begin; item < end; ++item) {
             const int64_t h = item / units, u = item % units;
-            merge(u, h, m.data() + item * ms_slot, s.data() + item * ms_slot,
-                  acc.data() + item * acc_slot);
+            const int64_t at = slot_of(h, u);
+            merge(u, h, m.data() + at, s.data() + at, acc.data() + at * d);
         }
     });
     return out;
