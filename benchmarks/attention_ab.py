@@ -84,6 +84,14 @@ CASES = {
     ),
     "6 decodes at 6.5k": case([6500] * 6, [(j, 6499) for j in range(6)]),
     "64 decodes at 190": case([190] * 64, [(j, 189) for j in range(64)]),
+    "2 decodes at 6.5k + 4 at 100": case(
+        [6500, 6500] + [100] * 4,
+        [(0, 6499), (1, 6499)] + [(j, 99) for j in range(2, 6)],
+        shared=6144,
+    ),
+    "1 decode at 6.5k + 5 at 100": case(
+        [6500] + [100] * 5, [(0, 6499)] + [(j, 99) for j in range(1, 6)]
+    ),
 }
 
 

@@ -430,14 +430,32 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
     return q;
 }
 
+// Cuts ``cost`` (running totals over n jobs: cost[0] = 0, cost[n] the whole) into ``runs``
+// consecutive runs of about equal cost, each boundary where the running total comes nearest
+// its share: the first job of each run, then n.
+static std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int64_t runs) {
+    const int64_t n = int64_t(cost.size()) - 1;
+    runs = std::max<int64_t>(1, std::min(runs, n));
+    std::vector<int64_t> first{0};
+    for (int64_t r = 1, j = 0; r < runs; ++r) {
+        const double share = double(cost[n]) * double(r) / double(runs);
+        while (j < n && double(cost[j + 1]) <= share) ++j;
+        if (j < n && double(cost[j + 1]) - share < share - double(cost[j])) ++j;
+        first.push_back(std::max(j, first.back()));
+    }
+    first.push_back(n);
+    return first;
+}
+
 // Paged attention over the pool, reading every key and value where it lies.
 //
 // Work unit: up to kTileRows consecutive positions of one sequence (a prefill chunk's rows, with
 // no sliding window), or one row, times one KV head; its partitions computed by attend_tile
 // (kernels.h, which states the arithmetic of a row) and merged per row in partition order. Units
 // run token-major, so a cached prefix that rows share stays in the last-level cache between
-// them. With few units and long contexts, the partitions themselves are spread over the threads
-// and merged afterwards by the same merge. A row's bits do not depend on its unit, its thread or
+// them, each thread taking a run of units' KV heads of about equal cost (keys read). With few
+// units and long contexts, the partitions themselves are spread over the threads that way and
+// merged afterwards by the same merge. A row's bits do not depend on its unit, its thread or
 // the split.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -542,28 +560,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                int(rows * acc_size), o + ((t0 + r) * heads + h * group) * d);
     };
     const int64_t items = kv_heads * units;
-    const bool split = max_parts > 1 && items < 4 * at::get_num_threads();
+    const int64_t threads = at::get_num_threads();
+    const bool split = max_parts > 1 && items < 4 * threads;
+    // The cost of a unit's partition: keys read, plus a fixed cost per row.
+    auto part_cost = [&](int64_t u, int part) {
+        const int64_t t0 = unit_start[u];
+        const int64_t lo = int64_t(first_key(t0) / kPartition + part) * kPartition;
+        int64_t keys = 0;
+        for (int64_t t = t0; t < unit_start[u + 1]; ++t)
+            keys += std::clamp<int64_t>(pos[t] + 1 - std::max<int64_t>(lo, first_key(t)), 0,
+                                        kPartition) + 32;
+        return keys;
+    };
     if (!split) {
-        // Each thread a run of whole units of about equal cost (keys read, plus a fixed cost
-        // per row): contexts differ, so equal counts would leave one thread idle.
-        const int64_t chunks = std::min<int64_t>(at::get_num_threads(), units);
-        std::vector<int64_t> cost(units + 1, 0);
-        for (int64_t u = 0; u < units; ++u) {
-            cost[u + 1] = cost[u];
-            for (int64_t t = unit_start[u]; t < unit_start[u + 1]; ++t)
-                cost[u + 1] += (pos[t] + 1 - first_key(t)) + 32;
+        // Each thread a run of whole items (unit, KV head) of about equal cost: contexts
+        // differ, so equal counts would leave one thread idle.
+        std::vector<int64_t> cost(items + 1, 0);
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t u = item / kv_heads;
+            cost[item + 1] = cost[item];
+            for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
+                cost[item + 1] += part_cost(u, part);
         }
-        std::vector<int64_t> first_unit(chunks + 1, units);
-        for (int64_t c = 0, u = 0; c < chunks; ++c) {
-            while (u < units && cost[u] * chunks < cost[units] * c) ++u;
-            first_unit[c] = u;
-        }
-        at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+        const std::vector<int64_t> first = balanced_runs(cost, std::min(threads, items));
+        at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
             Scratch w(row_heads, q_stride);
             std::vector<float> m(ms_slot), s(ms_slot), acc(acc_slot);
-            for (int64_t item = first_unit[begin] * kv_heads; item < first_unit[end] * kv_heads;
-                 ++item) {
+            for (int64_t item = first[begin]; item < first[end]; ++item) {
                 const int64_t u = item / kv_heads, h = item % kv_heads;
                 load_queries(w, u, h);
                 for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
@@ -573,21 +597,31 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         });
         return out;
     }
-    // Few items and long contexts: one task per (item, partition), then the same merge. A
-    // unit's results sit at its first row's place, each unit sized by its own rows.
+    // Few items and long contexts: the (item, partition) tasks in runs of about equal cost,
+    // then the same merge. A unit's results sit at its first row's place, each unit sized by
+    // its own rows.
     const int64_t head_floats = tokens * max_parts * group;
     auto slot_of = [&](int64_t h, int64_t u) {
         return h * head_floats + unit_start[u] * max_parts * group;
     };
     std::vector<float> m(kv_heads * head_floats), s(kv_heads * head_floats);
     std::vector<float> acc(kv_heads * head_floats * d);
-    at::parallel_for(0, items * max_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int>> tasks;  // (item, partition)
+    std::vector<int64_t> cost{0};
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t u = item % units;
+        for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part) {
+            tasks.emplace_back(item, part);
+            cost.push_back(cost.back() + part_cost(u, part));
+        }
+    }
+    const std::vector<int64_t> first = balanced_runs(cost, threads);
+    at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
         const FlushDenormals flush;
         Scratch w(row_heads, q_stride);
-        for (int64_t task = begin, loaded = -1; task < end; ++task) {
-            const int64_t item = task / max_parts, part = task % max_parts;
+        for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
+            const auto [item, part] = tasks[task];
             const int64_t h = item / units, u = item % units;
-            if (part >= parts_of(unit_start[u + 1] - 1)) continue;
             if (loaded != item) load_queries(w, u, h);
             loaded = item;
             const int64_t at = slot_of(h, u);
