@@ -40,8 +40,13 @@ struct PagedKv {
 // Keys are reduced in partitions of this many absolute positions (partition k holds positions
 // [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
 constexpr int kPartition = 256;
+// Floats from one row-head's scores to the next: a power of two would put a tile's rows in a
+// few level-1 cache sets.
+constexpr int kScoreStride = kPartition + 16;
 constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloat16 pairs
-constexpr int kTileRows = 16;      // query rows of one sequence computed together
+// Query rows of one sequence computed together: each transposed key serves them all, and their
+// scores and probabilities (~150 KiB at group 3) stay in the level-2 cache.
+constexpr int kTileRows = 32;
 // Per-thread vector scratch: sixteen transposed keys, then eight key pairs' values (two float32
 // rows of up to 256 dimensions each, the emulation's larger form).
 constexpr int kKeysBytes = kMaxPairChunks * 16 * 64;
@@ -56,7 +61,7 @@ struct Tile {
     const int* n;       // keys of each row in this partition, ascending (0: ends before it)
     int start;          // the partition's first key (absolute position)
     float scale;
-    float* scores;      // [rows * group][kPartition]
+    float* scores;      // [rows * group][kScoreStride]
     uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
     void* keys_t;       // kMaxPairChunks * 16 vectors, 64-byte aligned: sixteen keys transposed
     void* values;       // eight ValuePair (kernels.h), 64-byte aligned: sixteen keys' values
@@ -528,7 +533,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         std::vector<char> vectors;
         Scratch(int64_t row_heads, int q_stride)
             : q(row_heads * q_stride), probs(row_heads * (kPartition + 2)),
-              scores(row_heads * kPartition), vectors(kVectorScratch + 64) {}
+              scores(row_heads * kScoreStride), vectors(kVectorScratch + 64) {}
         char* aligned() { return vectors.data() + (64 - uintptr_t(vectors.data()) % 64) % 64; }
     };
     auto load_queries = [&](Scratch& w, int64_t u, int64_t h) {

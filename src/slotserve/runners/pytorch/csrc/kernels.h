@@ -272,27 +272,52 @@ static inline __attribute__((always_inline)) void value_pair(vf* acc, int chunks
 #endif
 }
 
+// N vectors of bfloat16 probabilities exp(score - mx), added to ``total`` in order.
+template <int N>
+static inline __attribute__((always_inline)) void probabilities(const float* scores, float mx,
+                                                                uint16_t* probs, vf& total) {
+    vf e[N];
+    for (int i = 0; i < N; ++i) e[i] = load_f32(scores + i * kLanes) - mx;
+    vexp_n<N>(e);
+    for (int i = 0; i < N; ++i) {
+        e[i] = round_bf16(e[i]);
+        store_u16(probs + i * kLanes, (vu)e[i] >> 16);  // rounded already: its high half
+    }
+    for (int i = 0; i < N; ++i) total += e[i];
+}
+
 // Each row-head's largest score, its bfloat16 probabilities and their sum (from the rounded
 // values), over its n keys; its acc zeroed.
 static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int group,
                                 const int* n, int d, float* m, float* s, float* acc) {
+    // Every row-head's largest score first: each exp pass waits on its maximum, and these
+    // reductions run side by side.
     for (int rh = 0; rh < heads; ++rh) {
         const int keys = n[rh / group];
         if (keys <= 0) continue;
         const int padded = (keys + kLanes - 1) / kLanes * kLanes;
-        float* row = scores + int64_t(rh) * kPartition;
-        uint16_t* p = probs + int64_t(rh) * (kPartition + 2);
+        float* row = scores + int64_t(rh) * kScoreStride;
         for (int j = keys; j < padded; ++j) row[j] = -INFINITY;
-        vf best = splat(-INFINITY);
-        for (int j = 0; j < padded; j += kLanes) best = vmax(best, load_f32(row + j));
-        const float mx = hmax(best);
-        vf total = splat(0.0f);
-        for (int j = 0; j < padded; j += kLanes) {
-            const vf e = round_bf16(vexp(load_f32(row + j) - mx));
-            store_u16(p + j, (vu)e >> 16);  // rounded already: its high half
-            total += e;
+        vf even = load_f32(row), odd = splat(-INFINITY);
+        int j = kLanes;
+        for (; j + 2 * kLanes <= padded; j += 2 * kLanes) {
+            odd = vmax(odd, load_f32(row + j));
+            even = vmax(even, load_f32(row + j + kLanes));
         }
-        m[rh] = mx;
+        if (j < padded) odd = vmax(odd, load_f32(row + j));
+        m[rh] = hmax(vmax(even, odd));
+    }
+    for (int rh = 0; rh < heads; ++rh) {
+        const int keys = n[rh / group];
+        if (keys <= 0) continue;
+        const int padded = (keys + kLanes - 1) / kLanes * kLanes;
+        const float* row = scores + int64_t(rh) * kScoreStride;
+        uint16_t* p = probs + int64_t(rh) * (kPartition + 2);
+        vf total = splat(0.0f);
+        int j = 0;
+        for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
+            probabilities<4>(row + j, m[rh], p + j, total);
+        for (; j < padded; j += kLanes) probabilities<1>(row + j, m[rh], p + j, total);
         s[rh] = hsum(total);
         for (int c = 0; c < d; c += kLanes) store_f32(acc + int64_t(rh) * d + c, splat(0.0f));
     }
@@ -348,7 +373,7 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
         }
         for (int g = 0; g < group; ++g) {
             for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
-            store_f32(t.scores + int64_t(g) * kPartition + j0,
+            store_f32(t.scores + int64_t(g) * kScoreStride + j0,
                       sum_lanes_of_16(partial + g * kLanes) * t.scale);
         }
     }
@@ -380,7 +405,7 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
 }
 
 // Scores of sixteen transposed keys (``kt``: vector 16c + l holds pair 16c + l of each key) for
-// R row-heads (``q``: R rows ``stride`` apart), written R rows of kPartition apart: the x_l of
+// R row-heads (``q``: R rows ``stride`` apart), written R rows of kScoreStride apart: the x_l of
 // R row-heads at a time, so each key vector is loaded once, then the tree as vector adds.
 template <int R>
 static inline __attribute__((always_inline)) void score_keys(const uint16_t* q, int stride,
@@ -412,7 +437,7 @@ static inline __attribute__((always_inline)) void score_keys(const uint16_t* q, 
     for (int r = 0; r < R; ++r) w0[r] = w0[r] + t[r];
     quad(1, w1);
     quad(3, t);
-    for (int r = 0; r < R; ++r) store_f32(out + r * kPartition, (w0[r] + (w1[r] + t[r])) * scale);
+    for (int r = 0; r < R; ++r) store_f32(out + r * kScoreStride, (w0[r] + (w1[r] + t[r])) * scale);
 }
 
 // A tile of rows (see Tile), ``G`` query heads each (0: ``t.group``).
@@ -425,9 +450,18 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     ValuePair* values = static_cast<ValuePair*>(t.values);
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n_max, offsets);
+    // Keys and values are scattered over the pool's blocks: each pass prefetches the next
+    // sixteen rows it reads.
+    auto prefetch = [&](const uint16_t* base, int j0) {
+        for (int j = j0; j < std::min(j0 + kLanes, n_max); ++j)
+            for (int line = 0; line < d * 2; line += 64)
+                __builtin_prefetch((const char*)(base + offsets[j]) + line);
+    };
+    prefetch(kv.keys, 0);
     // Scores, sixteen keys at a time (rows that end before a group skip it).
     for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
+        prefetch(kv.keys, j0 + kLanes);
         for (int c = 0; c < pair_chunks; ++c) {
             vi block[kLanes];
             for (int jj = 0; jj < kLanes; ++jj)
@@ -438,8 +472,8 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
         while (t.n[first] <= j0) ++first;
         int rh = first * group;
         const uint16_t* q = t.q + int64_t(rh) * t.q_stride;
-        float* out = t.scores + int64_t(rh) * kPartition + j0;
-        for (; rh + 4 <= heads; rh += 4, q += 4 * t.q_stride, out += 4 * kPartition)
+        float* out = t.scores + int64_t(rh) * kScoreStride + j0;
+        for (; rh + 4 <= heads; rh += 4, q += 4 * t.q_stride, out += 4 * kScoreStride)
             score_keys<4>(q, t.q_stride, pair_chunks, kt, t.scale, out);
         switch (heads - rh) {
             case 3: score_keys<3>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
@@ -450,8 +484,10 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     softmax_rows(t.scores, t.probs, heads, group, t.n, d, t.m, t.s, t.acc);
     // Values, eight pairs at a time. A row whose keys end inside a pair takes it with no odd
     // value, as the row alone does.
+    prefetch(kv.values, 0);
     for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
+        prefetch(kv.values, j0 + kLanes);
         for (int i = 0; 2 * i < count; ++i)
             load_value_pair(kv.values + offsets[j0 + 2 * i],
                             2 * i + 1 < count ? kv.values + offsets[j0 + 2 * i + 1] : nullptr,

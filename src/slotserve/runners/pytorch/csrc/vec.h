@@ -87,21 +87,42 @@ static inline __attribute__((always_inline)) vf round_bf16(vf x) {
     return (vf)((rounded & ~nan) | (0x7fc00000u & nan));
 }
 
-// A fixed pairwise tree over the lanes.
-static inline __attribute__((always_inline)) float hsum(vf v) {
-    float l[kLanes];
-    std::memcpy(l, &v, sizeof(l));
-    for (int w = kLanes / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; ++i) l[i] += l[i + w];
-    return l[0];
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef float vf2 __attribute__((vector_size(8)));
+
+// The low and high halves of a vector.
+template <typename Half, typename Whole>
+static inline __attribute__((always_inline)) void halves(const Whole& v, Half& lo, Half& hi) {
+    std::memcpy(&lo, &v, sizeof(Half));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(Half), sizeof(Half));
 }
 
+// A fixed pairwise tree over the lanes: lane i + lane i + 8, then + 4, + 2, + 1, kept in
+// registers.
+static inline __attribute__((always_inline)) float hsum(vf v) {
+    vf8 a, b;
+    halves(v, a, b);
+    vf4 c, d;
+    halves(a + b, c, d);
+    vf2 e, f;
+    halves(c + d, e, f);
+    const vf2 g = e + f;
+    return g[0] + g[1];
+}
+
+// The largest lane (by the same tree: the maximum of finite lanes does not depend on order).
 static inline __attribute__((always_inline)) float hmax(vf v) {
-    float l[kLanes];
-    std::memcpy(l, &v, sizeof(l));
-    float m = l[0];
-    for (int i = 1; i < kLanes; ++i) m = l[i] > m ? l[i] : m;
-    return m;
+    vf8 a, b;
+    halves(v, a, b);
+    vf4 c, d;
+    a = a > b ? a : b;
+    halves(a, c, d);
+    c = c > d ? c : d;
+    vf2 e, f;
+    halves(c, e, f);
+    e = e > f ? e : f;
+    return e[0] > e[1] ? e[0] : e[1];
 }
 
 static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
@@ -109,26 +130,36 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 }
 
 // exp(x) in float32: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
-// coefficients, ~1 ulp); 0 below the smallest normal's logarithm.
-static inline __attribute__((always_inline)) vf vexp(vf x) {
+// coefficients, ~1 ulp); 0 below the smallest normal's logarithm. N vectors in place, each step
+// for all of them before the next: the steps form one long dependent chain per vector, so N
+// chains side by side keep the core's schedulers fed.
+template <int N>
+static inline __attribute__((always_inline)) void vexp_n(vf* x) {
     const vf hi = splat(88.0f), lo = splat(-87.3365447504f);
-    vi under = x < lo;
-    x = x > hi ? hi : x;
-    x = x < lo ? lo : x;
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    vf n = (x * 1.44269504088896341f + magic) - magic;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    vf y = p * (r * r) + r + 1.0f;
-    vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
-    y = y * (vf)scale;
-    return (vf)((vi)y & ~under);
+    vi under[N];
+    vf n[N], r[N], p[N];
+    for (int i = 0; i < N; ++i) under[i] = x[i] < lo;
+    for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
+    for (int i = 0; i < N; ++i) x[i] = x[i] < lo ? lo : x[i];
+    for (int i = 0; i < N; ++i) n[i] = (x[i] * 1.44269504088896341f + magic) - magic;
+    for (int i = 0; i < N; ++i) r[i] = x[i] - n[i] * 0.693359375f;
+    for (int i = 0; i < N; ++i) r[i] = r[i] - n[i] * -2.12194440e-4f;
+    for (int i = 0; i < N; ++i) p[i] = splat(1.9875691500e-4f) * r[i] + 1.3981999507e-3f;
+    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 8.3334519073e-3f;
+    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 4.1665795894e-2f;
+    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 1.6666665459e-1f;
+    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 5.0000001201e-1f;
+    for (int i = 0; i < N; ++i) p[i] = p[i] * (r[i] * r[i]) + r[i] + 1.0f;
+    for (int i = 0; i < N; ++i) {
+        const vi scale = (__builtin_convertvector(n[i], vi) + 127) << 23;
+        x[i] = (vf)((vi)(p[i] * (vf)scale) & ~under[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    vexp_n<1>(&x);
+    return x;
 }
 
 static inline __attribute__((always_inline)) float sexp(float x) {
