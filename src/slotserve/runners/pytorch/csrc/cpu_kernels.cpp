@@ -579,13 +579,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     };
     if (!split) {
         // Each thread a run of whole items (unit, KV head) of about equal cost: contexts
-        // differ, so equal counts would leave one thread idle.
-        std::vector<int64_t> cost(items + 1, 0);
-        for (int64_t item = 0; item < items; ++item) {
-            const int64_t u = item / kv_heads;
-            cost[item + 1] = cost[item];
+        // differ, so equal counts would leave one thread idle. A unit's KV heads cost the same.
+        std::vector<int64_t> cost{0};
+        for (int64_t u = 0; u < units; ++u) {
+            int64_t unit_cost = 0;
             for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
-                cost[item + 1] += part_cost(u, part);
+                unit_cost += part_cost(u, part);
+            for (int64_t h = 0; h < kv_heads; ++h) cost.push_back(cost.back() + unit_cost);
         }
         const std::vector<int64_t> first = balanced_runs(cost, std::min(threads, items));
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
