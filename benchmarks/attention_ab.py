@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import cpp_extension
 
-from slotserve.runners.pytorch.cpu_kernels import CFLAGS, LDFLAGS, SOURCES, load_cpu_kernels
+from slotserve.runners.pytorch.cpu_kernels import SOURCES, compile_module, load_cpu_kernels
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M
@@ -40,15 +39,7 @@ def build_revision(rev: str, folder: Path) -> Any:
         (sources / path.name).write_bytes(text)
     build = folder / "build"
     build.mkdir()
-    return cpp_extension.load(
-        name="attention_ab_base",
-        sources=[str(sources / "cpu_kernels.cpp")],
-        extra_include_paths=[str(sources)],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(build),
-        verbose=False,
-    )
+    return compile_module(sources, "attention_ab_base", build)
 
 
 def case(

@@ -149,6 +149,22 @@ def build_directory() -> Path:
     return directory
 
 
+def compile_module(sources: Path, name: str, directory: Path) -> Any:
+    """The extension built from ``sources`` (a folder like :data:`SOURCES`) as module ``name``
+    in ``directory``, with the project's flags."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=name,
+        sources=[str(sources / "cpu_kernels.cpp")],
+        extra_include_paths=[str(sources)],
+        extra_cflags=list(CFLAGS),  # torch appends to the lists it is given
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
 @contextlib.contextmanager
 def _build_lock(directory: Path) -> Iterator[None]:
     """One build at a time per folder, under a lock the kernel drops when its holder dies.
@@ -176,22 +192,12 @@ def load_cpu_kernels() -> CpuKernels | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         logger.warning("CPU kernels: x86-64 only; the PyTorch runner uses plain torch")
         return None
-    from torch.utils import cpp_extension
-
     directory = build_directory()
     started = time.monotonic()
     logger.info("CPU kernels: loading (compiled once per torch version, ~1 minute)")
     try:
         with _build_lock(directory):
-            module = cpp_extension.load(
-                name=directory.name,
-                sources=[str(SOURCES / "cpu_kernels.cpp")],
-                extra_include_paths=[str(SOURCES)],
-                extra_cflags=list(CFLAGS),  # torch appends to the lists it is given
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(directory),
-                verbose=False,
-            )
+            module = compile_module(SOURCES, directory.name, directory)
     except Exception as exc:  # no compiler, no headers, a failed build: run without them
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         logger.warning("CPU kernels unavailable (%s); the PyTorch runner uses plain torch", reason)
