@@ -151,15 +151,25 @@ class _Pool:
     """Sequences of the given lengths in scattered blocks of one pool, with their contexts."""
 
     def __init__(
-        self, lengths: list[int], seed: int, kv_heads: int = KV_HEADS, dim: int = DIM
+        self,
+        lengths: list[int],
+        seed: int,
+        kv_heads: int = KV_HEADS,
+        dim: int = DIM,
+        shared: list[int] | None = None,
     ) -> None:
+        """``shared``: per sequence, how many leading positions it holds in the blocks of the
+        sequences before it (a whole number of blocks: what the prefix cache shares)."""
         gen = torch.Generator().manual_seed(seed)
         blocks = sum(-(-n // BLOCK) for n in lengths) + 3
         self.dim = dim
         self.keys = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen).bfloat16()
         self.values = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen).bfloat16()
         free = torch.randperm(blocks, generator=gen).tolist()
-        self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+        self.tables: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            common = self.tables[i - 1][: (shared[i] if shared else 0) // BLOCK] if i else []
+            self.tables.append(common + [free.pop() for _ in range(-(-n // BLOCK) - len(common))])
         width = max(len(t) for t in self.tables)
         self.block_tables = torch.tensor(
             [t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32
@@ -248,6 +258,31 @@ def test_other_head_shapes_are_exact_and_batch_invariant(
             alone = pool.attend(kernels, q[i : i + 1], [seq], [position], window)
             assert torch.equal(alone[0], together[i]), (window, seq, position)
             expected = _dense(pool, q[i], seq, position, window)
+            torch.testing.assert_close(together[i].float(), expected, atol=1e-2, rtol=1.6e-2)
+
+
+def test_decode_rows_sharing_a_cached_prefix_are_bit_identical_alone(
+    kernels: CpuKernels, threads: int
+) -> None:
+    """Decode rows whose sequences hold a prefix in the same blocks read its whole partitions
+    together (one tile of rows from several sequences): each row against itself alone, against
+    dense attention, beside a prefill chunk of one of them, and with sequences that share a
+    partition only in part (different blocks: not read together)."""
+    gen = torch.Generator().manual_seed(11 + threads)
+    # Prefixes of 1,040 (four partitions and a bit), then 1,040 again, 272 (one partition and
+    # a bit), 1,040, and 0 positions shared with the sequence before.
+    lengths = [1300, 1100, 1290, 700, 1250, 600]
+    pool = _Pool(lengths, seed=12, shared=[0, 1040, 1040, 272, 272, 0])
+    rows = [(s, n - 1) for s, n in enumerate(lengths)]
+    chunk = [(2, p) for p in range(1200, 1240)]
+    for batch in (rows, rows + chunk, rows[:2], rows[1:4]):
+        seqs, positions = [s for s, _ in batch], [p for _, p in batch]
+        q = torch.randn(len(batch), HEADS, DIM, generator=gen).bfloat16()
+        together = pool.attend(kernels, q, seqs, positions)
+        for i, (seq, position) in enumerate(batch):
+            alone = pool.attend(kernels, q[i : i + 1], [seq], [position])
+            assert torch.equal(alone[0], together[i]), (len(batch), seq, position)
+            expected = _dense(pool, q[i], seq, position, 0)
             torch.testing.assert_close(together[i].float(), expected, atol=1e-2, rtol=1.6e-2)
 
 

@@ -19,7 +19,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 struct HeadLayout {
@@ -452,6 +455,90 @@ static std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int6
     return first;
 }
 
+// Lone rows (decode tokens) of several sequences that reach past a whole partition held in the
+// same blocks by each: the prefix cache gives sequences one copy of a common prefix. Each tile
+// is one partition of up to kTileRows such rows.
+struct SharedTile {
+    int part;
+    int64_t first, rows;  // SharedPartitions::units[first, first + rows)
+};
+struct SharedPartitions {
+    std::vector<SharedTile> tiles;
+    std::vector<int64_t> units;  // the tiles' rows, as units
+    std::vector<std::pair<int64_t, int>> covered;  // (unit, partition), sorted
+    std::vector<int64_t> place;  // per unit: its place among the units in tiles, or -1
+    int64_t lone_rows = 0;       // units in tiles
+    bool covers(int64_t unit, int part) const {
+        return !place.empty() && place[unit] >= 0 &&
+               std::binary_search(covered.begin(), covered.end(), std::make_pair(unit, part));
+    }
+};
+
+static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start,
+                                          const int32_t* pos, const int32_t* tables,
+                                          const int32_t* seq, int64_t table_width,
+                                          int64_t block_size) {
+    // (partition, hash of its blocks, unit) for every whole partition of a lone row.
+    struct Candidate {
+        int part;
+        uint64_t hash;
+        int64_t unit;
+        bool operator<(const Candidate& o) const {
+            return std::tie(part, hash, unit) < std::tie(o.part, o.hash, o.unit);
+        }
+    };
+    std::vector<Candidate> candidates;
+    const int64_t units = int64_t(unit_start.size()) - 1;
+    auto blocks_of = [&](int64_t u, int part) {
+        const int32_t* table = tables + seq[unit_start[u]] * table_width;
+        const int64_t b0 = int64_t(part) * kPartition / block_size;
+        const int64_t b1 = (int64_t(part + 1) * kPartition - 1) / block_size;
+        return std::make_pair(table + b0, table + b1 + 1);
+    };
+    for (int64_t u = 0; u < units; ++u) {
+        if (unit_start[u + 1] - unit_start[u] != 1) continue;
+        const int whole = (pos[unit_start[u]] + 1) / kPartition;
+        for (int part = 0; part < whole; ++part) {
+            uint64_t hash = 1469598103934665603ull;  // FNV-1a over the block ids
+            const auto [b, e] = blocks_of(u, part);
+            for (const int32_t* block = b; block < e; ++block)
+                hash = (hash ^ uint32_t(*block)) * 1099511628211ull;
+            candidates.push_back({part, hash, u});
+        }
+    }
+    SharedPartitions shared;
+    if (candidates.size() < 2) return shared;
+    std::sort(candidates.begin(), candidates.end());
+    for (size_t i = 0; i < candidates.size();) {
+        size_t j = i + 1;
+        while (j < candidates.size() && candidates[j].part == candidates[i].part &&
+               candidates[j].hash == candidates[i].hash)
+            ++j;
+        // The same hash and, checked, the same blocks as the group's first row.
+        const auto [b, e] = blocks_of(candidates[i].unit, candidates[i].part);
+        std::vector<int64_t> rows{candidates[i].unit};
+        for (size_t c = i + 1; c < j; ++c) {
+            const auto [cb, ce] = blocks_of(candidates[c].unit, candidates[c].part);
+            if (std::equal(b, e, cb, ce)) rows.push_back(candidates[c].unit);
+        }
+        for (size_t r = 0; rows.size() > 1 && r < rows.size(); r += kTileRows) {
+            const int64_t count = std::min<int64_t>(kTileRows, int64_t(rows.size() - r));
+            if (count < 2) break;  // one row left over reads the partition on its own
+            shared.tiles.push_back({candidates[i].part, int64_t(shared.units.size()), count});
+            for (int64_t x = 0; x < count; ++x) {
+                shared.units.push_back(rows[r + x]);
+                shared.covered.emplace_back(rows[r + x], candidates[i].part);
+            }
+        }
+        i = j;
+    }
+    std::sort(shared.covered.begin(), shared.covered.end());
+    shared.place.assign(units, -1);
+    for (const auto& [unit, part] : shared.covered)
+        if (shared.place[unit] < 0) shared.place[unit] = shared.lone_rows++;
+    return shared;
+}
+
 // Paged attention over the pool, reading every key and value where it lies.
 //
 // Work unit: up to kTileRows consecutive positions of one sequence (a prefill chunk's rows, with
@@ -460,8 +547,9 @@ static std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int6
 // run token-major, so a cached prefix that rows share stays in the last-level cache between
 // them, each thread taking a run of units' KV heads of about equal cost (keys read). With few
 // units and long contexts, the partitions themselves are spread over the threads that way and
-// merged afterwards by the same merge. A row's bits do not depend on its unit, its thread or
-// the split.
+// merged afterwards by the same merge. Lone rows whose sequences hold a whole partition in the
+// same blocks (a prefix the cache shares) compute it as one tile of those rows, its keys read
+// once for all. A row's bits do not depend on its unit, its thread, the split or its tile.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& token_seq, const at::Tensor& positions,
@@ -542,9 +630,29 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                 std::memcpy(w.q.data() + ((t - unit_start[u]) * group + g) * q_stride,
                             qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
     };
+    const SharedPartitions shared =
+        window > 0 ? SharedPartitions{}
+                   : shared_partitions(unit_start, pos, tables, seq, table_width, block_size);
+    // The shared tiles' results, per KV head, row of a tile and partition: m and s [group],
+    // acc [group][d].
+    const int64_t shared_per_head = shared.lone_rows * max_parts * group;
+    auto shared_at = [&](int64_t h, int64_t u, int64_t part) {
+        return h * shared_per_head + (shared.place[u] * max_parts + part) * group;
+    };
+    // Uninitialised: every slot a task reads, a shared tile wrote (up to a few MiB per call).
+    const int64_t shared_floats = kv_heads * shared_per_head;
+    const std::unique_ptr<float[]> shared_m(new float[shared_floats]),
+        shared_s(new float[shared_floats]), shared_acc(new float[shared_floats * d]);
     auto attend = [&](Scratch& w, int64_t u, int64_t h, int64_t part, float* m, float* s,
                       float* acc) {
         const int64_t t0 = unit_start[u], rows = unit_start[u + 1] - t0;
+        if (shared.covers(u, int(part))) {  // a lone row: its shared tile computed it
+            const int64_t from = shared_at(h, u, part), to = part * group;
+            std::memcpy(m + to, shared_m.get() + from, sizeof(float) * group);
+            std::memcpy(s + to, shared_s.get() + from, sizeof(float) * group);
+            std::memcpy(acc + to * d, shared_acc.get() + from * d, sizeof(float) * group * d);
+            return;
+        }
         const int p0 = int(first_key(t0) / kPartition + part) * kPartition;
         const int start = std::max(p0, first_key(t0));  // a window's first partition is clipped
         int n[kTileRows];
@@ -564,11 +672,29 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                parts_of(t0 + r), group, int(d), int(rows * group),
                                int(rows * acc_size), o + ((t0 + r) * heads + h * group) * d);
     };
+    // A shared tile: its lone rows' queries, one tile over the partition's keys, results
+    // [row * group + g] (acc times head_dim).
+    auto attend_shared = [&](Scratch& w, const SharedTile& st, const int64_t* tile_units,
+                             int64_t h, float* m, float* s, float* acc) {
+        int n[kTileRows];
+        for (int64_t r = 0; r < st.rows; ++r) {
+            const int64_t t = unit_start[tile_units[r]];
+            for (int g = 0; g < group; ++g)
+                std::memcpy(w.q.data() + (r * group + g) * q_stride,
+                            qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+            n[r] = kPartition;
+        }
+        Tile tile{w.q.data(), q_stride, group, int(st.rows), n, st.part * kPartition,
+                  float(scale), w.scores.data(), w.probs.data(), w.aligned(),
+                  w.aligned() + kKeysBytes, m, s, acc};
+        k.attend_tile(kv, int(h), tables + seq[unit_start[tile_units[0]]] * table_width, tile);
+    };
     const int64_t items = kv_heads * units;
     const int64_t threads = at::get_num_threads();
     const bool split = max_parts > 1 && items < 4 * threads;
     // The cost of a unit's partition: keys read, plus a fixed cost per row.
-    auto part_cost = [&](int64_t u, int part) {
+    auto part_cost = [&](int64_t u, int part) -> int64_t {
+        if (shared.covers(u, part)) return 1;  // a copy of its shared tile's results
         const int64_t t0 = unit_start[u];
         const int64_t lo = int64_t(first_key(t0) / kPartition + part) * kPartition;
         int64_t keys = 0;
@@ -577,6 +703,36 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                         kPartition) + 32;
         return keys;
     };
+    if (!shared.tiles.empty()) {
+        // The shared tiles first, in runs of about equal cost (their rows' keys).
+        std::vector<std::pair<int64_t, int64_t>> tasks;  // (KV head, tile)
+        std::vector<int64_t> cost{0};
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t i = 0; i < int64_t(shared.tiles.size()); ++i) {
+                tasks.emplace_back(h, i);
+                cost.push_back(cost.back() + shared.tiles[i].rows * (kPartition + 32));
+            }
+        const std::vector<int64_t> first =
+            balanced_runs(cost, std::min<int64_t>(threads, int64_t(tasks.size())));
+        at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+            const FlushDenormals flush;
+            Scratch w(row_heads, q_stride);
+            std::vector<float> m(row_heads), s(row_heads), acc(row_heads * d);
+            for (int64_t task = first[begin]; task < first[end]; ++task) {
+                const auto [h, i] = tasks[task];
+                const SharedTile& tile = shared.tiles[i];
+                const int64_t* rows = shared.units.data() + tile.first;
+                attend_shared(w, tile, rows, h, m.data(), s.data(), acc.data());
+                for (int64_t r = 0; r < tile.rows; ++r) {
+                    const int64_t at = shared_at(h, rows[r], tile.part);
+                    std::memcpy(shared_m.get() + at, m.data() + r * group, sizeof(float) * group);
+                    std::memcpy(shared_s.get() + at, s.data() + r * group, sizeof(float) * group);
+                    std::memcpy(shared_acc.get() + at * d, acc.data() + r * acc_size,
+                                sizeof(float) * acc_size);
+                }
+            }
+        });
+    }
     if (!split) {
         // Each thread a run of whole items (unit, KV head) of about equal cost: contexts
         // differ, so equal counts would leave one thread idle. A unit's KV heads cost the same.
