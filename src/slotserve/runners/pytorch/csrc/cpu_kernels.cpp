@@ -489,6 +489,11 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
     };
     std::vector<Candidate> candidates;
     const int64_t units = int64_t(unit_start.size()) - 1;
+    SharedPartitions shared;
+    int64_t reaching = 0;  // lone rows past a whole partition: two are needed to share one
+    for (int64_t u = 0; u < units && reaching < 2; ++u)
+        reaching += unit_start[u + 1] - unit_start[u] == 1 && pos[unit_start[u]] + 1 >= kPartition;
+    if (reaching < 2) return shared;
     auto blocks_of = [&](int64_t u, int part) {
         const int32_t* table = tables + seq[unit_start[u]] * table_width;
         const int64_t b0 = int64_t(part) * kPartition / block_size;
@@ -506,8 +511,7 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
             candidates.push_back({part, hash, u});
         }
     }
-    SharedPartitions shared;
-    if (candidates.size() < 2) return shared;
+
     std::sort(candidates.begin(), candidates.end());
     for (size_t i = 0; i < candidates.size();) {
         size_t j = i + 1;
