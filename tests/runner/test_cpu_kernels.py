@@ -269,8 +269,8 @@ def test_decode_rows_sharing_a_cached_prefix_are_bit_identical_alone(
     dense attention, beside a prefill chunk of one of them, and with sequences that share a
     partition only in part (different blocks: not read together)."""
     gen = torch.Generator().manual_seed(11 + threads)
-    # Prefixes of 1,040 (four partitions and a bit), then 1,040 again, 272 (one partition and
-    # a bit), 1,040, and 0 positions shared with the sequence before.
+    # Sequences 1 and 2 hold their first 1,040 positions (four partitions and a bit) in the
+    # blocks of the one before, 3 and 4 their first 272 (one partition and a bit), 5 none.
     lengths = [1300, 1100, 1290, 700, 1250, 600]
     pool = _Pool(lengths, seed=12, shared=[0, 1040, 1040, 272, 272, 0])
     rows = [(s, n - 1) for s, n in enumerate(lengths)]

@@ -511,7 +511,6 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
             candidates.push_back({part, hash, u});
         }
     }
-
     std::sort(candidates.begin(), candidates.end());
     for (size_t i = 0; i < candidates.size();) {
         size_t j = i + 1;
@@ -525,9 +524,9 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
             const auto [cb, ce] = blocks_of(candidates[c].unit, candidates[c].part);
             if (std::equal(b, e, cb, ce)) rows.push_back(candidates[c].unit);
         }
-        for (size_t r = 0; rows.size() > 1 && r < rows.size(); r += kTileRows) {
+        // Tiles of two rows or more: one row left over reads the partition on its own.
+        for (size_t r = 0; r + 1 < rows.size(); r += kTileRows) {
             const int64_t count = std::min<int64_t>(kTileRows, int64_t(rows.size() - r));
-            if (count < 2) break;  // one row left over reads the partition on its own
             shared.tiles.push_back({candidates[i].part, int64_t(shared.units.size()), count});
             for (int64_t x = 0; x < count; ++x) {
                 shared.units.push_back(rows[r + x]);
