@@ -15,19 +15,13 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
-from engine_steps import all_decoding
+from engine_steps import all_decoding, build, timed_calls
 
-from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.source import embedded_model_path
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.layers import Projection
-from slotserve.runners.specs import TorchSpec
 
 
 def timed_step(core: EngineCore, spent: dict[str, float]) -> dict[str, float]:
@@ -42,25 +36,6 @@ def timed_step(core: EngineCore, spent: dict[str, float]) -> dict[str, float]:
     }
 
 
-def time_calls(spent: dict[str, float]) -> None:
-    """Adds each attention and projection call's time to ``spent`` (for this process's life)."""
-
-    def wrap(owner: type, name: str, label: str) -> None:
-        original: Callable[..., Any] = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
-
-        setattr(owner, name, wrapper)
-
-    wrap(CpuKernels, "paged_attention", "attention")
-    wrap(Projection, "forward", "projections")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=5)
@@ -70,13 +45,7 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=2, help="decoders of short prompts")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    slots = args.sharing + args.short + 1
-    spec = TorchSpec(
-        TorchLoadConfig(
-            embedded_model_path(), num_slots=slots, max_seq_len=8192, threads=args.threads
-        )
-    )
-    core = EngineCore(spec(), EngineConfig(num_slots=slots, max_batch_tokens=512))
+    core = build("torch", args.sharing + args.short + 1, args.threads, max_seq_len=8192)
     rng = random.Random(0)
     vocab = core.model_info.vocab_size
 
@@ -95,26 +64,27 @@ def main() -> None:
     add("cache-the-prefix", prefix + tokens(60), 1)
     drain()
     spent: dict[str, float] = {}
-    time_calls(spent)
+    calls = [(CpuKernels, "paged_attention", "attention"), (Projection, "forward", "projections")]
     turns, decodes = [], []
-    for trial in range(args.trials):
-        for j in range(args.sharing):
-            add(f"agent-{trial}-{j}", prefix + tokens(300), 400)
-        for j in range(args.short):
-            add(f"background-{trial}-{j}", tokens(100), 400)
-        while not all_decoding(core, args.sharing + args.short):
+    with timed_calls(calls, spent):
+        for trial in range(args.trials):
+            for j in range(args.sharing):
+                add(f"agent-{trial}-{j}", prefix + tokens(300), 400)
+            for j in range(args.short):
+                add(f"background-{trial}-{j}", tokens(100), 400)
+            while not all_decoding(core, args.sharing + args.short):
+                core.step()
             core.step()
-        core.step()
-        add(f"turn-{trial}", prefix + tokens(args.new_tokens), 1)
-        turn = timed_step(core, spent)
-        steps = [timed_step(core, spent) for _ in range(5)]
-        decode = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
-        for request_id in core.live_request_ids:
-            core.abort(request_id)
-        drain()
-        turns.append(turn)
-        decodes.append(decode)
-        print(json.dumps({"trial": trial, "turn_step_ms": turn, "decode_step_ms": decode}))
+            add(f"turn-{trial}", prefix + tokens(args.new_tokens), 1)
+            turn = timed_step(core, spent)
+            steps = [timed_step(core, spent) for _ in range(5)]
+            decode = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
+            for request_id in core.live_request_ids:
+                core.abort(request_id)
+            drain()
+            turns.append(turn)
+            decodes.append(decode)
+            print(json.dumps({"trial": trial, "turn_step_ms": turn, "decode_step_ms": decode}))
     print(
         json.dumps(
             {

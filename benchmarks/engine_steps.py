@@ -17,7 +17,10 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
@@ -26,14 +29,21 @@ from slotserve.models.source import embedded_model_path
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 
-def build(runner: str, slots: int, threads: int, cpu_kernels: bool = True) -> EngineCore:
+def build(
+    runner: str, slots: int, threads: int, cpu_kernels: bool = True, max_seq_len: int = 512
+) -> EngineCore:
+    """An engine on the embedded model; ``max_seq_len`` applies to the PyTorch runner."""
     path = embedded_model_path()
     if runner == "torch":
         from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
         spec: TorchSpec | LlamaCppSpec = TorchSpec(
             TorchLoadConfig(
-                path, num_slots=slots, max_seq_len=512, threads=threads, cpu_kernels=cpu_kernels
+                path,
+                num_slots=slots,
+                max_seq_len=max_seq_len,
+                threads=threads,
+                cpu_kernels=cpu_kernels,
             )
         )
     else:
@@ -86,6 +96,32 @@ def run(
     return {"batch": batch, "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0}
 
 
+@contextmanager
+def timed_calls(calls: Sequence[tuple[type, str, str]], spent: dict[str, float]) -> Iterator[None]:
+    """While it lasts, each call of ``owner.name`` (for each ``(owner, name, label)``) adds its
+    seconds to ``spent[label]``; the methods are restored after."""
+    originals: list[tuple[type, str, Any]] = []
+
+    def timed(original: Any, label: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    for owner, name, label in calls:
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed(originals[-1][2], label))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
 def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float]:
     """Milliseconds per decode step spent in each kernel call and in the projections, and the
     rest, over ``batch`` sequences once all of them decode."""
@@ -93,26 +129,11 @@ def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float
     from slotserve.runners.pytorch.layers import Projection
 
     spent: dict[str, float] = {}
-    originals: list[tuple[type, str, object]] = []
-
-    def timed(owner: type, name: str, label: str) -> None:
-        original = getattr(owner, name)
-        originals.append((owner, name, original))
-
-        def wrapper(*args: object, **kwargs: object) -> object:
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
-
-        setattr(owner, name, wrapper)
-
-    for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention"):
-        timed(CpuKernels, name, name)
-    timed(Projection, "forward", "projections")
+    kernels = ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention")
+    calls: list[tuple[type, str, str]] = [(CpuKernels, name, name) for name in kernels]
+    calls.append((Projection, "forward", "projections"))
     admit(core, batch, max_tokens, seed=7)
-    try:
+    with timed_calls(calls, spent):
         while not all_decoding(core, batch):
             core.step()
         spent.clear()
@@ -121,9 +142,6 @@ def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float
             core.step()
             steps += 1
         total = time.perf_counter() - started
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
     result = {label: 1e3 * seconds / steps for label, seconds in spent.items()}
     result["rest"] = 1e3 * (total - sum(spent.values())) / steps
     result["step"] = 1e3 * total / steps
