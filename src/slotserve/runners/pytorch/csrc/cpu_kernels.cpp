@@ -627,11 +627,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
               scores(row_heads * kScoreStride), vectors(kVectorScratch + 64) {}
         char* aligned() { return vectors.data() + (64 - uintptr_t(vectors.data()) % 64) % 64; }
     };
+    // Token t's query heads of KV head h as row r of the scratch tile.
+    auto load_query = [&](Scratch& w, int64_t t, int64_t r, int64_t h) {
+        for (int g = 0; g < group; ++g)
+            std::memcpy(w.q.data() + (r * group + g) * q_stride,
+                        qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+    };
     auto load_queries = [&](Scratch& w, int64_t u, int64_t h) {
         for (int64_t t = unit_start[u]; t < unit_start[u + 1]; ++t)
-            for (int g = 0; g < group; ++g)
-                std::memcpy(w.q.data() + ((t - unit_start[u]) * group + g) * q_stride,
-                            qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+            load_query(w, t, t - unit_start[u], h);
     };
     const SharedPartitions shared =
         window > 0 ? SharedPartitions{}
@@ -681,10 +685,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              int64_t h, float* m, float* s, float* acc) {
         int n[kTileRows];
         for (int64_t r = 0; r < st.rows; ++r) {
-            const int64_t t = unit_start[tile_units[r]];
-            for (int g = 0; g < group; ++g)
-                std::memcpy(w.q.data() + (r * group + g) * q_stride,
-                            qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+            load_query(w, unit_start[tile_units[r]], r, h);
             n[r] = kPartition;
         }
         Tile tile{w.q.data(), q_stride, group, int(st.rows), n, st.part * kPartition,
