@@ -278,7 +278,7 @@ static inline __attribute__((always_inline)) void probabilities(const float* sco
                                                                 uint16_t* probs, vf& total) {
     vf e[N];
     for (int i = 0; i < N; ++i) e[i] = load_f32(scores + i * kLanes) - mx;
-    vexp_n<N>(e);
+    vexp_n<N, true>(e);
     for (int i = 0; i < N; ++i) {
         e[i] = round_bf16(e[i]);
         store_u16(probs + i * kLanes, (vu)e[i] >> 16);  // rounded already: its high half
@@ -416,7 +416,7 @@ static inline __attribute__((always_inline)) void score_keys(const uint16_t* q, 
         for (int c = 0; c < pair_chunks; ++c) {
             const vi k = kt[c * kLanes + l];
             for (int r = 0; r < R; ++r)
-                X[r] = dot_pairs(X[r], splat_pair(q + r * stride + 2 * (c * kLanes + l)), k);
+                X[r] = dot_pairs_splat(X[r], q + r * stride + 2 * (c * kLanes + l), k);
         }
     };
     auto pair = [&](int l, vf* P) {

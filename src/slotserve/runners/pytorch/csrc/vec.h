@@ -132,15 +132,17 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 // exp(x) in float32: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
 // coefficients, ~1 ulp); 0 below the smallest normal's logarithm. N vectors in place, each step
 // for all of them before the next: the steps form one long dependent chain per vector, so N
-// chains side by side keep the core's schedulers fed.
-template <int N>
+// chains side by side keep the core's schedulers fed. ``nonpositive``: every x is <= 0 or NaN
+// (a softmax's score less its maximum), so the upper clamp is left out; the bits are the same.
+template <int N, bool nonpositive = false>
 static inline __attribute__((always_inline)) void vexp_n(vf* x) {
     const vf hi = splat(88.0f), lo = splat(-87.3365447504f);
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     vi under[N];
     vf n[N], r[N], p[N];
     for (int i = 0; i < N; ++i) under[i] = x[i] < lo;
-    for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
+    if constexpr (!nonpositive)
+        for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
     for (int i = 0; i < N; ++i) x[i] = x[i] < lo ? lo : x[i];
     for (int i = 0; i < N; ++i) n[i] = (x[i] * 1.44269504088896341f + magic) - magic;
     for (int i = 0; i < N; ++i) r[i] = x[i] - n[i] * 0.693359375f;
@@ -152,8 +154,15 @@ static inline __attribute__((always_inline)) void vexp_n(vf* x) {
     for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 5.0000001201e-1f;
     for (int i = 0; i < N; ++i) p[i] = p[i] * (r[i] * r[i]) + r[i] + 1.0f;
     for (int i = 0; i < N; ++i) {
+#if SLOTSERVE_AVX512
+        // p * 2^n in one instruction, zeroed where x was under: n is a whole number in
+        // [-126, 127], so this is the product below, exactly.
+        const __mmask16 keep = _mm512_cmpeq_epi32_mask((__m512i)under[i], _mm512_setzero_si512());
+        x[i] = (vf)_mm512_maskz_scalef_ps(keep, (__m512)p[i], (__m512)n[i]);
+#else
         const vi scale = (__builtin_convertvector(n[i], vi) + 127) << 23;
         x[i] = (vf)((vi)(p[i] * (vf)scale) & ~under[i]);
+#endif
     }
 }
 
@@ -213,5 +222,18 @@ static inline __attribute__((always_inline)) vf dot_pairs(vf acc, vi a, vi b) {
     const vi high = vi{} + int32_t(0xffff0000u);
     acc = vfma((vf)(a & high), (vf)(b & high), acc);
     return vfma((vf)(a << 16), (vf)(b << 16), acc);
+#endif
+}
+
+// dot_pairs(acc, the pair at ``p`` in every lane, b). With the instruction, the pair is the
+// instruction's broadcast memory operand: one operation where a broadcast and a dot product
+// would be two (GCC does not fold the broadcast itself). The products commute, so the bits are
+// dot_pairs'.
+static inline __attribute__((always_inline)) vf dot_pairs_splat(vf acc, const uint16_t* p, vi b) {
+#if SLOTSERVE_BF16
+    asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*(const int32_t*)p));
+    return acc;
+#else
+    return dot_pairs(acc, splat_pair(p), b);
 #endif
 }
