@@ -156,8 +156,9 @@ static inline __attribute__((always_inline)) void vexp_n(vf* x) {
     for (int i = 0; i < N; ++i) {
 #if SLOTSERVE_AVX512
         // p * 2^n in one instruction, zeroed where x was under: n is a whole number in
-        // [-126, 127], so this is the product below, exactly.
-        const __mmask16 keep = _mm512_cmpeq_epi32_mask((__m512i)under[i], _mm512_setzero_si512());
+        // [-126, 127], so 2^n is the scale below and the one rounding is the product's.
+        const __mmask16 keep =
+            _mm512_cmpeq_epi32_mask((__m512i)under[i], _mm512_setzero_si512());
         x[i] = (vf)_mm512_maskz_scalef_ps(keep, (__m512)p[i], (__m512)n[i]);
 #else
         const vi scale = (__builtin_convertvector(n[i], vi) + 127) << 23;
