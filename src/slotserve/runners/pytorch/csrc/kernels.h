@@ -279,10 +279,7 @@ static inline __attribute__((always_inline)) void probabilities(const float* sco
     vf e[N];
     for (int i = 0; i < N; ++i) e[i] = load_f32(scores + i * kLanes) - mx;
     vexp_n<N, true>(e);
-    for (int i = 0; i < N; ++i) {
-        e[i] = round_bf16(e[i]);
-        store_u16(probs + i * kLanes, (vu)e[i] >> 16);  // rounded already: its high half
-    }
+    for (int i = 0; i < N; ++i) e[i] = store_rounded_bf16(probs + i * kLanes, e[i]);
     for (int i = 0; i < N; ++i) total += e[i];
 }
 

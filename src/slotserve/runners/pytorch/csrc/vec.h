@@ -87,6 +87,22 @@ static inline __attribute__((always_inline)) vf round_bf16(vf x) {
     return (vf)((rounded & ~nan) | (0x7fc00000u & nan));
 }
 
+// x rounded to bfloat16 (as round_bf16), stored at p, and returned as float32. With
+// AVX512-BF16 one instruction rounds and narrows. It stores a NaN as a quiet NaN of x's sign, not
+// the canonical one, and reads denormal inputs as zero: for values kept inside a kernel, computed
+// under FlushDenormals (a NaN stays a NaN to the output's store_bf16).
+static inline __attribute__((always_inline)) vf store_rounded_bf16(uint16_t* p, vf x) {
+#if SLOTSERVE_BF16
+    const __m256i narrow = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    _mm256_storeu_si256((__m256i*)p, narrow);
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
+#else
+    x = round_bf16(x);
+    store_u16(p, (vu)x >> 16);  // rounded already: its high half
+    return x;
+#endif
+}
+
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef float vf2 __attribute__((vector_size(8)));
