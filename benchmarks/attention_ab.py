@@ -2,11 +2,13 @@
 revision's, both loaded in one process, calls alternated (A B A B ...), on shapes of the
 embedded model's serving (prefill chunks at long contexts, decode rows):
 
-    python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9]
+    python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--layers 30]
 
 Prints, per case, each build's median time per call and the median of the paired ratios
 base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
-blocks of 16 positions, as the runner keeps them.
+blocks of 16 positions, as the runner keeps them. With ``--layers 1`` (the default) every call
+reads the same pool, which stays in the caches; with ``--layers 30`` a timed pass calls each of
+30 pools once, as a forward calls its layers, so the KV comes from memory as in the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,26 +65,36 @@ def case(
     return (q, keys, values, table, seqs, positions, BLOCK, 0, 1 / math.sqrt(DIM))
 
 
-CASES = {
-    "122-row chunk at 6.4k + 5 decodes": case(
+CASES: dict[str, Callable[[int], tuple[Any, ...]]] = {  # a pool per seed
+    "122-row chunk at 6.4k + 5 decodes": lambda seed: case(
         [6522] + [6500] * 5,
         [(0, 6400 + i) for i in range(122)] + [(1 + j, 6499) for j in range(5)],
         shared=6144,
+        seed=seed,
     ),
-    "512-row chunk at 5.6k": case([6144], [(0, 5632 + i) for i in range(512)]),
-    "512-row chunk from 0": case([512], [(0, i) for i in range(512)]),
-    "6 decodes at 6.5k, shared prefix": case(
-        [6500] * 6, [(j, 6499) for j in range(6)], shared=6144
+    "512-row chunk at 5.6k": lambda seed: case(
+        [6144], [(0, 5632 + i) for i in range(512)], seed=seed
     ),
-    "6 decodes at 6.5k": case([6500] * 6, [(j, 6499) for j in range(6)]),
-    "64 decodes at 190": case([190] * 64, [(j, 189) for j in range(64)]),
-    "2 decodes at 6.5k + 4 at 100": case(
+    "512-row chunk from 0": lambda seed: case([512], [(0, i) for i in range(512)], seed=seed),
+    "6 decodes at 6.5k, shared prefix": lambda seed: case(
+        [6500] * 6, [(j, 6499) for j in range(6)], shared=6144, seed=seed
+    ),
+    "3 decodes at 6.5k shared + 2 at 400": lambda seed: case(
+        [6500] * 3 + [400] * 2,
+        [(j, 6499) for j in range(3)] + [(3, 399), (4, 399)],
+        shared=6144,
+        seed=seed,
+    ),
+    "6 decodes at 6.5k": lambda seed: case([6500] * 6, [(j, 6499) for j in range(6)], seed=seed),
+    "64 decodes at 190": lambda seed: case([190] * 64, [(j, 189) for j in range(64)], seed=seed),
+    "2 decodes at 6.5k + 4 at 100": lambda seed: case(
         [6500, 6500] + [100] * 4,
         [(0, 6499), (1, 6499)] + [(j, 99) for j in range(2, 6)],
         shared=6144,
+        seed=seed,
     ),
-    "1 decode at 6.5k + 5 at 100": case(
-        [6500] + [100] * 5, [(0, 6499)] + [(j, 99) for j in range(1, 6)]
+    "1 decode at 6.5k + 5 at 100": lambda seed: case(
+        [6500] + [100] * 5, [(0, 6499)] + [(j, 99) for j in range(1, 6)], seed=seed
     ),
 }
 
@@ -91,6 +104,9 @@ def main() -> None:
     parser.add_argument("--base-rev", required=True, help="git revision to compare against")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=9, help="paired calls per case")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="pools per case, each call of a pass on the next"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -99,22 +115,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         base = build_revision(args.base_rev, Path(folder))
         print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
-        for name, call in CASES.items():
-            same = torch.equal(base.paged_attention(*call), kernels.paged_attention(*call))
+        for name, make in CASES.items():
+            calls = [make(seed) for seed in range(args.layers)]
+            same = all(
+                torch.equal(base.paged_attention(*call), kernels.paged_attention(*call))
+                for call in calls
+            )
             times: dict[str, list[float]] = {"base": [], "this": []}
             ratios = []
             builds = (("base", base.paged_attention), ("this", kernels.paged_attention))
             for _ in range(args.pairs):
                 for label, run in builds:
                     started = time.perf_counter()
-                    run(*call)
-                    times[label].append(time.perf_counter() - started)
+                    for call in calls:
+                        run(*call)
+                    times[label].append((time.perf_counter() - started) / len(calls))
                 ratios.append(times["base"][-1] / times["this"][-1])
             print(
                 f"{name:36s} {statistics.median(times['base']) * 1e3:9.3f} "
                 f"{statistics.median(times['this']) * 1e3:9.3f} {statistics.median(ratios):9.2f}  "
                 f"{'equal' if same else 'differ'}"
             )
+            del calls
 
 
 if __name__ == "__main__":

@@ -542,6 +542,25 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
     return shared;
 }
 
+// Reads one byte of every cache line of a partition's keys and values, all KV heads, in
+// address order within each block. A shared tile of a few decode rows computes little per key,
+// and each KV head reads only its part of every position's row, scattered over the pool's
+// blocks: memory latency, not arithmetic, sets its pace. A sequential sweep lets the hardware's
+// prefetchers stream each block into the cache for all the KV heads; software prefetches in
+// the tile, near or one partition ahead, left its time unchanged.
+static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
+    const int64_t block_bytes = int64_t(kv.block_size) * kv.kv_heads * kv.head_dim * 2;
+    uint8_t sink = 0;
+    for (int64_t b = int64_t(part) * kPartition / kv.block_size;
+         b <= (int64_t(part + 1) * kPartition - 1) / kv.block_size; ++b)
+        for (const uint16_t* base : {kv.keys, kv.values}) {
+            const char* block = reinterpret_cast<const char*>(base) + table[b] * block_bytes;
+            for (int64_t line = 0; line < block_bytes; line += 64)
+                sink ^= *reinterpret_cast<const volatile uint8_t*>(block + line);
+        }
+    asm volatile("" ::"r"(sink));
+}
+
 // Paged attention over the pool, reading every key and value where it lies.
 //
 // Work unit: up to kTileRows consecutive positions of one sequence (a prefill chunk's rows, with
@@ -708,11 +727,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         return keys;
     };
     if (!shared.tiles.empty()) {
-        // The shared tiles first, in runs of about equal cost (their rows' keys).
+        // The shared tiles first, in runs of about equal cost (their rows' keys), a tile's KV
+        // heads one after another: the first one a thread computes brings the partition into
+        // the cache for all (touch_partition).
         std::vector<std::pair<int64_t, int64_t>> tasks;  // (KV head, tile)
         std::vector<int64_t> cost{0};
-        for (int64_t h = 0; h < kv_heads; ++h)
-            for (int64_t i = 0; i < int64_t(shared.tiles.size()); ++i) {
+        for (int64_t i = 0; i < int64_t(shared.tiles.size()); ++i)
+            for (int64_t h = 0; h < kv_heads; ++h) {
                 tasks.emplace_back(h, i);
                 cost.push_back(cost.back() + shared.tiles[i].rows * (kPartition + 32));
             }
@@ -722,10 +743,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
             const FlushDenormals flush;
             Scratch w(row_heads, q_stride);
             std::vector<float> m(row_heads), s(row_heads), acc(row_heads * d);
-            for (int64_t task = first[begin]; task < first[end]; ++task) {
+            for (int64_t task = first[begin], touched = -1; task < first[end]; ++task) {
                 const auto [h, i] = tasks[task];
                 const SharedTile& tile = shared.tiles[i];
                 const int64_t* rows = shared.units.data() + tile.first;
+                if (touched != i)
+                    touch_partition(kv, tables + seq[unit_start[rows[0]]] * table_width, tile.part);
+                touched = i;
                 attend_shared(w, tile, rows, h, m.data(), s.data(), acc.data());
                 for (int64_t r = 0; r < tile.rows; ++r) {
                     const int64_t at = shared_at(h, rows[r], tile.part);

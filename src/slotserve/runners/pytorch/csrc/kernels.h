@@ -155,7 +155,9 @@ static void rotary_token(const uint16_t* qkv, const HeadLayout& l, const uint16_
 
 constexpr int kMaxChunks = 16;  // head_dim up to 256, in 16-dimension vectors
 constexpr int kMaxGroup = 16;   // query heads per KV head
-constexpr int kPrefetch = 16;   // keys ahead: rows are scattered over the pool's blocks
+constexpr int kPrefetch = 16;       // keys ahead, to level 1, in a lone row (attend_row_t)
+constexpr int kFarPrefetch = 96;    // keys ahead, to level 2
+constexpr int kValuePrefetch = 32;  // values ahead, to level 2, during the scores
 
 // Sixteen vectors to the sixteen sums of their lanes, in order, each summed by the tree above
 // (lane l + lane l + 8, then + 4, + 2, + 1): a transpose and add, four rounds of shuffles.
@@ -341,22 +343,29 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes, n = t.n[0];
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n, offsets);
-    // Keys are scattered over the pool's blocks: prefetch them kPrefetch ahead, a position's
-    // whole row from this head on (the next heads' items find the rest in cache), and the
-    // value rows while the scores are computed.
-    const int rest_of_row = (kv.kv_heads - kv_head) * d * 2;
-    auto prefetch = [&](const uint16_t* base, int j, int bytes) {
+    // Keys and values are scattered over the pool's blocks, which defeats the hardware's
+    // prefetchers, and a lone row computes too little per key to hide a memory access: keys
+    // are fetched to the level-2 cache kFarPrefetch ahead and to level 1 kPrefetch ahead,
+    // values to level 2 kValuePrefetch ahead while the scores are computed.
+    auto prefetch = [&](const uint16_t* base, int j) {
         const char* row = (const char*)(base + offsets[j]);
-        for (int line = 0; line < bytes; line += 64) __builtin_prefetch(row + line);
+        for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(row + line);
     };
-    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j, rest_of_row);
+    auto prefetch_far = [&](const uint16_t* base, int j) {
+        const char* row = (const char*)(base + offsets[j]);
+        for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(row + line, 0, 1);
+    };
+    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j);
+    for (int j = kPrefetch; j < kFarPrefetch && j < n; ++j) prefetch_far(kv.keys, j);
+    for (int j = 0; j < kValuePrefetch && j < n; ++j) prefetch_far(kv.values, j);
     vf partial[kMaxGroup * kLanes];
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int jj = 0; jj < count; ++jj) {
             const int j = j0 + jj;
-            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch, rest_of_row);
-            prefetch(kv.values, j, d * 2);
+            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch);
+            if (j + kFarPrefetch < n) prefetch_far(kv.keys, j + kFarPrefetch);
+            if (j + kValuePrefetch < n) prefetch_far(kv.values, j + kValuePrefetch);
             const uint16_t* key = kv.keys + offsets[j];
             vi k[kMaxPairChunks];
             for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);
