@@ -542,22 +542,29 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
     return shared;
 }
 
-// Reads one byte of every cache line of a partition's keys and values, all KV heads, in
-// address order within each block. A shared tile of a few decode rows computes little per key,
-// and each KV head reads only its part of every position's row, scattered over the pool's
-// blocks: memory latency, not arithmetic, sets its pace. A sequential sweep lets the hardware's
-// prefetchers stream each block into the cache for all the KV heads; software prefetches in
-// the tile, near or one partition ahead, left its time unchanged.
+// Reads one byte of every cache line of a partition's keys and values, all KV heads. A shared
+// tile of a few decode rows computes little per key, and each KV head reads only its part of
+// every position's row, scattered over the pool's blocks: memory latency, not arithmetic, sets
+// its pace. Swept in address order, a block is what the hardware's prefetchers stream, into
+// the cache for all the KV heads; kSweepStreams blocks swept side by side, line by line, keep
+// that many streams in flight. (Software prefetches in the tile, near or one partition ahead,
+// left its time unchanged; sweeping one block at a time, or all of a partition's side by side,
+// left it ~1.3x slower than this.)
+constexpr int kSweepStreams = 16;
+
 static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
     const int64_t block_bytes = int64_t(kv.block_size) * kv.kv_heads * kv.head_dim * 2;
-    uint8_t sink = 0;
+    const char* regions[2 * kPartition];  // keys and values of each block
+    int count = 0;
     for (int64_t b = int64_t(part) * kPartition / kv.block_size;
          b <= (int64_t(part + 1) * kPartition - 1) / kv.block_size; ++b)
-        for (const uint16_t* base : {kv.keys, kv.values}) {
-            const char* block = reinterpret_cast<const char*>(base) + table[b] * block_bytes;
-            for (int64_t line = 0; line < block_bytes; line += 64)
-                sink ^= *reinterpret_cast<const volatile uint8_t*>(block + line);
-        }
+        for (const uint16_t* base : {kv.keys, kv.values})
+            regions[count++] = reinterpret_cast<const char*>(base) + table[b] * block_bytes;
+    uint8_t sink = 0;
+    for (int first = 0; first < count; first += kSweepStreams)
+        for (int64_t line = 0; line < block_bytes; line += 64)
+            for (int r = first; r < std::min(count, first + kSweepStreams); ++r)
+                sink ^= *reinterpret_cast<const volatile uint8_t*>(regions[r] + line);
     asm volatile("" ::"r"(sink));
 }
 
