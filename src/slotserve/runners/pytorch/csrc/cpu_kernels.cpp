@@ -455,6 +455,12 @@ static std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int6
     return first;
 }
 
+// The entries [first, end) of a block table that hold partition ``part``'s positions.
+static std::pair<int64_t, int64_t> partition_blocks(int part, int64_t block_size) {
+    return {int64_t(part) * kPartition / block_size,
+            (int64_t(part + 1) * kPartition - 1) / block_size + 1};
+}
+
 // Lone rows (decode tokens) of several sequences that reach past a whole partition held in the
 // same blocks by each: the prefix cache gives sequences one copy of a common prefix. Each tile
 // is one partition of up to kTileRows such rows.
@@ -496,9 +502,8 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
     if (reaching < 2) return shared;
     auto blocks_of = [&](int64_t u, int part) {
         const int32_t* table = tables + seq[unit_start[u]] * table_width;
-        const int64_t b0 = int64_t(part) * kPartition / block_size;
-        const int64_t b1 = (int64_t(part + 1) * kPartition - 1) / block_size;
-        return std::make_pair(table + b0, table + b1 + 1);
+        const auto [first, end] = partition_blocks(part, block_size);
+        return std::make_pair(table + first, table + end);
     };
     for (int64_t u = 0; u < units; ++u) {
         if (unit_start[u + 1] - unit_start[u] != 1) continue;
@@ -556,8 +561,8 @@ static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
     const int64_t block_bytes = int64_t(kv.block_size) * kv.kv_heads * kv.head_dim * 2;
     const char* regions[2 * kPartition];  // keys and values of each block
     int count = 0;
-    for (int64_t b = int64_t(part) * kPartition / kv.block_size;
-         b <= (int64_t(part + 1) * kPartition - 1) / kv.block_size; ++b)
+    const auto [first_block, end_block] = partition_blocks(part, kv.block_size);
+    for (int64_t b = first_block; b < end_block; ++b)
         for (const uint16_t* base : {kv.keys, kv.values})
             regions[count++] = reinterpret_cast<const char*>(base) + table[b] * block_bytes;
     uint8_t sink = 0;
