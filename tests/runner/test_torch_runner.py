@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,7 +229,11 @@ def test_dummy_weights_need_only_the_config(hf_checkpoint: Path, tmp_path: Path)
     core = EngineCore(runner, EngineConfig(num_slots=2))
     out = generate(core, {"r": (runner.tokenizer.encode("Hi"), greedy(8))})["r"]
     assert len(out) == 8 and all(0 <= t < runner.config.vocab_size for t in out)
+    # Closing gives the KV pool back while the engine still holds the runner (an unloaded
+    # model's GPU memory must be free for the next one).
+    keys = weakref.ref(runner.shard.pool.layers[0][0])
     runner.close()
+    assert keys() is None
 
 
 def test_unsupported_model_type_is_refused_before_any_weight(tmp_path: Path) -> None:

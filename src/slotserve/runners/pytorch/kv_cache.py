@@ -51,6 +51,11 @@ class KvPool:
         self._position_shape = (config.num_kv_heads, config.head_dim)
         self._dtype = dtype
 
+    def clear(self) -> None:
+        """Drops every layer's tensors: the memory goes back once no step holds them."""
+        self.layers.clear()
+        self._attention.clear()
+
     @property
     def capacity_tokens(self) -> int:
         return self.tables.num_blocks * self.block_size

@@ -157,7 +157,7 @@ class ModelShard:
         return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def close(self) -> None:
-        self.pool.layers.clear()
+        self.pool.clear()
         if self.linear_states is not None:
             self.linear_states.clear()
         self.model = None  # type: ignore[assignment]
