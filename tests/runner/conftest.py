@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from slotserve.engine.runner_interface import Runner
-from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.runner.hf_checkpoint import convert_gguf_to_hf
+
+if TYPE_CHECKING:  # imported where used: a GPU machine may run the CUDA tests without it
+    from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel
 # torch-reference: the PyTorch runner with its CPU kernels off, the plain-torch path they must
@@ -28,6 +31,8 @@ RUNNER_FIXTURES = {
 def llama_runner(model_path: Path) -> Iterator[LlamaCppRunner]:
     """One real llama.cpp runner for all runner tests (each test builds its own engine over
     it, which starts by emptying every slot's KV)."""
+    from slotserve.runners.llama_cpp.runner import LlamaCppRunner
+
     r = LlamaCppRunner(
         model_path, num_slots=8, ctx_size=8 * 2048, max_batch_tokens=512, flash_attn=FLASH_ATTN
     )

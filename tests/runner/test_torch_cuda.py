@@ -1,9 +1,16 @@
-"""The PyTorch runner on an NVIDIA GPU: greedy parity with transformers on the same device and a
-throughput smoke test. Skipped where CUDA is absent (the CI machine has none)."""
+"""The PyTorch runner on an NVIDIA GPU: greedy parity with transformers on the same device, the
+prefix cache's host-RAM and disk tiers, Qwen3.5's state snapshots, and a throughput smoke test.
+
+Random weights of real configurations saved by transformers, so a GPU machine needs only a
+tokenizer: SmolLM2's, converted from the embedded GGUF, or the folder that
+``SLOTSERVE_TEST_TOKENIZER`` names where the model package is not installed. Skipped where CUDA
+is absent (the CI machine has none)."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,23 +19,66 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.options import CacheBudget
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import generate, greedy, run_logprobs
+from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine"
 )
 
+SYSTEM = " ".join(PROMPTS * 2)  # ~110 tokens shared by every prompt
+KV_MEMORY = 1 << 30  # each runner's pool: a few at once must fit beside each other
+SMOLLM2_135M: dict[str, Any] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
 
-def test_greedy_parity_with_transformers_on_the_gpu(hf_checkpoint: Path) -> None:
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    folder = os.environ.get("SLOTSERVE_TEST_TOKENIZER")
+    if folder:
+        return Path(folder)
+    checkpoint: Path = request.getfixturevalue("hf_checkpoint")
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def smollm2(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's configuration with random weights."""
+    out = tmp_path_factory.mktemp("smollm2-135m")
+    return tiny_random_checkpoint("llama", tokenizer_dir, out, **SMOLLM2_135M)
+
+
+@pytest.fixture(scope="module")
+def gpu_runner(smollm2: Path) -> Iterator[TorchRunner]:
+    runner = TorchRunner(
+        TorchLoadConfig(
+            smollm2, num_slots=2, max_seq_len=2048, device="cuda", kv_memory_bytes=KV_MEMORY
+        )
+    )
+    yield runner
+    runner.close()
+
+
+def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    runner = TorchRunner(
-        TorchLoadConfig(hf_checkpoint, num_slots=8, dtype="float32", device="cuda")
+    load = TorchLoadConfig(
+        smollm2, num_slots=8, dtype="float32", device="cuda", kv_memory_bytes=KV_MEMORY
     )
-    model: Any = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    runner = TorchRunner(load)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
     model = model.to("cuda")
     model.train(False)
     core = EngineCore(runner, EngineConfig(num_slots=8))
@@ -48,8 +98,92 @@ def test_greedy_parity_with_transformers_on_the_gpu(hf_checkpoint: Path) -> None
     runner.close()
 
 
-def test_decode_throughput_smoke(hf_checkpoint: Path) -> None:
-    runner = TorchRunner(TorchLoadConfig(hf_checkpoint, num_slots=64, device="cuda"))
+def test_host_ram_and_disk_restore_what_a_hit_in_gpu_memory_reads(
+    gpu_runner: TorchRunner, tmp_path: Path
+) -> None:
+    """Positions copied from the GPU pool to host RAM, to disk and back are the same bits: a
+    hit from either tier computes the tokens and log-probabilities of a hit in the pool. (On
+    a GPU, a hit against the cache off is no promise: SDPA's kernels differ by query count.)"""
+    runner = gpu_runner
+    prompt = runner.tokenizer.encode(SYSTEM + " Question: what is a prime?")
+    reusable = runner.model_info.chunk_policy.reusable_length(len(prompt) - 1, len(prompt))
+    pool = EngineCore(runner, EngineConfig(num_slots=2))
+    cold = run_logprobs(pool, {"a": prompt}, 24)["a"]
+    from_pool = run_logprobs(pool, {"a": prompt}, 24)["a"]
+    assert cold[1] == 0 and from_pool[1] == reusable
+    # A budget of 0 evicts every prefix as its request ends: each goes to host RAM.
+    config = EngineConfig(
+        num_slots=2,
+        prefix_cache_budget=CacheBudget(tokens=0),
+        prefix_cache_ram=1 << 30,
+        prefix_cache_dir=str(tmp_path),
+    )
+    core = EngineCore(runner, config)
+    assert run_logprobs(core, {"a": prompt}, 24)["a"] == cold
+    assert core.snapshot().prefix_cache.host_saves == 1
+    assert run_logprobs(core, {"a": prompt}, 24)["a"] == from_pool
+    assert core.snapshot().prefix_cache.host_hits == 1
+    assert core.prefix_cache.persist() >= 1  # what a graceful stop does
+    restarted = EngineCore(runner, config)  # empties the pool: only the folder remembers
+    assert run_logprobs(restarted, {"a": prompt}, 24)["a"] == from_pool
+    stats = restarted.snapshot().prefix_cache
+    assert stats.disk_hits == 1 and stats.disk_hit_tokens == reusable
+    pairs = list(zip(cold[0], from_pool[0], strict=True))
+    matching = sum(a[0] == b[0] for a, b in pairs)
+    drift = max(abs((a[1] or 0.0) - (b[1] or 0.0)) for a, b in pairs)
+    print(f"GPU: a pool hit against the cold run: {matching}/24 tokens, logprobs within {drift}")
+
+
+def test_qwen35_resumes_from_state_snapshots_on_the_gpu(
+    tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Turns of two conversations over one system prompt: the cache hits resume from saved
+    Gated DeltaNet states on the device, and the cache's books balance after every turn."""
+    out = tmp_path_factory.mktemp("qwen35")
+    folder = tiny_random_checkpoint("qwen3_5_text", tokenizer_dir, out)
+    load = TorchLoadConfig(
+        folder,
+        num_slots=4,
+        max_seq_len=1024,
+        state_snapshots=3,
+        device="cuda",
+        kv_memory_bytes=KV_MEMORY,
+    )
+    runner = TorchRunner(load)
+    encode = runner.tokenizer.encode
+    cores = {
+        "off": EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False)),
+        "on": EngineCore(
+            runner,
+            EngineConfig(num_slots=4, prefill_chunk=128, prefix_cache_snapshot_interval=64),
+        ),
+    }
+    replies: dict[str, list[Any]] = {}
+    for name, core in cores.items():
+        history = {c: encode(SYSTEM + SYSTEM) for c in range(2)}
+        for turn in range(3):
+            for c in range(2):
+                history[c] = history[c] + encode(f" User {c}: {PROMPTS[(c + turn) % 4]}")
+            answered = run_logprobs(core, {f"c{c}": history[c] for c in range(2)}, 6)
+            for c in range(2):
+                reply = answered[f"c{c}"][0]
+                replies.setdefault(name, []).append(reply)
+                history[c] = history[c] + [token for token, _ in reply]
+    stats = cores["on"].prefix_cache.stats()
+    assert stats.hits >= 4 and stats.snapshot_saves >= 3
+    cores["on"].prefix_cache.flush()
+    cores["on"].check_integrity()
+    same = sum(
+        [t for t, _ in a] == [t for t, _ in b]
+        for a, b in zip(replies["on"], replies["off"], strict=True)
+    )
+    print(f"GPU, Qwen3.5: {same}/{len(replies['on'])} replies equal to the cache off")
+    runner.close()
+
+
+def test_decode_throughput_smoke(smollm2: Path) -> None:
+    load = TorchLoadConfig(smollm2, num_slots=64, device="cuda", kv_memory_bytes=8 * KV_MEMORY)
+    runner = TorchRunner(load)
     core = EngineCore(runner, EngineConfig(num_slots=64, max_batch_tokens=2048))
     prompt = runner.tokenizer.encode(PROMPTS[0])
     generate(core, {"warm": (prompt, greedy(8))})
