@@ -2,6 +2,7 @@
 weights: TTFT of prompts that repeat a prefix, cache on against off.
 
     python benchmarks/hybrid_prefix_cache.py [--prefix-len 4000] [--rounds 2] [--runner torch]
+        [--tokenizer DIR]
 
 ``--runner torch`` (default): the HF config alone, weights drawn at load (``--load-format
 dummy``, bfloat16). ``--runner llama.cpp``: random weights saved by transformers, written as
@@ -65,14 +66,18 @@ MESSAGES = [
 ]
 
 
-def make_folder(root: Path) -> Path:
-    """A config-only HF folder (random weights at load) with the SmolLM2 tokenizer."""
+def make_folder(root: Path, tokenizer_dir: Path | None = None) -> Path:
+    """A config-only HF folder (random weights at load) with the SmolLM2 tokenizer: the
+    embedded GGUF's, or the one saved in ``tokenizer_dir``."""
     from transformers import AutoTokenizer
 
     from slotserve.models.source import embedded_model_path
 
-    gguf = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer_dir is None:
+        gguf = embedded_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     folder = root / "qwen35-shapes"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(CONFIG))
@@ -162,12 +167,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
+    parser.add_argument("--tokenizer", type=Path, help="torch: a saved SmolLM2 tokenizer")
     args = parser.parse_args()
     system = agent_prefix(args.prefix_len)
     ttfts: dict[tuple[bool, str], list[float]] = {}
     identical = True
     with tempfile.TemporaryDirectory() as root:
-        model = make_folder(Path(root)) if args.runner == "torch" else make_gguf(Path(root))
+        if args.runner == "torch":
+            model = make_folder(Path(root), args.tokenizer)
+        else:
+            model = make_gguf(Path(root))
         for round_ in range(args.rounds):
             tokens: dict[bool, list[list[str]]] = {}
             for cache in (True, False) if round_ % 2 == 0 else (False, True):

@@ -2,8 +2,10 @@
 ``--prefix-cache-dir`` (the prefix comes back from disk).
 
     python benchmarks/prefix_restart.py [--prefix-len 6000] [--threads 2] [--runner torch]
+        [--model PATH --load-format dummy]
 
-Starts slotserve on the embedded GGUF twice, one request per start, stopping it gracefully in
+Starts slotserve on the embedded GGUF (or ``--model``; on a GPU the PyTorch runner takes it)
+twice, one request per start, stopping it gracefully in
 between (the stop writes the cached prefixes to the folder); prints JSON.
 """
 
@@ -39,6 +41,10 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=6000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runner", choices=("llama.cpp", "torch"), default="llama.cpp")
+    parser.add_argument("--model", type=Path, help="default: the embedded GGUF")
+    parser.add_argument(
+        "--load-format", choices=("auto", "dummy"), default="auto", help="torch: dummy weights"
+    )
     args = parser.parse_args()
     messages = [
         {"role": "system", "content": agent_prefix(args.prefix_len)},
@@ -46,11 +52,13 @@ def main() -> None:
     ]
     # The PyTorch runner sizes a sequence by --max-model-len, not by --ctx-size.
     per_runner = ["--max-model-len", "16384"] if args.runner == "torch" else []
-    results: dict[str, Any] = {"runner": args.runner}
+    if args.load_format != "auto":
+        per_runner += ["--load-format", args.load_format]
+    results: dict[str, Any] = {"runner": args.runner, "prefix_len": args.prefix_len}
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as logs:
         for run in ("cold", "after_restart"):
             spec = slotserve_spec(
-                embedded_model_path(),
+                args.model or embedded_model_path(),
                 slots=2,
                 threads=args.threads,
                 ctx_per_slot=16384,

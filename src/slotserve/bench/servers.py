@@ -21,6 +21,7 @@ import httpx
 HOST = "127.0.0.1"
 # How long members of a server's process group may outlive its leader before SIGKILL.
 CHILD_GRACE_S = 10.0
+LOG_TAIL_LINES = 30  # of a server that exits during start-up, quoted in the error
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,13 @@ def running(
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"{spec.name} exited with {process.returncode}; see {log_path}")
+                # The log's end says why; its folder is often a temporary one, gone soon.
+                tail = "\n".join(
+                    log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                )
+                raise RuntimeError(
+                    f"{spec.name} exited with {process.returncode}; {log_path} ends:\n{tail}"
+                )
             try:
                 if httpx.get(spec.base_url + spec.ready_path, timeout=2).status_code == 200:
                     break
