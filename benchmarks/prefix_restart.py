@@ -4,9 +4,10 @@
     python benchmarks/prefix_restart.py [--prefix-len 6000] [--threads 2] [--runner torch]
         [--model PATH --load-format dummy]
 
-Starts slotserve on the embedded GGUF (or ``--model``; on a GPU the PyTorch runner takes it)
-twice, one request per start, stopping it gracefully in
-between (the stop writes the cached prefixes to the folder); prints JSON.
+Starts slotserve twice on the embedded GGUF, or on ``--model`` (with ``--load-format dummy``, a
+folder holding only a config and a tokenizer, where no model package is installed): one
+request per start, stopping it gracefully in between (the stop writes the cached prefixes to
+the folder); prints JSON.
 """
 
 from __future__ import annotations
