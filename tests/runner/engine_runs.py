@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.options import CacheBudget
 
 NUM_TOKENS = 40
 
@@ -53,6 +56,18 @@ def alone_then_together(
         alone.update(generate(core, {f"p{i}": (prompt, params)}))
     together = generate(core, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
     return alone, together
+
+
+def through_host_and_disk(num_slots: int, folder: Path) -> EngineConfig:
+    """A prefix cache that keeps nothing in the runner's KV: a budget of 0 evicts every prefix
+    as its request ends, so each goes to host RAM (1 GiB) and, below it or at a restart, to
+    ``folder``."""
+    return EngineConfig(
+        num_slots=num_slots,
+        prefix_cache_budget=CacheBudget(tokens=0),
+        prefix_cache_ram=1 << 30,
+        prefix_cache_dir=str(folder),
+    )
 
 
 def greedy(n: int = NUM_TOKENS, logprobs: int | None = None) -> SamplingParams:

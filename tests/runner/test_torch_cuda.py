@@ -19,11 +19,10 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.options import CacheBudget
 from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy, run_logprobs
+from tests.runner.engine_runs import generate, greedy, run_logprobs, through_host_and_disk
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -111,13 +110,7 @@ def test_host_ram_and_disk_restore_what_a_hit_in_gpu_memory_reads(
     cold = run_logprobs(pool, {"a": prompt}, 24)["a"]
     from_pool = run_logprobs(pool, {"a": prompt}, 24)["a"]
     assert cold[1] == 0 and from_pool[1] == reusable
-    # A budget of 0 evicts every prefix as its request ends: each goes to host RAM.
-    config = EngineConfig(
-        num_slots=2,
-        prefix_cache_budget=CacheBudget(tokens=0),
-        prefix_cache_ram=1 << 30,
-        prefix_cache_dir=str(tmp_path),
-    )
+    config = through_host_and_disk(2, tmp_path)
     core = EngineCore(runner, config)
     assert run_logprobs(core, {"a": prompt}, 24)["a"] == cold
     assert core.snapshot().prefix_cache.host_saves == 1

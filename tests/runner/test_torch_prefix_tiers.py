@@ -10,8 +10,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.prefix_cache.paged_cache import SavablePagedKv
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
-from slotserve.options import CacheBudget
-from tests.runner.engine_runs import greedy, run_logprobs
+from tests.runner.engine_runs import greedy, run_logprobs, through_host_and_disk
 from tests.runner.test_prefix_cache_llama_cpp import SYSTEM
 
 
@@ -62,14 +61,9 @@ def test_evicted_prefixes_come_back_from_host_ram_and_after_a_restart_from_disk(
     }
     off = EngineCore(torch_runner, EngineConfig(num_slots=2, prefix_cache=False))
     reference = run_logprobs(off, prompts, 24)
-    # A budget of 0 evicts every prefix as its request ends: each goes to host RAM (its
-    # reply is long enough to be worth saving with it).
-    config = EngineConfig(
-        num_slots=2,
-        prefix_cache_budget=CacheBudget(tokens=0),
-        prefix_cache_ram=1 << 30,
-        prefix_cache_dir=str(tmp_path),
-    )
+    # Every prefix goes to host RAM as its request ends (its reply is long enough to be worth
+    # saving with it).
+    config = through_host_and_disk(2, tmp_path)
     core = EngineCore(torch_runner, config)
     assert run_logprobs(core, {"a": prompts["a"]}, 24)["a"] == reference["a"]
     stats = core.snapshot().prefix_cache
