@@ -50,9 +50,13 @@ constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloa
 // Query rows of one sequence computed together: each transposed key serves them all, and their
 // scores and probabilities (~150 KiB at group 3) stay in the level-2 cache.
 constexpr int kTileRows = 32;
-// Per-thread vector scratch: sixteen transposed keys, then eight key pairs' values (two float32
-// rows of up to 256 dimensions each, the emulation's larger form).
-constexpr int kKeysBytes = kMaxPairChunks * 16 * 64;
+// Consecutive tiles of one chunk that a thread computes partition by partition, each partition's
+// keys transposed once for all of them (Tile::keys_ready).
+constexpr int kRunTiles = 4;
+// Per-thread vector scratch: a partition's keys transposed (sixteen at a place), then a block
+// of key pairs' values (eight pairs of two float32 rows of up to 256 dimensions each, the
+// emulation's larger form, or as many pairs of a smaller form in as many bytes).
+constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
 constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
 
 // One partition of a tile of query rows, for attend_tile (kernels.h): where its keys start, and
@@ -66,8 +70,9 @@ struct Tile {
     float scale;
     float* scores;      // [rows * group][kScoreStride]
     uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
-    void* keys_t;       // kMaxPairChunks * 16 vectors, 64-byte aligned: sixteen keys transposed
-    void* values;       // eight ValuePair (kernels.h), 64-byte aligned: sixteen keys' values
+    void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with keys_ready all of them
+    int* keys_ready;    // the partition's keys already in keys_t (updated), or null
+    void* values;       // 64-byte aligned: a block of key pairs' values (kernels.h)
     float* m;           // [rows * group]
     float* s;
     float* acc;         // [rows * group][head_dim]
@@ -116,7 +121,7 @@ namespace avx2 {
 
 static_assert(sizeof(avx2::ValuePair) * 8 <= kVectorScratch - kKeysBytes &&
                   sizeof(avx512bf16::ValuePair) <= sizeof(avx2::ValuePair),
-              "eight key pairs' values fit the vector scratch");
+              "a block of key pairs' values fits the vector scratch");
 
 // ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------
 //
@@ -579,7 +584,8 @@ static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
 // no sliding window), or one row, times one KV head; its partitions computed by attend_tile
 // (kernels.h, which states the arithmetic of a row) and merged per row in partition order. Units
 // run token-major, so a cached prefix that rows share stays in the last-level cache between
-// them, each thread taking a run of units' KV heads of about equal cost (keys read). With few
+// them, each thread taking a run of units' KV heads of about equal cost (keys read); a chunk's
+// next tiles of one KV head on one thread share each partition's transposed keys. With few
 // units and long contexts, the partitions themselves are spread over the threads that way and
 // merged afterwards by the same merge. Lone rows whose sequences hold a whole partition in the
 // same blocks (a prefix the cache shares) compute it as one tile of those rows, its keys read
@@ -649,24 +655,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     // hold a whole tile's.
     const int64_t ms_slot = max_parts * row_heads, acc_slot = ms_slot * d;
     struct Scratch {
-        std::vector<uint16_t> q, probs;
+        std::vector<uint16_t> q, probs;  // q: ``tiles`` tiles' queries
         std::vector<float> scores;
-        // Read as vectors: keys_t, then the value pairs, from a 64-byte boundary.
-        std::vector<char> vectors;
-        Scratch(int64_t row_heads, int q_stride)
-            : q(row_heads * q_stride), probs(row_heads * (kPartition + 2)),
-              scores(row_heads * kScoreStride), vectors(kVectorScratch + 64) {}
-        char* aligned() { return vectors.data() + (64 - uintptr_t(vectors.data()) % 64) % 64; }
+        // Read as vectors: keys_t, then the value pairs, from a 64-byte boundary (uninitialised:
+        // each is written before it is read).
+        std::unique_ptr<char[]> vectors;
+        Scratch(int64_t row_heads, int q_stride, int64_t tiles)
+            : q(tiles * row_heads * q_stride), probs(row_heads * (kPartition + 2)),
+              scores(row_heads * kScoreStride), vectors(new char[kVectorScratch + 64]) {}
+        char* aligned() {
+            char* p = vectors.get();
+            return p + (64 - uintptr_t(p) % 64) % 64;
+        }
     };
-    // Token t's query heads of KV head h as row r of the scratch tile.
-    auto load_query = [&](Scratch& w, int64_t t, int64_t r, int64_t h) {
+    // Token t's query heads of KV head h as row r of the tile at ``q``.
+    auto load_query = [&](uint16_t* q, int64_t t, int64_t r, int64_t h) {
         for (int g = 0; g < group; ++g)
-            std::memcpy(w.q.data() + (r * group + g) * q_stride,
-                        qin + (t * heads + h * group + g) * d, sizeof(uint16_t) * d);
+            std::memcpy(q + (r * group + g) * q_stride, qin + (t * heads + h * group + g) * d,
+                        sizeof(uint16_t) * d);
     };
-    auto load_queries = [&](Scratch& w, int64_t u, int64_t h) {
+    auto load_queries = [&](uint16_t* q, int64_t u, int64_t h) {
         for (int64_t t = unit_start[u]; t < unit_start[u + 1]; ++t)
-            load_query(w, t, t - unit_start[u], h);
+            load_query(q, t, t - unit_start[u], h);
     };
     const SharedPartitions shared =
         window > 0 ? SharedPartitions{}
@@ -681,8 +691,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     const int64_t shared_floats = kv_heads * shared_per_head;
     const std::unique_ptr<float[]> shared_m(new float[shared_floats]),
         shared_s(new float[shared_floats]), shared_acc(new float[shared_floats * d]);
+    // Unit u's partition ``part`` for KV head h, its queries at ``q``; ``keys_ready``: see Tile.
     auto attend = [&](Scratch& w, int64_t u, int64_t h, int64_t part, float* m, float* s,
-                      float* acc) {
+                      float* acc, const uint16_t* q, int* keys_ready) {
         const int64_t t0 = unit_start[u], rows = unit_start[u + 1] - t0;
         if (shared.covers(u, int(part))) {  // a lone row: its shared tile computed it
             const int64_t from = shared_at(h, u, part), to = part * group;
@@ -698,9 +709,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
             n[r] = int(std::clamp<int64_t>(pos[t0 + r] + 1 - start, 0, p0 + kPartition - start));
         if (n[rows - 1] == 0) return;
         const int64_t ms = part * rows * group;
-        Tile tile{w.q.data(), q_stride, group, int(rows), n, start, float(scale),
-                  w.scores.data(), w.probs.data(), w.aligned(), w.aligned() + kKeysBytes,
-                  m + ms, s + ms, acc + ms * d};
+        Tile tile{q, q_stride, group, int(rows), n, start, float(scale),
+                  w.scores.data(), w.probs.data(), w.aligned(), keys_ready,
+                  w.aligned() + kKeysBytes, m + ms, s + ms, acc + ms * d};
         k.attend_tile(kv, int(h), tables + seq[t0] * table_width, tile);
     };
     auto merge = [&](int64_t u, int64_t h, const float* m, const float* s, const float* acc) {
@@ -716,11 +727,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              int64_t h, float* m, float* s, float* acc) {
         int n[kTileRows];
         for (int64_t r = 0; r < st.rows; ++r) {
-            load_query(w, unit_start[tile_units[r]], r, h);
+            load_query(w.q.data(), unit_start[tile_units[r]], r, h);
             n[r] = kPartition;
         }
         Tile tile{w.q.data(), q_stride, group, int(st.rows), n, st.part * kPartition,
-                  float(scale), w.scores.data(), w.probs.data(), w.aligned(),
+                  float(scale), w.scores.data(), w.probs.data(), w.aligned(), nullptr,
                   w.aligned() + kKeysBytes, m, s, acc};
         k.attend_tile(kv, int(h), tables + seq[unit_start[tile_units[0]]] * table_width, tile);
     };
@@ -753,7 +764,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
             balanced_runs(cost, std::min<int64_t>(threads, int64_t(tasks.size())));
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            Scratch w(row_heads, q_stride);
+            Scratch w(row_heads, q_stride, 1);
             std::vector<float> m(row_heads), s(row_heads), acc(row_heads * d);
             for (int64_t task = first[begin], touched = -1; task < first[end]; ++task) {
                 const auto [h, i] = tasks[task];
@@ -774,26 +785,61 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
         });
     }
     if (!split) {
-        // Each thread a run of whole items (unit, KV head) of about equal cost: contexts
-        // differ, so equal counts would leave one thread idle. A unit's KV heads cost the same.
-        std::vector<int64_t> cost{0};
-        for (int64_t u = 0; u < units; ++u) {
-            int64_t unit_cost = 0;
-            for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
-                unit_cost += part_cost(u, part);
-            for (int64_t h = 0; h < kv_heads; ++h) cost.push_back(cost.back() + unit_cost);
+        // Items (unit, KV head), unit by unit; but a chunk's tiles (units of the next positions
+        // of one sequence) in runs of up to kRunTiles, each run KV head by KV head, so that a
+        // thread computes a run's tiles of one KV head partition by partition, transposing each
+        // partition's keys once for them all.
+        std::vector<char> continues(units, 0);  // unit u is the tile after unit u - 1
+        for (int64_t u = 1; u < units; ++u) {
+            const int64_t t = unit_start[u];
+            continues[u] = window <= 0 && unit_start[u + 1] - t > 1 && t - unit_start[u - 1] > 1 &&
+                           seq[t] == seq[t - 1] && pos[t] == pos[t - 1] + 1;
         }
+        std::vector<std::pair<int64_t, int64_t>> order;  // (unit, KV head)
+        int64_t longest = 1;
+        for (int64_t u = 0; u < units;) {
+            int64_t end = u + 1;
+            while (end < units && continues[end] && end - u < kRunTiles) ++end;
+            for (int64_t h = 0; h < kv_heads; ++h)
+                for (int64_t v = u; v < end; ++v) order.emplace_back(v, h);
+            longest = std::max(longest, end - u);
+            u = end;
+        }
+        // Each thread a run of whole items of about equal cost: contexts differ, so equal
+        // counts would leave one thread idle. A unit's KV heads cost the same.
+        std::vector<int64_t> cost{0};
+        std::vector<int64_t> unit_cost(units, 0);
+        for (int64_t u = 0; u < units; ++u)
+            for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
+                unit_cost[u] += part_cost(u, part);
+        for (const auto& [u, h] : order) cost.push_back(cost.back() + unit_cost[u]);
         const std::vector<int64_t> first = balanced_runs(cost, std::min(threads, items));
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            Scratch w(row_heads, q_stride);
-            std::vector<float> m(ms_slot), s(ms_slot), acc(acc_slot);
-            for (int64_t item = first[begin]; item < first[end]; ++item) {
-                const int64_t u = item / kv_heads, h = item % kv_heads;
-                load_queries(w, u, h);
-                for (int part = 0; part < parts_of(unit_start[u + 1] - 1); ++part)
-                    attend(w, u, h, part, m.data(), s.data(), acc.data());
-                merge(u, h, m.data(), s.data(), acc.data());
+            Scratch w(row_heads, q_stride, longest);
+            // Uninitialised: a unit's merge reads only what its partitions wrote.
+            const std::unique_ptr<float[]> m(new float[longest * ms_slot]),
+                s(new float[longest * ms_slot]), acc(new float[longest * acc_slot]);
+            for (int64_t item = first[begin]; item < first[end];) {
+                const auto [u, h] = order[item];
+                int64_t run = 1;  // this thread's tiles of the chunk, KV head h
+                while (item + run < first[end] && order[item + run].first == u + run &&
+                       order[item + run].second == h && continues[u + run])
+                    ++run;
+                auto tile_q = [&](int64_t i) { return w.q.data() + i * row_heads * q_stride; };
+                for (int64_t i = 0; i < run; ++i) load_queries(tile_q(i), u + i, h);
+                for (int part = 0; part < parts_of(unit_start[u + run] - 1); ++part) {
+                    int ready = 0;
+                    for (int64_t i = 0; i < run; ++i)
+                        if (part < parts_of(unit_start[u + i + 1] - 1))
+                            attend(w, u + i, h, part, m.get() + i * ms_slot,
+                                   s.get() + i * ms_slot, acc.get() + i * acc_slot, tile_q(i),
+                                   run > 1 ? &ready : nullptr);
+                }
+                for (int64_t i = 0; i < run; ++i)
+                    merge(u + i, h, m.get() + i * ms_slot, s.get() + i * ms_slot,
+                          acc.get() + i * acc_slot);
+                item += run;
             }
         });
         return out;
@@ -819,14 +865,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     const std::vector<int64_t> first = balanced_runs(cost, threads);
     at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
         const FlushDenormals flush;
-        Scratch w(row_heads, q_stride);
+        Scratch w(row_heads, q_stride, 1);
         for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
             const auto [item, part] = tasks[task];
             const int64_t h = item / units, u = item % units;
-            if (loaded != item) load_queries(w, u, h);
+            if (loaded != item) load_queries(w.q.data(), u, h);
             loaded = item;
             const int64_t at = slot_of(h, u);
-            attend(w, u, h, part, m.data() + at, s.data() + at, acc.data() + at * d);
+            attend(w, u, h, part, m.data() + at, s.data() + at, acc.data() + at * d,
+                   w.q.data(), nullptr);
         }
     });
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -218,19 +218,24 @@ static inline __attribute__((always_inline)) vi pair_chunk(const uint16_t* row, 
     return v;
 }
 
-// The values of a key pair in the form value_pair reads: for the instruction, dimension d's
-// lane holds (v_j[d], v_j+1[d]); for the emulation, both rows in float32. ``odd`` null: zero.
-struct ValuePair {
+// The values of a key pair in the form value_pair reads, up to C vectors of sixteen dimensions:
+// for the instruction, dimension d's lane holds (v_j[d], v_j+1[d]); for the emulation, both
+// rows in float32. ``odd`` null: zero.
+template <int C>
+struct ValuePairOf {
 #if SLOTSERVE_BF16
-    vi pairs[kMaxChunks];
+    vi pairs[C];
 #else
-    vf even[kMaxChunks], odd[kMaxChunks];
+    vf even[C], odd[C];
 #endif
 };
+using ValuePair = ValuePairOf<kMaxChunks>;
 
+template <int C>
 static inline __attribute__((always_inline)) void load_value_pair(const uint16_t* even,
                                                                   const uint16_t* odd,
-                                                                  int chunks, ValuePair& out) {
+                                                                  int chunks,
+                                                                  ValuePairOf<C>& out) {
 #if SLOTSERVE_BF16
     // Lane l of the low (high) result: dimension l (16 + l) of ``even`` and of ``odd``.
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
@@ -260,9 +265,10 @@ static inline __attribute__((always_inline)) void load_value_pair(const uint16_t
 
 // acc[c] (dimensions 16c ..) advanced by one dot_pairs step with the probability pair at ``p``:
 // the odd key first, as the instruction. ``even_only``: the pair's odd value taken as zero.
+template <int C>
 static inline __attribute__((always_inline)) void value_pair(vf* acc, int chunks,
                                                              const uint16_t* p,
-                                                             const ValuePair& v,
+                                                             const ValuePairOf<C>& v,
                                                              bool even_only = false) {
 #if SLOTSERVE_BF16
     const vi pp = splat_pair(p), keep = vi{} + (even_only ? 0xffff : -1);
@@ -452,8 +458,20 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     const int d = CH ? CH * kLanes : kv.head_dim, chunks = d / kLanes, group = G ? G : t.group;
     const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes;
     const int rows = t.rows, heads = rows * group, n_max = t.n[rows - 1];
-    vi* kt = static_cast<vi*>(t.keys_t);
-    ValuePair* values = static_cast<ValuePair*>(t.values);
+    vi* const keys_t = static_cast<vi*>(t.keys_t);
+    // With ``keys_ready``, the partition's keys stay transposed in ``keys_t`` (sixteen at a
+    // place) for the next tile of the same rows' chunk, which transposes only the keys past
+    // those: every whole group of sixteen this tile read.
+    const int ready = t.keys_ready ? *t.keys_ready : 0;
+    // The value pass takes the keys in blocks of kBlockPairs pairs (their values ~8 KiB, in
+    // the level-1 cache beside a row's accumulators): each row's accumulators are loaded and
+    // stored once a block.
+    using Values = ValuePairOf<CH ? CH : kMaxChunks>;
+    constexpr int kBlockPairs = std::clamp<int>(8192 / int(sizeof(Values)), 8, 32);
+    constexpr int kBlockKeys = 2 * kBlockPairs;
+    static_assert(kBlockPairs * sizeof(Values) <= kVectorScratch - kKeysBytes,
+                  "a block of key pairs' values fits the vector scratch");
+    Values* values = static_cast<Values*>(t.values);
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n_max, offsets);
     // Keys and values are scattered over the pool's blocks: each pass prefetches the next
@@ -463,12 +481,13 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
             for (int line = 0; line < d * 2; line += 64)
                 __builtin_prefetch((const char*)(base + offsets[j]) + line);
     };
-    prefetch(kv.keys, 0);
+    if (ready == 0) prefetch(kv.keys, 0);
     // Scores, sixteen keys at a time (rows that end before a group skip it).
     for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
-        prefetch(kv.keys, j0 + kLanes);
-        for (int c = 0; c < pair_chunks; ++c) {
+        vi* kt = t.keys_ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
+        if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes);
+        for (int c = 0; c < pair_chunks && j0 >= ready; ++c) {
             vi block[kLanes];
             for (int jj = 0; jj < kLanes; ++jj)
                 block[jj] = jj < count ? pair_chunk(kv.keys + offsets[j0 + jj], c, pairs) : vi{};
@@ -487,17 +506,20 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
             case 1: score_keys<1>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
         }
     }
+    if (t.keys_ready) *t.keys_ready = std::max(ready, n_max / kLanes * kLanes);
     softmax_rows(t.scores, t.probs, heads, group, t.n, d, t.m, t.s, t.acc);
-    // Values, eight pairs at a time. A row whose keys end inside a pair takes it with no odd
-    // value, as the row alone does.
+    // Values, a block at a time, each sixteen keys prefetched while the sixteen before them
+    // are read. A row whose keys end inside a pair takes it with no odd value, as the row alone
+    // does.
     prefetch(kv.values, 0);
-    for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
-        const int count = std::min(kLanes, n_max - j0);
-        prefetch(kv.values, j0 + kLanes);
-        for (int i = 0; 2 * i < count; ++i)
+    for (int j0 = 0, first = 0; j0 < n_max; j0 += kBlockKeys) {
+        const int count = std::min(kBlockKeys, n_max - j0);
+        for (int i = 0; 2 * i < count; ++i) {
+            if (i % (kLanes / 2) == 0) prefetch(kv.values, j0 + 2 * i + kLanes);
             load_value_pair(kv.values + offsets[j0 + 2 * i],
                             2 * i + 1 < count ? kv.values + offsets[j0 + 2 * i + 1] : nullptr,
                             chunks, values[i]);
+        }
         while (t.n[first] <= j0) ++first;
         for (int r = first; r < rows; ++r) {
             const int mine = std::min(count, t.n[r] - j0), whole = mine / 2;
@@ -564,11 +586,18 @@ static void merge_partitions(const float* m, const float* s, const float* acc, i
         float total = 0.0f;
         vf sum[kMaxChunks];
         for (int c = 0; c < chunks; ++c) sum[c] = splat(0.0f);
-        for (int i = 0; i < parts; ++i) {
-            const float w = sexp(m[i * ms_stride + g] - best);
-            total += w * s[i * ms_stride + g];
-            for (int c = 0; c < chunks; ++c)
-                sum[c] += w * load_f32(acc + i * part_stride + g * d + c * kLanes);
+        // The weights sixteen partitions at a time, each lane as sexp would give it.
+        for (int i0 = 0; i0 < parts; i0 += kLanes) {
+            const int count = std::min(kLanes, parts - i0);
+            float w[kLanes] = {};
+            for (int i = 0; i < count; ++i) w[i] = m[(i0 + i) * ms_stride + g] - best;
+            store_f32(w, vexp(load_f32(w)));
+            for (int i = 0; i < count; ++i) {
+                const int64_t part = i0 + i;
+                total += w[i] * s[part * ms_stride + g];
+                for (int c = 0; c < chunks; ++c)
+                    sum[c] += w[i] * load_f32(acc + part * part_stride + g * d + c * kLanes);
+            }
         }
         for (int c = 0; c < chunks; ++c) store_bf16(out + g * d + c * kLanes, sum[c] / total);
     }
