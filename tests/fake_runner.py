@@ -77,6 +77,7 @@ class FakeRunner:
     pooling: str | None = "last"
     can_generate: bool = True
     bidirectional: bool = False
+    context_cost: float = 0.0  # ModelInfo.context_cost (scheduler invariant 2)
     pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (count, sum)
     embeddings: dict[int, list[float]] = field(default_factory=dict)
 
@@ -124,6 +125,7 @@ class FakeRunner:
             prefix_cache_unsupported=self.prefix_cache_unsupported,
             kv_capacity_tokens=self.kv_pool_blocks * self.kv_block_size,
             verify_cost=self.verify_cost,
+            context_cost=self.context_cost,
             pooling=self.pooling,
             can_generate=self.can_generate,
             bidirectional=self.bidirectional,

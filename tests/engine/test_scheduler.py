@@ -37,6 +37,48 @@ def test_every_generating_slot_decodes_every_step_beside_a_long_prefill() -> Non
     assert prefill[:4] == [8, 8, 8, 8]  # budget 10 minus two decode tokens
 
 
+def test_a_prefill_over_a_long_context_is_the_steps_last() -> None:
+    """An agent's next turn: a few new tokens over a long cached conversation, whose attention
+    outweighs their projections (from position 1 / context_cost = 64 on). A short prompt that
+    came with it waits for the next step rather than delay its first token; without a
+    context cost both go in one step."""
+    prefix = "s" * 200
+    for cost, together in ((1 / 64, False), (0.0, True)):
+        runner = FakeRunner(context_cost=cost, max_seq_len=1024)
+        core, _ = make_core(runner, max_batch_tokens=64, prefill_chunk=64)
+        submit(core, "turn 1", prefix + "a", max_tokens=1, temperature=0)
+        run_to_completion(core)
+        runner.batches.clear()
+        submit(core, "turn 2", prefix + "b" * 9, max_tokens=1, temperature=0)
+        submit(core, "other", "o" * 12, max_tokens=1, temperature=0)
+        core.step()
+        assert sorted(len(c.token_ids) for c in runner.batches[0]) == (
+            [9, 12] if together else [9]
+        ), cost
+        run_to_completion(core)
+        if not together:  # the next step: the short prompt (the turn ended with its token)
+            assert [len(c.token_ids) for c in runner.batches[1]] == [12]
+
+
+def test_a_short_prompt_joins_a_chunk_before_the_long_context() -> None:
+    """A long prompt's first chunks start before position 1 / context_cost: others share
+    their step as usual; its chunks past that point run without them."""
+    runner = FakeRunner(context_cost=1 / 64, max_seq_len=1024)
+    core, _ = make_core(runner, max_batch_tokens=64, prefill_chunk=32)
+    submit(core, "long", "x" * 160, max_tokens=1, temperature=0)
+    submit(core, "short", "y" * 8, max_tokens=1, temperature=0)
+    core.step()
+    assert sorted(len(c.token_ids) for c in runner.batches[0]) == [8, 32]
+    core.step()  # long: 32 .. 63, beside the short one's decode
+    submit(core, "later", "z" * 8, max_tokens=1, temperature=0)
+    run_to_completion(core)
+    chunks = [(c.start_pos, len(c.token_ids)) for b in runner.batches for c in b if c.slot == 0]
+    assert chunks[:5] == [(0, 32), (32, 32), (64, 32), (96, 32), (128, 32)]
+    for batch in runner.batches:  # no prompt chunk beside long's chunks from position 64 on
+        if any(c.slot == 0 and c.start_pos >= 64 and not c.sample for c in batch):
+            assert [c.slot for c in batch if len(c.token_ids) > 1] == [0]
+
+
 def test_prefill_slots_are_served_oldest_first() -> None:
     core, runner = make_core(max_batch_tokens=12, prefill_chunk=8)
     submit(core, "first", "a" * 16, max_tokens=1, temperature=0)

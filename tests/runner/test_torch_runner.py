@@ -236,6 +236,16 @@ def test_dummy_weights_need_only_the_config(hf_checkpoint: Path, tmp_path: Path)
     assert keys() is None
 
 
+def test_a_cpu_runner_states_where_a_prompts_attention_outweighs_its_projections(
+    torch_runner: TorchRunner,
+) -> None:
+    """SmolLM2-135M: attention spends 2 x 30 layers x 9 heads x 64 multiply-adds per earlier
+    position, the projections ~106 M per token; weighted by the CPU kernels' rates, a prefill
+    chunk from ~1.8k positions on is mostly attention (scheduler invariant 2)."""
+    assert torch_runner.device.type == "cpu"
+    assert 1700 < 1 / torch_runner.model_info.context_cost < 1900
+
+
 def test_unsupported_model_type_is_refused_before_any_weight(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(UnsupportedModelError) as error:

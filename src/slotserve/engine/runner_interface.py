@@ -114,6 +114,10 @@ class ModelInfo:
     # every slot owning a fixed stream). A pooled runner may hold fewer than its slots could
     # ask for; the engine then preempts (see ``Runner.reserve_kv``).
     kv_capacity_tokens: int = 0
+    # What a prompt token costs per earlier position it attends to, as a fraction of the rest
+    # of its cost (its projections): from position 1 / context_cost on, attention is most of
+    # a prefill chunk's time (scheduler invariant 2). 0: not stated.
+    context_cost: float = 0.0
     # Speculative decoding: what verifying drafts adds to a one-sequence decode step on this
     # runner; the speculator drafts only as many tokens as are expected to pay for it.
     verify_cost: VerifyCost = VerifyCost()

@@ -69,6 +69,7 @@ class EngineCore:
             self.speculator,
             whole_prompts=info.bidirectional,
             embed_reuses_prefix=info.pooling == "last",
+            context_cost=info.context_cost,
         )
         self.counters = EngineCounters()
         self.unhealthy: str | None = None  # why the engine was poisoned

@@ -9,6 +9,11 @@ Batch-construction invariants:
    before any prefill and never past the sequence's length limit.
 2. PREFILLING slots then share what is left of ``max_batch_tokens``, oldest admission first,
    each taking at most ``prefill_chunk`` tokens; so running streams wait at most one chunk.
+   A chunk that starts where its attention outweighs its projections (position at least
+   ``1 / ModelInfo.context_cost``, where the runner states one) is not followed by another
+   prefill in its step: that step is long already, and a chunk joining it would delay the
+   first token it may bring (an agent's next turn over its cached conversation) and gain
+   nothing, as such a step does not get cheaper per token with more of them.
 3. A sequence appears at most once per batch, with contiguous positions starting at its
    ``num_computed_tokens``.
 4. A request with ``n`` sequences is admitted only when ``n`` slots are free, in the order of
@@ -84,9 +89,10 @@ class Scheduler:
         speculator: Speculator | None = None,
         whole_prompts: bool = False,
         embed_reuses_prefix: bool = True,
+        context_cost: float = 0.0,
     ) -> None:
         """``whole_prompts`` and ``embed_reuses_prefix``: invariant 10 (an encoder; a
-        model that pools the last token)."""
+        model that pools the last token). ``context_cost``: invariant 2."""
         self._max_chunk = policy.max_chunk(config.prefill_chunk)
         if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
             # A prompt's last chunk may need up to two grains less one (invariant 8).
@@ -101,6 +107,8 @@ class Scheduler:
         self.speculator = speculator
         self.whole_prompts = whole_prompts
         self.embed_reuses_prefix = embed_reuses_prefix
+        # Invariant 2: where a chunk's attention outweighs its projections (0: nowhere).
+        self._long_context = 1.0 / context_cost if context_cost > 0 else 0.0
         self.slots = SlotPool(config.num_slots)
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
@@ -321,6 +329,8 @@ class Scheduler:
             sizes.append(size)
             rests.append(rest)
             budget -= size
+            if size and self._long_context and seq.num_computed_tokens >= self._long_context:
+                budget = 0  # invariant 2: a chunk over a long context is the step's last
         return self.policy.equalize(sizes, rests, truncated)
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:

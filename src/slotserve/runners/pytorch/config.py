@@ -149,6 +149,42 @@ class ModelConfig:
         )
         return sum(self.linear_layers) * (conv + recurrent)
 
+    def projection_macs_per_token(self) -> int:
+        """Multiply-adds of one token's projections through every layer (its experts' share
+        for a sparse MLP), the output head left out: a prompt token's cost apart from
+        attention."""
+        hidden, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        total = 0
+        for layer in range(self.num_layers):
+            if self.is_linear(layer):  # qkvz, b and a in; the gated output out
+                total += hidden * (2 * key_dim + 2 * value_dim + 2 * self.linear_num_value_heads)
+                total += value_dim * hidden
+            else:
+                total += hidden * (q_dim * (2 if self.attn_output_gate else 1) + 2 * kv_dim)
+                total += q_dim * hidden
+            if self.is_sparse(layer):
+                width = (
+                    self.num_experts_per_tok * self.moe_intermediate_size
+                    + self.shared_expert_intermediate_size
+                )
+            else:
+                width = self.intermediate_size
+            total += 3 * hidden * width
+        return total
+
+    def attention_macs_per_position(self) -> int:
+        """Multiply-adds one query token spends on one earlier position (scores and values),
+        over the full-attention layers; a sliding-window layer's are bounded by its window
+        and left out."""
+        layers = sum(
+            not self.is_linear(layer) and not self.is_sliding(layer)
+            for layer in range(self.num_layers)
+        )
+        return 2 * layers * self.num_heads * self.head_dim
+
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
 

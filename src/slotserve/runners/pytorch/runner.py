@@ -125,6 +125,7 @@ class TorchRunner:
             runner="torch",
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
+            context_cost=context_cost(config, self.device),
             tensor_parallel_size=ranks,
             sampling_defaults=sampling_defaults(path, reader),
             pooling=pooling,
@@ -461,6 +462,22 @@ class TorchRunner:
         self.shard.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# A multiply-add of CPU attention takes about this many of a projection's: in a prefill step
+# over a long context the attention kernel runs at 0.6-0.7 of the projection GEMM's rate
+# (benchmarks/RESULTS.md, "A prefill over a long context runs alone").
+CPU_ATTENTION_WEIGHT = 1.7
+
+
+def context_cost(config: ModelConfig, device: torch.device) -> float:
+    """``ModelInfo.context_cost`` on this device: on a CPU a prompt token's attention over a
+    long context outweighs its projections. Not stated on a GPU, where neither sets a
+    step's length the same way."""
+    if device.type != "cpu":
+        return 0.0
+    ratio = config.attention_macs_per_position() / config.projection_macs_per_token()
+    return CPU_ATTENTION_WEIGHT * ratio
 
 
 def _recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]:
