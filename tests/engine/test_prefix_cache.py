@@ -55,6 +55,8 @@ def test_identical_prompts_back_to_back_hit_the_cache() -> None:
     assert (stats.hits, stats.misses) == (3, 1)
     assert stats.hit_tokens == 3 * (len(SYSTEM) - 1) and stats.query_tokens == 4 * len(SYSTEM)
     assert runner.copies == [], "the slot holding the prefix is reused in place"
+    # What the hits are set against: the prompt tokens computed, and the time they took.
+    assert stats.computed_tokens == len(SYSTEM) + 3 and stats.compute_seconds > 0
 
 
 def test_shared_system_prompt_is_copied_into_a_busy_neighbours_slot() -> None:

@@ -161,14 +161,17 @@ def test_a_busy_servers_prefix_comes_back_from_host_ram(
         client = openai.OpenAI(base_url=busy.api_url, api_key="unused", max_retries=0)
         agent = _chat([{"role": "user", "content": "Which step comes first?"}])
 
+        prompt_tokens: list[tuple[int, int]] = []  # (prompt, cached) of every request
+
         def ask(messages: list[ChatCompletionMessageParam]) -> tuple[str, int]:
             reply = client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=12, temperature=0
             )
-            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-            return reply.choices[0].message.content or "", (
-                reply.usage.prompt_tokens_details.cached_tokens or 0
-            )
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            prompt_tokens.append((usage.prompt_tokens, cached))
+            return reply.choices[0].message.content or "", cached
 
         first, _ = ask(agent)
         with ThreadPoolExecutor(2) as pool:  # two other prompts at once take both slots
@@ -176,15 +179,28 @@ def test_a_busy_servers_prefix_comes_back_from_host_ram(
             list(pool.map(ask, others))
         again, cached = ask(agent)
         assert again == first and cached > 0
-        tiers = _stats(busy)["tiers"]
+        stats = _stats(busy)
+        tiers = stats["tiers"]
         assert tiers["host_ram"]["hits"] == 1 and tiers["host_ram"]["hit_tokens"] == cached
         assert 0 < tiers["host_ram"]["bytes"] <= tiers["host_ram"]["budget_bytes"] == 256 << 20
+        # Restore against recompute: what the restored tokens would have cost at the rate the
+        # computed prompt tokens ran.
+        computed = sum(prompt - hit for prompt, hit in prompt_tokens)
+        assert stats["computed_tokens"] == computed and stats["compute_seconds"] > 0
+        rate = stats["compute_seconds"] / computed
+        assert stats["compute_seconds_per_token"] == pytest.approx(rate)
+        host = tiers["host_ram"]
+        assert host["restore_seconds"] > 0
+        assert host["recompute_seconds_estimate"] == pytest.approx(cached * rate)
         text = httpx.get(f"{busy.base_url}/metrics", timeout=10).text
         assert f'slotserve:prefix_cache_host_restores_total{{model_name="{MODEL}"}} 1.0' in text
         tier = (
             f'slotserve:prefix_cache_tier_hit_tokens_total{{model_name="{MODEL}",tier="host_ram"}}'
         )
         assert f"{tier} {float(cached)}" in text
+        label = f'{{model_name="{MODEL}"}}'
+        assert f"slotserve:prompt_computed_tokens_total{label} {float(computed)}" in text
+        assert f"slotserve:prompt_compute_seconds_total{label} " in text
     finally:
         stop_server(busy)
 

@@ -79,6 +79,9 @@ PREFIX_CACHE_HOST_RESTORE_SECONDS = "slotserve:prefix_cache_host_restore_seconds
 PREFIX_CACHE_HOST_SAVES = "slotserve:prefix_cache_host_saves"
 PREFIX_CACHE_HOST_SAVE_SECONDS = "slotserve:prefix_cache_host_save_seconds"
 PREFIX_CACHE_HOST_BUDGET_BYTES = "slotserve:prefix_cache_host_budget_bytes"
+PREFIX_CACHE_DISK_READ_SECONDS = "slotserve:prefix_cache_disk_read_seconds"
+PROMPT_COMPUTED_TOKENS = "slotserve:prompt_computed_tokens"
+PROMPT_COMPUTE_SECONDS = "slotserve:prompt_compute_seconds"
 PREFIX_CACHE_STATE_SNAPSHOTS = "slotserve:prefix_cache_state_snapshots"
 PREFIX_CACHE_STATE_SNAPSHOT_BYTES = "slotserve:prefix_cache_state_snapshot_bytes"
 
@@ -342,6 +345,22 @@ class PrefixCacheCollector(Collector):
                     PREFIX_CACHE_HOST_SAVE_SECONDS,
                     "Seconds spent saving slot states to host RAM.",
                     s.host_save_seconds,
+                ),
+                (
+                    PREFIX_CACHE_DISK_READ_SECONDS,
+                    "Seconds spent reading saved states back from disk.",
+                    s.disk_read_seconds,
+                ),
+                (
+                    PROMPT_COMPUTED_TOKENS,
+                    "Prompt tokens computed, not supplied by the prefix cache.",
+                    s.computed_tokens,
+                ),
+                (
+                    PROMPT_COMPUTE_SECONDS,
+                    "Forward seconds the computed prompt tokens took (a step's time shared "
+                    "among its tokens): set against the restore seconds.",
+                    s.compute_seconds,
                 ),
             ]
             gauges = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceOf
+from dataclasses import replace
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.limits import validate_request
@@ -125,6 +126,7 @@ class EngineCore:
         if not chunks:
             return stamped(outputs)
         chunks = self.grammars.attach(chunks, self.scheduler.slots.sequence_in)
+        prompt_tokens = self._prompt_tokens_in(chunks)
         execute_started = time.perf_counter()
         try:
             sampled = self.runner.execute(chunks)
@@ -133,7 +135,12 @@ class EngineCore:
             self.unhealthy = f"runner failure: {type(exc).__name__}: {exc}"
             self._fail_live(self.unhealthy, FailureKind.MODEL_UNHEALTHY, outputs)
             return stamped(outputs)
-        self.counters.execute_seconds += time.perf_counter() - execute_started
+        execute_seconds = time.perf_counter() - execute_started
+        self.counters.execute_seconds += execute_seconds
+        if prompt_tokens:
+            step_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+            self.counters.prompt_computed_tokens += prompt_tokens
+            self.counters.prompt_compute_seconds += execute_seconds * prompt_tokens / step_tokens
         for slot, scored in self.runner.take_prompt_logprobs().items():
             if (seq := self.scheduler.slots.slots[slot].sequence) is not None:
                 seq.prompt_logprobs.extend(scored)
@@ -146,6 +153,16 @@ class EngineCore:
         if elapsed > self.config.slow_step_warn_s:
             warn_slow_step(self.scheduler.slots.slots, chunks, elapsed)
         return stamped(outputs)
+
+    def _prompt_tokens_in(self, chunks: SequenceOf[ScheduledChunk]) -> int:
+        """How many of the chunks' tokens are prompt positions (a resumed sequence's
+        recomputed output counts as decode work)."""
+        count = 0
+        for chunk in chunks:
+            if (seq := self.scheduler.slots.sequence_in(chunk.slot)) is not None:
+                end = min(chunk.start_pos + len(chunk.token_ids), seq.num_prompt_tokens)
+                count += max(0, end - chunk.start_pos)
+        return count
 
     def fail_all(self, message: str, kind: FailureKind) -> list[RequestOutput]:
         """Ends every live request with an error (the engine is stopped or its loop broke)."""
@@ -328,7 +345,11 @@ class EngineCore:
             num_free_slots=scheduler.slots.num_free,
             kv_used_tokens=kv_used,
             kv_capacity_tokens=self.model_info.kv_capacity,
-            prefix_cache=self.prefix_cache.stats(),
+            prefix_cache=replace(
+                self.prefix_cache.stats(),
+                computed_tokens=self.counters.prompt_computed_tokens,
+                compute_seconds=self.counters.prompt_compute_seconds,
+            ),
             unhealthy=self.unhealthy,
             spec_decode=self.speculator.counters.plus(None) if self.speculator else None,
         )

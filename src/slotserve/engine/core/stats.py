@@ -18,6 +18,8 @@ class EngineCounters:
     steps: int = 0
     step_seconds: float = 0.0
     execute_seconds: float = 0.0
+    prompt_computed_tokens: int = 0  # prompt tokens run through the model, not cache hits
+    prompt_compute_seconds: float = 0.0  # their share of the forward time (by token count)
     generated_tokens: int = 0
     requests_submitted: int = 0
     requests_finished: int = 0
@@ -82,10 +84,5 @@ class EngineTotals:
         retired = self.prefix_cache
         return replace(
             current,
-            hits=retired.hits + current.hits,
-            misses=retired.misses + current.misses,
-            query_tokens=retired.query_tokens + current.query_tokens,
-            hit_tokens=retired.hit_tokens + current.hit_tokens,
-            evictions=retired.evictions + current.evictions,
-            evicted_tokens=retired.evicted_tokens + current.evicted_tokens,
+            **{name: getattr(retired, name) + getattr(current, name) for name in current.COUNTERS},
         )

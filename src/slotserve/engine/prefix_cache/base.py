@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.host_tier import HostTier
@@ -87,6 +87,45 @@ class PrefixCacheStats:
     snapshot_interval: int = 0
     snapshot_saves: int = 0
     snapshot_taken_back: int = 0  # reused for a newer position while their node stayed
+    # Prompt tokens computed rather than supplied by the cache, and the forward time they took
+    # (a step's time shared among its tokens): what a hit's restore is set against.
+    computed_tokens: int = 0
+    compute_seconds: float = 0.0
+
+    # The fields that are totals since start: a reload adds the retired engine's to them.
+    COUNTERS: ClassVar[tuple[str, ...]] = (
+        "hits",
+        "misses",
+        "query_tokens",
+        "hit_tokens",
+        "evictions",
+        "evicted_tokens",
+        "host_hits",
+        "host_hit_tokens",
+        "host_saves",
+        "host_saved_tokens",
+        "host_evictions",
+        "host_restore_seconds",
+        "host_save_seconds",
+        "disk_hits",
+        "disk_hit_tokens",
+        "disk_writes",
+        "disk_write_seconds",
+        "disk_read_seconds",
+        "disk_bad_files",
+        "snapshot_saves",
+        "snapshot_taken_back",
+        "computed_tokens",
+        "compute_seconds",
+    )
+
+    @property
+    def compute_seconds_per_token(self) -> float:
+        return self.compute_seconds / self.computed_tokens if self.computed_tokens else 0.0
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """What computing ``tokens`` prompt tokens would have taken at the average rate."""
+        return tokens * self.compute_seconds_per_token
 
     @property
     def hit_rate(self) -> float:
@@ -120,10 +159,16 @@ class PrefixCacheStats:
             "evicted_tokens": self.evicted_tokens,
             "budget_tokens": self.budget_tokens,
             "budget_bytes": self.budget_tokens * self.kv_bytes_per_token,
+            "computed_tokens": self.computed_tokens,
+            "compute_seconds": self.compute_seconds,
+            "compute_seconds_per_token": self.compute_seconds_per_token,
             "tiers": {
                 "slots": {
                     "hit_tokens": self.hit_tokens - self.host_hit_tokens,
                     "bytes": self.cached_bytes,
+                    "recompute_seconds_estimate": self.recompute_seconds(
+                        self.hit_tokens - self.host_hit_tokens
+                    ),
                 },
                 "host_ram": {  # hits counted here include those read back from disk
                     "hits": self.host_hits,
@@ -135,6 +180,7 @@ class PrefixCacheStats:
                     "saved_tokens": self.host_saved_tokens,
                     "evictions": self.host_evictions,
                     "restore_seconds": self.host_restore_seconds,
+                    "recompute_seconds_estimate": self.recompute_seconds(self.host_hit_tokens),
                     "save_seconds": self.host_save_seconds,
                 },
                 "state_snapshots": {
@@ -155,6 +201,7 @@ class PrefixCacheStats:
                     "writes": self.disk_writes,
                     "write_seconds": self.disk_write_seconds,
                     "read_seconds": self.disk_read_seconds,
+                    "recompute_seconds_estimate": self.recompute_seconds(self.disk_hit_tokens),
                     "bad_files": self.disk_bad_files,
                 },
             },
