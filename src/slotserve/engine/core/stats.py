@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from slotserve.engine.core.slots import SlotSnapshot
 from slotserve.engine.decoding.speculative import SpecCounters
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.engine.prefix_cache.base import PREFIX_CACHE_TOTALS, PrefixCacheStats
 
 
 @dataclass
@@ -84,5 +84,8 @@ class EngineTotals:
         retired = self.prefix_cache
         return replace(
             current,
-            **{name: getattr(retired, name) + getattr(current, name) for name in current.COUNTERS},
+            **{
+                name: getattr(retired, name) + getattr(current, name)
+                for name in PREFIX_CACHE_TOTALS
+            },
         )

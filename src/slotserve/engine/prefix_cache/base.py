@@ -27,8 +27,8 @@ Rules every implementation keeps (the scheduler relies on them):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Generic, Protocol, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.host_tier import HostTier
@@ -41,83 +41,62 @@ H = TypeVar("H")  # what a tree node holds: the runner's handle to the node's KV
 PrefixMatch = Match[Any]
 
 
+def _total(default: float) -> Any:
+    """A :class:`PrefixCacheStats` field that counts since start: a reload adds the retired
+    engine's count to the new one's (``EngineTotals.with_prefix_counters``)."""
+    return field(default=default, metadata={"total": True})
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """A snapshot for ``/v1/prefix_cache_stats`` and metrics; counters are totals since start."""
 
     enabled: bool
     disabled_reason: str | None = None
-    hits: int = 0  # admitted sequences that reused at least one cached token
-    misses: int = 0
-    query_tokens: int = 0  # prompt tokens looked up
-    hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    hits: int = _total(0)  # admitted sequences that reused at least one cached token
+    misses: int = _total(0)
+    query_tokens: int = _total(0)  # prompt tokens looked up
+    hit_tokens: int = _total(0)  # prompt tokens whose KV was reused instead of computed
     cached_tokens: int = 0  # distinct tokens in the tree
     evictable_tokens: int = 0  # ... of which no running sequence uses
     cached_bytes: int = 0
     nodes: int = 0
-    evictions: int = 0  # tree nodes removed to make room or because their KV was reused
-    evicted_tokens: int = 0
+    evictions: int = _total(0)  # tree nodes removed to make room or because their KV was reused
+    evicted_tokens: int = _total(0)
     budget_tokens: int = 0
     kv_bytes_per_token: int = 0
     # The host-RAM tier (``host_tier.py``); zero when the runner has none or it is off.
     host_budget_bytes: int = 0
     host_bytes: int = 0
     host_states: int = 0  # saved sequence states
-    host_hits: int = 0  # admitted sequences whose cached prefix was restored from host RAM
-    host_hit_tokens: int = 0
-    host_saves: int = 0
-    host_saved_tokens: int = 0
-    host_evictions: int = 0
-    host_restore_seconds: float = 0.0
-    host_save_seconds: float = 0.0
+    host_hits: int = _total(0)  # admitted sequences whose cached prefix was restored from host RAM
+    host_hit_tokens: int = _total(0)
+    host_saves: int = _total(0)
+    host_saved_tokens: int = _total(0)
+    host_evictions: int = _total(0)
+    host_restore_seconds: float = _total(0.0)
+    host_save_seconds: float = _total(0.0)
     # The disk tier beneath host RAM (``disk_tier.py``); zero when there is none.
     disk_budget_bytes: int = 0
     disk_bytes: int = 0
     disk_states: int = 0
-    disk_hits: int = 0  # ... of the host hits, those whose state was read from disk
-    disk_hit_tokens: int = 0
-    disk_writes: int = 0
-    disk_write_seconds: float = 0.0
-    disk_read_seconds: float = 0.0
-    disk_bad_files: int = 0  # truncated, damaged or unreadable files ignored
+    disk_hits: int = _total(0)  # ... of the host hits, those whose state was read from disk
+    disk_hit_tokens: int = _total(0)
+    disk_writes: int = _total(0)
+    disk_write_seconds: float = _total(0.0)
+    disk_read_seconds: float = _total(0.0)
+    disk_bad_files: int = _total(0)  # truncated, damaged or unreadable files ignored
     # Recurrent-state snapshots (``state_snapshots.py``); zero for a model without them.
     snapshot_capacity: int = 0
     snapshots: int = 0  # kept by tree nodes
     snapshot_bytes: int = 0  # one snapshot's
     snapshot_interval: int = 0
-    snapshot_saves: int = 0
-    snapshot_taken_back: int = 0  # reused for a newer position while their node stayed
+    snapshot_saves: int = _total(0)
+    snapshot_taken_back: int = _total(0)  # reused for a newer position while their node stayed
     # Prompt tokens computed rather than supplied by the cache, and the forward time they took
     # (a step's time shared among its tokens): what a hit's restore is set against.
-    computed_tokens: int = 0
-    compute_seconds: float = 0.0
-
-    # The fields that are totals since start: a reload adds the retired engine's to them.
-    COUNTERS: ClassVar[tuple[str, ...]] = (
-        "hits",
-        "misses",
-        "query_tokens",
-        "hit_tokens",
-        "evictions",
-        "evicted_tokens",
-        "host_hits",
-        "host_hit_tokens",
-        "host_saves",
-        "host_saved_tokens",
-        "host_evictions",
-        "host_restore_seconds",
-        "host_save_seconds",
-        "disk_hits",
-        "disk_hit_tokens",
-        "disk_writes",
-        "disk_write_seconds",
-        "disk_read_seconds",
-        "disk_bad_files",
-        "snapshot_saves",
-        "snapshot_taken_back",
-        "computed_tokens",
-        "compute_seconds",
-    )
+    computed_tokens: int = _total(0)
+    compute_seconds: float = _total(0.0)
 
     @property
     def compute_seconds_per_token(self) -> float:
@@ -206,6 +185,10 @@ class PrefixCacheStats:
                 },
             },
         }
+
+
+# The fields that are totals since start.
+PREFIX_CACHE_TOTALS = tuple(f.name for f in fields(PrefixCacheStats) if f.metadata.get("total"))
 
 
 class PrefixCache(Protocol):
