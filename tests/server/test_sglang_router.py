@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from slotserve import parent_death
 from slotserve.engine.client.async_engine import AsyncEngine
 from slotserve.engine.client.mp_client import MPClient
 from slotserve.engine.config import EngineConfig
@@ -100,7 +100,7 @@ def router(
     workers (the gateway answers ``/workers`` before their registration is done)."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("router") / "router.log"
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls"]
+    command = parent_death.command("sglang_router.launch_router", "--worker-urls")
     command += [w.base_url for w in workers]
     command += f"--policy cache_aware --host 127.0.0.1 --port {port} --log-level warn".split()
     # Its default metrics port (29000) would collide with another router's.

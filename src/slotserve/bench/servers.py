@@ -90,6 +90,22 @@ def slotserve_spec(
     )
 
 
+def amx_host() -> bool:
+    """Whether this CPU has AMX-INT8 tiles (Linux's flags in /proc/cpuinfo)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def repack_args(binary: Path) -> list[str]:
+    """``--no-repack`` for a llama-server built outside ``build_llama_server.sh`` on an AMX
+    host: a native build there may carry ggml's AMX matmul, which crashes at warm-up
+    (runners/llama_cpp/cpu.py); the script's own build leaves it out and keeps repacking."""
+    ours = DEFAULT_LLAMA_SERVER.resolve() in binary.resolve().parents
+    return ["--no-repack"] if amx_host() and not ours else []
+
+
 def llama_server_spec(
     binary: Path, model: Path, slots: int, threads: int, ctx_per_slot: int
 ) -> ServerSpec:
@@ -113,6 +129,7 @@ def llama_server_spec(
             "-c",
             str(ctx_per_slot * slots),
             "--log-disable",
+            *repack_args(binary),
         ],
         port,
     )

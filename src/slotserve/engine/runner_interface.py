@@ -90,6 +90,21 @@ RECURRENT_STATE_NO_ROLLBACK = (
 
 
 @dataclass(frozen=True)
+class ComputePath:
+    """Which kernels serve the model, for operators (``/v1/models``, the start-up log)."""
+
+    device: str = "cpu"
+    # The CPU features the kernels run with (as the backend names them: AVX2, AVX512_BF16,
+    # AMX_INT8...); empty on a GPU.
+    cpu_features: tuple[str, ...] = ()
+    # The kernels that serve the weights, in words ("ggml, plain weights (...)", "slotserve
+    # GEMM (avx512bf16)", "oneDNN"...).
+    kernels: str = ""
+    # Whether a sequence's tokens are independent of its batch on this path (E4).
+    batch_invariant: bool = True
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the engine and server need to know about the loaded model."""
 
@@ -137,6 +152,7 @@ class ModelInfo:
     # What a request gets for the sampling fields it leaves out: the model's own values over
     # its runner's ecosystem's defaults (``engine/sampling_defaults.py``).
     sampling_defaults: SamplingDefaults = NEUTRAL
+    compute: ComputePath = ComputePath()
 
     @property
     def can_embed(self) -> bool:

@@ -17,6 +17,7 @@ from slotserve.engine.sampling_defaults import SamplingDefaults
 from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
+from slotserve.runners.specs import REPACK_CHOICES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -96,6 +97,13 @@ class RunnerConfig:
     threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
+    )
+    repack: str = option(
+        "auto",
+        choices=REPACK_CHOICES,
+        help="llama.cpp: ggml's repacked CPU weight layouts, its extra buffer types "
+        "(llama-server's --repack / --no-repack); auto: on, except where this llama.cpp build "
+        "offers its AMX buffer, whose matmul crashes (Intel Xeon hosts)",
     )
     dtype: str = option(
         "auto",

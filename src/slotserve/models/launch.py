@@ -46,6 +46,7 @@ def runner_factory(
             flash_attn=runner.flash_attn,
             model_name=model_name,
             state_snapshots=_state_snapshots(runner, engine),
+            repack=runner.repack,
         )
     try:
         from slotserve.runners.pytorch.checkpoint import TorchLoadConfig

@@ -5,7 +5,7 @@ actor supervises and forwards requests to.
 Why a server per replica rather than an engine object in the actor: every endpoint, validation
 rule, error shape and stream behaves exactly as on one machine, and the replica's health is
 the server's (``check_health``: Serve replaces a replica whose server died). The server is the
-actor's child and dies with it (``child.py``), so a replica Ray kills leaves nothing.
+actor's child and dies with it (``slotserve.parent_death``), so a replica Ray kills leaves nothing.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+
+from slotserve import parent_death
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,7 @@ class EngineReplica:
         self.rank = context.rank.rank if context.rank is not None else 0
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        child = [sys.executable, "-m", "slotserve.replicas.child", str(os.getpid())]
-        command = [*child, "serve", *serve_argv]
+        command = parent_death.command("slotserve.cli", "serve", *serve_argv)
         # --replicas 0: a SLOTSERVE_REPLICAS the actor inherited must not recurse.
         command += ["--host", "127.0.0.1", "--port", str(port), "--replicas", "0"]
         self.server = subprocess.Popen(command)

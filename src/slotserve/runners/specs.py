@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
 
+# --repack: ggml's extra weight buffer types on, off, or on where they are safe (llama_cpp/cpu.py).
+REPACK_CHOICES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class LlamaCppSpec:
     model_path: Path
@@ -25,6 +29,7 @@ class LlamaCppSpec:
     flash_attn: bool = True
     model_name: str | None = None
     state_snapshots: int = 0
+    repack: str = "auto"
 
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner

@@ -84,6 +84,8 @@ def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
             ],
             # What a request gets for the sampling fields it leaves out.
             "sampling_defaults": model.sampling_defaults.as_dict(),
+            # Which kernels serve it, with which CPU features, and whether it is batch-invariant.
+            "compute": asdict(model.info.compute),
         }
     if host.keep_alive_s is not None:
         entry["keep_alive"] = host.keep_alive_s

@@ -5,7 +5,6 @@ told to stop. See ``mp_client.py`` for the protocol and the failure handling."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -13,6 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
+from slotserve import parent_death
 from slotserve.engine.client import wire
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
@@ -23,8 +23,6 @@ from slotserve.engine.runner_interface import RunnerSpec
 logger = logging.getLogger(__name__)
 
 POLL_MS = 500  # how often an idle side checks that the other one is still there
-
-_PR_SET_PDEATHSIG = 1
 
 
 def run_engine_core(
@@ -135,12 +133,8 @@ def _publish(
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the parent dies (Linux), and no SIGINT/SIGTERM of our own: a Ctrl-C in the
+    """SIGKILL when the parent dies, and no SIGINT/SIGTERM of our own: a Ctrl-C in the
     terminal reaches the whole process group, and the parent drains before stopping us."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the death signal was set
-        os._exit(1)
+    parent_death.die_with(parent_pid, signal.SIGKILL)

@@ -44,12 +44,19 @@ from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import (
     RECURRENT_STATE_NO_ROLLBACK,
+    ComputePath,
     ModelInfo,
     ScheduledChunk,
     VerifyCost,
 )
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
+from slotserve.runners.llama_cpp.cpu import (
+    BUFFER_LOG,
+    choose_weight_layout,
+    cpu_features,
+    extra_buffer_types,
+)
 from slotserve.runners.llama_cpp.metadata import kv_shape, pooling_of, sampling_defaults
 from slotserve.runners.llama_cpp.sampling import build_chain, with_logprobs
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
@@ -84,15 +91,16 @@ _RECURRENT_PART = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 @llama.llama_log_callback  # type: ignore[untyped-decorator]
 def _silence_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """Routes llama.cpp's warnings and errors to our logger; drops its chatty info lines."""
-    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
-        message = text.decode("utf-8", errors="replace").rstrip()
-        if message:
-            logger.log(
-                logging.WARNING if level == _GGML_LOG_WARN else logging.ERROR,
-                "llama.cpp: %s",
-                message,
-            )
+    """Routes llama.cpp's warnings and errors to our logger; drops its chatty info lines but
+    for the weight buffers a load reports."""
+    message = text.decode("utf-8", errors="replace").rstrip()
+    BUFFER_LOG.feed(message)
+    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR) and message:
+        logger.log(
+            logging.WARNING if level == _GGML_LOG_WARN else logging.ERROR,
+            "llama.cpp: %s",
+            message,
+        )
 
 
 class LlamaCppRunner:
@@ -108,12 +116,16 @@ class LlamaCppRunner:
         flash_attn: bool = True,
         model_name: str | None = None,
         state_snapshots: int = 0,
+        repack: str = "auto",
     ) -> None:
         init_llama_backend()
         path = Path(model_path)
+        layout = choose_weight_layout(repack, extra_buffer_types())
         model_params = llama.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        self._model = llama.llama_model_load_from_file(str(path).encode(), model_params)
+        model_params.use_extra_bufts = layout.use_extra_buffers
+        with BUFFER_LOG.recording() as buffers:
+            self._model = llama.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the model at {path}")
         n_ctx_train = llama.llama_model_n_ctx_train(self._model)
@@ -201,16 +213,25 @@ class LlamaCppRunner:
             verify_cost=VerifyCost(0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None),
             sampling_defaults=sampling_defaults(self._model),
             pooling=pooling,
+            compute=ComputePath(
+                cpu_features=cpu_features(),
+                kernels=f"ggml; weights in {', '.join(buffers) or 'no'} buffers "
+                f"(extra buffer types {'on' if layout.use_extra_buffers else 'off'}: "
+                f"{layout.reason})",
+            ),
         )
         self._snapshot_bytes = self._recurrent_state_bytes() if snapshots else 0
         logger.info(
-            "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s",
+            "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s; %s; CPU "
+            "features: %s",
             path.name,
             num_slots,
             max_seq_len,
             max_batch_tokens,
             threads,
             flash_attn,
+            self._info.compute.kernels,
+            " ".join(self._info.compute.cpu_features),
         )
 
     @property
