@@ -4,6 +4,7 @@ safetensors folder converted from it for the PyTorch runner's HF-format and pari
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from tests.runner.hf_checkpoint import convert_gguf_to_hf
 
 if TYPE_CHECKING:  # imported where used: a GPU machine may run the CUDA tests without it
     from slotserve.runners.llama_cpp.runner import LlamaCppRunner
+    from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel
 # torch-reference: the PyTorch runner with its CPU kernels off, the plain-torch path they must
@@ -86,3 +88,36 @@ def any_runner(request: pytest.FixtureRequest) -> Runner:
 def hf_checkpoint(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped GGUF as an HF safetensors folder (float32, dequantised by transformers)."""
     return convert_gguf_to_hf(model_path, tmp_path_factory.mktemp("hf-smollm2"))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    """The PyTorch runner's CPU kernels; on an x86 Linux machine with AVX2 and FMA they must
+    build and load (a failed build is a test failure there, not a skip)."""
+    from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
+
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        if platform.machine() == "x86_64" and {"avx2", "fma"} <= _cpu_flags():
+            pytest.fail("the CPU kernels did not build or load on a CPU that runs them")
+        pytest.skip("no x86-64 CPU with AVX2 and FMA: the kernels do not run here")
+    return loaded
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread pool at 1, then 2 threads (the kernels' threads are torch's)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

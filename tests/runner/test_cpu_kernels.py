@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-import platform
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, build_directory, load_cpu_kernels
-from slotserve.runners.pytorch.layers import Projection, RmsNorm
+from slotserve.runners.pytorch.layers import RmsNorm
 from slotserve.runners.pytorch.rotary import apply_rotary
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
@@ -35,34 +33,6 @@ from tests.runner.engine_runs import alone_then_together, greedy
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((set(line.split()) for line in info if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    """The kernels; on an x86 Linux machine with AVX2 and FMA they must build and load (a
-    failed build is a test failure there, not a skip)."""
-    loaded = load_cpu_kernels()
-    if loaded is None:
-        if platform.machine() == "x86_64" and {"avx2", "fma"} <= _cpu_flags():
-            pytest.fail("the CPU kernels did not build or load on a CPU that runs them")
-        pytest.skip("no x86-64 CPU with AVX2 and FMA: the kernels do not run here")
-    return loaded
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -309,53 +279,6 @@ def test_per_row_kernels_are_batch_invariant(kernels: CpuKernels, threads: int) 
         alone, _ = kernels.add_rms_norm(x[i : i + 1], residual[i : i + 1], weight, 1e-5, False)
         assert torch.equal(alone[0], normed[i])
         assert torch.equal(kernels.silu_mul(gate_up[i : i + 1])[0], activated[i])
-
-
-@pytest.fixture
-def gemm(kernels: CpuKernels) -> CpuKernels:
-    if not kernels.has_gemm:
-        pytest.skip("no AVX512-BF16 here: oneDNN serves the projections")
-    return kernels
-
-
-@pytest.mark.parametrize(
-    ("outputs", "inputs"),
-    [(960, 576), (576, 1536), (1100, 96), (49, 33), (40, 4500)],
-    ids=["qkv", "down", "wide", "ragged", "inputs-in-panels"],
-)
-def test_the_gemm_gives_every_row_the_same_bits_in_any_batch(
-    gemm: CpuKernels, threads: int, outputs: int, inputs: int
-) -> None:
-    """1-600 rows (tiles of 6 rows and 4 blocks, passes of 96 rows, and their remainders; an
-    input longer than one panel; threads splitting the rows of narrow layers and the outputs of
-    wide ones), with and without a bias, against each row alone; within
-    bfloat16 rounding of a float32 matmul."""
-    gen = torch.Generator().manual_seed(20 + outputs)
-    weight = torch.randn(outputs, inputs, generator=gen).bfloat16()
-    bias = torch.randn(outputs, generator=gen).bfloat16()
-    packed = gemm.pack_weight(weight)
-    for rows in (1, 5, 64, 600):
-        x = torch.randn(rows, inputs, generator=gen).bfloat16()
-        for b in (None, bias):
-            together = gemm.linear(x, packed, b, outputs)
-            exact = x.float() @ weight.float().T + (b.float() if b is not None else 0)
-            torch.testing.assert_close(together.float(), exact, atol=2e-2, rtol=8e-3)
-            for i in torch.randperm(rows, generator=gen)[:7].tolist():
-                alone = gemm.linear(x[i : i + 1], packed, b, outputs)
-                assert torch.equal(alone[0], together[i]), (rows, i)
-
-
-def test_a_projection_serves_through_the_gemm_once_packed(gemm: CpuKernels) -> None:
-    gen = torch.Generator().manual_seed(30)
-    projection = Projection(1536, 200, bias=True, dtype=torch.bfloat16)
-    projection.weight.data = torch.randn(200, 1536, generator=gen).bfloat16()
-    projection.bias.data = torch.randn(200, generator=gen).bfloat16()
-    x = torch.randn(3, 4, 1536, generator=gen).bfloat16()
-    before = projection(x)
-    projection.pack(gemm)
-    after = projection(x)
-    assert after.shape == (3, 4, 200) and projection.weight.numel() == 0
-    torch.testing.assert_close(after, before, atol=5e-2, rtol=1.6e-2)
 
 
 def test_out_of_range_metadata_is_refused_not_read(kernels: CpuKernels) -> None:

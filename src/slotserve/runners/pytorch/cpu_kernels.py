@@ -51,6 +51,9 @@ class CpuKernels:
         self.isa: str = module.isa()
         # The projections' own GEMM needs AVX512-BF16; without it oneDNN's serves them.
         self.has_gemm: bool = module.has_bf16_gemm()
+        # Which of ours: "amx" (tiles, on CPUs with AMX-BF16 that give their documented bits),
+        # else "avx512bf16" (csrc/gemm_amx.h, csrc/gemm_avx512.h).
+        self.gemm: str = module.gemm() if self.has_gemm else "none"
 
     def select_isa(self, isa: str) -> None:
         """Runs the kernels compiled for ``isa`` (avx512bf16, avx512, avx2) from now on, if the
@@ -109,9 +112,27 @@ class CpuKernels:
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` in bfloat16, each output summed over the inputs in order
-        in float32: a row's bits do not depend on the other rows or the thread count."""
+        """``x @ weight.T + bias`` in bfloat16, each output summed over the inputs in an order
+        fixed by the GEMM (:attr:`gemm`) and the layer's shape: a row's bits do not depend on
+        the other rows or the thread count."""
         return self._m.linear(x, packed, bias, out_features)  # type: ignore[no-any-return]
+
+    def linear_on(
+        self,
+        gemm: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+    ) -> torch.Tensor:
+        """:meth:`linear` on a named GEMM: ``avx512bf16``, ``amx``, or ``amx-emulated`` (the
+        AMX kernel over tiles emulated in scalar code, on any CPU; tests only)."""
+        return self._m.linear_on(x, packed, bias, out_features, gemm)  # type: ignore[no-any-return]
+
+    def select_gemm(self, gemm: str) -> None:
+        """The projections run on ``gemm`` (``avx512bf16`` or ``amx``) from now on, if this CPU
+        runs it (the tests' way to the other path on an AMX host)."""
+        self.gemm = self._m.select_gemm(gemm)
 
     def paged_attention(
         self,

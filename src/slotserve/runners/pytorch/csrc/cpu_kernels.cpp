@@ -123,136 +123,8 @@ static_assert(sizeof(avx2::ValuePair) * 8 <= kVectorScratch - kKeysBytes &&
                   sizeof(avx512bf16::ValuePair) <= sizeof(avx2::ValuePair),
               "a block of key pairs' values fits the vector scratch");
 
-// ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------
-//
-// The weight is packed once as [N/16][K/2][16 outputs][2 inputs] (zero-padded), the operand
-// layout of `vdpbf16ps`: one 64-byte load holds two k-steps of sixteen outputs. Every output
-// is one float32 accumulator fed k-pair by k-pair from k = 0 upwards, then rounded once: the
-// same instructions in the same order for any number of rows, any tile a row falls in, and any
-// thread count (threads split the outputs, or for narrow layers the rows, never K).
-// Batch-invariant by construction, for every K (no split-K needed).
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-namespace gemm512 {
-
-constexpr int kRowsPerTile = 6;      // rows sharing each weight load: 6 x 4 accumulators
-constexpr int kBlocksPerTile = 4;    // 16-output blocks per tile
-constexpr int kRowsPerPass = 96;     // rows whose inputs stay in L2 while a panel is reused
-constexpr int64_t kPairsPerPanel = 1024;  // input pairs per panel: 4 blocks x 1024 x 64 B, in L2
-
-struct Operands {
-    const uint16_t* x;
-    int64_t x_stride, k;
-    const uint16_t* w;
-    int64_t block_stride;  // elements from one packed block to the next
-    const float* bias;     // padded to whole blocks, or null
-    uint16_t* out;
-    int64_t n;
-};
-
-static inline __m512bh pair_of(const uint16_t* row, int64_t kp, int64_t k) {
-    int32_t pair;
-    if (2 * kp + 1 < k)
-        std::memcpy(&pair, row + 2 * kp, sizeof(pair));
-    else  // odd K: the packed weight holds a zero beside the last input
-        pair = int32_t(row[2 * kp]);
-    return (__m512bh)_mm512_set1_epi32(pair);
-}
-
-static inline void store_row(uint16_t* out, __m512 v, int valid) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-    const __mmask16 keep = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-    _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(rounded));
-}
-
-// Rows [m, m + MR) against NB blocks from block b, input pairs [kp0, kp1). Between panels the
-// accumulators wait in `partial` (float32, stored and reloaded exactly), so a long input is
-// still one accumulation in order; the last panel adds the bias and rounds. `valid`: outputs of
-// the last block that exist (N need not be a multiple of 16).
-template <int MR, int NB>
-static void tile(const Operands& op, int64_t m, int64_t b, int64_t kp0, int64_t kp1,
-                 float* partial, int valid) {
-    const int64_t k_pairs = (op.k + 1) / 2;
-    const uint16_t* x = op.x + m * op.x_stride;
-    const uint16_t* w = op.w + b * op.block_stride;
-    constexpr int kStride = kBlocksPerTile * 16;  // floats per row of `partial`
-    __m512 acc[MR][NB];
-    for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NB; ++j)
-            acc[r][j] = kp0 == 0 ? _mm512_setzero_ps()
-                                 : _mm512_loadu_ps(partial + r * kStride + j * 16);
-    for (int64_t kp = kp0; kp < kp1; ++kp) {
-        __m512bh wv[NB];
-        for (int j = 0; j < NB; ++j)
-            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * op.block_stride + kp * 32);
-        for (int r = 0; r < MR; ++r) {
-            const __m512bh a = pair_of(x + r * op.x_stride, kp, op.k);
-            for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
-        }
-    }
-    if (kp1 < k_pairs) {
-        for (int r = 0; r < MR; ++r)
-            for (int j = 0; j < NB; ++j)
-                _mm512_storeu_ps(partial + r * kStride + j * 16, acc[r][j]);
-        return;
-    }
-    for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < NB; ++j) {
-            __m512 v = acc[r][j];
-            if (op.bias != nullptr)
-                v = _mm512_add_ps(v, _mm512_loadu_ps(op.bias + (b + j) * 16));
-            store_row(op.out + (m + r) * op.n + (b + j) * 16, v, j == NB - 1 ? valid : 16);
-        }
-}
-
-template <int NB>
-static void rows_tile(int rows, const Operands& op, int64_t m, int64_t b, int64_t kp0,
-                      int64_t kp1, float* partial, int valid) {
-    switch (rows) {
-        case 6: return tile<6, NB>(op, m, b, kp0, kp1, partial, valid);
-        case 5: return tile<5, NB>(op, m, b, kp0, kp1, partial, valid);
-        case 4: return tile<4, NB>(op, m, b, kp0, kp1, partial, valid);
-        case 3: return tile<3, NB>(op, m, b, kp0, kp1, partial, valid);
-        case 2: return tile<2, NB>(op, m, b, kp0, kp1, partial, valid);
-        default: return tile<1, NB>(op, m, b, kp0, kp1, partial, valid);
-    }
-}
-
-// Output blocks [b0, b1) for every row: passes of rows, and within a pass each tile's weight
-// panel (up to kPairsPerPanel input pairs of 64 outputs) reused by every row of the pass.
-static void blocks(const Operands& op, int64_t rows, int64_t b0, int64_t b1) {
-    const int64_t k_pairs = (op.k + 1) / 2;
-    std::vector<float> partial(kRowsPerPass * kBlocksPerTile * 16);
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
-        const int64_t m1 = std::min(rows, m0 + kRowsPerPass);
-        for (int64_t b = b0; b < b1; b += kBlocksPerTile) {
-            const int nb = int(std::min<int64_t>(kBlocksPerTile, b1 - b));
-            const int valid = int(std::min<int64_t>(16, op.n - (b + nb - 1) * 16));
-            for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += kPairsPerPanel) {
-                const int64_t kp1 = std::min(k_pairs, kp0 + kPairsPerPanel);
-                for (int64_t m = m0; m < m1; m += kRowsPerTile) {
-                    const int mr = int(std::min<int64_t>(kRowsPerTile, m1 - m));
-                    float* part = partial.data() + (m - m0) * kBlocksPerTile * 16;
-                    switch (nb) {
-                        case 4: rows_tile<4>(mr, op, m, b, kp0, kp1, part, valid); break;
-                        case 3: rows_tile<3>(mr, op, m, b, kp0, kp1, part, valid); break;
-                        case 2: rows_tile<2>(mr, op, m, b, kp0, kp1, part, valid); break;
-                        default: rows_tile<1>(mr, op, m, b, kp0, kp1, part, valid);
-                    }
-                }
-            }
-        }
-    }
-}
-
-}  // namespace gemm512
-#pragma GCC pop_options
+#include "gemm_avx512.h"
+#include "gemm_amx.h"
 
 namespace {
 
@@ -892,17 +764,9 @@ bool runs_bf16_gemm() {
     return runs_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
-// [N, K] bfloat16 → the packed layout of gemm512 (see there), zero-padded to whole blocks.
-at::Tensor pack_weight(const at::Tensor& weight) {
-    TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                    weight.device().is_cpu(),
-                "weight must be a bfloat16 CPU matrix");
-    const at::Tensor w = weight.contiguous();
-    const int64_t n = w.size(0), k = w.size(1), blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
-    at::Tensor packed = at::zeros({blocks, k_pairs, 16, 2}, w.options());
-    const uint16_t* src = bf16(w);
-    uint16_t* dst = bf16_mut(packed);
+// [n, k] bfloat16 rows → gemm512's packed layout at `dst` (zeroed, whole blocks).
+void pack_rows(const uint16_t* src, int64_t n, int64_t k, uint16_t* dst) {
+    const int64_t blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b)
             for (int64_t lane = 0; lane < 16 && b * 16 + lane < n; ++lane) {
@@ -911,14 +775,95 @@ at::Tensor pack_weight(const at::Tensor& weight) {
                 for (int64_t i = 0; i < k; ++i) block[(i / 2) * 32 + i % 2] = row[i];
             }
     });
+}
+
+// [N, K] bfloat16 → the packed layout of gemm512 and the AMX GEMM, zero-padded to whole blocks.
+at::Tensor pack_weight(const at::Tensor& weight) {
+    TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                    weight.device().is_cpu(),
+                "weight must be a bfloat16 CPU matrix");
+    const at::Tensor w = weight.contiguous();
+    const int64_t n = w.size(0), k = w.size(1);
+    at::Tensor packed = at::zeros({(n + 15) / 16, (k + 1) / 2, 16, 2}, w.options());
+    pack_rows(bf16(w), n, k, bf16_mut(packed));
     return packed;
+}
+
+using BlocksFn = void (*)(const gemm512::Operands&, int64_t rows, int64_t b0, int64_t b1);
+
+// Rows times every block over torch's threads: threads take runs of whole 16-output blocks, at
+// least a tile's worth each, or for a layer of few outputs and many rows whole rows and every
+// output (no thread left a ragged share of a few blocks). A row's bits depend on neither.
+void spread(const gemm512::Operands& op, int64_t rows, int64_t blocks, BlocksFn run) {
+    const int64_t work = rows * op.k * 16;  // multiply-adds per block
+    const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
+    const int64_t threads = at::get_num_threads();
+    if (blocks < 32 * threads && rows >= 2 * gemm512::kRowsPerTile * threads) {
+        const int64_t per_thread = (rows + threads - 1) / threads;
+        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t part = begin; part < end; ++part) {
+                const int64_t m0 = part * per_thread, m1 = std::min(rows, m0 + per_thread);
+                if (m0 >= m1) continue;
+                gemm512::Operands rows_op = op;
+                rows_op.x = op.x + m0 * op.x_stride;
+                rows_op.out = op.out + m0 * op.n;
+                run(rows_op, m1 - m0, 0, blocks);
+            }
+        });
+        return;
+    }
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        run(op, rows, begin, end);
+    });
+}
+
+// The AMX GEMM serves only where the unit gives its documented arithmetic's bits on a small
+// problem (rows past a whole group, two block pairs' worth of outputs less a ragged block, two
+// tiles of K, a bias): checked once, in this process, before the first call.
+bool amx_verified() {
+    static const bool ok = [] {
+        if (!amx::runs_amx() || !runs_bf16_gemm()) return false;
+        constexpr int64_t m = 40, k = 64, n = 56, blocks = (n + 15) / 16;
+        std::vector<uint16_t> x(m * k), w(n * k), packed(blocks * 16 * k, 0);
+        std::vector<uint16_t> real(m * n), emulated(m * n);
+        std::vector<float> bias(blocks * 16, 0.0f);
+        uint32_t state = 12345;
+        auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+        // bfloat16 with exponents near 1 and mixed signs: every product matters to the sum.
+        for (auto& v : x) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
+        for (auto& v : w) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
+        for (int64_t o = 0; o < n; ++o) bias[o] = float(int(next() % 17) - 8) / 8.0f;
+        pack_rows(w.data(), n, k, packed.data());
+        gemm512::Operands op{x.data(), k, k, packed.data(), k / 2 * 32, bias.data(), real.data(), n};
+        amx::blocks<amx::Tiles>(op, m, 0, blocks);
+        op.out = emulated.data();
+        amx::blocks<amx::EmulatedTiles>(op, m, 0, blocks);
+        return real == emulated;
+    }();
+    return ok;
+}
+
+// The GEMM every projection runs on: "amx" where the unit is verified, else "avx512bf16"; a
+// test may narrow it (call before serving, never during a call).
+std::string& gemm_name() {
+    static std::string name = amx_verified() ? "amx" : "avx512bf16";
+    return name;
+}
+
+std::string select_gemm(const std::string& name) {
+    TORCH_CHECK(name == "avx512bf16" || (name == "amx" && amx_verified()),
+                "this CPU does not run the ", name, " GEMM");
+    gemm_name() = name;
+    return name;
 }
 
 // x [M, K] bfloat16 (unit inner stride) times a packed weight of N outputs, plus an optional
 // bias (any float dtype; float32 spares a conversion per call), added in float32 before the one
-// rounding to bfloat16.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
-                  const c10::optional<at::Tensor>& bias, int64_t n) {
+// rounding to bfloat16. `path`: the GEMM (gemm_name() when empty; "amx-emulated" for the tests);
+// the AMX GEMM takes a layer only when K is a multiple of 32, a fixed choice per layer.
+at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias, int64_t n, const std::string& path) {
     check_rows(x, "x");
     TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
                     packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
@@ -935,35 +880,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
         if (blocks * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
     }
     const float* b = bias ? bias32.data_ptr<float>() : nullptr;
-    const uint16_t *in = bf16(x), *w = bf16(packed);
-    uint16_t* o = bf16_mut(out);
-    const int64_t stride = x.stride(0);
-    // Threads take runs of whole 16-output blocks, at least a tile's worth each; a call too
-    // small to pay for a second thread runs on one.
-    const int64_t work = rows * k * 16;  // multiply-adds per block
-    const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
-    const gemm512::Operands op{in, stride, k, w, (k + 1) / 2 * 32, b, o, n};
-    const int64_t threads = at::get_num_threads();
-    if (blocks < 32 * threads && rows >= 2 * gemm512::kRowsPerTile * threads) {
-        // Few outputs, many rows: each thread takes whole rows and every output, so no thread
-        // is left a ragged share of a few blocks. A row's bits do not depend on its tile.
-        const int64_t per_thread = (rows + threads - 1) / threads;
-        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t part = begin; part < end; ++part) {
-                const int64_t m0 = part * per_thread, m1 = std::min(rows, m0 + per_thread);
-                if (m0 >= m1) continue;
-                gemm512::Operands rows_op = op;
-                rows_op.x = in + m0 * stride;
-                rows_op.out = o + m0 * n;
-                gemm512::blocks(rows_op, m1 - m0, 0, blocks);
-            }
-        });
-        return out;
+    const gemm512::Operands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
+                               b,       bf16_mut(out), n};
+    const std::string& chosen = path.empty() ? gemm_name() : path;
+    if (chosen == "amx-emulated") {
+        TORCH_CHECK(k % 32 == 0, "the AMX GEMM takes K a multiple of 32");
+        spread(op, rows, blocks, &amx::blocks<amx::EmulatedTiles>);
+    } else if (chosen == "amx" && k % 32 == 0) {
+        TORCH_CHECK(amx_verified(), "this CPU does not run the amx GEMM");
+        spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
+    } else {
+        TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
+        spread(op, rows, blocks, &gemm512::blocks);
     }
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-        gemm512::blocks(op, rows, begin, end);
-    });
     return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t n) {
+    return linear_on(x, packed, bias, n, "");
 }
 
 std::string isa() {
@@ -983,4 +918,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("has_bf16_gemm", &runs_bf16_gemm);
     m.def("pack_weight", &pack_weight);
     m.def("linear", &linear);
+    m.def("linear_on", &linear_on);
+    m.def("gemm", [] { return gemm_name(); }, "the GEMM the projections run on: amx or avx512bf16");
+    m.def("select_gemm", &select_gemm);
+    m.def("runs_amx", &amx::runs_amx);
 }

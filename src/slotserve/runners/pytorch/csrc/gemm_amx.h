@@ -1,0 +1,248 @@
+// The projections' GEMM on AMX tiles (Intel Xeon, Sapphire Rapids and later; included once, by
+// cpu_kernels.cpp).
+//
+// The weight is packed as for gemm512: [N/16][K/2][16 outputs][2 inputs], which is already the
+// layout of an AMX B tile: sixteen input pairs (rows) of sixteen outputs (64 bytes each), one
+// tile every sixteen pairs of a block. Each `tdpbf16ps` takes a 16-row A tile (32 inputs of
+// sixteen rows) and a B tile and adds to a 16x16 float32 C tile; C waits in its tile across
+// the whole of K, and is rounded once to bfloat16 after the bias is added.
+//
+// Invariance: every output sums its inputs the same way whatever M is, which row tile a row
+// falls in, its neighbours and the thread count: tiles of sixteen input pairs from k = 0
+// upwards, each tile's contribution as the instruction defines it (Intel SDM, TDPBF16PS: the
+// even and the odd products of the tile summed apart from zero in fused steps, then their sum
+// added to C; denormals flushed). Rows are padded to whole tiles with zeros (a padded row never
+// touches a real one), never computed another way. Only K decides whether a layer runs here (a
+// multiple of 32, else gemm512 serves it): a fixed choice per layer, never by M.
+//
+// That is not VDPBF16PS's order (each product added in turn), so an AMX host's last bits may
+// differ from an AVX512-BF16 host's; each path is batch-invariant on its own.
+//
+// Tiles: `Tiles` is the real unit (inline assembly: GCC 12's `_tile_loadconfig` declares an
+// 8-byte memory operand and drops the stores of the 64-byte configuration as dead, the bug that
+// crashes ggml's AMX kernel) or `EmulatedTiles`, the SDM's arithmetic in scalar fused steps:
+// the same kernel code runs on any CPU for the tests, and at load the real unit must give the
+// emulation's bits on a small problem before it serves (`amx_verified`).
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
+
+namespace amx {
+
+constexpr int kRows = 16;       // rows of an A or C tile
+constexpr int kPairs = 16;      // input pairs one instruction reduces (A: 16 x 64 bytes)
+constexpr int kLanes = 16;      // outputs of a block: columns of a C tile
+constexpr int kRowTiles = 2;    // C tiles 0..3 are [row tile][block]; A tiles 4, 5; B tiles 6, 7
+constexpr int kBlockTiles = 2;
+constexpr int kGroupRows = kRows * kRowTiles;
+
+using Operands = gemm512::Operands;  // the same packed weight, inputs and outputs
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved0[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: the only shape this kernel uses.
+inline TileConfig full_tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = kRows;
+    }
+    return config;
+}
+
+// The hardware unit. Tile numbers are immediates (`%c`); each instruction is volatile with a
+// memory clobber, so loads see the padding written before them.
+struct Tiles {
+    Tiles() {
+        static const TileConfig config = full_tiles();
+        asm volatile("ldtilecfg %0" ::"m"(config));
+    }
+    ~Tiles() { asm volatile("tilerelease" ::: "memory"); }
+    Tiles(const Tiles&) = delete;
+    Tiles& operator=(const Tiles&) = delete;
+    template <int T>
+    void zero() {
+        asm volatile("tilezero %%tmm%c0" ::"i"(T));
+    }
+    template <int T>
+    void load(const void* p, int64_t stride) {
+        asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+    }
+    template <int T>
+    void store(void* p, int64_t stride) {
+        asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+    }
+    template <int C, int A, int B>
+    void dot() {
+        asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+    }
+};
+
+static inline float bf16_in(uint16_t bits) {  // input denormals are zero, as the unit reads them
+    const uint32_t word = (bits & 0x7f80) == 0 ? uint32_t(bits & 0x8000) << 16 : uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    return f;
+}
+
+static inline float flushed(float f) {  // output denormals are zero
+    return std::fabs(f) < 1.17549435e-38f ? std::copysign(0.0f, f) : f;
+}
+
+// The SDM's TDPBF16PS in scalar fused steps, on tiles held in memory.
+struct EmulatedTiles {
+    alignas(64) uint8_t reg[8][kRows][64];
+
+    template <int T>
+    void zero() {
+        std::memset(reg[T], 0, sizeof(reg[T]));
+    }
+    template <int T>
+    void load(const void* p, int64_t stride) {
+        for (int r = 0; r < kRows; ++r)
+            std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64);
+    }
+    template <int T>
+    void store(void* p, int64_t stride) {
+        for (int r = 0; r < kRows; ++r)
+            std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64);
+    }
+    template <int C, int A, int B>
+    void dot() {
+        for (int m = 0; m < kRows; ++m) {
+            uint16_t a[2 * kPairs];
+            float c[kLanes], even[kLanes] = {}, odd[kLanes] = {};
+            std::memcpy(a, reg[A][m], sizeof(a));
+            std::memcpy(c, reg[C][m], sizeof(c));
+            for (int k = 0; k < kPairs; ++k) {
+                uint16_t b[2 * kLanes];
+                std::memcpy(b, reg[B][k], sizeof(b));
+                for (int n = 0; n < kLanes; ++n) {
+                    even[n] = flushed(std::fma(bf16_in(a[2 * k]), bf16_in(b[2 * n]), even[n]));
+                    odd[n] = flushed(std::fma(bf16_in(a[2 * k + 1]), bf16_in(b[2 * n + 1]), odd[n]));
+                }
+            }
+            for (int n = 0; n < kLanes; ++n) c[n] = flushed(c[n] + flushed(even[n] + odd[n]));
+            std::memcpy(reg[C][m], c, sizeof(c));
+        }
+    }
+};
+
+// Round to nearest even, as c10::BFloat16 does (NaN becomes the canonical quiet NaN).
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if (std::isnan(f)) return 0x7fc0;
+    return uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// C tile [r][j] of a group of `R` row tiles and `J` blocks: the sum over every tile of K of
+// A tile r times B tile j. `a`: the group's rows (R x 16 of them), `a_stride` elements apart.
+template <class T, int R, int J>
+static void group_sums(T& t, const Operands& op, const uint16_t* a, int64_t a_stride, int64_t b,
+                       float (&c)[kGroupRows][kBlockTiles * kLanes]) {
+    t.template zero<0>();
+    if constexpr (J > 1) t.template zero<1>();
+    if constexpr (R > 1) t.template zero<2>();
+    if constexpr (R > 1 && J > 1) t.template zero<3>();
+    const uint16_t* w = op.w + b * op.block_stride;
+    for (int64_t kp = 0; kp < op.k / 2; kp += kPairs) {
+        t.template load<4>(a + 2 * kp, a_stride * 2);
+        if constexpr (R > 1) t.template load<5>(a + kRows * a_stride + 2 * kp, a_stride * 2);
+        t.template load<6>(w + kp * 2 * kLanes, 64);
+        if constexpr (J > 1) t.template load<7>(w + op.block_stride + kp * 2 * kLanes, 64);
+        t.template dot<0, 4, 6>();
+        if constexpr (J > 1) t.template dot<1, 4, 7>();
+        if constexpr (R > 1) t.template dot<2, 5, 6>();
+        if constexpr (R > 1 && J > 1) t.template dot<3, 5, 7>();
+    }
+    constexpr int64_t kStride = kBlockTiles * kLanes * sizeof(float);
+    t.template store<0>(&c[0][0], kStride);
+    if constexpr (J > 1) t.template store<1>(&c[0][kLanes], kStride);
+    if constexpr (R > 1) t.template store<2>(&c[kRows][0], kStride);
+    if constexpr (R > 1 && J > 1) t.template store<3>(&c[kRows][kLanes], kStride);
+}
+
+// Rows [m, m + rows) of blocks [b, b + blocks): the bias added and each output rounded once.
+static void store_group(const Operands& op, const float (&c)[kGroupRows][kBlockTiles * kLanes],
+                        int64_t m, int rows, int64_t b, int blocks) {
+    const int64_t first = b * kLanes, last = std::min(op.n, (b + blocks) * kLanes);
+    for (int r = 0; r < rows; ++r)
+        for (int64_t o = first; o < last; ++o) {
+            float v = c[r][o - first];
+            if (op.bias != nullptr) v += op.bias[o];
+            op.out[(m + r) * op.n + o] = round_bf16(v);
+        }
+}
+
+template <class T, int J>
+static void group(T& t, const Operands& op, const uint16_t* a, int64_t a_stride, int64_t m,
+                  int rows, int64_t b) {
+    float c[kGroupRows][kBlockTiles * kLanes];
+    if (rows > kRows)
+        group_sums<T, 2, J>(t, op, a, a_stride, b, c);
+    else
+        group_sums<T, 1, J>(t, op, a, a_stride, b, c);
+    store_group(op, c, m, rows, b, J);
+}
+
+// Every row against blocks [b0, b1): blocks two by two, rows 32 by 32 within them (the blocks'
+// weights stay in cache while the rows pass). The last group's rows, if fewer than whole tiles,
+// are copied once into zero-padded scratch, so no tile reads past the input.
+template <class T>
+static void blocks(const Operands& op, int64_t rows, int64_t b0, int64_t b1) {
+    T t;
+    const int64_t whole = rows / kGroupRows * kGroupRows;
+    const int tail = int(rows - whole);
+    std::vector<uint16_t> padded;
+    if (tail > 0) {
+        const int tail_rows = (tail + kRows - 1) / kRows * kRows;
+        padded.assign(size_t(tail_rows) * op.k, 0);
+        for (int r = 0; r < tail; ++r)
+            std::memcpy(&padded[size_t(r) * op.k], op.x + (whole + r) * op.x_stride, op.k * 2);
+    }
+    for (int64_t b = b0; b < b1; b += kBlockTiles) {
+        const bool pair = b + 1 < b1;
+        for (int64_t m = 0; m < rows; m += kGroupRows) {
+            const bool is_tail = m == whole;
+            const uint16_t* a = is_tail ? padded.data() : op.x + m * op.x_stride;
+            const int64_t stride = is_tail ? op.k : op.x_stride;
+            const int n_rows = is_tail ? tail : kGroupRows;
+            if (pair)
+                group<T, 2>(t, op, a, stride, m, n_rows, b);
+            else
+                group<T, 1>(t, op, a, stride, m, n_rows, b);
+        }
+    }
+}
+
+// AMX-BF16 present, enabled by the OS, and this process allowed to use its tile data (Linux
+// asks every process to request it: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+inline bool runs_amx() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+        if (!tile || !bf16 || !__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;
+        uint32_t lo, hi;
+        asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA
+#ifdef SYS_arch_prctl
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+        return false;
+#endif
+    }();
+    return ok;
+}
+
+}  // namespace amx
