@@ -31,6 +31,8 @@ DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
 
 # (dest, flags, SLOTSERVE_ variable, default with no variable set) of every serve flag.
 SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
+    ("admin_api_key", ("--admin-api-key",), "ADMIN_API_KEY", None),
+    ("admin_routes", ("--admin-routes",), "ADMIN_ROUTES", "auto"),
     ("api_key", ("--api-key",), "API_KEY", None),
     ("block_size", ("--block-size",), "BLOCK_SIZE", 16),
     ("chat_template", ("--chat-template",), "CHAT_TEMPLATE", None),
@@ -93,6 +95,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ),
     ("runner", ("--runner",), "RUNNER", "auto"),
     ("served_model_name", ("--served-model-name",), "SERVED_MODEL_NAME", None),
+    ("repack", ("--repack",), "REPACK", "auto"),
     ("shutdown_timeout", ("--shutdown-timeout",), "SHUTDOWN_TIMEOUT", 30.0),
     ("slots", ("--slots",), "SLOTS", 8),
     ("slow_queue_warn", ("--slow-queue-warn",), "SLOW_QUEUE_WARN", 30.0),

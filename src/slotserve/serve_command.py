@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 from pathlib import Path
 
 from slotserve.models.launch import build_launch, launch_factory, startup_models
 from slotserve.serve_config import ServeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -34,6 +37,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     from slotserve.models.registry import ModelRegistry
     from slotserve.models.source import ModelUnavailableError
+    from slotserve.server.admin_access import admin_access
     from slotserve.server.app import create_app
     from slotserve.server.connections import KEEP_ALIVE_S, HttpProtocol, raise_open_file_limit
     from slotserve.server.lifecycle import GracefulServer
@@ -69,8 +73,10 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         registry,
         metrics,
         api_key=server.api_key or None,
+        admin=admin_access(server.host, server.api_key, server.admin_api_key, server.admin_routes),
         max_request_bytes=server.max_request_bytes,
     )
+    logger.info("%s", ctx.admin.describe())
     raise_open_file_limit()  # one descriptor per client connection
     uvicorn_config = uvicorn.Config(
         create_app(ctx),

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ROUTING_POLICIES = ("prefix", "round-robin", "pow2")  # replicas/routing.py builds each
+ROUTING_POLICIES = ("prefix", "round-robin", "pow2")
+ADMIN_ROUTES = (
+    "auto",
+    "open",
+    "off",
+)  # server/admin_access.py applies them  # replicas/routing.py builds each
 # Not an option: it configures nothing, and vLLM command lines carry it.
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is always on"
@@ -39,6 +44,18 @@ class ServerConfig:
         help="require 'Authorization: Bearer KEY' on /v1 and /admin routes (health, readiness "
         "and metrics stay open); prefer the SLOTSERVE_API_KEY environment variable, which "
         "process listings do not show",
+    )
+    admin_api_key: str | None = option(
+        None,
+        help="a key apart for the admin routes (reload, load and unload models, flush the "
+        "cache): required on them, where --api-key then no longer opens them; prefer the "
+        "SLOTSERVE_ADMIN_API_KEY environment variable",
+    )
+    admin_routes: str = option(
+        "auto",
+        choices=ADMIN_ROUTES,
+        help="the admin routes when no key guards them: auto: open on a loopback bind, 403 on "
+        "any other; open: open to anyone who reaches the port; off: 403 whatever the keys",
     )
     shutdown_timeout: float = option(
         30.0,

@@ -54,6 +54,7 @@ def serve_replicas(config: ServeConfig, argv: list[str]) -> int:
 
     from slotserve.replicas.ingress import Ingress
     from slotserve.replicas.replica import EngineReplica
+    from slotserve.server.admin_access import admin_access
     from slotserve.server.log_context import configure_logging
 
     replicas, server, limits = config.replicas, config.server, config.launch.engine
@@ -85,11 +86,18 @@ def serve_replicas(config: ServeConfig, argv: list[str]) -> int:
     ingress = cast(Deployment, serve.deployment(Ingress)).options(
         name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
+    # The replicas listen on loopback, where no key leaves the admin routes open: the rule the
+    # ingress's bind sets is theirs.
+    access = admin_access(server.host, server.api_key, server.admin_api_key, server.admin_routes)
+    logger.info("%s", access.describe())
+    serve_argv = replica_argv(argv) + (
+        ["--admin-routes", "off"] if access.rule == "refused" else []
+    )
     stop = threading.Event()
     try:
         serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(
-            ingress.bind(engine.bind(replica_argv(argv))),
+            ingress.bind(engine.bind(serve_argv)),
             name=APP_NAME,
             route_prefix="/",
             blocking=False,

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.engine.prefix_cache.base import PrefixCacheStats
 from slotserve.models.host import ModelState
+from slotserve.server.admin_access import ADMIN_PREFIXES, AdminAccessMiddleware
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from slotserve.server.anthropic.serving import count_tokens, create_message
 from slotserve.server.embeddings import EmbeddingRequest, create_embeddings
@@ -93,11 +94,13 @@ def create_app(ctx: ServingContext) -> FastAPI:
             await models.stop()
 
     app = FastAPI(title="slotserve", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(AdminAccessMiddleware, access=ctx.admin)
     if ctx.api_key:
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=ctx.api_key,
             on_refused=lambda: ctx.count_error(401, "invalid_request_error"),
+            exempt=ADMIN_PREFIXES if ctx.admin.decides_alone else (),
         )
     # Before the API key: a huge body is refused without reading it, authorized or not.
     app.add_middleware(

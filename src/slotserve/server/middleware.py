@@ -61,52 +61,74 @@ class RequestIdMiddleware:
             current_request_id.reset(token)
 
 
+def presented_keys(scope: Scope) -> list[bytes]:
+    """The keys a request offers: ``Authorization: Bearer <key>`` and Anthropic's
+    ``x-api-key: <key>`` (SDKs set one and may leave a placeholder in the other)."""
+    presented: list[bytes] = []
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer":
+                presented.append(token.strip())
+        elif name == b"x-api-key":
+            presented.append(value.strip())
+    return presented
+
+
+def holds_key(presented: list[bytes], key: bytes) -> bool:
+    """Whether any presented key is ``key``, compared in constant time."""
+    return any(hmac.compare_digest(candidate, key) for candidate in presented)
+
+
+async def refuse_key(send: Send, path: str, presented: list[bytes], what: str) -> None:
+    """A 401 for a missing or wrong key; the key is never logged or echoed."""
+    if not presented:
+        message = (
+            f"You didn't provide an {what}. You need to provide your {what} in an "
+            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY) "
+            "or in an x-api-key header."
+        )
+    else:
+        message = f"Incorrect {what} provided."
+    await send_refusal(
+        send, path, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
+    )
+
+
 class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>`` on the API
     (``/v1/...``), model management (``/models``, ``/models/load``, ``/models/unload``) and
-    admin routes; health, readiness and metrics stay open for probes and scrapers. A refusal
-    is a 401 in OpenAI's shape, or Anthropic's on the Messages API. The key is compared in
-    constant time and never logged or echoed."""
+    admin routes but those ``exempt`` (guarded by the admin key instead); health, readiness
+    and metrics stay open for probes and scrapers. A refusal is a 401 in OpenAI's shape, or
+    Anthropic's on the Messages API."""
 
     PROTECTED = ("/v1/", "/admin/", "/models", "/tokenize", "/detokenize")
 
     def __init__(
-        self, app: ASGIApp, api_key: str, on_refused: Callable[[], None] | None = None
+        self,
+        app: ASGIApp,
+        api_key: str,
+        on_refused: Callable[[], None] | None = None,
+        exempt: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self._key = api_key.encode()
         self._on_refused = on_refused
+        self._exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(self.PROTECTED):
+        guarded = path.startswith(self.PROTECTED) and not path.startswith(self._exempt)
+        if scope["type"] != "http" or not guarded:
             await self.app(scope, receive, send)
             return
-        presented: list[bytes] = []
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    presented.append(token.strip())
-            elif name == b"x-api-key":
-                presented.append(value.strip())
-        # Either header may hold the key: SDKs set one and may leave a placeholder in the other.
-        if any(hmac.compare_digest(key, self._key) for key in presented):
+        presented = presented_keys(scope)
+        if holds_key(presented, self._key):
             await self.app(scope, receive, send)
             return
         if self._on_refused is not None:
             self._on_refused()
-        if not presented:
-            message = (
-                "You didn't provide an API key. You need to provide your API key in an "
-                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY) "
-                "or in an x-api-key header."
-            )
-        else:
-            message = "Incorrect API key provided."
-        await send_refusal(
-            send, path, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
-        )
+        await refuse_key(send, path, presented, "API key")
 
 
 class BodyLimitMiddleware:

@@ -13,6 +13,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.models.host import LoadedModel, ModelHost
 from slotserve.models.registry import ModelRegistry
 from slotserve.protocol.chat_template import ChatTemplate
+from slotserve.server.admin_access import LOOPBACK_OPEN, AdminAccess
 from slotserve.server.metrics import ServerMetrics
 
 # Ordinary text takes 4 to 8 bytes a token as JSON; 32 leaves room for dense escapes (up to 12
@@ -26,6 +27,7 @@ class ServingContext:
     models: ModelRegistry
     metrics: ServerMetrics
     api_key: str | None = None
+    admin: AdminAccess = LOOPBACK_OPEN  # who may call the admin routes
     max_request_bytes: int | None = None  # None: derived from the loaded models' contexts
     created: int = field(default_factory=lambda: int(time.time()))
 
