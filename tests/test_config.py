@@ -95,6 +95,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ),
     ("runner", ("--runner",), "RUNNER", "auto"),
     ("served_model_name", ("--served-model-name",), "SERVED_MODEL_NAME", None),
+    ("otlp_traces_endpoint", ("--otlp-traces-endpoint",), "OTLP_TRACES_ENDPOINT", None),
     ("repack", ("--repack",), "REPACK", "auto"),
     ("shutdown_timeout", ("--shutdown-timeout",), "SHUTDOWN_TIMEOUT", 30.0),
     ("slots", ("--slots",), "SLOTS", 8),

@@ -44,6 +44,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
     from slotserve.server.serving import ServingContext
+    from slotserve.server.tracing import observe_both, request_tracer
 
     server, models = config.server, config.models
     configure_logging(server.log_level)
@@ -54,9 +55,12 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         models_dir = Path(models.models_dir) if models.models_dir else None
         if models_dir is not None and not models_dir.is_dir():
             raise ValueError(f"--models-dir {models_dir} is not a folder")
+        tracer = (
+            request_tracer(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None
+        )
         registry = ModelRegistry(
             launch_factory(config.launch),
-            on_outputs=metrics.observe,
+            on_outputs=metrics.observe if tracer is None else observe_both(metrics, tracer),
             models_dir=models_dir,
             autoload=models.models_autoload,
             models_max=models.models_max,
@@ -75,6 +79,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         api_key=server.api_key or None,
         admin=admin_access(server.host, server.api_key, server.admin_api_key, server.admin_routes),
         max_request_bytes=server.max_request_bytes,
+        tracer=tracer,
     )
     logger.info("%s", ctx.admin.describe())
     raise_open_file_limit()  # one descriptor per client connection

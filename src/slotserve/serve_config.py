@@ -57,6 +57,12 @@ class ServerConfig:
         help="the admin routes when no key guards them: auto: open on a loopback bind, 403 on "
         "any other; open: open to anyone who reaches the port; off: 403 whatever the keys",
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        help="export a span per request (queue, prefill and decode times, tokens, cache "
+        "hits) over OTLP/HTTP to this URL, e.g. http://127.0.0.1:4318/v1/traces; the "
+        "request's W3C traceparent is continued (needs the tracing extra)",
+    )
     shutdown_timeout: float = option(
         30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they "

@@ -48,6 +48,7 @@ from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
 from slotserve.server.serving import ServingContext
+from slotserve.server.tracing import TracingMiddleware
 from slotserve.server.worker_routes import worker_routes
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -108,6 +109,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
         limit=ctx.request_bytes_limit,
         on_refused=lambda: ctx.count_error(413, "invalid_request_error"),
     )
+    if ctx.tracer is not None:  # inside the request id, which it names
+        app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
     app.add_middleware(RequestIdMiddleware)  # outermost: refusals carry the id too
     install_error_handlers(app, ctx.count_error)
 

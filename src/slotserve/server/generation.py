@@ -16,6 +16,7 @@ from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.server.errors import GenerationFailed
 from slotserve.server.events import Usage
+from slotserve.server.tracing import note_submitted
 
 
 def submit_prompts(
@@ -28,6 +29,7 @@ def submit_prompts(
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
             streams.append(engine.submit(rid, prompt, params))
+            note_submitted(streams[-1].request_id)
     except BaseException:
         for stream in streams:
             stream.close()

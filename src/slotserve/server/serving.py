@@ -15,6 +15,7 @@ from slotserve.models.registry import ModelRegistry
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.server.admin_access import LOOPBACK_OPEN, AdminAccess
 from slotserve.server.metrics import ServerMetrics
+from slotserve.server.tracing import RequestTracer
 
 # Ordinary text takes 4 to 8 bytes a token as JSON; 32 leaves room for dense escapes (up to 12
 # bytes a character) and for batches of prompts; the floor covers small contexts.
@@ -28,6 +29,7 @@ class ServingContext:
     metrics: ServerMetrics
     api_key: str | None = None
     admin: AdminAccess = LOOPBACK_OPEN  # who may call the admin routes
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     max_request_bytes: int | None = None  # None: derived from the loaded models' contexts
     created: int = field(default_factory=lambda: int(time.time()))
 
