@@ -9,6 +9,9 @@ projection's input as the runner does without the kernels (batch invariance); th
 GEMM needs no split. With ``--shapes``, single matmuls of larger models' shapes through each.
 
     python benchmarks/cpu_limits.py --threads 2
+
+The result names the CPU (model name, and whether it has AMX-BF16 and AVX512-BF16) and which of
+our GEMMs served (``amx`` or ``avx512bf16``): figures belong to one CPU kind.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -114,6 +118,22 @@ def larger_shapes(kernels: CpuKernels) -> list[dict[str, float]]:
     return rows
 
 
+def cpu_identity() -> dict[str, object]:
+    """The CPU's model name and the flags that decide which GEMM serves."""
+    model, flags = "unknown", set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith("model name") and model == "unknown":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {"model": model, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=0)
@@ -129,12 +149,14 @@ def main() -> None:
     peaks = {name: matmul_peak(k) for name, k in paths.items()}
     peak = max(peaks.values())
     result: dict[str, object] = {
+        "cpu": cpu_identity(),
+        "gemm": kernels.gemm if kernels is not None else "none",
         "threads": torch.get_num_threads(),
         "memory_gb_s": bandwidth,
         "bf16_matmul_gflop_s": peaks,
     }
     for name, k in paths.items():
-        steps = [projections(rows, k) for rows in (1, 16, 64)]
+        steps = [projections(rows, k) for rows in (1, 16, 64, 512)]
         result[f"projections_{name}"] = steps
         result[f"{name}_fraction_of_bandwidth_at_1_row"] = steps[0]["weight_gb_s"] / bandwidth
         result[f"{name}_fraction_of_peak_at_64_rows"] = steps[2]["gflop_s"] / peak
