@@ -17,7 +17,7 @@ from slotserve.engine.sampling_defaults import SamplingDefaults
 from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
-from slotserve.runners.specs import REPACK_CHOICES
+from slotserve.runners.llama_cpp import REPACK_CHOICES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

@@ -15,10 +15,6 @@ if TYPE_CHECKING:
     from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
 
 
-# --repack: ggml's extra weight buffer types on, off, or on where they are safe (llama_cpp/cpu.py).
-REPACK_CHOICES = ("auto", "on", "off")
-
-
 @dataclass(frozen=True)
 class LlamaCppSpec:
     model_path: Path
