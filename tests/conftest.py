@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model, and a real server spawned on loopback."""
+"""Shared fixtures: the embedded model, and a real server spawned on loopback; and which tests
+are `slow`, the ones `make test-fast` leaves out."""
 
 from __future__ import annotations
 
@@ -19,6 +20,40 @@ from slotserve import parent_death
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from slotserve.models.source import ModelUnavailableError, embedded_model_path
+
+# NOTE: the fast tier (`make test-fast`) is every test not marked `slow`, and a test is slow when
+# it needs a real model or a spawned server. The hook below marks it by its fixtures, so a new
+# test of that kind joins the slow tier without anyone remembering to say so: a real model is
+# `model_path`, `gemma_path` or `hf_checkpoint`, or one of the fixtures that load one without
+# naming those (`any_runner` and test_torch_cuda's `tokenizer_dir` reach theirs through
+# request.getfixturevalue; test_embeddings' `encoder` is MiniLM); a spawned server is any
+# fixture named `server` or `*_server`. Fixtures rather than paths, because one module often
+# holds both kinds (kernel checks beside whole-model runs in tests/runner, parsers beside the
+# real tokenizer); rather than a `pytestmark` per module, because that is what a new slow module
+# would forget. A test that calls start_server itself says `slow` in its own marks, and
+# start_server refuses to run in a test not marked slow, so none slips into the fast tier.
+REAL_MODEL_FIXTURES = frozenset(
+    {"model_path", "gemma_path", "hf_checkpoint", "any_runner", "tokenizer_dir", "encoder"}
+)
+
+
+def _needs_model_or_server(item: pytest.Item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    return any(n in REAL_MODEL_FIXTURES or n == "server" or n.endswith("_server") for n in names)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _needs_model_or_server(item):
+            item.add_marker(pytest.mark.slow)
+
+
+_running: dict[str, pytest.Item] = {}  # the test being set up or run, for start_server's check
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running["item"] = item
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +101,12 @@ def start_server(
 ) -> ServerProcess:
     """Spawns ``python -m module serve --port P *args`` and waits (bounded) until it is
     ``"ready"`` (``/ready`` answers 200) or only ``"listening"`` (``/health`` answers)."""
+    item = _running.get("item")
+    if item is not None and item.get_closest_marker("slow") is None:
+        raise RuntimeError(
+            f"{item.nodeid} spawns a server but is not marked slow: give it (or its module's "
+            "pytestmark) pytest.mark.slow, or its server fixture a name ending in `server`"
+        )
     port = _free_port()
     log_path = tmp_dir / f"server-{port}.log"
     # A server outlives nothing: if pytest dies, even of a signal, the kernel ends it.

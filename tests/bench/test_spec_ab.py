@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from slotserve.cli import main
+
+pytestmark = pytest.mark.slow  # two real servers, started by the bench itself
 
 
 def test_bench_speculative_pairs_on_and_off(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 
+pytestmark = pytest.mark.slow  # its tests start servers of their own
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPTS = [
     "The capital of France is",

@@ -9,7 +9,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -34,6 +34,8 @@ def chat_body(content: str, max_tokens: int = 1) -> dict[str, object]:
 
 
 BIG_CHAT = json.dumps(chat_body("hello " * (BIG // 6))).encode()
+# The length stated, so the body streamed from uploading() goes out as bytes would, not chunked.
+BIG_HEADERS = {"content-type": "application/json", "content-length": str(len(BIG_CHAT))}
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +66,22 @@ def small_chat(probe: httpx.Client) -> float:
     return time.monotonic() - started
 
 
+def uploading(body: bytes, begun: threading.Event, piece: int = 2**20) -> Iterator[bytes]:
+    """``body`` in pieces, for a request that states its Content-Length (so it is sent as the
+    bytes themselves are, not chunked); sets ``begun`` once the first piece has been written,
+    after the request line and headers."""
+    for start in range(0, len(body), piece):
+        yield body[start : start + piece]
+        begun.set()
+
+
 def under_load(
-    server: ServerProcess, send_big: Callable[[httpx.Client], httpx.Response], probes: int = 20
+    server: ServerProcess, probes: int = 20
 ) -> tuple[list[httpx.Response], list[float], list[float], tuple[float, float]]:
-    """Big requests from ``SENDERS`` threads, one after another, while this thread times
-    ``probes`` rounds of /health and a small chat request; returns the big answers and both
-    probes' latencies, and their medians before the load."""
+    """``BIG_CHAT`` posted from ``SENDERS`` threads, one after another, while this thread times
+    ``probes`` rounds of /health and a small chat request, from when every sender's first
+    upload is on the wire; returns the big answers and both probes' latencies, and their
+    medians before the load."""
     with httpx.Client(base_url=server.base_url, timeout=60) as probe:
         probe.get("/health")  # connect before timing
         idle = (
@@ -80,21 +92,27 @@ def under_load(
     lock = threading.Lock()
     done = threading.Event()
 
-    def sender() -> None:
+    def sender(begun: threading.Event) -> None:
         with httpx.Client(timeout=120) as client:
             while not done.is_set():
-                answer = send_big(client)
+                body = uploading(BIG_CHAT, begun)
+                answer = client.post(
+                    f"{server.api_url}/chat/completions", content=body, headers=BIG_HEADERS
+                )
                 with lock:
                     answers.append(answer)
 
-    threads = [threading.Thread(target=sender, daemon=True) for _ in range(SENDERS)]
+    uploads = [threading.Event() for _ in range(SENDERS)]
+    threads = [threading.Thread(target=sender, args=(e,), daemon=True) for e in uploads]
     for thread in threads:
         thread.start()
     healths: list[float] = []
     chats: list[float] = []
     with httpx.Client(base_url=server.base_url, timeout=60) as probe:
         probe.get("/health")  # connect before timing
-        time.sleep(0.2)  # the big uploads are under way
+        deadline = time.monotonic() + 60
+        for begun in uploads:  # the big uploads are under way
+            assert begun.wait(max(0.0, deadline - time.monotonic())), "an upload never began"
         while len(healths) < probes or len(answers) < SENDERS:
             healths.append(health(probe))
             chats.append(small_chat(probe))
@@ -127,11 +145,7 @@ def assert_fast(
 def test_a_body_over_the_limit_is_a_413_and_the_loop_stays_free(
     default_server: ServerProcess,
 ) -> None:
-    url = f"{default_server.api_url}/chat/completions"
-    headers = {"content-type": "application/json"}
-    answers, healths, chats, idle = under_load(
-        default_server, lambda c: c.post(url, content=BIG_CHAT, headers=headers)
-    )
+    answers, healths, chats, idle = under_load(default_server)
     assert len(answers) >= SENDERS
     for answer in answers:
         assert answer.status_code == 413, answer.text
@@ -181,11 +195,7 @@ def test_the_messages_api_gets_anthropics_413(default_server: ServerProcess) -> 
 def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
     roomy_server: ServerProcess,
 ) -> None:
-    url = f"{roomy_server.api_url}/chat/completions"
-    headers = {"content-type": "application/json"}
-    answers, healths, chats, idle = under_load(
-        roomy_server, lambda c: c.post(url, content=BIG_CHAT, headers=headers)
-    )
+    answers, healths, chats, idle = under_load(roomy_server)
     for answer in answers:
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]

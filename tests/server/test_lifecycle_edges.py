@@ -27,6 +27,8 @@ from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 from tests.prompts import PROMPTS
 from tests.server.gated_serve import GATE_ENV
 
+pytestmark = pytest.mark.slow  # its tests start servers of their own
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # Long enough that a stream is still generating whatever the machine's speed when the test acts
 # on it (several seconds of decoding on the 2-core CI machine), short of every slot's context.

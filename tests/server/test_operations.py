@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 
+pytestmark = pytest.mark.slow  # its tests start servers of their own
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 

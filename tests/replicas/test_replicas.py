@@ -18,7 +18,7 @@ from openai import OpenAI
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[replicas]')")
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]  # Ray Serve, two replicas
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # Long enough (~90 tokens) that a cache hit shows in cached_tokens.

@@ -1,6 +1,6 @@
 """The model registry's rules with the fake runner (the real models are served in
-test_multi_model.py): how ``--models-dir`` names models, the memory pre-flight, which model
-``--models-max`` unloads, and requests during a load."""
+tests/server/test_multi_model.py): how ``--models-dir`` names models, the memory pre-flight,
+which model ``--models-max`` unloads, and requests during a load."""
 
 from __future__ import annotations
 
