@@ -10,13 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slotserve.engine.runner_interface import MemoryNeed, Runner, RunnerFrontend
+from slotserve.runners.llama_cpp.repack import REPACK_CHOICES as REPACK_CHOICES
 
 if TYPE_CHECKING:
     from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
-
-
-# --repack: ggml's extra weight buffer types on, off, or on where they are safe (llama_cpp/cpu.py).
-REPACK_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
