@@ -27,8 +27,9 @@ from slotserve.server.errors import (
     failure_error,
 )
 from slotserve.server.events import fold
+from slotserve.server.openai.chat_prompt import render_chat, start_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest
-from slotserve.server.pipeline import ChatGeneration, render_chat, start_chat
+from slotserve.server.pipeline import ChatGeneration
 from slotserve.server.serving import ServingContext
 
 # The engine ends a request with "abort" when the server shuts down under it.

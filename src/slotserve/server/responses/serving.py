@@ -23,8 +23,9 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.models.host import LoadedModel
 from slotserve.server.errors import ErrorCounter, GenerationFailed, error_response, stream_error
 from slotserve.server.events import fold
+from slotserve.server.openai.chat_prompt import start_chat
 from slotserve.server.openai.shapes import chat_logprobs
-from slotserve.server.pipeline import ChatGeneration, start_chat
+from slotserve.server.pipeline import ChatGeneration
 from slotserve.server.responses.chat_request import (
     chat_request_of,
     input_messages,
