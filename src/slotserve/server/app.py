@@ -24,7 +24,6 @@ from slotserve.server.errors import (
     install_error_handlers,
     request_id_of,
 )
-from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -46,6 +45,7 @@ from slotserve.server.openapi import build_openapi
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
+from slotserve.server.scrape_metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.serving import ServingContext
 from slotserve.server.worker_routes import worker_routes
 
