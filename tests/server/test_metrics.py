@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.engine.prefix_cache.stats import PrefixCacheStats
 from slotserve.server import scrape_metrics
 
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.engine.prefix_cache.stats import PrefixCacheStats
 from slotserve.models.config import load_request_model
 from slotserve.models.host import ModelHost
 from slotserve.models.served import ModelState

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from slotserve.engine.core.stats import EngineStats, EngineTotals
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.engine.prefix_cache.stats import PrefixCacheStats
 from slotserve.server.metrics import (
     ENGINE_RESTARTS,
     ENGINE_STEP_SECONDS,
