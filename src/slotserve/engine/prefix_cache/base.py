@@ -139,8 +139,10 @@ class TreePrefixCache(Generic[H]):
         return True
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token."""
-        return self.tree.match_prefix(prompt[: len(prompt) - 1])
+        """The longest cached prefix of ``prompt`` without its last token, in the tree or, when
+        a saved state covers more of it, in the host tier (a ``TieredMatch``)."""
+        found = self.tree.match_prefix(prompt[: len(prompt) - 1])
+        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
 
     def evict_unused(self) -> int:
         """Gives back the least recently used unlocked leaf whatever the budget; returns the

@@ -95,12 +95,6 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
 
     # ---- admission --------------------------------------------------------------------------
 
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token, in the tree or in a
-        saved state."""
-        found = super().match(prompt)
-        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
-
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)  # free slots hold nothing: any will do
 

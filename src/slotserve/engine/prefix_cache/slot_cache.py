@@ -83,12 +83,6 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
 
     # ---- admission --------------------------------------------------------------------------
 
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token, in slots or in a
-        saved state."""
-        found = super().match(prompt)
-        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
-
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""
         return self._holders_of(match.node) if match.length else set()
