@@ -18,8 +18,8 @@ from slotserve.cli import build_parser
 from slotserve.config_docs import COMMAND, render
 from slotserve.engine.config import SpeculativeConfig
 from slotserve.models.config import LaunchConfig, RunnerConfig
-from slotserve.models.host import ModelLaunch
 from slotserve.models.registry import ModelRegistry
+from slotserve.models.served import ModelLaunch
 from slotserve.options import ENV_PREFIX, CacheBudget
 from slotserve.serve_config import ServeConfig
 from slotserve.server.app import create_app

@@ -22,6 +22,13 @@ ENGINE_BASE = "slotserve.engine"
 UPPER = tuple(f"slotserve.{name}" for name in ("models", "server", "chat", "bench", "replicas"))
 # The engine's core and its clients: runners and the text protocol stay below them.
 ENGINE_TOP = ("slotserve.engine.core", "slotserve.engine.client")
+# The APIs' packages: each turns its wire format into a chat prompt and renders the events.
+SERVER_APIS = tuple(f"slotserve.server.{api}" for api in ("openai", "responses", "anthropic"))
+# The generation pipeline and what it is built from: they know no API's request.
+PIPELINE = tuple(
+    f"slotserve.server.{name}"
+    for name in ("pipeline", "tool_plan", "events", "generation", "reply_parser")
+)
 
 # package → slotserve packages it must not import (a prefix forbids its sub-packages too).
 FORBIDDEN_SLOTSERVE = {
@@ -33,6 +40,7 @@ FORBIDDEN_SLOTSERVE = {
     "slotserve.protocol": (*ENGINE_TOP, "slotserve.runners", *UPPER),
     "slotserve.models": ("slotserve.server", "slotserve.chat", "slotserve.bench"),
     "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
+    **{module: SERVER_APIS for module in PIPELINE},
 }
 # package → third-party modules it must not import.
 FORBIDDEN_EXTERNAL = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.engine.prefix_cache import disk_tier
+from slotserve.engine.prefix_cache import disk_tier, state_file
 from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
 
 FINGERPRINT = "smollm2-135m|llama.cpp|f16|kv-layout-1"
@@ -338,7 +338,7 @@ def test_a_state_file_of_another_format_version_is_ignored_and_kept(
     entry = DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).write(_path(0), b"x" * 100)
     assert entry is not None
     raw = bytearray(entry.path.read_bytes())
-    raw[8] = disk_tier.VERSION + 1
+    raw[8] = state_file.VERSION + 1
     entry.path.write_bytes(raw)
     assert DiskTier(directory, FINGERPRINT, budget_bytes=1 << 20).entries() == []
     (message,) = _warnings(caplog)

@@ -30,7 +30,7 @@ from slotserve.protocol.tool_parsers import (
     parser_for_template,
 )
 from slotserve.protocol.tool_parsers.events import collect
-from slotserve.runners.llama_cpp.runner import init_llama_backend
+from slotserve.runners.llama_cpp.backend import init_llama_backend
 
 Calls = list[tuple[str, str]]
 

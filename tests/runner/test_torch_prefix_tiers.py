@@ -8,7 +8,7 @@ from pathlib import Path
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.prefix_cache.paged_cache import SavablePagedKv
+from slotserve.engine.prefix_cache.runner_kv import SavablePagedKv
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from tests.runner.engine_runs import greedy, run_logprobs, through_host_and_disk
 from tests.runner.test_prefix_cache_llama_cpp import SYSTEM

@@ -20,7 +20,7 @@ PROMPT = "Once upon a time"
 def _context(model: str, batch: int, threads: int, flash_attn: bool) -> tuple[object, ...]:
     import llama_cpp as llama
 
-    from slotserve.runners.llama_cpp.runner import init_llama_backend
+    from slotserve.runners.llama_cpp.backend import init_llama_backend
 
     init_llama_backend()
     m = llama.llama_model_load_from_file(model.encode(), llama.llama_model_default_params())

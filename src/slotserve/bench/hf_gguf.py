@@ -119,7 +119,7 @@ def q8_0_gguf(path: Path, out_path: Path) -> Path:
     weights only."""
     import llama_cpp as llama
 
-    from slotserve.runners.llama_cpp.runner import init_llama_backend
+    from slotserve.runners.llama_cpp.backend import init_llama_backend
 
     init_llama_backend()  # its log goes to ours
     params = llama.llama_model_quantize_default_params()

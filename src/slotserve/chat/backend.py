@@ -84,7 +84,8 @@ class EngineBackend:
         config: EngineConfig,
         chat_template_file: Path | None,
     ) -> EngineBackend:
-        from slotserve.models.host import ModelHost, ModelLaunch
+        from slotserve.models.host import ModelHost
+        from slotserve.models.served import ModelLaunch
 
         host = ModelHost(ModelLaunch(name, spec, config, chat_template_file))
         await host.load()
@@ -104,7 +105,7 @@ class EngineBackend:
     async def stream(
         self, messages: list[Message], options: GenerationOptions
     ) -> AsyncIterator[str | Usage]:
-        from slotserve.models.host import ModelUnavailableError
+        from slotserve.models.served import ModelUnavailableError
 
         try:
             model = self._host.require_ready()

@@ -1,5 +1,6 @@
 """One served model's life cycle: loading in the background, serving, restarting its engine
-when it dies (or unhealthy until a reload), reloading, unloading, draining at shutdown.
+when it dies (or unhealthy until a reload), reloading, unloading, draining at shutdown. What a
+served model is made of, its states and the errors a caller gets: ``served.py``.
 
 ::
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import logging
 import time
@@ -33,21 +33,29 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from slotserve.engine.client import make_client
-from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.stats import EngineStats, EngineTotals
+from slotserve.engine.client.async_engine import OutputListener
+from slotserve.engine.core.stats import EngineTotals
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, Tokenizer
-from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
-from slotserve.protocol.chat_template import ChatTemplate
-from slotserve.protocol.reasoning import ReasoningParser
+from slotserve.models.served import (
+    LOADING_RETRY_AFTER_S,
+    RELOAD_HINT,
+    LoadedModel,
+    ModelState,
+    ModelUnavailableError,
+    ReloadConflictError,
+    build_model,
+)
+
+# models/launch.py builds its recipes from these names as this module gives them.
+from slotserve.models.served import ModelLaunch as ModelLaunch
+from slotserve.models.served import RestartPolicy as RestartPolicy
 
 logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.1  # how often a host looks at its engine's health
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -57,79 +65,6 @@ _T = TypeVar("_T")
 # jobs run at once (the tokenizers release the GIL while they work).
 _PREPARE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slotserve-prepare")
 LEASE_WAIT_S = 60.0  # how long retiring an engine waits for work that still uses its tokenizer
-
-RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
-WATCH_INTERVAL_S = 0.1  # how often a host looks at its engine's health
-RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
-RESTART_BACKOFF_MAX_S = 30.0
-LOADING_RETRY_AFTER_S = 5  # the Retry-After of a request refused while the model loads
-
-
-class ModelState(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    UNHEALTHY = "unhealthy"
-    FAILED = "failed"
-    UNLOADING = "unloading"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class ModelUnavailableError(Exception):
-    """The model cannot take requests now (loading, unhealthy, draining): HTTP 503."""
-
-    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ReloadConflictError(Exception):
-    """A reload was asked for while one is running or the server is shutting down."""
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    info: ModelInfo
-    chat_template: ChatTemplate | None
-    # The sampling fields' defaults in force: the server's flags over the model's own.
-    sampling_defaults: SamplingDefaults = NEUTRAL
-
-    @property
-    def stats(self) -> EngineStats:
-        return self.engine.stats
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """What happens when the engine dies: restarted (``enabled``) after a backoff that doubles
-    with each death in the window, until the ``limit``-th death within ``window_s`` seconds
-    (a crash loop) leaves the model failed."""
-
-    enabled: bool = True
-    limit: int = 5
-    window_s: float = 300.0
-
-    def backoff_s(self, deaths: int) -> float:
-        return min(RESTART_BACKOFF_S * 2.0 ** max(deaths - 1, 0), RESTART_BACKOFF_MAX_S)
-
-
-@dataclass(frozen=True)
-class ModelLaunch:
-    """How to build one served model: from the command line, or from ``POST /models/load``
-    with its own options (``launch.py`` makes these)."""
-
-    name: str
-    build_runner: Callable[[], Runner]  # a RunnerSpec when the engine runs in a process
-    config: EngineConfig
-    chat_template_file: Path | None = None
-    tool_call_parser: str | None = None  # None: chosen from the chat template
-    reasoning_parser: ReasoningParser | None = None
-    memory: MemoryNeed | None = None  # the pre-flight estimate (None: not known)
-    model_path: Path | None = None  # where the weights are (the worker routes report it)
-    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # the sampling flags
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass
@@ -283,7 +218,9 @@ class ModelHost:
                 if old is not None:
                     await self._retire(old)
                 started = time.monotonic()
-                self.model = await self._build()
+                self.model = await build_model(
+                    self.launch, self.on_outputs, self.engine_process, self.process_setup
+                )
                 self.load_error = None
                 self._crash_loop = False
                 if not restart:
@@ -373,35 +310,6 @@ class ModelHost:
         self.load_error, self._crash_loop = message, True
         if dead is not None:
             await self._retire(dead, message)
-
-    async def _build(self) -> LoadedModel:
-        """The runner (slow: reads the weights) and an engine over it, in the engine's own
-        process or thread (``make_client``), which then starts serving."""
-
-        launch = self.launch
-        engine = await AsyncEngine.connect(
-            lambda deliver: make_client(
-                launch.build_runner,
-                launch.config,
-                deliver,
-                engine_process=self.engine_process,
-                process_setup=self.process_setup,
-            ),
-            self.on_outputs,
-        )
-        info = engine.model_info
-        try:
-            source = (
-                launch.chat_template_file.read_text()
-                if launch.chat_template_file
-                else info.chat_template
-            )
-            template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
-        except BaseException:
-            await engine.shutdown()
-            raise
-        defaults = launch.sampling.over(info.sampling_defaults)
-        return LoadedModel(engine, engine.tokenizer, info, template, defaults)
 
     async def _retire(self, model: LoadedModel, reason: str = STOPPED_REASON) -> None:
         """Stops an engine; whatever is still in it ends with an error saying ``reason``."""

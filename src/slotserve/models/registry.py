@@ -26,12 +26,8 @@ from slotserve.engine.core.stats import EngineTotals
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import MemoryNeed
 from slotserve.models.catalog import scan_models_dir
-from slotserve.models.host import (
-    ModelHost,
-    ModelLaunch,
-    ModelState,
-    ModelUnavailableError,
-)
+from slotserve.models.host import ModelHost
+from slotserve.models.served import ModelLaunch, ModelState, ModelUnavailableError
 
 logger = logging.getLogger(__name__)
 

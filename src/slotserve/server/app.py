@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
-from slotserve.models.host import ModelState
+from slotserve.engine.prefix_cache.stats import PrefixCacheStats
+from slotserve.models.served import ModelState
 from slotserve.server.admin_access import ADMIN_PREFIXES, AdminAccessMiddleware
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from slotserve.server.anthropic.serving import count_tokens, create_message
@@ -25,7 +25,6 @@ from slotserve.server.errors import (
     install_error_handlers,
     request_id_of,
 )
-from slotserve.server.metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -47,6 +46,7 @@ from slotserve.server.openapi import build_openapi
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
+from slotserve.server.scrape_metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.serving import ServingContext
 from slotserve.server.tracing import TracingMiddleware
 from slotserve.server.worker_routes import worker_routes

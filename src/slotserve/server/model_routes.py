@@ -12,9 +12,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from slotserve.engine.prefix_cache.base import PrefixCacheStats
+from slotserve.engine.prefix_cache.stats import PrefixCacheStats
 from slotserve.models.config import load_request_model
-from slotserve.models.host import ModelHost, ModelState
+from slotserve.models.host import ModelHost
+from slotserve.models.served import ModelState
 from slotserve.server.errors import ErrorResponse, error_response
 from slotserve.server.serving import ServingContext
 

@@ -1,10 +1,12 @@
-"""A chat request through the engine, as typed events.
+"""A chat prompt through the engine, as typed events.
 
-:func:`start_chat` renders the messages with the chat template, plans the tools
-(``openai/tool_calling.py``), maps the sampling fields and submits; :class:`ChatGeneration`
-then turns what the engine makes into events (``events.py``): the reply split into thinking,
-text and tool calls (``reply_parser.py``), each choice's finish, the usage. The chat
-completions and Responses routes both run here and differ only in how they render the events.
+:func:`submit_chat` submits a rendered prompt with its tool plan (``tool_plan.py``) and
+sampling; :class:`ChatGeneration` then turns what the engine makes into events
+(``events.py``): the reply split into thinking, text and tool calls (``reply_parser.py``), each
+choice's finish, the usage. Every chat API runs here and differs only in how it renders the
+events. The pipeline knows no API's request: a chat request becomes a prompt, a plan and
+sampling parameters in ``openai/chat_prompt.py``, which the Responses and Messages APIs reach
+by translating their requests into a chat completion request.
 """
 
 from __future__ import annotations
@@ -16,16 +18,13 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.host import LoadedModel, ModelHost
+from slotserve.models.host import ModelHost
+from slotserve.models.served import LoadedModel
 from slotserve.protocol.reasoning import ReasoningParser
 from slotserve.server.events import ChoiceFinished, Event, PromptLogprobs, TokenLogprobs
 from slotserve.server.generation import EngineRun, accumulate, submit_prompts
-from slotserve.server.openai.params import sampling_params_of, structured_output_of
-from slotserve.server.openai.protocol import ChatCompletionRequest
-from slotserve.server.openai.tool_calling import ToolPlan, plan_tools, template_messages
-from slotserve.server.prompt_bound import check_prompt_chars
 from slotserve.server.reply_parser import ReplyParser, parse_reply
-from slotserve.server.serving import engine_request_id, require_chat_template
+from slotserve.server.tool_plan import ToolPlan
 
 
 def finish_reason_of(plan: ToolPlan, reason: str | None, has_calls: bool) -> str | None:
@@ -112,21 +111,18 @@ class ChatGeneration:
         return ChoiceFinished(choice, reason, stop, has_calls)
 
 
-async def start_chat(
+def submit_chat(
     host: ModelHost,
     model: LoadedModel,
-    body: ChatCompletionRequest,
     raw: Request,
-    http_request_id: str,
+    request_id: str,
+    prompt: list[int],
+    plan: ToolPlan,
+    params: SamplingParams,
 ) -> ChatGeneration:
-    """Renders, plans and submits ``body`` on ``model`` (acquired by the caller);
-    ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
-    loop; the model is checked again after it, and nothing awaits from there to the
-    submission, so the model cannot be unloaded in between."""
-    prompt, plan = await host.off_loop(model, render_chat, host, model, body)
-    model = host.require_same(model)
-    request_id = engine_request_id(model, "chatcmpl", http_request_id)
-    params = _sampling_params(body, plan, model)
+    """Submits ``prompt`` on ``model`` (taken again by the caller since it was rendered, with
+    nothing awaited since: it cannot be unloaded in between); ``InvalidRequestError`` naming
+    the chat field at fault."""
     try:
         with host.refusing_a_dead_engine():
             streams = submit_prompts(model.engine, request_id, [prompt], params)
@@ -134,56 +130,5 @@ async def start_chat(
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"
         raise
-    run = EngineRun(model.engine, raw, streams, body.n)
+    run = EngineRun(model.engine, raw, streams, params.n)
     return ChatGeneration(run, request_id, plan, host.launch.reasoning_parser, len(prompt))
-
-
-def render_chat(
-    host: ModelHost,
-    model: LoadedModel,
-    body: ChatCompletionRequest,
-    add_special_tokens: bool | None = None,
-    check_length: bool = True,
-) -> tuple[list[int], ToolPlan]:
-    """The prompt's token ids as :func:`start_chat` submits them, and the tool plan; also
-    what counting a request's tokens reads, so a count and a run cannot disagree.
-    ``add_special_tokens`` None: the BOS token unless the template writes it itself (a second
-    one would change the prompt). ``check_length``: refuse a prompt whose characters alone
-    cannot fit the context before tokenizing it (counting routes count it anyway). Slow for
-    a long conversation: call it off the event loop (``ModelHost.off_loop``)."""
-    template = require_chat_template(model)
-    plan = plan_tools(body, template, host.launch.tool_call_parser)
-    prompt_text = template.render(
-        template_messages(body, plan),
-        add_generation_prompt=body.add_generation_prompt,
-        tools=plan.template_tools,
-        extra=body.chat_template_kwargs,
-        continue_final_message=body.continue_final_message,
-    )
-    add_bos = not (template.bos_token and prompt_text.startswith(template.bos_token))
-    if add_special_tokens is not None:
-        add_bos = add_special_tokens
-    if check_length:
-        check_prompt_chars(model, prompt_text, "messages")
-    return model.tokenizer.encode(prompt_text, add_special_tokens=add_bos), plan
-
-
-def _sampling_params(
-    body: ChatCompletionRequest, plan: ToolPlan, model: LoadedModel
-) -> SamplingParams:
-    constraint = structured_output_of(body)
-    if plan.constraint is not None:
-        if constraint is not None:
-            raise InvalidRequestError(
-                "An output constraint cannot be combined with a forced tool call "
-                "(tool_choice 'required' or a named function).",
-                param=constraint.param,
-            )
-        constraint = plan.constraint
-    return sampling_params_of(
-        body,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        structured_output=constraint,
-        defaults=model.sampling_defaults,
-    )

@@ -21,7 +21,8 @@ Batch-construction invariants:
    starve): ``fcfs``, arrival order; ``lpm`` (SGLang's longest prefix match), the longest
    reusable cached prefix first, arrival order among equals, except that a request overtaken
    by ``num_slots`` later ones goes first. With more than ``LPM_MAX_WAITING`` waiting, lpm
-   keeps arrival order (matching every waiting prompt would cost more than it saves).
+   keeps arrival order (matching every waiting prompt would cost more than it saves). Both
+   orders are worked out in ``admission.py``, with invariant 7's wait.
 5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
 6. When the runner's chunk policy asks for equal chunks, the chunks chosen by invariant 2 are
    trimmed to the shortest whole one (``ChunkPolicy.equalize``; why: ``chunk_policy.py``).
@@ -60,15 +61,14 @@ from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.admission import order_by_cached_prefix, waits_for_prefill_in_flight
 from slotserve.engine.core.slots import Slot, SlotPool, SlotState
 from slotserve.engine.decoding.speculative import Speculator
 from slotserve.engine.prefix_cache.base import PrefixCache
-from slotserve.engine.prefix_cache.radix_tree import common_prefix_length
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
 
 _HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
-LPM_MAX_WAITING = 128  # SGLang's bound
 
 
 class KvAllocator(Protocol):
@@ -148,20 +148,14 @@ class Scheduler:
         return placed
 
     def _order_by_cached_prefix(self) -> bool:
-        """Invariant 4 under lpm: reorders the waiting queue for admission; False when it keeps
-        arrival order."""
-        if not 1 < len(self.waiting) <= LPM_MAX_WAITING or not self.prefix_cache.enabled:
+        """Invariant 4 under lpm (``admission.py``): reorders the waiting queue for admission;
+        False when it keeps arrival order."""
+        ordered = order_by_cached_prefix(
+            self.waiting, self.prefix_cache, self.policy, self.config.num_slots
+        )
+        if ordered is None:
             return False
-
-        def order(item: tuple[int, Request]) -> tuple[int, int, int]:
-            arrival, request = item
-            if request.overtaken >= self.config.num_slots:
-                return (0, 0, arrival)
-            prompt = request.prompt_token_ids
-            match = self.prefix_cache.match(prompt).length
-            return (1, -self.policy.reusable_length(match, len(prompt)), arrival)
-
-        self.waiting = deque(request for _, request in sorted(enumerate(self.waiting), key=order))
+        self.waiting = ordered
         return True
 
     def _resume(self, slot: Slot) -> bool:
@@ -210,25 +204,20 @@ class Scheduler:
         return seq.token_ids[:length]
 
     def _waits_for_prefill_in_flight(self, request: Request) -> bool:
-        """Invariant 7: True when ``request`` should wait for a running prefill to share."""
+        """Invariant 7 (``admission.py``): True when ``request`` should wait for a running
+        prefill to share."""
         prefilling = self._by_admission(SlotState.PREFILLING)
         if not self.prefix_cache.enabled or not prefilling or request.params.prompt_logprobs:
             return False
         if request.params.embed and not self.embed_reuses_prefix:
             return False
-        policy, prompt = self.policy, request.prompt_token_ids
-        cached = policy.reusable_length(self.prefix_cache.match(prompt).length, len(prompt))
-        for slot in prefilling:
-            seq = _sequence(slot)
-            # What the running prefill will leave in the cache that this prompt can take.
-            will_cache = policy.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
-            shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
-            shared = policy.reusable_length(shared, len(prompt))
-            if shared >= self.config.prefix_wait_min_tokens and shared > cached:
-                # A cache that resumes only where it kept a state must keep one there.
-                self.prefix_cache.keep_state_at(slot.index, shared, seq.num_computed_tokens)
-                return True
-        return False
+        return waits_for_prefill_in_flight(
+            request,
+            prefilling,
+            self.prefix_cache,
+            self.policy,
+            self.config.prefix_wait_min_tokens,
+        )
 
     def schedule(self) -> list[ScheduledChunk]:
         """Builds the next batch; an empty list means there is nothing to run."""

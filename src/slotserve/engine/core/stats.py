@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from slotserve.engine.core.slots import SlotSnapshot
 from slotserve.engine.decoding.speculative import SpecCounters
-from slotserve.engine.prefix_cache.base import PREFIX_CACHE_TOTALS, PrefixCacheStats
+from slotserve.engine.prefix_cache.stats import PREFIX_CACHE_TOTALS, PrefixCacheStats
 
 
 @dataclass

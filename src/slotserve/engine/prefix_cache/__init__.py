@@ -16,8 +16,9 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_cache.base import NullPrefixCache, PrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier
-from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache, SavablePagedKv
-from slotserve.engine.prefix_cache.slot_cache import SavableKvStore, SlotPrefixCache
+from slotserve.engine.prefix_cache.paged_cache import PagedPrefixCache
+from slotserve.engine.prefix_cache.runner_kv import SavableKvStore, SavablePagedKv
+from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import ModelInfo, Runner, StateSnapshots
 

@@ -5,7 +5,7 @@ tier keeps them; here each one is a file in one directory, named after a hash of
 fingerprint and the path, so that the same prefix saved by two servers is one file. States the
 host tier evicts, and everything cached at shutdown, are written here; a server started later
 with the same fingerprint (model weights, runner, dtype, KV layout) finds them by scanning the
-directory, reading only the file headers.
+directory, reading only the file headers. The file format: ``state_file.py``.
 
 The directory may be shared: by servers of other models (their files carry another fingerprint
 and are left alone) and by servers of the same model (each keeps its own index and budget, so
@@ -13,19 +13,6 @@ together they may hold more than one budget; a file one of them evicts is gone f
 appear whole or not at all (written to a temporary file, synced, then renamed over the name),
 and every read checks the file against its header and checksum, so a file deleted, replaced or
 damaged at any time costs a miss, never a wrong state or an exception.
-
-File format (``<name>`` is ``<fingerprint hash>-<path hash>.kvstate``, both blake2b in hex)::
-
-    magic     8 bytes   b"SSKVSTAT"
-    version   uint32 LE  1
-    length    uint32 LE  of the header
-    header    JSON object: {"fingerprint": str, "tokens": [int, ...],
-                            "payload_bytes": int, "crc32": int}
-    payload   payload_bytes bytes, whose zlib.crc32 is "crc32"
-
-The checksum guards against damage, not against forgery: anyone who can write the directory
-can feed the server a state anyway. CRC-32 is the fastest checksum the standard library has
-(zlib's, with no hardware requirement), and the payload is checked on every read.
 
 Recency is a file's modification time: a write and every read set it, so the order survives a
 restart and is shared between servers; the least recently used files go first.
@@ -38,27 +25,24 @@ import logging
 import os
 import re
 import secrets
-import struct
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from io import FileIO
 from pathlib import Path
 
-import msgspec
+from slotserve.engine.prefix_cache.state_file import (
+    CorruptFile,
+    OtherVersion,
+    encode,
+    read_header,
+    read_payload,
+    same_file,
+)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SSKVSTAT"
-VERSION = 1
-_PREFIX = struct.Struct("<8sII")  # magic, version, header length
-# A longer header is damage: it would hold millions of tokens.
-_MAX_HEADER_BYTES = 64 * 2**20
-# Reading and checksumming in pieces keeps each piece in cache between the two.
-_READ_CHUNK = 8 * 2**20
 # A temporary file this old belongs to a writer that died: a live one renames it in seconds.
 _STALE_TEMP_SECONDS = 3600.0
 
@@ -90,62 +74,6 @@ class DiskTierCounters:
     write_seconds: float = 0.0
     evictions: int = 0  # files deleted to keep within the budget
     bad_files: int = 0  # files ignored at the scan or dropped on a failed read
-
-
-@dataclass
-class _Header:
-    fingerprint: str
-    tokens: list[int]
-    payload_bytes: int
-    crc32: int
-
-
-class _CorruptFile(Exception):
-    """The file is not a whole state file of this format: it can only be damage or junk."""
-
-
-class _OtherVersion(Exception):
-    """The file is a state file of another format version: another release's to keep."""
-
-
-def _read_exact(f: FileIO, n: int, what: str) -> bytes:
-    data = f.read(n)
-    while len(data) < n:  # a raw read may return less than asked before the end
-        more = f.read(n - len(data))
-        if not more:
-            raise _CorruptFile(f"truncated in the {what}")
-        data += more
-    return data
-
-
-def _read_header(f: FileIO, file_size: int) -> _Header:
-    """Parses and checks the header of the file at the start of ``f`` (of ``file_size`` bytes),
-    leaving ``f`` at the payload."""
-    magic, version, length = _PREFIX.unpack(_read_exact(f, _PREFIX.size, "magic"))
-    if magic != MAGIC:
-        raise _CorruptFile("not a saved state (wrong magic)")
-    if version != VERSION:
-        raise _OtherVersion(f"format version {version}, this release reads {VERSION}")
-    if length > _MAX_HEADER_BYTES:
-        raise _CorruptFile(f"header length {length} is implausible")
-    try:
-        header = msgspec.json.decode(_read_exact(f, length, "header"), type=_Header)
-    except msgspec.DecodeError as exc:
-        raise _CorruptFile(f"bad header ({exc})") from None
-    expected = _PREFIX.size + length + header.payload_bytes
-    if header.payload_bytes < 0 or file_size != expected:
-        raise _CorruptFile(f"{file_size} bytes where the header says {expected}")
-    return header
-
-
-def _same_file(path: Path, f: FileIO) -> bool:
-    """Whether ``path`` still names the file open as ``f`` (another server may have renamed a
-    new one over it, which must not be deleted for the old one's faults)."""
-    try:
-        named, opened = os.stat(path), os.fstat(f.fileno())
-    except OSError:
-        return False
-    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 class DiskTier:
@@ -209,9 +137,9 @@ class DiskTier:
         try:
             with open(current.path, "rb", buffering=0) as f:
                 try:
-                    data, file_bytes = self._read_payload(f, current)
-                except _CorruptFile as exc:
-                    if _same_file(current.path, f):
+                    data, file_bytes = read_payload(f, self.fingerprint, current.tokens)
+                except CorruptFile as exc:
+                    if same_file(current.path, f):
                         with suppress(OSError):
                             current.path.unlink()
                     self._drop_unreadable(current, f"{exc}; deleted")
@@ -219,7 +147,7 @@ class DiskTier:
                 stamp = self._stamp_ns()
                 with suppress(OSError):  # a read-only directory keeps its order, nothing worse
                     os.utime(f.fileno(), ns=(stamp, stamp))
-        except (OSError, _OtherVersion) as exc:
+        except (OSError, OtherVersion) as exc:
             self._drop_unreadable(current, str(exc))
             return None
         # Another server may have replaced the file with its own state of the same tokens.
@@ -243,10 +171,7 @@ class DiskTier:
         started = time.perf_counter()
         key = tuple(int(t) for t in tokens)
         payload = memoryview(data).cast("B")
-        header = msgspec.json.encode(
-            _Header(self.fingerprint, list(key), len(payload), zlib.crc32(payload))
-        )
-        prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
+        prefix, header = encode(self.fingerprint, list(key), payload)
         file_bytes = len(prefix) + len(header) + len(payload)
         if file_bytes > self.budget_bytes:
             return None
@@ -371,44 +296,23 @@ class DiskTier:
             with open(path, "rb", buffering=0) as f:
                 stat = os.fstat(f.fileno())
                 try:
-                    header = _read_header(f, stat.st_size)
+                    header = read_header(f, stat.st_size)
                     tokens = tuple(header.tokens)
                     if header.fingerprint != self.fingerprint:
-                        raise _CorruptFile("another fingerprint under this one's name")
+                        raise CorruptFile("another fingerprint under this one's name")
                     if path.name != self._file_name(tokens):
-                        raise _CorruptFile("its tokens do not match its name")
-                except _CorruptFile as exc:
-                    if _same_file(path, f):
+                        raise CorruptFile("its tokens do not match its name")
+                except CorruptFile as exc:
+                    if same_file(path, f):
                         with suppress(OSError):
                             path.unlink()
                     self._ignore(path, f"{exc}; deleted")
                     return None
-        except (OSError, _OtherVersion) as exc:
+        except (OSError, OtherVersion) as exc:
             self._ignore(path, str(exc))
             return None
         entry = DiskEntry(tokens, header.payload_bytes, stat.st_size, path, stat.st_mtime)
         return stat.st_mtime_ns, entry
-
-    def _read_payload(self, f: FileIO, entry: DiskEntry) -> tuple[bytearray, int]:
-        """The payload of the state file open as ``f``, checked against its header and
-        ``entry``, and the file's size."""
-        file_bytes = os.fstat(f.fileno()).st_size
-        header = _read_header(f, file_bytes)
-        if header.fingerprint != self.fingerprint or tuple(header.tokens) != entry.tokens:
-            raise _CorruptFile("it holds another state than its name says")
-        data = bytearray(header.payload_bytes)
-        view = memoryview(data)
-        crc = 0
-        pos = 0
-        while pos < len(data):
-            got = f.readinto(view[pos : pos + _READ_CHUNK])
-            if not got:
-                raise _CorruptFile("truncated in the payload")
-            crc = zlib.crc32(view[pos : pos + got], crc)
-            pos += got
-        if crc != header.crc32:
-            raise _CorruptFile("payload checksum mismatch")
-        return data, file_bytes
 
     def _remove_if_stale(self, temp: Path) -> None:
         with suppress(OSError):

@@ -46,12 +46,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.runner_kv import SavablePagedKv, SlotKv
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.runner_interface import PagedKv
 
@@ -65,37 +65,6 @@ class BlockSpan:
 
     def __bool__(self) -> bool:  # a leaf without blocks holds no KV
         return bool(self.blocks)
-
-
-class SlotKv(Protocol):
-    """The per-slot KV operations the cache needs from the runner (see ``Runner``)."""
-
-    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
-
-    def kv_tokens(self, slot: int) -> int: ...
-
-
-@runtime_checkable
-class SavablePagedKv(SlotKv, Protocol):
-    """A paged runner that can also copy the KV of positions out to host memory and back."""
-
-    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
-
-    def save_kv_blocks(self, blocks: Sequence[int], num_tokens: int) -> bytearray:
-        """The runner's serialised KV of positions ``0 .. num_tokens - 1``, held in
-        ``blocks`` (every layer)."""
-        ...
-
-    def restore_kv_blocks(self, slot: int, start: int, end: int, data: bytearray) -> bool:
-        """Writes positions ``start .. end - 1`` of a state :meth:`save_kv_blocks` wrote into
-        ``slot``'s reserved blocks and records them written. False, with nothing written, when
-        ``data`` is not such a state or holds fewer positions."""
-        ...
-
-    def kv_fingerprint(self) -> str:
-        """What a saved state is only valid for: the model's weights, the runner, its KV
-        layout and dtype."""
-        ...
 
 
 class PagedPrefixCache(TreePrefixCache[BlockSpan]):
@@ -125,12 +94,6 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         self._end: dict[int, TreeNode[BlockSpan]] = {}  # running slot -> its locked path's end
 
     # ---- admission --------------------------------------------------------------------------
-
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token, in the tree or in a
-        saved state."""
-        found = super().match(prompt)
-        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)  # free slots hold nothing: any will do

@@ -3,7 +3,7 @@ which token prefix, and reuse of it. The interface and its rules: ``base.py``.
 
 The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of one token list.
 It can copy the first ``n`` positions of one sequence into another and trim a sequence to its
-first ``n`` positions (:class:`KvStore`), as llama.cpp does on its per-sequence KV streams.
+first ``n`` positions (``runner_kv.KvStore``), as llama.cpp does on its per-sequence KV streams.
 
 On that model the cache keeps a :class:`~.radix_tree.RadixTree` whose node
 handles are the sets of sequence ids whose content *ends* at that node. A sequence id holds the
@@ -39,52 +39,16 @@ cache's storage, running slots lock their own path.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.runner_kv import KvStore, SavableKvStore
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 
 Holders = set[int]  # sequence ids whose cached content ends at a node
 CacheNode = TreeNode[Holders]
-
-
-class KvStore(Protocol):
-    """The KV operations the prefix cache needs from a runner (see ``Runner``)."""
-
-    def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
-        """Replaces ``dst_slot``'s KV with the first ``num_tokens`` positions of ``src_slot``'s."""
-        ...
-
-    def trim_kv(self, slot: int, num_tokens: int) -> None:
-        """Keeps only the first ``num_tokens`` positions of ``slot``'s KV."""
-        ...
-
-    def kv_tokens(self, slot: int) -> int:
-        """How many positions (``0 .. n-1``) ``slot``'s KV holds."""
-        ...
-
-
-@runtime_checkable
-class SavableKvStore(KvStore, Protocol):
-    """A runner that can also copy one sequence's state out to host memory and back."""
-
-    def save_kv(self, slot: int) -> bytearray:
-        """The runner's serialised state of ``slot``'s KV (all its positions)."""
-        ...
-
-    def restore_kv(self, slot: int, data: bytearray) -> bool:
-        """Replaces ``slot``'s KV with a state :meth:`save_kv` wrote. False when it cannot:
-        the slot's KV is then empty, or unchanged when the runner refused before touching it
-        (its content is still to be copied to another slot in this step)."""
-        ...
-
-    def kv_fingerprint(self) -> str:
-        """What a saved state is only valid for: the model's weights, the runner, its KV
-        layout and dtype (the disk tier keeps states of one fingerprint apart)."""
-        ...
 
 
 def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
@@ -118,12 +82,6 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         self._unsettled: set[int] = set()  # free slots an eviction moved up (recurrent state)
 
     # ---- admission --------------------------------------------------------------------------
-
-    def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt`` without its last token, in slots or in a
-        saved state."""
-        found = super().match(prompt)
-        return found if self.host is None else self.host.tiered(found, prompt, self.policy)
 
     def holders(self, match: PrefixMatch) -> set[int]:
         """Slots whose KV starts with the matched prefix."""

@@ -14,93 +14,43 @@ a prefix between slots copies KV between streams instead of sharing cells
 ``llama_memory_seq_cp`` between streams copies the whole stream buffer (a few ms), then
 ``llama_memory_seq_rm`` trims the copy to the shared prefix.
 
-Hybrid models (attention beside recurrent layers: Qwen3.5's Gated DeltaNet, Mamba...): a
-sequence's recurrent state covers all its positions and cannot be trimmed to fewer, so the
-prefix cache keeps copies of it taken at chosen positions (:class:`StateSnapshots`), in host
-memory as llama.cpp serialises a sequence's recurrent part alone. A state exists only after a
-whole ``llama_decode``, so a chunk is cut where one is wanted; cuts fall on the 64-token grid
-anchored at position 0, where a chunk computes its tokens as a longer one would.
+Hybrid models keep their recurrent state beside that KV: ``states.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import math
 import os
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as llama
 import numpy as np
 
-from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import (
-    RECURRENT_STATE_NO_ROLLBACK,
-    ComputePath,
-    ModelInfo,
-    ScheduledChunk,
-    VerifyCost,
-)
+from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
-from slotserve.runners.llama_cpp.cpu import (
-    BUFFER_LOG,
-    choose_weight_layout,
-    cpu_features,
-    extra_buffer_types,
+from slotserve.runners.llama_cpp.backend import (
+    FA_TILE_Q,
+    context_params,
+    default_ctx_size,
+    init_llama_backend,
 )
-from slotserve.runners.llama_cpp.metadata import kv_shape, pooling_of, sampling_defaults
-from slotserve.runners.llama_cpp.sampling import build_chain, with_logprobs
+from slotserve.runners.llama_cpp.batch import DecodeBatch, ballast_for
+from slotserve.runners.llama_cpp.cpu import BUFFER_LOG, choose_weight_layout, extra_buffer_types
+from slotserve.runners.llama_cpp.info import describe
+from slotserve.runners.llama_cpp.metadata import pooling_of
+from slotserve.runners.llama_cpp.sampling import build_chain, sample_row, with_logprobs
+from slotserve.runners.llama_cpp.states import RECURRENT_PART, SequenceStates
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
 from slotserve.runners.pooling import PromptPools
 
 logger = logging.getLogger(__name__)
-
-
-def default_ctx_size(num_slots: int, n_ctx_train: int) -> int:
-    """``--ctx-size 0``: every slot gets the trained context, at most 4096 tokens."""
-    return num_slots * min(n_ctx_train, 4096)
-
-
-@functools.cache
-def init_llama_backend() -> None:
-    """Initialises llama.cpp once per process, with its logging routed to ours."""
-    llama.llama_log_set(_silence_log, ctypes.c_void_p(0))
-    llama.llama_backend_init()
-
-
-_GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
-
-# ggml's CPU flash attention switches to 64-query tiles at 64 queries of one sequence
-# (GGML_FA_TILE_Q): the grain of this runner's chunk policy (why: engine/chunk_policy.py).
-_FA_TILE_Q = 64
-# ggml takes its split-KV decode path from 512 KV cells, and llama.cpp pads a stream's cells
-# to multiples of 256: a lone query at position 256 or later can take it (margin of one).
-_SPLIT_KV_CONTEXT = 255
-# A sequence's state without its attention KV: the recurrent layers' (hybrid models).
-_RECURRENT_PART = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-
-
-@llama.llama_log_callback  # type: ignore[untyped-decorator]
-def _silence_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """Routes llama.cpp's warnings and errors to our logger; drops its chatty info lines but
-    for the weight buffers a load reports."""
-    message = text.decode("utf-8", errors="replace").rstrip()
-    BUFFER_LOG.feed(message)
-    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR) and message:
-        logger.log(
-            logging.WARNING if level == _GGML_LOG_WARN else logging.ERROR,
-            "llama.cpp: %s",
-            message,
-        )
 
 
 class LlamaCppRunner:
@@ -132,23 +82,7 @@ class LlamaCppRunner:
         if ctx_size <= 0:
             ctx_size = default_ctx_size(num_slots, n_ctx_train)
         threads = n_threads or os.cpu_count() or 1
-        ctx_params = llama.llama_context_default_params()
-        ctx_params.n_ctx = ctx_size
-        ctx_params.n_batch = max_batch_tokens
-        ctx_params.n_ubatch = max_batch_tokens
-        ctx_params.n_seq_max = num_slots
-        ctx_params.kv_unified = False
-        ctx_params.n_threads = threads
-        ctx_params.n_threads_batch = threads
-        ctx_params.no_perf = True
-        # Per-token embeddings, pooled here: llama.cpp's own pooling works per batch, while a
-        # prompt may span several chunks (runners/pooling.py).
-        ctx_params.pooling_type = llama.LLAMA_POOLING_TYPE_NONE
-        ctx_params.flash_attn_type = (
-            llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        ctx_params = context_params(ctx_size, max_batch_tokens, num_slots, threads, flash_attn)
         self._ctx = llama.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama.llama_model_free(self._model)
@@ -157,14 +91,7 @@ class LlamaCppRunner:
         self._vocab = llama.llama_model_get_vocab(self._model)
         self._tokenizer = LlamaCppTokenizer(self._vocab)
         self._n_vocab = self._tokenizer.vocab_size
-        self._capacity = max_batch_tokens
-        self._batch = llama.llama_batch_init(max_batch_tokens, 0, 1)
-        # Writing through numpy views of the batch's C arrays costs one copy per chunk.
-        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(max_batch_tokens,))
-        self._positions = np.ctypeslib.as_array(self._batch.pos, shape=(max_batch_tokens,))
-        self._n_seq_ids = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(max_batch_tokens,))
-        self._wants_logits = np.ctypeslib.as_array(self._batch.logits, shape=(max_batch_tokens,))
-        self._seq_id_rows = [self._batch.seq_id[i] for i in range(max_batch_tokens)]
+        self._batch = DecodeBatch(max_batch_tokens)
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
@@ -176,57 +103,26 @@ class LlamaCppRunner:
         self._flash_attn = flash_attn
         self._stream_copy_sources: set[int] = set()  # slots a pending stream copy reads
         self._hybrid = bool(llama.llama_model_is_hybrid(self._model))
-        # Recurrent-state snapshots by place, and the saves asked for: {slot: {position: place}}.
-        snapshots = state_snapshots if self._hybrid else 0
-        self._snapshots: list[bytearray | None] = [None] * snapshots
-        self._pending_saves: dict[int, dict[int, int]] = {}
+        self._states = SequenceStates(self._ctx, state_snapshots if self._hybrid else 0)
         self._ballast_states: dict[int, bytearray] = {}  # slot -> its state under a ballast
-        max_seq_len = llama.llama_n_ctx_seq(self._ctx)
-        template = llama.llama_model_chat_template(self._model, None)
-        self._info = ModelInfo(
+        self._info = describe(
+            self._model,
+            self._ctx,
+            self._tokenizer,
             name=model_name or path.stem,
-            vocab_size=self._n_vocab,
             num_slots=num_slots,
-            max_seq_len=max_seq_len,
-            eog_token_ids=self._tokenizer.eog_token_ids,
-            chat_template=template.decode("utf-8") if template else None,
-            bos_token=self._tokenizer.special_token_text(llama.llama_vocab_bos(self._vocab)),
-            eos_token=self._tokenizer.special_token_text(llama.llama_vocab_eos(self._vocab)),
-            runner="llama.cpp",
-            chunk_policy=ChunkPolicy(
-                grain=_FA_TILE_Q,
-                equal_chunks=True,
-                anchored=self._hybrid,
-                odd_part_alone=self._hybrid,
-            ),
-            kv_bytes_per_token=kv_shape(self._model).bytes_per_token,
-            prefix_cache_unsupported=self._why_no_prefix_sharing(),
-            speculative_unsupported=(
-                RECURRENT_STATE_NO_ROLLBACK
-                if llama.llama_model_is_recurrent(self._model)
-                or llama.llama_model_is_hybrid(self._model)
-                else None
-            ),
-            # ggml's CPU matmuls for these quantised types cost about as much per token in a
-            # chunk as alone: each draft adds half a step (benchmarks/verify_cost.py). A lone
-            # decode past _SPLIT_KV_CONTEXT carries a ballast token a first draft can replace.
-            verify_cost=VerifyCost(0.39, 0.5, _SPLIT_KV_CONTEXT if num_slots > 1 else None),
-            sampling_defaults=sampling_defaults(self._model),
+            snapshots=self._states.capacity,
             pooling=pooling,
-            compute=ComputePath(
-                cpu_features=cpu_features(),
-                kernels=f"ggml; weights in {', '.join(buffers) or 'no'} buffers "
-                f"(extra buffer types {'on' if layout.use_extra_buffers else 'off'}: "
-                f"{layout.reason})",
-            ),
+            buffers=buffers,
+            layout=layout,
         )
-        self._snapshot_bytes = self._recurrent_state_bytes() if snapshots else 0
+        self._snapshot_bytes = self._recurrent_state_bytes() if self._states.capacity else 0
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s; %s; CPU "
             "features: %s",
             path.name,
             num_slots,
-            max_seq_len,
+            self._info.max_seq_len,
             max_batch_tokens,
             threads,
             flash_attn,
@@ -269,69 +165,35 @@ class LlamaCppRunner:
 
     @property
     def snapshot_capacity(self) -> int:
-        return len(self._snapshots)
+        return self._states.capacity
 
     @property
     def snapshot_bytes(self) -> int:
         return self._snapshot_bytes
 
     def save_state(self, slot: int, position: int, snapshot: int) -> None:
-        assert 0 <= snapshot < self.snapshot_capacity and position % _FA_TILE_Q == 0
-        self._pending_saves.setdefault(slot, {})[position] = snapshot
+        assert position % FA_TILE_Q == 0  # where a chunk computes as a longer one would
+        self._states.ask(slot, position, snapshot)
 
     def restore_state(self, slot: int, snapshot: int) -> None:
-        # Read at once: the slot's stream can then be trimmed to the snapshot's position.
-        data = self._snapshots[snapshot]
-        assert data is not None, f"snapshot {snapshot} was never taken"
-        if not self._set_state(slot, data, _RECURRENT_PART):
-            raise RuntimeError(f"llama.cpp could not restore a snapshot into sequence {slot}")
+        self._states.restore(slot, snapshot)
 
     def _recurrent_state_bytes(self) -> int:
         """One sequence's recurrent state as llama.cpp serialises it, measured after one token
         (an empty sequence serialises no state)."""
         self._decode([ScheduledChunk(0, [0], 0, False)])
-        size = int(llama.llama_state_seq_get_size_ext(self._ctx, 0, _RECURRENT_PART))
+        size = int(llama.llama_state_seq_get_size_ext(self._ctx, 0, RECURRENT_PART))
         self.trim_kv(0, 0)
         return size
-
-    def _rounds(self, chunks: Sequence[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-        """The step's chunks, cut where a snapshot is wanted inside one: the pieces before
-        each cut run in earlier rounds (one ``llama_decode`` per length and round)."""
-        if not self._pending_saves:
-            return [list(chunks)]
-        rounds: list[list[ScheduledChunk]] = []
-        for chunk in chunks:
-            end = chunk.start_pos + len(chunk.token_ids)
-            wanted = self._pending_saves.get(chunk.slot, {})
-            cuts = sorted(p for p in wanted if chunk.start_pos < p < end)
-            for depth, piece in enumerate(_cut(chunk, cuts)):
-                if depth == len(rounds):
-                    rounds.append([])
-                rounds[depth].append(piece)
-        return rounds
-
-    def _take_snapshots(self, chunks: Sequence[ScheduledChunk]) -> None:
-        for chunk in chunks:
-            wanted = self._pending_saves.get(chunk.slot)
-            if not wanted:
-                continue
-            end = chunk.start_pos + len(chunk.token_ids)
-            snapshot = wanted.pop(end, None)
-            if snapshot is not None:
-                self._snapshots[snapshot] = self._state_of(chunk.slot, _RECURRENT_PART)
-            # A position passed would leave its place unwritten: the cache asks only ahead.
-            assert all(p > end for p in wanted), f"slot {chunk.slot}: {sorted(wanted)} passed"
-            if not wanted:
-                del self._pending_saves[chunk.slot]
 
     # ---- forward ----------------------------------------------------------------------------
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         sampled: dict[int, list[SampledToken]] = {}
-        for pieces in self._rounds(chunks):
+        for pieces in self._states.rounds(chunks):
             sampled.update(self._execute_round(pieces))
-            if self._pending_saves:
-                self._take_snapshots(pieces)
+            if self._states.pending:
+                self._states.take(pieces)
         return sampled
 
     def _execute_round(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
@@ -346,7 +208,7 @@ class LlamaCppRunner:
         for chunk in sorted(chunks, key=lambda c: c.slot):
             length = len(chunk.token_ids)
             # Multiples of 64 may share a call: llama.cpp's cuts then fall on multiples of 64.
-            key = _FA_TILE_Q if length % _FA_TILE_Q == 0 else length
+            key = FA_TILE_Q if length % FA_TILE_Q == 0 else length
             by_length.setdefault(key, []).append(chunk)
         sampled: dict[int, list[SampledToken]] = {}
         for length, group in by_length.items():
@@ -354,75 +216,27 @@ class LlamaCppRunner:
         return sampled
 
     def _ballast_for(self, group: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Throw-away tokens that keep one-token chunks off ggml's split-KV attention path.
-
-        llama.cpp runs each run of consecutive sequence ids as its own sub-batch, and ggml's
-        flash attention takes a split-KV path for a sub-batch of one query of one sequence
-        over 512+ cells (padded from 256+ tokens of context), which rounds differently from
-        the path batched decoding takes: a sequence decoding alone in its run would not match
-        itself decoding beside others. For such a run, one token of a neighbouring slot
-        joins it; it is removed from that slot's KV right after the forward. It costs about
-        one token's compute (benchmarks/RESULTS.md); shorter contexts never need it.
-        """
-        taken = {chunk.slot for chunk in group}
-        num_slots = self._info.num_slots
-        ballast: list[ScheduledChunk] = []
-        for chunk in sorted(group, key=lambda c: c.slot):
-            slot = chunk.slot
-            if chunk.start_pos < _SPLIT_KV_CONTEXT or slot - 1 in taken or slot + 1 in taken:
-                continue
-            for neighbour in (slot + 1, slot - 1):
-                if 0 <= neighbour < num_slots and neighbour not in taken:
-                    held = self.kv_tokens(neighbour)
-                    if held < self._info.max_seq_len:  # a full slot cannot take a token
-                        if self._hybrid and held:  # its recurrent state cannot be trimmed
-                            self._ballast_states[neighbour] = self._state_of(
-                                neighbour, _RECURRENT_PART
-                            )
-                        ballast.append(ScheduledChunk(neighbour, [0], held, False))
-                        taken.add(neighbour)
-                        break
+        ballast = ballast_for(group, self._info.num_slots, self._info.max_seq_len, self.kv_tokens)
+        for extra in ballast:
+            if self._hybrid and extra.start_pos:  # its recurrent state cannot be trimmed
+                self._ballast_states[extra.slot] = self._states.read(extra.slot, RECURRENT_PART)
         return ballast
 
     def _decode(
         self, chunks: Sequence[ScheduledChunk], ballast: Sequence[ScheduledChunk] = ()
     ) -> dict[int, list[SampledToken]]:
-        batch = self._batch
-        row = 0
-        sampling: list[tuple[ScheduledChunk, int]] = []  # (chunk, batch row of its first sample)
-        scoring: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row): prompt logprobs
-        firsts: dict[int, int] = {}  # slot -> the batch row of its chunk's first token
-        for chunk in sorted([*chunks, *ballast], key=lambda c: c.slot):
-            size = len(chunk.token_ids)
-            firsts[chunk.slot] = row
-            end = row + size
-            if end > self._capacity:
-                raise ValueError(f"batch of {end} tokens exceeds capacity {self._capacity}")
-            self._tokens[row:end] = chunk.token_ids
-            self._positions[row:end] = np.arange(chunk.start_pos, chunk.start_pos + size)
-            self._wants_logits[row:end] = 0
-            for i in range(row, end):
-                self._seq_id_rows[i][0] = chunk.slot
-            if chunk.sample:  # the last position, and a verification chunk's draft positions
-                self._wants_logits[end - 1 - chunk.num_drafts : end] = 1
-                sampling.append((chunk, end - 1 - chunk.num_drafts))
-            if chunk.prompt_logprob_targets:
-                self._wants_logits[row : row + len(chunk.prompt_logprob_targets)] = 1
-                scoring.append((chunk, row))
-            row = end
-        self._n_seq_ids[:row] = 1
-        batch.n_tokens = row
+        rows = self._batch.fill([*chunks, *ballast])
         pooled = [(chunk, self._pools.rows(chunk)) for chunk in chunks if chunk.embed]
         # Embeddings only for the calls whose rows are pooled: llama.cpp then outputs every
         # row, logits too (the same values as without), at the cost of the vocabulary
         # projection of every row.
         embeddings = any(rows is not None for _, rows in pooled)
         if embeddings:
-            self._wants_logits[:row] = 1
+            self._batch.output_every_row(rows.count)
             llama.llama_set_embeddings(self._ctx, True)
         started = time.perf_counter()
         try:
-            status = llama.llama_decode(self._ctx, batch)
+            status = llama.llama_decode(self._ctx, self._batch.raw)
         finally:
             self._stream_copy_sources.clear()  # llama_decode made the copies first
             if embeddings:
@@ -431,19 +245,19 @@ class LlamaCppRunner:
         for extra in ballast:
             state = self._ballast_states.pop(extra.slot, None)
             if state is not None:
-                self._set_state(extra.slot, state, _RECURRENT_PART)
+                self._states.write(extra.slot, state, RECURRENT_PART)
             self._cut_stream(extra.slot, extra.start_pos)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         if pooled:
-            self._pool(pooled, firsts, row)
-        for chunk, first in scoring:
+            self._pool(pooled, rows.firsts, rows.count)
+        for chunk, first in rows.scoring:
             top = self._params[chunk.slot].prompt_logprobs or 0
             self._prompt_logprobs.setdefault(chunk.slot, []).extend(
                 with_logprobs(target, self._logits_at(first + i), top)
                 for i, target in enumerate(chunk.prompt_logprob_targets)
             )
-        return {chunk.slot: self._sample_in_order(chunk, row) for chunk, row in sampling}
+        return {chunk.slot: self._sample_in_order(chunk, row) for chunk, row in rows.sampling}
 
     def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
         scored, self._prompt_logprobs = self._prompt_logprobs, {}
@@ -501,24 +315,7 @@ class LlamaCppRunner:
         self.trim_kv(dst_slot, num_tokens)
 
     def save_kv(self, slot: int) -> bytearray:
-        return self._state_of(slot, 0)
-
-    def _state_of(self, slot: int, flags: int) -> bytearray:
-        size = llama.llama_state_seq_get_size_ext(self._ctx, slot, flags)
-        data = bytearray(size)
-        written = llama.llama_state_seq_get_data_ext(
-            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot, flags
-        )
-        if written != size:
-            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {slot}")
-        return data
-
-    def _set_state(self, slot: int, data: bytearray, flags: int) -> bool:
-        size = len(data)
-        read = llama.llama_state_seq_set_data_ext(
-            self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, slot, flags
-        )
-        return bool(read)
+        return self._states.read(slot)
 
     def kv_fingerprint(self) -> str:
         # A state holds every stream's cell layout and the KV as this context stores it.
@@ -539,13 +336,13 @@ class LlamaCppRunner:
         # next llama_decode: overwriting such a stream would hand the copy the wrong KV.
         if slot in self._stream_copy_sources:
             return False
-        if not self._set_state(slot, data, 0):  # llama.cpp has emptied the sequence
+        if not self._states.write(slot, data):  # llama.cpp has emptied the sequence
             logger.warning("llama.cpp could not restore a saved state into sequence %d", slot)
             return False
         return True
 
     def trim_kv(self, slot: int, num_tokens: int) -> None:
-        self._pending_saves.pop(slot, None)  # asked for by the sequence the slot held
+        self._states.forget(slot)  # the saves asked for by the sequence the slot held
         self._cut_stream(slot, num_tokens)
 
     def _cut_stream(self, slot: int, num_tokens: int) -> None:
@@ -574,68 +371,19 @@ class LlamaCppRunner:
         for slot in list(self._chains):
             self.remove_sequence(slot)
         if self._ctx:
-            llama.llama_batch_free(self._batch)
+            self._batch.free()
             llama.llama_free(self._ctx)
             llama.llama_model_free(self._model)
             self._ctx = None
             self._model = None
 
-    def _why_no_prefix_sharing(self) -> str | None:
-        model = self._model
-        if self._hybrid and not self._snapshots:
-            return (
-                "the model's recurrent layers keep a state, which the cache keeps only as "
-                "snapshots, and --prefix-cache-snapshots is 0"
-            )
-        if llama.llama_model_is_recurrent(model) and not self._hybrid:
-            return "the model keeps recurrent state, which cannot be shared by position range"
-        if llama.llama_model_n_swa(model) > 0:
-            return "sliding-window layers discard early positions, so a prefix cannot be reused"
-        return None
-
     def _sample(
         self, slot: int, batch_row: int, allowed: np.ndarray[Any, Any] | None
     ) -> SampledToken:
-        params = self._params[slot]
-        chain = self._chains.get(slot)
         logits = self._logits_at(batch_row)
         # One pass: NaN and infinities both make the sum non-finite (finite logits are far
         # too small to overflow it). Broken weights or a device fault must not become tokens.
         if not math.isfinite(float(logits.sum())):
             raise RunnerFailure(f"non-finite logits for sequence {slot}")
-        raw = logits
-        if allowed is not None:  # structured output: the sampler reads the buffer, masked here
-            if params.logprobs is not None:
-                raw = logits.copy()
-            logits[~allowed_mask(allowed, self._n_vocab)] = -np.inf
-        if chain is None:
-            token_id = int(logits.argmax())
-        else:
-            token_id = llama.llama_sampler_sample(chain, self._ctx, batch_row)
-        if params.logprobs is None:
-            return SampledToken(token_id)
-        return with_logprobs(token_id, raw, params.logprobs)
-
-
-def _cut(chunk: ScheduledChunk, cuts: Sequence[int]) -> list[ScheduledChunk]:
-    """``chunk`` as pieces ending at each of ``cuts`` (positions inside it) and at its end; the
-    last piece samples, the others only compute (and score their prompt log-probabilities)."""
-    pieces = []
-    start = chunk.start_pos
-    for cut in [*cuts, chunk.start_pos + len(chunk.token_ids)]:
-        offset, size = start - chunk.start_pos, cut - start
-        pieces.append(
-            replace(
-                chunk,
-                token_ids=chunk.token_ids[offset : offset + size],
-                start_pos=start,
-                prompt_logprob_targets=chunk.prompt_logprob_targets[offset : offset + size],
-            )
-        )
-        start = cut
-    last = pieces[-1]
-    pieces[:-1] = [
-        replace(p, sample=False, num_drafts=0, allowed_tokens=None, embed_last=False)
-        for p in pieces[:-1]
-    ]
-    return [*pieces[:-1], last]
+        chain = self._chains.get(slot)
+        return sample_row(self._ctx, batch_row, logits, self._params[slot], chain, allowed)

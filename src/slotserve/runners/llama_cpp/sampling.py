@@ -11,7 +11,8 @@ tokens only, the repetition penalty counts prompt and generated tokens. llama.cp
 penalties sampler for all three, so the repetition penalty gets a sampler of its own that is
 also fed the prompt.
 
-``with_logprobs``: a sampled token's log-probability and the top alternatives under the raw
+``sample_row``: one output row's token, by its chain or the argmax, under the structured-output
+mask. ``with_logprobs``: a sampled token's log-probability and the top alternatives under the raw
 logits, for the runner's sampled and prompt positions alike.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_params import SamplingParams
@@ -81,6 +83,30 @@ def _add(chain: Any, sampler: Any) -> None:
     if not sampler:
         raise InvalidRequestError("llama.cpp refused the sampling parameters.")
     llama.llama_sampler_chain_add(chain, sampler)
+
+
+def sample_row(
+    ctx: Any,
+    batch_row: int,
+    logits: np.ndarray[Any, Any],
+    params: SamplingParams,
+    chain: Any | None,
+    allowed: np.ndarray[Any, Any] | None,
+) -> SampledToken:
+    """The token of output row ``batch_row`` (whose ``logits`` are llama.cpp's buffer):
+    drawn by the sequence's ``chain``, or the argmax where it has none; ``allowed`` masks it."""
+    raw = logits
+    if allowed is not None:  # structured output: the sampler reads the buffer, masked here
+        if params.logprobs is not None:
+            raw = logits.copy()
+        logits[~allowed_mask(allowed, len(logits))] = -np.inf
+    if chain is None:
+        token_id = int(logits.argmax())
+    else:
+        token_id = llama.llama_sampler_sample(chain, ctx, batch_row)
+    if params.logprobs is None:
+        return SampledToken(token_id)
+    return with_logprobs(token_id, raw, params.logprobs)
 
 
 def with_logprobs(token_id: int, logits: np.ndarray[Any, Any], top_k: int) -> SampledToken:

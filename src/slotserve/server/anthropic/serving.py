@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.models.host import LoadedModel, ModelHost
+from slotserve.models.host import ModelHost
+from slotserve.models.served import LoadedModel
 from slotserve.server.anthropic.chat_request import anthropic_param, chat_request_of
 from slotserve.server.anthropic.output import message, new_id
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -27,8 +28,9 @@ from slotserve.server.errors import (
     failure_error,
 )
 from slotserve.server.events import fold
+from slotserve.server.openai.chat_prompt import render_chat, start_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest
-from slotserve.server.pipeline import ChatGeneration, render_chat, start_chat
+from slotserve.server.pipeline import ChatGeneration
 from slotserve.server.serving import ServingContext
 
 # The engine ends a request with "abort" when the server shuts down under it.

@@ -8,10 +8,10 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from slotserve.server.openai.chat_prompt import start_chat
 from slotserve.server.openai.chat_render import ChatChunks, chat_chunks, chat_completion
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.shapes import Envelope, ended_on_failure
-from slotserve.server.pipeline import start_chat
 from slotserve.server.serving import ServingContext
 
 

@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes: a text or a chat turned into
 the token ids the model would read, and token ids back into text.
 
-The chat form renders its messages with the chat pipeline's own code (``pipeline.render_chat``),
+The chat form renders its messages with the chat pipeline's own code (``chat_prompt.render_chat``),
 so its ``count`` is the ``prompt_tokens`` a chat completion with the same messages reports.
 """
 
@@ -14,8 +14,8 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.runner_interface import Tokenizer
+from slotserve.server.openai.chat_prompt import render_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from slotserve.server.pipeline import render_chat
 from slotserve.server.serving import ServingContext
 
 

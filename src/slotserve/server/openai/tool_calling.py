@@ -8,6 +8,8 @@ output and the parsing of calls.
 * ``required`` / a named function: constrained decoding against a grammar of the allowed calls
   (``tool_parsers``), so the call always parses and matches its parameters' schema.
 
+The plan is :class:`slotserve.server.tool_plan.ToolPlan`, which the pipeline follows.
+
 A template that knows nothing of tools gets the ``generic`` format, as llama.cpp's generic
 handler does: the tools are described in a system message and the output is one JSON object,
 constrained for ``auto`` too (either calls or ``{"response": ...}``).
@@ -16,7 +18,6 @@ constrained for ``auto`` too (either calls or ``{"response": ...}``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from slotserve.engine.errors import InvalidRequestError
@@ -24,28 +25,12 @@ from slotserve.engine.sampling_params import StructuredOutput
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.tool_parsers import (
     FunctionTool,
-    ToolParser,
     generic_system_prompt,
     get_tool_parser,
     parser_for_template,
 )
 from slotserve.server.openai.protocol import ChatCompletionRequest
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    parser: ToolParser | None  # None: replies are plain content
-    constraint: StructuredOutput | None  # the grammar of the allowed calls, when forced
-    template_tools: list[dict[str, Any]] | None  # what the chat template's ``tools`` gets
-    system_prompt: str | None  # the generic format's description of the tools
-    named: bool  # a named function was forced: OpenAI then finishes with "stop"
-
-    @property
-    def generic(self) -> bool:
-        return self.system_prompt is not None
-
-
-NO_TOOLS = ToolPlan(None, None, None, None, False)
+from slotserve.server.tool_plan import NO_TOOLS, ToolPlan
 
 
 def plan_tools(

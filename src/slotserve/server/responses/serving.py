@@ -20,11 +20,12 @@ from starlette.requests import Request
 
 from slotserve.engine.core.limits import CONTEXT_LENGTH_EXCEEDED
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.models.host import LoadedModel
+from slotserve.models.served import LoadedModel
 from slotserve.server.errors import ErrorCounter, GenerationFailed, error_response, stream_error
 from slotserve.server.events import fold
+from slotserve.server.openai.chat_prompt import start_chat
 from slotserve.server.openai.shapes import chat_logprobs
-from slotserve.server.pipeline import ChatGeneration, start_chat
+from slotserve.server.pipeline import ChatGeneration
 from slotserve.server.responses.chat_request import (
     chat_request_of,
     input_messages,

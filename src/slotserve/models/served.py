@@ -1,0 +1,126 @@
+"""What one served model is: its recipe (``ModelLaunch``, with the ``RestartPolicy`` for when
+its engine dies), what the recipe builds (``LoadedModel``: the engine, tokenizer, chat template
+and sampling defaults; :func:`build_model`), the states it goes through, and what a caller is
+told when it cannot serve. ``host.py`` moves one model through those states."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slotserve.engine.client import make_client
+from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, Tokenizer
+from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
+from slotserve.protocol.chat_template import ChatTemplate
+from slotserve.protocol.reasoning import ReasoningParser
+
+RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
+RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
+RESTART_BACKOFF_MAX_S = 30.0
+LOADING_RETRY_AFTER_S = 5  # the Retry-After of a request refused while the model loads
+
+
+class ModelState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    FAILED = "failed"
+    UNLOADING = "unloading"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class ModelUnavailableError(Exception):
+    """The model cannot take requests now (loading, unhealthy, draining): HTTP 503."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ReloadConflictError(Exception):
+    """A reload was asked for while one is running or the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    info: ModelInfo
+    chat_template: ChatTemplate | None
+    # The sampling fields' defaults in force: the server's flags over the model's own.
+    sampling_defaults: SamplingDefaults = NEUTRAL
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What happens when the engine dies: restarted (``enabled``) after a backoff that doubles
+    with each death in the window, until the ``limit``-th death within ``window_s`` seconds
+    (a crash loop) leaves the model failed."""
+
+    enabled: bool = True
+    limit: int = 5
+    window_s: float = 300.0
+
+    def backoff_s(self, deaths: int) -> float:
+        return min(RESTART_BACKOFF_S * 2.0 ** max(deaths - 1, 0), RESTART_BACKOFF_MAX_S)
+
+
+@dataclass(frozen=True)
+class ModelLaunch:
+    """How to build one served model: from the command line, or from ``POST /models/load``
+    with its own options (``launch.py`` makes these)."""
+
+    name: str
+    build_runner: Callable[[], Runner]  # a RunnerSpec when the engine runs in a process
+    config: EngineConfig
+    chat_template_file: Path | None = None
+    tool_call_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: ReasoningParser | None = None
+    memory: MemoryNeed | None = None  # the pre-flight estimate (None: not known)
+    model_path: Path | None = None  # where the weights are (the worker routes report it)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # the sampling flags
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+async def build_model(
+    launch: ModelLaunch,
+    on_outputs: OutputListener | None,
+    engine_process: bool,
+    process_setup: Callable[[], None] | None,
+) -> LoadedModel:
+    """The runner (slow: reads the weights) and an engine over it, in the engine's own
+    process or thread (``make_client``; ``ModelHost`` says when which), which then starts
+    serving; its chat template and sampling defaults."""
+    engine = await AsyncEngine.connect(
+        lambda deliver: make_client(
+            launch.build_runner,
+            launch.config,
+            deliver,
+            engine_process=engine_process,
+            process_setup=process_setup,
+        ),
+        on_outputs,
+    )
+    info = engine.model_info
+    try:
+        source = (
+            launch.chat_template_file.read_text()
+            if launch.chat_template_file
+            else info.chat_template
+        )
+        template = ChatTemplate(source, info.bos_token, info.eos_token) if source else None
+    except BaseException:
+        await engine.shutdown()
+        raise
+    defaults = launch.sampling.over(info.sampling_defaults)
+    return LoadedModel(engine, engine.tokenizer, info, template, defaults)

@@ -1,0 +1,89 @@
+"""A chat completion request made into what the pipeline runs: the prompt rendered with the chat
+template (``protocol/chat_template.py``), the tool plan (``tool_calling.py``) and the sampling
+parameters (``params.py``), then submitted (``pipeline.submit_chat``). The Responses and
+Messages APIs translate their requests into a chat completion request and start here too."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.models.host import ModelHost
+from slotserve.models.served import LoadedModel
+from slotserve.server.openai.params import sampling_params_of, structured_output_of
+from slotserve.server.openai.protocol import ChatCompletionRequest
+from slotserve.server.openai.tool_calling import plan_tools, template_messages
+from slotserve.server.pipeline import ChatGeneration, submit_chat
+from slotserve.server.prompt_bound import check_prompt_chars
+from slotserve.server.serving import engine_request_id, require_chat_template
+from slotserve.server.tool_plan import ToolPlan
+
+
+async def start_chat(
+    host: ModelHost,
+    model: LoadedModel,
+    body: ChatCompletionRequest,
+    raw: Request,
+    http_request_id: str,
+) -> ChatGeneration:
+    """Renders, plans and submits ``body`` on ``model`` (acquired by the caller);
+    ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
+    loop; the model is checked again after it, and nothing awaits from there to the
+    submission, so the model cannot be unloaded in between."""
+    prompt, plan = await host.off_loop(model, render_chat, host, model, body)
+    model = host.require_same(model)
+    request_id = engine_request_id(model, "chatcmpl", http_request_id)
+    params = _sampling_params(body, plan, model)
+    return submit_chat(host, model, raw, request_id, prompt, plan, params)
+
+
+def render_chat(
+    host: ModelHost,
+    model: LoadedModel,
+    body: ChatCompletionRequest,
+    add_special_tokens: bool | None = None,
+    check_length: bool = True,
+) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids as :func:`start_chat` submits them, and the tool plan; also
+    what counting a request's tokens reads, so a count and a run cannot disagree.
+    ``add_special_tokens`` None: the BOS token unless the template writes it itself (a second
+    one would change the prompt). ``check_length``: refuse a prompt whose characters alone
+    cannot fit the context before tokenizing it (counting routes count it anyway). Slow for
+    a long conversation: call it off the event loop (``ModelHost.off_loop``)."""
+    template = require_chat_template(model)
+    plan = plan_tools(body, template, host.launch.tool_call_parser)
+    prompt_text = template.render(
+        template_messages(body, plan),
+        add_generation_prompt=body.add_generation_prompt,
+        tools=plan.template_tools,
+        extra=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message,
+    )
+    add_bos = not (template.bos_token and prompt_text.startswith(template.bos_token))
+    if add_special_tokens is not None:
+        add_bos = add_special_tokens
+    if check_length:
+        check_prompt_chars(model, prompt_text, "messages")
+    return model.tokenizer.encode(prompt_text, add_special_tokens=add_bos), plan
+
+
+def _sampling_params(
+    body: ChatCompletionRequest, plan: ToolPlan, model: LoadedModel
+) -> SamplingParams:
+    constraint = structured_output_of(body)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                "An output constraint cannot be combined with a forced tool call "
+                "(tool_choice 'required' or a named function).",
+                param=constraint.param,
+            )
+        constraint = plan.constraint
+    return sampling_params_of(
+        body,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured_output=constraint,
+        defaults=model.sampling_defaults,
+    )
