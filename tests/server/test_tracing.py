@@ -16,6 +16,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tests.conftest import ServerProcess, _free_port, start_server, stop_server, wait_until
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
+pytestmark = pytest.mark.slow  # spawned servers
+
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 # Spans leave in batches; a short delay keeps the test short.
