@@ -6,14 +6,16 @@ frequency count generated tokens; the repetition penalty (divide positive logits
 negative ones) counts prompt and generated tokens. Log-probabilities come from the raw
 logits, before any of this.
 
-The draw is an inverse-CDF lookup of one uniform number from the sequence's own generator
-(seeded with ``seed + choice index``, else from the OS): a seeded sequence draws the same
-tokens alone or batched, and every row's arithmetic is its own (row-wise softmax and scans).
+Every stage is one batched operation over the rows that need it (a row's parameters gathered
+into tensors), not a loop over rows: a GPU launches a handful of kernels per step whatever the
+batch, and the results come back in one copy. The draw is an inverse-CDF lookup of one uniform
+number: from the sequence's own generator when it has a seed (``seed + choice index``), so a
+seeded sequence draws the same tokens alone or batched; unseeded rows share one draw. Every
+row's arithmetic is its own (row-wise softmax, sort and scans).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +33,7 @@ class SequenceSampler:
     """Per-slot sampling state."""
 
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # a seeded sequence's own stream; None: the shared one
     output_counts: torch.Tensor | None  # [vocab] generated-token counts (presence/frequency)
     seen: torch.Tensor | None  # [vocab] bool: in the prompt or generated (repetition)
     bias_ids: torch.Tensor | None
@@ -45,8 +47,10 @@ def new_sequence_sampler(
     vocab_size: int,
     device: torch.device,
 ) -> SequenceSampler:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(random.SystemRandom().getrandbits(63) if seed is None else seed % (2**63))
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed % (2**63))
     counts = seen = bias_ids = bias_values = None
     if params.presence_penalty or params.frequency_penalty:
         counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -70,38 +74,24 @@ def sample(
     masked = [row for row, mask in enumerate(allowed) if mask is not None]
     if not masked and all(_plain_greedy(s) for s in samplers):
         return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
-    rows = len(samplers)
-    raw_logprobs = None
-    if any(s.params.logprobs is not None for s in samplers):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    device = logits.device
     adjusted = logits
     if masked or any(_modifies(s.params) for s in samplers):
         adjusted = logits.clone()
-        for row, s in enumerate(samplers):
-            if _modifies(s.params):
-                _apply_bias_and_penalties(adjusted[row], s)
+        _apply_bias(adjusted, samplers)
+        _apply_penalties(adjusted, samplers)
     if masked:
         vocab = logits.shape[-1]
         keep = np.stack([allowed_mask(allowed[row], vocab) for row in masked])  # type: ignore[arg-type]
-        keep_rows = torch.from_numpy(keep).to(logits.device)
+        keep_rows = torch.from_numpy(keep).to(device)
         adjusted[masked] = adjusted[masked].masked_fill(~keep_rows, float("-inf"))
-    chosen = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
-    if greedy:
-        chosen[greedy] = adjusted[greedy].argmax(dim=-1)
+    chosen = adjusted.argmax(dim=-1)
     drawn = [i for i, s in enumerate(samplers) if not s.params.is_greedy]
     if drawn:
         chosen[drawn] = _draw(adjusted[drawn], [samplers[i] for i in drawn])
     token_ids = chosen.tolist()
-    for row, s in enumerate(samplers):
-        if s.output_counts is not None:
-            s.output_counts[token_ids[row]] += 1
-        if s.seen is not None:
-            s.seen[token_ids[row]] = True
-    return [
-        _with_logprobs(token_ids[row], raw_logprobs, row, s.params.logprobs)
-        for row, s in enumerate(samplers)
-    ]
+    _count(samplers, token_ids, device)
+    return _with_logprobs(logits, samplers, token_ids)
 
 
 def _plain_greedy(s: SequenceSampler) -> bool:
@@ -113,35 +103,68 @@ def _modifies(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.has_penalties
 
 
-def _apply_bias_and_penalties(row: torch.Tensor, s: SequenceSampler) -> None:
-    if s.bias_ids is not None and s.bias_values is not None:
-        row.index_add_(0, s.bias_ids, s.bias_values)
-    p = s.params
-    if s.seen is not None:
-        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(s.seen, penalised, row))
-    if s.output_counts is not None:
-        row -= p.frequency_penalty * s.output_counts
-        row -= p.presence_penalty * (s.output_counts > 0).float()
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _apply_bias(adjusted: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
+    biased = [(row, s) for row, s in enumerate(samplers) if s.bias_ids is not None]
+    if not biased:
+        return
+    rows = torch.cat([torch.full_like(s.bias_ids, row) for row, s in biased])  # type: ignore[arg-type]
+    ids = torch.cat([s.bias_ids for _, s in biased])  # type: ignore[misc]
+    values = torch.cat([s.bias_values for _, s in biased])  # type: ignore[misc]
+    adjusted.index_put_((rows, ids), values.to(adjusted.dtype), accumulate=True)
+
+
+def _apply_penalties(adjusted: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
+    device = adjusted.device
+    repeating = [row for row, s in enumerate(samplers) if s.seen is not None]
+    if repeating:
+        seen = torch.stack([samplers[row].seen for row in repeating])  # type: ignore[misc]
+        penalty = _column([samplers[row].params.repetition_penalty for row in repeating], device)
+        part = adjusted[repeating]
+        penalised = torch.where(part > 0, part / penalty, part * penalty)
+        adjusted[repeating] = torch.where(seen, penalised, part)
+    counting = [row for row, s in enumerate(samplers) if s.output_counts is not None]
+    if counting:
+        counts = torch.stack([samplers[row].output_counts for row in counting])  # type: ignore[misc]
+        frequency = _column([samplers[row].params.frequency_penalty for row in counting], device)
+        presence = _column([samplers[row].params.presence_penalty for row in counting], device)
+        part = adjusted[counting] - frequency * counts
+        adjusted[counting] = part - presence * (counts > 0).float()
+
+
+def _uniforms(samplers: Sequence[SequenceSampler], device: torch.device) -> torch.Tensor:
+    """One uniform number per row: a seeded sequence's from its own generator (in row order,
+    so several rows of one sequence draw in turn), the others' in one shared draw."""
+    uniforms = torch.empty(len(samplers), dtype=torch.float32, device=device)
+    shared = [i for i, s in enumerate(samplers) if s.generator is None]
+    if shared:
+        uniforms[shared] = torch.rand(len(shared), device=device)
+    for i, s in enumerate(samplers):
+        if s.generator is not None:
+            uniforms[i] = torch.rand(1, generator=s.generator, device=device)[0]
+    return uniforms
 
 
 def _draw(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([s.params.temperature for s in samplers], device=device)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    uniforms = torch.cat(
-        [torch.rand(1, generator=s.generator, device=device) for s in samplers]
-    ).to(probs.dtype)
+    temperature = _column([s.params.temperature for s in samplers], device)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    uniforms = _uniforms(samplers, device).to(probs.dtype)
+    vocab = probs.shape[-1]
     choices = torch.empty(len(samplers), dtype=torch.int64, device=device)
     filtered = [i for i, s in enumerate(samplers) if _filters(s.params)]
     plain = [i for i, s in enumerate(samplers) if not _filters(s.params)]
     if plain:
         cdf = probs[plain].cumsum(dim=-1)
         target = uniforms[plain, None] * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, target).squeeze(-1)
-        choices[plain] = picked.clamp_(max=probs.shape[-1] - 1)
-    for i in filtered:
-        choices[i] = _draw_filtered(probs[i], uniforms[i], samplers[i].params)
+        choices[plain] = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=vocab - 1)
+    if filtered:
+        choices[filtered] = _draw_filtered(
+            probs[filtered], uniforms[filtered], [samplers[i].params for i in filtered]
+        )
     return choices
 
 
@@ -149,31 +172,52 @@ def _filters(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _draw_filtered(probs: torch.Tensor, uniform: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    sorted_probs, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if p.top_k > 0:
-        keep[p.top_k :] = False
-    if p.top_p < 1.0:
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
-        keep &= before < p.top_p
-    if p.min_p > 0.0:
-        keep &= sorted_probs >= p.min_p * sorted_probs[0]
-    keep[0] = True
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    cdf = kept.cumsum(0)
-    index = torch.searchsorted(cdf, uniform * cdf[-1:]).clamp_(max=probs.shape[0] - 1)
-    return order[index].squeeze(0)
+def _draw_filtered(
+    probs: torch.Tensor, uniforms: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p over each row's probabilities sorted once, the row's
+    most likely token always kept; then the inverse-CDF draw over what is kept."""
+    device = probs.device
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
+    keep = torch.arange(vocab, device=device)[None, :] < top_k
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+    keep &= before < _column([p.top_p for p in params], device)
+    keep &= sorted_probs >= _column([p.min_p for p in params], device) * sorted_probs[:, :1]
+    keep[:, 0] = True
+    cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(dim=-1)
+    index = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:]).clamp_(max=vocab - 1)
+    return order.gather(1, index).squeeze(-1)
+
+
+def _count(samplers: Sequence[SequenceSampler], token_ids: list[int], device: torch.device) -> None:
+    """The penalties' state takes each sampled token."""
+    for row, s in enumerate(samplers):
+        if s.output_counts is not None:
+            s.output_counts[token_ids[row]] += 1
+        if s.seen is not None:
+            s.seen[token_ids[row]] = True
 
 
 def _with_logprobs(
-    token_id: int, raw: torch.Tensor | None, row: int, top: int | None
-) -> SampledToken:
-    if raw is None or top is None:
-        return SampledToken(token_id)
-    logprobs = raw[row]
-    best: tuple[tuple[int, float], ...] = ()
-    if top > 0:
-        values, ids = logprobs.topk(top)
-        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return SampledToken(token_id, float(logprobs[token_id]), best)
+    logits: torch.Tensor, samplers: Sequence[SequenceSampler], token_ids: list[int]
+) -> list[SampledToken]:
+    """Each sampled token with its log-probability and the top alternatives under the raw
+    logits, where its request asks for them: one batched log-softmax and top-k, one copy."""
+    asking = [row for row, s in enumerate(samplers) if s.params.logprobs is not None]
+    if not asking:
+        return [SampledToken(t) for t in token_ids]
+    logprobs = torch.log_softmax(logits[asking], dim=-1)
+    picked = logprobs.gather(
+        1, torch.tensor([token_ids[r] for r in asking], device=logits.device)[:, None]
+    )
+    widest = max(samplers[r].params.logprobs or 0 for r in asking)
+    values, ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
+    picked_list, value_rows, id_rows = picked[:, 0].tolist(), values.tolist(), ids.tolist()
+    out = [SampledToken(t) for t in token_ids]
+    for k, row in enumerate(asking):
+        top = samplers[row].params.logprobs or 0
+        best = tuple(zip(id_rows[k][:top], value_rows[k][:top], strict=True))
+        out[row] = SampledToken(token_ids[row], float(picked_list[k]), best)
+    return out

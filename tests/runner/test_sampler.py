@@ -1,0 +1,87 @@
+"""The PyTorch runner's batched sampler on CPU tensors: each stage batched over rows gives each
+row what it would get alone, seeded rows draw their own streams, and the filters, biases,
+penalties and log-probabilities do what the fields say."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+
+VOCAB = 64
+CPU = torch.device("cpu")
+
+
+def _sampler(seed: int | None = None, **fields: Any) -> SequenceSampler:
+    prompt = fields.pop("prompt", ())
+    return new_sequence_sampler(
+        SamplingParams(max_tokens=8, **fields), list(prompt), seed, VOCAB, CPU
+    )
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def test_seeded_rows_draw_the_same_tokens_alone_and_beside_any_others() -> None:
+    logits = _logits(5)
+    fields: list[dict[str, Any]] = [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_k": 5},
+        {"temperature": 1.3, "top_p": 0.8},
+        {"temperature": 1.0, "min_p": 0.1},
+        {"temperature": 0.0},
+    ]
+    alone = []
+    for row, f in enumerate(fields):
+        s = _sampler(seed=100 + row, **f)
+        alone.append([sample(logits[row : row + 1], [s])[0].token_id for _ in range(6)])
+    batched = [_sampler(seed=100 + row, **f) for row, f in enumerate(fields)]
+    others = [_sampler(temperature=1.0) for _ in range(3)]
+    together = [[] for _ in fields]  # type: list[list[int]]
+    for _ in range(6):
+        rows = torch.cat([logits, _logits(3, seed=9)])
+        for row, token in enumerate(sample(rows, [*batched, *others])[: len(fields)]):
+            together[row].append(token.token_id)
+    assert together == alone
+
+
+def test_filters_keep_what_their_fields_say() -> None:
+    logits = _logits(1)
+    best = int(logits.argmax())
+    for fields in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        s = _sampler(seed=1, temperature=1.0, **fields)
+        assert {sample(logits, [s])[0].token_id for _ in range(20)} == {best}, fields
+    top3 = set(logits[0].topk(3).indices.tolist())
+    s = _sampler(seed=2, temperature=2.0, top_k=3)
+    assert {sample(logits, [s])[0].token_id for _ in range(60)} <= top3
+
+
+def test_bias_and_penalties_move_the_greedy_choice() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 1.0
+    biased = _sampler(temperature=0.0, logit_bias=((3, 5.0),))
+    assert sample(logits, [biased])[0].token_id == 3
+    repeated = _sampler(prompt=(7,), temperature=0.0, repetition_penalty=2.0)
+    logits[0, 9] = 0.8
+    assert sample(logits, [repeated])[0].token_id == 9  # 7's 1.0 halved below 9's 0.8
+    present = _sampler(temperature=0.0, presence_penalty=0.5)
+    assert sample(logits, [present])[0].token_id == 7
+    assert sample(logits, [present])[0].token_id == 9  # 7 was generated: 0.5 less
+
+
+def test_logprobs_come_from_the_raw_logits_with_the_asked_alternatives() -> None:
+    logits = _logits(3)
+    samplers = [
+        _sampler(temperature=0.0, logprobs=2),
+        _sampler(temperature=0.0),
+        _sampler(temperature=0.0, logprobs=0),
+    ]
+    tokens = sample(logits, samplers)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert tokens[0].logprob == float(expected[0, tokens[0].token_id])
+    assert [t for t, _ in tokens[0].top_logprobs] == expected[0].topk(2).indices.tolist()
+    assert tokens[1].logprob is None and tokens[2].top_logprobs == ()
