@@ -79,7 +79,7 @@ def _seconds_or_no_limit(text: str) -> float | None:
     return float(text) or None
 
 
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,9 @@ class EngineConfig:
         choices=SCHEDULE_POLICIES,
         help="which waiting request takes a free slot: fcfs, in arrival order; lpm, SGLang's "
         "longest prefix match: the longest cached prompt prefix first (a conversation's next "
-        "turn before cold prompts), a request overtaken at most --slots times (default fcfs)",
+        "turn before cold prompts), a request overtaken at most --slots times; priority, "
+        "vLLM's: the request's priority field first (lower first), arrival order among equals, "
+        "and when KV runs short the lowest priority is preempted first (default fcfs)",
     )
     prefix_wait_min_tokens: int = option(
         256,

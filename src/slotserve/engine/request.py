@@ -31,6 +31,7 @@ class Request:
     admitted_time: float | None = None
     deadline: float | None = None  # monotonic time after which the engine ends the request
     overtaken: int = 0  # later requests admitted first (schedule policy lpm)
+    priority: int = 0  # schedule policy priority: lower runs first (vLLM's meaning)
 
     @property
     def finished(self) -> bool:
@@ -93,10 +94,14 @@ class Sequence:
 
 
 def new_request(
-    config: EngineConfig, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    config: EngineConfig,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    priority: int = 0,
 ) -> Request:
     """A request arriving now, its deadline set, its sequences not yet built."""
-    request = Request(request_id, list(prompt_token_ids), params)
+    request = Request(request_id, list(prompt_token_ids), params, priority=priority)
     if config.request_timeout_s is not None:
         request.deadline = request.arrival_time + config.request_timeout_s
     return request

@@ -111,7 +111,11 @@ class AsyncEngine:
         await self.client.shutdown(reason)
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
@@ -125,7 +129,7 @@ class AsyncEngine:
             raise EngineDeadError(unhealthy)
         while request_id in self._busy:
             request_id = f"{request_id.split('~')[0]}~{uuid.uuid4().hex[:8]}"
-        request = self.client.make_request(request_id, prompt_token_ids, params)
+        request = self.client.make_request(request_id, prompt_token_ids, params, priority)
         self.client.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue

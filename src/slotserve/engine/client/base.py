@@ -117,7 +117,11 @@ class EngineCoreClient(Protocol):
     def forward_seconds(self) -> float: ...
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> Request:
         """Validates a request against the model (``InvalidRequestError``)."""
         ...

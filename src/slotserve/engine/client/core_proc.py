@@ -115,6 +115,7 @@ def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
             message.params,
             arrival_time=message.arrival_time,
             deadline=message.deadline,
+            priority=message.priority,
         )
         core.add_request(add_sequences(request, core.model_info, core.runner.tokenizer))
         return None

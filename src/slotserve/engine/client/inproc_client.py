@@ -81,9 +81,13 @@ class InprocClient(ClientState):
         return float(self.core.runner.forward_seconds)
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> Request:
-        return self.core.make_request(request_id, prompt_token_ids, params)
+        return self.core.make_request(request_id, prompt_token_ids, params, priority)
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises ``QueueFullError`` at once when the queue is full and

@@ -133,11 +133,15 @@ class MPClient(ClientState):
         return self._process.pid
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> Request:
         """Validates here; the engine process builds the sequences (and detokenizers)."""
-        validate_request(self, self.config, prompt_token_ids, params)
-        return new_request(self.config, request_id, prompt_token_ids, params)
+        validate_request(self, self.config, prompt_token_ids, params, priority)
+        return new_request(self.config, request_id, prompt_token_ids, params, priority)
 
     def add_request(self, request: Request) -> None:
         message = wire.AddRequest(
@@ -146,6 +150,7 @@ class MPClient(ClientState):
             request.params,
             request.arrival_time,
             request.deadline,
+            request.priority,
         )
         try:
             with self._lock:

@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     arrival_time: float  # time.monotonic(): one clock for every process on the machine
     deadline: float | None
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -1,6 +1,7 @@
 """Which waiting requests the scheduler admits first (``scheduler.py``'s invariants 4 and 7):
-the ``lpm`` schedule policy's order, the longest reusable cached prefix first, and the wait of
-a request for a prefill in flight that will leave it a longer prefix to share."""
+the ``lpm`` schedule policy's order, the longest reusable cached prefix first; the
+``priority`` policy's, the request's priority first; and the wait of a request for a prefill
+in flight that will leave it a longer prefix to share."""
 
 from __future__ import annotations
 
@@ -32,6 +33,32 @@ def order_by_cached_prefix(
         return (1, -policy.reusable_length(match, len(prompt)), arrival)
 
     return deque(request for _, request in sorted(enumerate(waiting), key=order))
+
+
+def admission_order(
+    schedule_policy: str,
+    waiting: deque[Request],
+    cache: PrefixCache,
+    policy: ChunkPolicy,
+    num_slots: int,
+) -> deque[Request] | None:
+    """Invariant 4: the waiting queue in the schedule policy's admission order; None when it
+    keeps arrival order. Under ``priority``, lower priority values first (vLLM's meaning),
+    arrival order among equals."""
+    if schedule_policy == "lpm":
+        return order_by_cached_prefix(waiting, cache, policy, num_slots)
+    if schedule_policy == "priority":
+        return deque(sorted(waiting, key=lambda r: (r.priority, r.arrival_time)))
+    return None
+
+
+def preemption_rank(slot: Slot, by_priority: bool) -> tuple[int, int]:
+    """Invariant 9's order: preempted slots resume lowest rank first, and the victim of a
+    short pool is the highest rank: by admission, or under the priority policy by the
+    request's priority first (a larger value is a lower priority), then admission."""
+    sequence = slot.sequence
+    assert sequence is not None, f"slot {slot.index} holds no sequence"
+    return (sequence.request.priority if by_priority else 0, slot.admission)
 
 
 def waits_for_prefill_in_flight(

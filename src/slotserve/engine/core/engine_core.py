@@ -78,12 +78,16 @@ class EngineCore:
         self._pending: Outputs = {}  # outputs of aborts, delivered by the next step
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> Request:
         """Validates a request against the model's limits; raises ``InvalidRequestError``.
         Safe from any thread (reads only what is fixed at load time)."""
-        validate_request(self.runner, self.config, prompt_token_ids, params)
-        request = new_request(self.config, request_id, prompt_token_ids, params)
+        validate_request(self.runner, self.config, prompt_token_ids, params, priority)
+        request = new_request(self.config, request_id, prompt_token_ids, params, priority)
         return add_sequences(request, self.runner.model_info, self.runner.tokenizer)
 
     def add_request(self, request: Request) -> None:

@@ -88,10 +88,17 @@ def validate_request(
     config: EngineConfig,
     prompt_token_ids: list[int],
     params: SamplingParams,
+    priority: int = 0,
 ) -> None:
     """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
     spec included. Any thread: it only reads what the runner (or the API process's frontend)
     fixed at load time."""
+    if priority != 0 and config.schedule_policy != "priority":
+        raise InvalidRequestError(
+            f"'priority' is {priority}, but this server schedules {config.schedule_policy}: "
+            "start it with --schedule-policy priority to order requests by it.",
+            param="priority",
+        )
     check_request(checker.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
         check_structured_output(params.structured_output)

@@ -21,8 +21,10 @@ Batch-construction invariants:
    starve): ``fcfs``, arrival order; ``lpm`` (SGLang's longest prefix match), the longest
    reusable cached prefix first, arrival order among equals, except that a request overtaken
    by ``num_slots`` later ones goes first. With more than ``LPM_MAX_WAITING`` waiting, lpm
-   keeps arrival order (matching every waiting prompt would cost more than it saves). Both
-   orders are worked out in ``admission.py``, with invariant 7's wait.
+   keeps arrival order (matching every waiting prompt would cost more than it saves);
+   ``priority`` (vLLM's), the request's priority first (lower values first), arrival order
+   among equals; a request waits at most until its ``--request-timeout`` ends it. The orders
+   are worked out in ``admission.py``, with invariant 7's wait.
 5. ``max_batch_tokens > num_slots`` (validated in ``EngineConfig``), so prefill progresses.
 6. When the runner's chunk policy asks for equal chunks, the chunks chosen by invariant 2 are
    trimmed to the shortest whole one (``ChunkPolicy.equalize``; why: ``chunk_policy.py``).
@@ -40,9 +42,11 @@ Batch-construction invariants:
    and whatever the cache supplied before it (a hit leaves whole grains to compute).
 9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
    pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
-   the youngest running sequence is preempted: its KV is given back (kept as
+   the youngest running sequence (under the priority policy: of the lowest priority) is
+   preempted: its KV is given back (kept as
    evictable cache when the prefix cache is on), its chunk leaves the batch, and it waits in
-   its slot, sampler state and output kept. Preempted sequences resume oldest first, before
+   its slot, sampler state and output kept. Preempted sequences resume oldest first (highest
+   priority first under the priority policy), before
    any new request is admitted, as soon as their first chunk's KV can be reserved; they
    recompute their tokens (prompt and output so far) from the longest cached prefix. The
    oldest sequence always fits (``max_seq_len`` is at most the pool), so work never stalls.
@@ -61,7 +65,11 @@ from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.admission import order_by_cached_prefix, waits_for_prefill_in_flight
+from slotserve.engine.core.admission import (
+    admission_order,
+    preemption_rank,
+    waits_for_prefill_in_flight,
+)
 from slotserve.engine.core.slots import Slot, SlotPool, SlotState
 from slotserve.engine.decoding.speculative import Speculator
 from slotserve.engine.prefix_cache.base import PrefixCache
@@ -114,7 +122,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def _by_admission(self, state: SlotState) -> list[Slot]:
-        """Slots in ``state``, oldest admission first (prefill and resume order)."""
+        """Slots in ``state``, oldest admission first (prefill order)."""
         return sorted(self.slots.in_state(state), key=lambda slot: slot.admission)
 
     def admit(self) -> list[Sequence]:
@@ -125,10 +133,15 @@ class Scheduler:
         (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
         """
         placed: list[Sequence] = []
-        for slot in self._by_admission(SlotState.PREEMPTED):
+        for slot in sorted(self.slots.in_state(SlotState.PREEMPTED), key=self._rank):
             if not self._resume(slot):
                 return placed  # memory is short: new requests wait behind the preempted ones
-        lpm = self.config.schedule_policy == "lpm" and self._order_by_cached_prefix()
+        config = self.config
+        ordered = admission_order(  # invariant 4; None: arrival order
+            config.schedule_policy, self.waiting, self.prefix_cache, self.policy, config.num_slots
+        )
+        lpm = ordered is not None and config.schedule_policy == "lpm"
+        self.waiting = self.waiting if ordered is None else ordered
         passed_over: list[Request] = []
         admitted: list[Request] = []
         while self.waiting and len(self.waiting[0].sequences) <= self.slots.num_free:
@@ -146,17 +159,6 @@ class Scheduler:
                 request.overtaken += sum(a.arrival_time > request.arrival_time for a in admitted)
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_time))
         return placed
-
-    def _order_by_cached_prefix(self) -> bool:
-        """Invariant 4 under lpm (``admission.py``): reorders the waiting queue for admission;
-        False when it keeps arrival order."""
-        ordered = order_by_cached_prefix(
-            self.waiting, self.prefix_cache, self.policy, self.config.num_slots
-        )
-        if ordered is None:
-            return False
-        self.waiting = ordered
-        return True
 
     def _resume(self, slot: Slot) -> bool:
         """Puts a preempted sequence back to PREFILLING if its first chunk's KV fits."""
@@ -271,7 +273,7 @@ class Scheduler:
         """Reserves ``slot``'s KV up to ``num_tokens``, preempting the youngest running
         sequences while the pool is short; False when ``slot`` itself was preempted."""
         while not self._make_room(slot.index, num_tokens):
-            victim = max(self._running_slots(), key=lambda s: s.admission)
+            victim = max(self._running_slots(), key=self._rank)
             self._preempt(victim)
             chunks.pop(victim.index, None)
             if victim is slot:
@@ -284,6 +286,9 @@ class Scheduler:
             if self.prefix_cache.evict_unused() == 0:
                 return False
         return True
+
+    def _rank(self, slot: Slot) -> tuple[int, int]:
+        return preemption_rank(slot, self.config.schedule_policy == "priority")
 
     def _running_slots(self) -> list[Slot]:
         return [
