@@ -17,14 +17,11 @@ def make_core(runner: FakeRunner | None = None, **config: Any) -> tuple[EngineCo
     return EngineCore(runner, EngineConfig(**config)), runner
 
 
-def submit(
-    core: EngineCore, request_id: str, prompt: str, priority: int = 0, **params: object
-) -> Request:
+def submit(core: EngineCore, request_id: str, prompt: str, **params: object) -> Request:
     request = core.make_request(
         request_id,
         list(prompt.encode("utf-8")),
         SamplingParams(**params),  # type: ignore[arg-type]
-        priority,
     )
     core.add_request(request)
     return request

@@ -4,15 +4,29 @@ a clear refusal of a priority under another policy."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Request
-from tests.engine.helpers import make_core, run_to_completion, submit, text_of
+from slotserve.engine.sampling_params import SamplingParams
+from tests.engine.helpers import make_core, run_to_completion, text_of
 from tests.engine.test_preemption import assert_kv_consistent, pooled, solo_text
 from tests.engine.test_schedule_policy import _admission_order
 from tests.fake_runner import FakeRunner
+
+
+def submit(
+    core: EngineCore, request_id: str, prompt: str, priority: int = 0, **params: Any
+) -> Request:
+    request = core.make_request(
+        request_id, list(prompt.encode("utf-8")), SamplingParams(**params), priority
+    )
+    core.add_request(request)
+    return request
 
 
 def test_a_later_request_of_higher_priority_takes_the_next_free_slot() -> None:
