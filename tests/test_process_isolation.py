@@ -50,6 +50,30 @@ def test_a_child_started_through_parent_death_dies_with_its_parent() -> None:
         parent.wait()
 
 
+def test_a_program_started_through_parent_death_dies_with_its_parent() -> None:
+    parent_code = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from slotserve import parent_death
+        child = subprocess.Popen(parent_death.exec_command(["sleep", "120"]))
+        print(child.pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        cmdline = Path(f"/proc/{child_pid}/cmdline")
+        assert wait_until(lambda: cmdline.read_text().split("\0")[0] == "sleep")  # exec'd
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert wait_until(lambda: _gone(child_pid), timeout=10), "the program outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_a_crashing_test_fails_alone_and_the_run_goes_on(tmp_path: Path) -> None:
     """The Makefile's own pytest flags, over a test that dies of SIGSEGV between two others."""
     flags = re.search(r"^PYTEST_ISOLATED := (.+)$", (ROOT / "Makefile").read_text(), re.M)

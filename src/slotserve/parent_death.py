@@ -2,8 +2,10 @@
 
 ``python -m slotserve.parent_death PARENT_PID MODULE [ARGS...]`` runs ``MODULE`` as
 ``python -m MODULE ARGS...`` would, after asking the kernel for SIGTERM when ``PARENT_PID``
-dies. A replica's ``slotserve serve`` (Ray may kill its actor at any time) and every server a
-test spawns (the test process may die of a signal) then leave nothing running.
+dies; ``... PARENT_PID --exec PROGRAM [ARGS...]`` becomes ``PROGRAM`` (the request survives
+``execve``). A replica's ``slotserve serve`` (Ray may kill its actor at any time), every
+server a test spawns (the test process may die of a signal) and the servers a benchmark
+compares then leave nothing running.
 
 NOTE: the death signal is asked for here, in the new process, rather than by a
 ``preexec_fn``: a ``preexec_fn`` runs Python between ``fork`` and ``exec`` in a parent that may
@@ -40,8 +42,16 @@ def command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "slotserve.parent_death", str(os.getpid()), module, *args]
 
 
+def exec_command(argv: list[str]) -> list[str]:
+    """The command line running the program ``argv`` as a child of this process that dies
+    with it."""
+    return [sys.executable, "-m", "slotserve.parent_death", str(os.getpid()), "--exec", *argv]
+
+
 if __name__ == "__main__":
     die_with(int(sys.argv[1]))
+    if sys.argv[2] == "--exec":
+        os.execvp(sys.argv[3], sys.argv[3:])
     module = sys.argv[2]
     sys.argv = [sys.argv[0], *sys.argv[3:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

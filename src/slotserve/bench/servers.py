@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from slotserve import parent_death
+
 HOST = "127.0.0.1"
 # How long members of a server's process group may outlive its leader before SIGKILL.
 CHILD_GRACE_S = 10.0
@@ -173,7 +175,7 @@ def running(
     log_path = log_dir / f"{spec.name}-{spec.port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            spec.command,
+            parent_death.exec_command(spec.command),  # a killed bench leaves no server behind
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
