@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, create_model
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.sampling_defaults import SamplingDefaults
+from slotserve.engine.sampling_defaults import DEFAULTED, LLAMA_SERVER, NEUTRAL, SamplingDefaults
 from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
@@ -143,6 +143,19 @@ class RunnerConfig:
     )
 
 
+def _sampling_default(option_name: str) -> Any:
+    """The option that defaults a sampling field, its help from the field's declaration."""
+    (declared,) = (d for d in DEFAULTED.values() if d.option == option_name)
+    name = declared.name
+    return option(
+        None,
+        help=f"a request's {name} when it leaves it out, {declared.range_text}: {declared.doc} "
+        f"(default: the model's own, from generation_config.json or GGUF general.sampling.*, "
+        f"else {getattr(LLAMA_SERVER, name):g} on llama.cpp as llama-server, "
+        f"{getattr(NEUTRAL, name):g} on torch)",
+    )
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """How a model's requests are rendered, its replies parsed, and its engine brought back
@@ -164,24 +177,11 @@ class ModelOptions:
         help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
     # llama-server's flag names; each is the default of a request that leaves the field out.
-    temperature: float | None = option(
-        None,
-        help="default sampling temperature, 0 to 2 (default: the model's generation_config.json "
-        "or GGUF general.sampling.* keys, else 0.8 on llama.cpp as llama-server, 1.0 on torch)",
-    )
-    top_p: float | None = option(
-        None, help="default top-p, in (0, 1] (default: the model's, else 0.95 on llama.cpp, 1.0)"
-    )
-    top_k: int | None = option(
-        None, help="default top-k, 0: off (default: the model's, else 40 on llama.cpp, 0)"
-    )
-    min_p: float | None = option(
-        None, help="default min-p, 0 to 1 (default: the model's, else 0.05 on llama.cpp, 0)"
-    )
-    repeat_penalty: float | None = option(
-        None,
-        help="default repetition_penalty, in (0, 2] (default: the model's, else 1.0: off)",
-    )
+    temperature: float | None = _sampling_default("temperature")
+    top_p: float | None = _sampling_default("top_p")
+    top_k: int | None = _sampling_default("top_k")
+    min_p: float | None = _sampling_default("min_p")
+    repeat_penalty: float | None = _sampling_default("repeat_penalty")
     engine_restart: str = option(
         "always",
         choices=ENGINE_RESTART,
@@ -202,7 +202,7 @@ class ModelOptions:
     )
 
     def __post_init__(self) -> None:
-        bad = [b.replace("repetition_", "repeat_") for b in self.sampling_defaults.out_of_range()]
+        bad = [DEFAULTED[b].option or b for b in self.sampling_defaults.out_of_range()]
         if bad:
             raise ValueError(f"sampling defaults out of range: {', '.join(bad)}")
 
@@ -210,7 +210,7 @@ class ModelOptions:
     def sampling_defaults(self) -> SamplingDefaults:
         """The sampling flags given, over the model's own defaults at load."""
         return SamplingDefaults(
-            self.temperature, self.top_p, self.top_k, self.min_p, self.repeat_penalty
+            **{name: getattr(self, declared.option or name) for name, declared in DEFAULTED.items()}
         )
 
 
