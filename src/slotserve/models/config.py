@@ -1,7 +1,9 @@
 """What the served models are built from, as options (``slotserve.options``): which models are
-served (:class:`ModelsConfig`), and each model's runner (:class:`RunnerConfig`), chat handling
-(:class:`ModelOptions`) and engine (``EngineConfig``), together a :class:`LaunchConfig`, which
-``POST /models/load`` overrides one model at a time (:func:`load_request_model` is its body)."""
+served (:class:`ModelsConfig`), and each model's runner (:class:`RunnerConfig`: the llama.cpp
+runner's :class:`LlamaCppConfig` and the PyTorch runner's :class:`TorchConfig` together), chat
+handling (:class:`ModelOptions`) and engine (``EngineConfig``), together a
+:class:`LaunchConfig`, which ``POST /models/load`` overrides one model at a time
+(:func:`load_request_model` is its body)."""
 
 from __future__ import annotations
 
@@ -78,25 +80,43 @@ class ModelsConfig:
 
 
 @dataclass(frozen=True)
-class RunnerConfig:
-    """How a model's runner is built (``models/launch.py`` makes its recipe); its slots and
-    batch size are the ``EngineConfig``'s."""
+class RunnerCommon:
+    """What every runner takes: which runner, its threads, its recurrent-state snapshots."""
 
     runner: str = option(
         "auto",
         choices=RUNNERS,
         help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
     )
+    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
+    prefix_cache_snapshots: int | None = option(
+        None,
+        ge=0,
+        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
+        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
+        "load; default 4 per slot; 0: no prefix cache for such models)",
+    )
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig(RunnerCommon):
+    """How the llama.cpp runner is built (``models/launch.py``: ``llama_cpp_spec``)."""
+
     ctx_size: int = option(
         0,
         ge=0,
         help="llama.cpp: KV cache tokens for all slots together; each slot gets "
         "ctx-size / slots (default: slots × min(trained context, 4096))",
     )
-    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
     )
+
+
+@dataclass(frozen=True)
+class TorchConfig(RunnerCommon):
+    """How the PyTorch runner is built (``models/launch.py``: ``torch_spec``)."""
+
     dtype: str = option(
         "auto",
         choices=DTYPES,
@@ -122,13 +142,6 @@ class RunnerConfig:
         0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
-    prefix_cache_snapshots: int | None = option(
-        None,
-        ge=0,
-        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
-        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
-        "load; default 4 per slot; 0: no prefix cache for such models)",
-    )
     cpu_kernels: bool = option(
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
@@ -141,6 +154,14 @@ class RunnerConfig:
         help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
         "a GPU per rank, else gloo); --threads is then per rank (default 1)",
     )
+
+
+@dataclass(frozen=True)
+class RunnerConfig(TorchConfig, LlamaCppConfig):
+    """Both runners' options, as ``serve`` parses them and ``POST /models/load`` takes them
+    (the runner is picked at load, from ``runner`` or the model's form); an instance is each
+    runner's config, and each runner's recipe reads only its own. Its slots and batch size are
+    the ``EngineConfig``'s."""
 
 
 def _sampling_default(option_name: str) -> Any:
