@@ -70,7 +70,7 @@ class SamplingDefaults:
 LLAMA_SERVER = SamplingDefaults(
     temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, repetition_penalty=1.0
 )
-# The fields, as SamplingParams declares them.
+# The fields a server option may default: those SamplingParams declares with an ``option``.
 DEFAULTED: dict[str, SamplingField] = {
     name: declared for name, declared in SAMPLING_FIELDS.items() if declared.option is not None
 }
@@ -103,7 +103,7 @@ def _read(get: Callable[[str], Any], keys: Mapping[str, str], source: str) -> Sa
         if not DEFAULTED[name].accepts(value):
             logger.warning("ignoring %s %s=%r: out of range", source, key, raw)
             continue
-        values[name] = int(value) if name == "top_k" else value
+        values[name] = DEFAULTED[name].kind(value)  # top_k: 40.0 in a file is 40
     return SamplingDefaults(**values)
 
 
