@@ -17,10 +17,10 @@ from slotserve.chat.command import local_configs
 from slotserve.cli import build_parser
 from slotserve.config_docs import COMMAND, render
 from slotserve.engine.config import SpeculativeConfig
-from slotserve.models.config import LaunchConfig, RunnerConfig
+from slotserve.models.config import LaunchConfig, LlamaCppConfig, RunnerConfig, TorchConfig
 from slotserve.models.registry import ModelRegistry
 from slotserve.models.served import ModelLaunch
-from slotserve.options import ENV_PREFIX, CacheBudget
+from slotserve.options import ENV_PREFIX, CacheBudget, options
 from slotserve.serve_config import ServeConfig
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
@@ -247,6 +247,15 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys: pytest.CaptureFixture
         subparser("serve").parse_args(["--speculative-config", '{"method": "eagle"}'])
     assert exited.value.code == 2
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_each_runner_has_its_own_options_and_serve_takes_both() -> None:
+    llama_cpp, torch = options(LlamaCppConfig), options(TorchConfig)
+    assert {"ctx_size", "flash_attn"} <= set(llama_cpp) and "dtype" not in llama_cpp
+    assert {"dtype", "kv_memory", "tensor_parallel_size"} <= set(torch) and "ctx_size" not in torch
+    assert set(options(RunnerConfig)) == set(llama_cpp) | set(torch)
+    config = RunnerConfig(ctx_size=4096, dtype="float32")
+    assert isinstance(config, LlamaCppConfig) and isinstance(config, TorchConfig)
 
 
 def test_load_options_are_read_as_the_flags_are() -> None:

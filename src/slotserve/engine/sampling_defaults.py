@@ -17,12 +17,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slotserve.engine.sampling_fields import SamplingField
+from slotserve.engine.sampling_params import SAMPLING_FIELDS
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Defaults for the sampling fields; None leaves a field to the layer below."""
+    """Defaults for the sampling fields a server's option may set (declared with ``option``
+    in ``SamplingParams``); None leaves a field to the layer below."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -40,6 +44,11 @@ class SamplingDefaults:
             )
         return SamplingDefaults(**values)
 
+    @classmethod
+    def taken_from(cls, source: object) -> SamplingDefaults:
+        """The fields of a request (or anything with attributes of the fields' names)."""
+        return cls(**{name: getattr(source, name) for name in DEFAULTED})
+
     def as_dict(self) -> dict[str, float | int | None]:
         return dataclasses.asdict(self)
 
@@ -53,7 +62,7 @@ class SamplingDefaults:
         return [
             name
             for name, value in self.as_dict().items()
-            if value is not None and not (math.isfinite(value) and _VALID[name](value))
+            if value is not None and not DEFAULTED[name].accepts(value)
         ]
 
 
@@ -61,8 +70,12 @@ class SamplingDefaults:
 LLAMA_SERVER = SamplingDefaults(
     temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, repetition_penalty=1.0
 )
-# vLLM's and OpenAI's: the model's distribution as it is.
-NEUTRAL = SamplingDefaults(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+# The fields a server option may default: those SamplingParams declares with an ``option``.
+DEFAULTED: dict[str, SamplingField] = {
+    name: declared for name, declared in SAMPLING_FIELDS.items() if declared.option is not None
+}
+# vLLM's and OpenAI's: the model's distribution as it is (SamplingParams' own defaults).
+NEUTRAL = SamplingDefaults(**{name: declared.default for name, declared in DEFAULTED.items()})
 
 # The keys llama.cpp's convert script writes from a model's generation_config.json.
 GGUF_KEYS = {
@@ -73,16 +86,6 @@ GGUF_KEYS = {
     "repetition_penalty": "general.sampling.penalty_repeat",
 }
 _HF_KEYS = {name: name for name in GGUF_KEYS}
-
-# The ranges SamplingParams accepts: a value out of them in a model file would turn every
-# request that omits the field into a 400 the client cannot understand, so it is dropped.
-_VALID: dict[str, Callable[[float], bool]] = {
-    "temperature": lambda v: 0.0 <= v <= 2.0,
-    "top_p": lambda v: 0.0 < v <= 1.0,
-    "top_k": lambda v: -1 <= v < 2**31 and v == int(v),
-    "min_p": lambda v: 0.0 <= v <= 1.0,
-    "repetition_penalty": lambda v: 0.0 < v <= 2.0,
-}
 
 
 def _read(get: Callable[[str], Any], keys: Mapping[str, str], source: str) -> SamplingDefaults:
@@ -95,10 +98,12 @@ def _read(get: Callable[[str], Any], keys: Mapping[str, str], source: str) -> Sa
             value = float(raw)
         except (TypeError, ValueError):
             value = math.nan
-        if not (math.isfinite(value) and _VALID[name](value)):
+        # Out of range, the value would turn every request that omits the field into a 400
+        # the client cannot understand: it is dropped.
+        if not DEFAULTED[name].accepts(value):
             logger.warning("ignoring %s %s=%r: out of range", source, key, raw)
             continue
-        values[name] = int(value) if name == "top_k" else value
+        values[name] = DEFAULTED[name].kind(value)  # top_k: 40.0 in a file is 40
     return SamplingDefaults(**values)
 
 

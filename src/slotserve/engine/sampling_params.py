@@ -1,12 +1,18 @@
-"""Per-request sampling parameters, validated once at construction."""
+"""Per-request sampling parameters, validated once at construction.
+
+Each range-bound field is declared here with its range and doc (``engine/sampling_fields.py``):
+the request models of every API, the defaults' checks and ``docs/sampling.md`` are derived from
+these declarations."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.sampling_fields import sampling_field, sampling_fields
 
 # OpenAI's documented bound for logit_bias values; larger values are almost always a client bug.
 MAX_LOGIT_BIAS = 100.0
@@ -32,11 +38,8 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop.
-
-    ``max_tokens=None`` means "until the sequence's context is full". ``logprobs=None`` turns
-    log-probabilities off; ``0`` returns only the sampled token's, ``k`` adds the top ``k``.
-    ``top_k <= 0`` disables top-k.
+    """How to pick each next token and when to stop; each range-bound field says what it
+    does in its declaration.
 
     ``embed=True`` makes the request an embedding instead of a generation: the prompt is
     computed like any other (batched with generation, taking prefix-cache hits where the
@@ -44,77 +47,97 @@ class SamplingParams:
     fields are then unused.
     """
 
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: int | None = sampling_field(
+        None, ge=1, doc="tokens to generate at most (none: until the context is full)"
+    )
+    temperature: float = sampling_field(
+        1.0,
+        ge=0.0,
+        le=2.0,
+        option="temperature",
+        doc="divides the logits: 0 picks the likeliest token (greedy), higher flattens",
+    )
+    top_k: int = sampling_field(
+        0,
+        ge=-1,
+        lt=2**31,
+        option="top_k",
+        message="must be -1, 0 (disabled) or a positive integer",
+        doc="sample among the k likeliest tokens only (0 or -1: all)",
+    )
+    top_p: float = sampling_field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        option="top_p",
+        doc="sample among the likeliest tokens whose probabilities add up to p (1: all)",
+    )
+    min_p: float = sampling_field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        option="min_p",
+        message="must be in [0, 1]",
+        doc="drop the tokens less likely than min_p times the likeliest (0: off)",
+    )
+    repetition_penalty: float = sampling_field(
+        1.0,
+        gt=0.0,
+        le=2.0,
+        option="repeat_penalty",
+        doc="divides the positive logits of tokens in the prompt or output, multiplies the "
+        "negative ones (1: off)",
+    )
+    presence_penalty: float = sampling_field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        doc="subtracted from the logit of each token the output holds already (0: off)",
+    )
+    frequency_penalty: float = sampling_field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        doc="subtracted from a token's logit once per time the output holds it (0: off)",
+    )
     logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
+    seed: int | None = sampling_field(
+        None,
+        ge=-(2**63),
+        lt=2**64,
+        message="out of range",
+        doc="seeds this request's draws: the same seed, the same text (none: a fresh seed)",
+    )
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
+    n: int = sampling_field(1, ge=1, le=MAX_N, doc="completions generated from the prompt")
+    logprobs: int | None = sampling_field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        doc="log-probabilities of the sampled tokens, with the top k alternatives "
+        "(none: off; 0: the sampled token's only)",
+    )
     structured_output: StructuredOutput | None = None
-    # Log-probabilities of the prompt's tokens (each given the ones before it), with the top
-    # ``k`` alternatives; None: not computed (the prefix cache is then not used: cached
-    # positions have no logits).
-    prompt_logprobs: int | None = None
+    # Not computed unless asked: cached positions have no logits, so the prefix cache is then
+    # not used.
+    prompt_logprobs: int | None = sampling_field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        doc="log-probabilities of the prompt's tokens, each given the ones before it, with the "
+        "top k alternatives (none: off; such a request takes no prefix-cache hit)",
+    )
     embed: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        _check(
-            _finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-            "temperature",
-            "must be between 0 and 2",
-        )
-        _check(-1 <= self.top_k < 2**31, "top_k", "must be -1, 0 (disabled) or a positive integer")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(
-            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-            "repetition_penalty",
-            "must be in (0, 2]",
-        )
-        _check(
-            _finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            "must be between -2 and 2",
-        )
-        _check(
-            _finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            "must be between -2 and 2",
-        )
-        for token_id, bias in self.logit_bias:
-            _check(token_id >= 0, "logit_bias", f"token id {token_id} is negative")
-            _check(
-                _finite(bias) and abs(bias) <= MAX_LOGIT_BIAS,
-                "logit_bias",
-                f"bias for token {token_id} must be between -100 and 100",
-            )
-        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "out of range")
-        _check(
-            len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"
-        )
-        _check(all(self.stop), "stop", "stop strings must not be empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
-        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}")
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-            "logprobs",
-            f"must be between 0 and {MAX_TOP_LOGPROBS}",
-        )
-        _check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
-            "prompt_logprobs",
-            f"must be between 0 and {MAX_TOP_LOGPROBS}",
-        )
+        for name, value in vars(self).items():
+            declared = SAMPLING_FIELDS.get(name)
+            if declared is not None and value is not None:
+                _check(declared.accepts(value), name, declared.error)
+            elif name in _ELEMENT_CHECKS:
+                _ELEMENT_CHECKS[name](value)
         if self.embed:
             _check(self.n == 1, "n", "must be 1 for an embedding")
             _check(self.prompt_logprobs is None, "prompt_logprobs", "is not for embeddings")
@@ -153,10 +176,36 @@ class SamplingParams:
             )
 
 
-def _finite(value: float) -> bool:
-    return math.isfinite(value)
-
-
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"'{param}' {message}.", param=param)
+
+
+def _check_logit_bias(pairs: tuple[tuple[int, float], ...]) -> None:
+    for token_id, bias in pairs:
+        _check(token_id >= 0, "logit_bias", f"token id {token_id} is negative")
+        _check(
+            math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"bias for token {token_id} must be between -100 and 100",
+        )
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    _check(all(stop), "stop", "stop strings must not be empty")
+
+
+def _check_stop_token_ids(token_ids: tuple[int, ...]) -> None:
+    _check(all(t >= 0 for t in token_ids), "stop_token_ids", "must be >= 0")
+
+
+# The declared fields by name: what the request models, the defaults' checks and the docs read.
+SAMPLING_FIELDS = sampling_fields(SamplingParams)
+# The fields whose rule is on each element rather than a range; checked in field order with
+# the ranges, so that a request with several bad fields is told of the first of them.
+_ELEMENT_CHECKS: dict[str, Callable[[Any], None]] = {
+    "logit_bias": _check_logit_bias,
+    "stop": _check_stop,
+    "stop_token_ids": _check_stop_token_ids,
+}

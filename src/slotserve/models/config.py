@@ -1,7 +1,9 @@
 """What the served models are built from, as options (``slotserve.options``): which models are
-served (:class:`ModelsConfig`), and each model's runner (:class:`RunnerConfig`), chat handling
-(:class:`ModelOptions`) and engine (``EngineConfig``), together a :class:`LaunchConfig`, which
-``POST /models/load`` overrides one model at a time (:func:`load_request_model` is its body)."""
+served (:class:`ModelsConfig`), and each model's runner (:class:`RunnerConfig`: the llama.cpp
+runner's :class:`LlamaCppConfig` and the PyTorch runner's :class:`TorchConfig` together), chat
+handling (:class:`ModelOptions`) and engine (``EngineConfig``), together a
+:class:`LaunchConfig`, which ``POST /models/load`` overrides one model at a time
+(:func:`load_request_model` is its body)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, create_model
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.sampling_defaults import SamplingDefaults
+from slotserve.engine.sampling_defaults import DEFAULTED, LLAMA_SERVER, NEUTRAL, SamplingDefaults
 from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
@@ -79,22 +81,34 @@ class ModelsConfig:
 
 
 @dataclass(frozen=True)
-class RunnerConfig:
-    """How a model's runner is built (``models/launch.py`` makes its recipe); its slots and
-    batch size are the ``EngineConfig``'s."""
+class RunnerCommon:
+    """What every runner takes: which runner, its threads, its recurrent-state snapshots."""
 
     runner: str = option(
         "auto",
         choices=RUNNERS,
         help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
     )
+    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
+    prefix_cache_snapshots: int | None = option(
+        None,
+        ge=0,
+        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
+        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
+        "load; default 4 per slot; 0: no prefix cache for such models)",
+    )
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig(RunnerCommon):
+    """How the llama.cpp runner is built (``models/launch.py``: ``llama_cpp_spec``)."""
+
     ctx_size: int = option(
         0,
         ge=0,
         help="llama.cpp: KV cache tokens for all slots together; each slot gets "
         "ctx-size / slots (default: slots × min(trained context, 4096))",
     )
-    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
     )
@@ -105,6 +119,12 @@ class RunnerConfig:
         "(llama-server's --repack / --no-repack); auto: on, except where this llama.cpp build "
         "offers its AMX buffer, whose matmul crashes (Intel Xeon hosts)",
     )
+
+
+@dataclass(frozen=True)
+class TorchConfig(RunnerCommon):
+    """How the PyTorch runner is built (``models/launch.py``: ``torch_spec``)."""
+
     dtype: str = option(
         "auto",
         choices=DTYPES,
@@ -130,13 +150,6 @@ class RunnerConfig:
         0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
-    prefix_cache_snapshots: int | None = option(
-        None,
-        ge=0,
-        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
-        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
-        "load; default 4 per slot; 0: no prefix cache for such models)",
-    )
     cpu_kernels: bool = option(
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
@@ -148,6 +161,27 @@ class RunnerConfig:
         ge=1,
         help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
         "a GPU per rank, else gloo); --threads is then per rank (default 1)",
+    )
+
+
+@dataclass(frozen=True)
+class RunnerConfig(TorchConfig, LlamaCppConfig):
+    """Both runners' options, as ``serve`` parses them and ``POST /models/load`` takes them
+    (the runner is picked at load, from ``runner`` or the model's form); an instance is each
+    runner's config, and each runner's recipe reads only its own. Its slots and batch size are
+    the ``EngineConfig``'s."""
+
+
+def _sampling_default(option_name: str) -> Any:
+    """The option that defaults a sampling field, its help from the field's declaration."""
+    (declared,) = (d for d in DEFAULTED.values() if d.option == option_name)
+    name = declared.name
+    return option(
+        None,
+        help=f"a request's {name} when it leaves it out, {declared.range_text}: {declared.doc} "
+        f"(default: the model's own, from generation_config.json or GGUF general.sampling.*, "
+        f"else {getattr(LLAMA_SERVER, name):g} on llama.cpp as llama-server, "
+        f"{getattr(NEUTRAL, name):g} on torch)",
     )
 
 
@@ -172,24 +206,11 @@ class ModelOptions:
         help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
     # llama-server's flag names; each is the default of a request that leaves the field out.
-    temperature: float | None = option(
-        None,
-        help="default sampling temperature, 0 to 2 (default: the model's generation_config.json "
-        "or GGUF general.sampling.* keys, else 0.8 on llama.cpp as llama-server, 1.0 on torch)",
-    )
-    top_p: float | None = option(
-        None, help="default top-p, in (0, 1] (default: the model's, else 0.95 on llama.cpp, 1.0)"
-    )
-    top_k: int | None = option(
-        None, help="default top-k, 0: off (default: the model's, else 40 on llama.cpp, 0)"
-    )
-    min_p: float | None = option(
-        None, help="default min-p, 0 to 1 (default: the model's, else 0.05 on llama.cpp, 0)"
-    )
-    repeat_penalty: float | None = option(
-        None,
-        help="default repetition_penalty, in (0, 2] (default: the model's, else 1.0: off)",
-    )
+    temperature: float | None = _sampling_default("temperature")
+    top_p: float | None = _sampling_default("top_p")
+    top_k: int | None = _sampling_default("top_k")
+    min_p: float | None = _sampling_default("min_p")
+    repeat_penalty: float | None = _sampling_default("repeat_penalty")
     engine_restart: str = option(
         "always",
         choices=ENGINE_RESTART,
@@ -210,7 +231,7 @@ class ModelOptions:
     )
 
     def __post_init__(self) -> None:
-        bad = [b.replace("repetition_", "repeat_") for b in self.sampling_defaults.out_of_range()]
+        bad = [DEFAULTED[b].option or b for b in self.sampling_defaults.out_of_range()]
         if bad:
             raise ValueError(f"sampling defaults out of range: {', '.join(bad)}")
 
@@ -218,7 +239,7 @@ class ModelOptions:
     def sampling_defaults(self) -> SamplingDefaults:
         """The sampling flags given, over the model's own defaults at load."""
         return SamplingDefaults(
-            self.temperature, self.top_p, self.top_k, self.min_p, self.repeat_penalty
+            **{name: getattr(self, declared.option or name) for name, declared in DEFAULTED.items()}
         )
 
 

@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.models.config import LaunchConfig, ModelsConfig, RunnerConfig
+from slotserve.models.config import (
+    LaunchConfig,
+    LlamaCppConfig,
+    ModelsConfig,
+    RunnerCommon,
+    RunnerConfig,
+    TorchConfig,
+)
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 if TYPE_CHECKING:
@@ -35,19 +42,31 @@ def runner_factory(
             raise ValueError(
                 "--tensor-parallel-size is a PyTorch runner setting: add --runner torch"
             )
-        if not model_path.is_file():
-            raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
-        return LlamaCppSpec(
-            model_path,
-            num_slots=engine.num_slots,
-            ctx_size=runner.ctx_size,
-            max_batch_tokens=engine.max_batch_tokens,
-            n_threads=runner.threads or None,
-            flash_attn=runner.flash_attn,
-            model_name=model_name,
-            state_snapshots=_state_snapshots(runner, engine),
-            repack=runner.repack,
-        )
+        return llama_cpp_spec(runner, engine, model_path, model_name)
+    return torch_spec(runner, engine, model_path, model_name)
+
+
+def llama_cpp_spec(
+    config: LlamaCppConfig, engine: EngineConfig, model_path: Path, model_name: str
+) -> LlamaCppSpec:
+    if not model_path.is_file():
+        raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
+    return LlamaCppSpec(
+        model_path,
+        num_slots=engine.num_slots,
+        ctx_size=config.ctx_size,
+        max_batch_tokens=engine.max_batch_tokens,
+        n_threads=config.threads or None,
+        flash_attn=config.flash_attn,
+        model_name=model_name,
+        state_snapshots=_state_snapshots(config, engine),
+        repack=config.repack,
+    )
+
+
+def torch_spec(
+    config: TorchConfig, engine: EngineConfig, model_path: Path, model_name: str
+) -> TorchSpec:
     try:
         from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
     except ImportError as exc:
@@ -60,23 +79,23 @@ def runner_factory(
         model_path,
         num_slots=engine.num_slots,
         max_batch_tokens=engine.max_batch_tokens,
-        dtype=runner.dtype,
-        device=runner.device,
-        load_format=runner.load_format,
-        max_seq_len=runner.max_model_len,
-        kv_memory_bytes=runner.kv_memory or 0,
-        gpu_memory_fraction=runner.gpu_memory_fraction,
-        block_size=runner.block_size,
-        threads=runner.threads,
+        dtype=config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+        max_seq_len=config.max_model_len,
+        kv_memory_bytes=config.kv_memory or 0,
+        gpu_memory_fraction=config.gpu_memory_fraction,
+        block_size=config.block_size,
+        threads=config.threads,
         model_name=model_name,
-        tensor_parallel_size=runner.tensor_parallel_size,
-        cpu_kernels=runner.cpu_kernels,
-        state_snapshots=_state_snapshots(runner, engine),
+        tensor_parallel_size=config.tensor_parallel_size,
+        cpu_kernels=config.cpu_kernels,
+        state_snapshots=_state_snapshots(config, engine),
     )
     return TorchSpec(load)
 
 
-def _state_snapshots(runner: RunnerConfig, engine: EngineConfig) -> int:
+def _state_snapshots(runner: RunnerCommon, engine: EngineConfig) -> int:
     """Recurrent-state snapshots for the prefix cache: none when the cache is off."""
     if not engine.prefix_cache:
         return 0

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.server.sampling_schema import sampled
 
 
 class _Strict(BaseModel):
@@ -187,12 +188,13 @@ class CountTokensRequest(_Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = sampled("max_tokens", ...)
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
+    # Anthropic's own ranges are narrower than the engine's.
+    temperature: float | None = sampled("temperature", le=1.0)
+    top_p: float | None = sampled("top_p")
+    top_k: int | None = sampled("top_k", ge=1)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     # Anthropic's automatic caching switch: the prefix cache is always on here.

@@ -79,9 +79,7 @@ def sampling_params_of(
     """The request's sampling; a field it leaves out takes the model's default in force
     (``LoadedModel.sampling_defaults``), so every API samples alike."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    given = SamplingDefaults(
-        body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty
-    )
+    given = SamplingDefaults.taken_from(body)
     return SamplingParams(
         max_tokens=max_tokens,
         **given.params(defaults),

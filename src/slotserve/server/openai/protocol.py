@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.server.sampling_schema import sampled
 
 
 class _Strict(BaseModel):
@@ -126,24 +127,24 @@ class SamplingFields(_Strict):
     model: str | None = None
     # Ollama's: how long the model stays loaded once idle (seconds or "5m"; 0 unloads).
     keep_alive: float | str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
+    temperature: float | None = sampled("temperature")
+    top_p: float | None = sampled("top_p")
+    n: int = sampled("n", 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = sampled("presence_penalty")
+    frequency_penalty: float | None = sampled("frequency_penalty")
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = sampled("seed")
     user: str | None = None
     # vLLM-style extensions.
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    top_k: int | None = sampled("top_k")
+    min_p: float | None = sampled("min_p")
+    repetition_penalty: float | None = sampled("repetition_penalty")
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = sampled("prompt_logprobs")
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, SGLang's regex
     # and ebnf (server/params.py admits one of them).
     response_format: ResponseFormat | None = None
@@ -179,10 +180,10 @@ class SamplingFields(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = sampled("max_tokens")
+    max_completion_tokens: int | None = sampled("max_tokens")
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = sampled("logprobs")
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -223,8 +224,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = sampled("max_tokens", 16)
+    logprobs: int | None = sampled("logprobs")
     echo: StrictBool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None

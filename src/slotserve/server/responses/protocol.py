@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
+from slotserve.server.sampling_schema import sampled
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -303,9 +305,9 @@ class ResponsesRequest(_Strict):
     keep_alive: float | str | None = None  # Ollama's, as on the chat path
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_output_tokens: int | None = sampled("max_tokens")
+    temperature: float | None = sampled("temperature")
+    top_p: float | None = sampled("top_p")
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -322,17 +324,17 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     client_metadata: dict[str, Any] | None = None  # Codex's; not in OpenAI's published spec
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
-    seed: int | None = None
+    seed: int | None = sampled("seed")
     reasoning: ReasoningConfig | None = None
     # "auto" differs from "disabled" only when the input overflows the context: we refuse
     # then (the error says truncation is not done here) rather than drop earlier turns.
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Includable] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = sampled("logprobs")
     # vLLM-style extensions.
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    top_k: int | None = sampled("top_k")
+    min_p: float | None = sampled("min_p")
+    repetition_penalty: float | None = sampled("repetition_penalty")
 
     def includes(self, value: str) -> bool:
         return value in (self.include or ())
