@@ -48,7 +48,7 @@ def runner_factory(
             state_snapshots=_state_snapshots(runner, engine),
         )
     try:
-        from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+        from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
     except ImportError as exc:
         raise ValueError(
             f"the PyTorch runner needs its dependencies ({exc.name} is missing): "

@@ -28,22 +28,22 @@ from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, Model
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
-from slotserve.runners.pytorch.checkpoint import (
+from slotserve.runners.pytorch.load.checkpoint import (
     TorchLoadConfig,
-    open_gguf,
     read_model_config,
     sampling_defaults,
 )
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.deltanet import BLOCK
-from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
-from slotserve.runners.pytorch.shard import GroupPlan, ModelShard, StepPlan
-from slotserve.runners.pytorch.tensor_parallel import (
+from slotserve.runners.pytorch.load.gguf_file import open_gguf
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.deltanet import BLOCK
+from slotserve.runners.pytorch.model.tensor_parallel import (
     join_group,
     open_store,
     rank_device,
     shard_config,
 )
+from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.shard import GroupPlan, ModelShard, StepPlan
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.tp_workers import TensorParallelRanks, rank_threads
 
