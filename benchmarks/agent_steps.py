@@ -21,7 +21,7 @@ from engine_steps import all_decoding, build, timed_calls
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.layers import Projection
+from slotserve.runners.pytorch.model.layers import Projection
 
 
 def timed_step(core: EngineCore, spent: dict[str, float]) -> dict[str, float]:

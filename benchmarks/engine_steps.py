@@ -35,7 +35,7 @@ def build(
     """An engine on the embedded model; ``max_seq_len`` applies to the PyTorch runner."""
     path = embedded_model_path()
     if runner == "torch":
-        from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+        from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 
         spec: TorchSpec | LlamaCppSpec = TorchSpec(
             TorchLoadConfig(
@@ -126,7 +126,7 @@ def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float
     """Milliseconds per decode step spent in each kernel call and in the projections, and the
     rest, over ``batch`` sequences once all of them decode."""
     from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-    from slotserve.runners.pytorch.layers import Projection
+    from slotserve.runners.pytorch.model.layers import Projection
 
     spent: dict[str, float] = {}
     kernels = ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention")

@@ -21,7 +21,7 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 

@@ -42,6 +42,16 @@ FORBIDDEN_SLOTSERVE = {
     "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
     **{module: SERVER_APIS for module in PIPELINE},
 }
+# The PyTorch runner's layers, bottom up: the shared decoder and its layers (which call the CPU
+# kernels), the families that map checkpoints onto it, the readers that load those checkpoints;
+# the runner's top-level modules stand above all three.
+# package → what of ``slotserve.runners.pytorch`` it may import (its own modules included).
+TORCH = "slotserve.runners.pytorch"
+TORCH_LAYERS = {
+    f"{TORCH}.model": (f"{TORCH}.model", f"{TORCH}.cpu_kernels"),
+    f"{TORCH}.families": (f"{TORCH}.families", f"{TORCH}.model"),
+    f"{TORCH}.load": (f"{TORCH}.load", f"{TORCH}.families", f"{TORCH}.model"),
+}
 # package → third-party modules it must not import.
 FORBIDDEN_EXTERNAL = {
     "slotserve.engine": BACKENDS + HTTP,
@@ -90,6 +100,13 @@ def test_every_package_imports_only_what_lies_below_it() -> None:
                     offenders += [
                         f"{module} imports {imported}" for b in banned if within(imported, b)
                     ]
+            for package, allowed in TORCH_LAYERS.items():
+                if (
+                    within(module, package)
+                    and within(imported, TORCH)
+                    and not any(within(imported, a) for a in allowed)
+                ):
+                    offenders.append(f"{module} imports {imported}")
             for package, banned in FORBIDDEN_EXTERNAL.items():
                 if within(module, package) and imported.split(".")[0] in banned:
                     offenders.append(f"{module} imports {imported}")

@@ -49,7 +49,7 @@ def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
 
 
 def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
-    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
     from slotserve.runners.pytorch.runner import TorchRunner
 
     return TorchRunner(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.layers import Projection
+from slotserve.runners.pytorch.model.layers import Projection
 
 
 @pytest.fixture

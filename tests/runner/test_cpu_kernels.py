@@ -25,8 +25,8 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, build_directory, load_cpu_kernels
-from slotserve.runners.pytorch.layers import RmsNorm
-from slotserve.runners.pytorch.rotary import apply_rotary
+from slotserve.runners.pytorch.model.layers import RmsNorm
+from slotserve.runners.pytorch.model.rotary import apply_rotary
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, greedy
@@ -308,7 +308,7 @@ def test_without_avx512_bf16_onednn_serves_the_projections_beside_the_kernels(
     """A CPU with the kernels' instruction sets but no AVX512-BF16 (simulated): oneDNN's
     prepacked, split-K projections serve beside the attention and per-row kernels, and every
     sequence keeps its tokens in a batch."""
-    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 
     monkeypatch.setattr(kernels, "has_gemm", False)
     runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_seq_len=512))

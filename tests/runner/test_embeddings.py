@@ -130,7 +130,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def encoder() -> Iterator[EncoderRunner]:
-    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 
     runner = EncoderRunner(TorchLoadConfig(minilm_path(), num_slots=4))
     yield runner

@@ -20,20 +20,16 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
-from slotserve.runners.pytorch.checkpoint import (
-    TorchLoadConfig,
-    config_from_gguf,
-    gguf_metadata,
-    open_gguf,
-    read_model_config,
-)
-from slotserve.runners.pytorch.config import UnsupportedModelError
-from slotserve.runners.pytorch.deltanet import BLOCK
-from slotserve.runners.pytorch.gguf_weights import gguf_tensors
-from slotserve.runners.pytorch.model import Decoder
+from slotserve.runners.pytorch.families.registry import config_from_gguf
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors, open_gguf
+from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.load.weights import load_into
+from slotserve.runners.pytorch.model.config import UnsupportedModelError
+from slotserve.runners.pytorch.model.decoder import Decoder
+from slotserve.runners.pytorch.model.deltanet import BLOCK
 from slotserve.runners.pytorch.runner import TorchRunner
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
-from slotserve.runners.pytorch.weights import load_into, safetensors_tensors
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, generate, greedy

@@ -24,8 +24,8 @@ from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
-from slotserve.runners.pytorch.deltanet import BLOCK
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.model.deltanet import BLOCK
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS

@@ -17,8 +17,8 @@ from openai import OpenAI
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
-from slotserve.runners.pytorch.config import UnsupportedModelError
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server, wait_until
 from tests.prompts import PROMPTS

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from slotserve.runners.pytorch.attention import StepAttention, _sdpa, attend, build_group
-from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.model.attention import StepAttention, _sdpa, attend, build_group
+from slotserve.runners.pytorch.model.config import ModelConfig
 
 BLOCK = 4
 

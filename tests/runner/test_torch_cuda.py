@@ -19,7 +19,7 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import generate, greedy, run_logprobs, through_host_and_disk

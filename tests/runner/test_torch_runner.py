@@ -17,12 +17,9 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.checkpoint import (
-    TorchLoadConfig,
-    config_from_gguf,
-    read_model_config,
-)
-from slotserve.runners.pytorch.config import UnsupportedModelError
+from slotserve.runners.pytorch.families.registry import config_from_gguf
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, generate, greedy
@@ -170,10 +167,10 @@ def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
 ) -> None:
     from gguf import GGUFReader
 
-    from slotserve.runners.pytorch.checkpoint import gguf_metadata
-    from slotserve.runners.pytorch.gguf_weights import gguf_tensors
-    from slotserve.runners.pytorch.model import Decoder
-    from slotserve.runners.pytorch.weights import load_into, safetensors_tensors
+    from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors
+    from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+    from slotserve.runners.pytorch.load.weights import load_into
+    from slotserve.runners.pytorch.model.decoder import Decoder
 
     # llama.cpp makes every qwen3moe layer sparse and renormalises the top-k weights.
     folder = tiny_random_checkpoint(

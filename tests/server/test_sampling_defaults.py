@@ -87,7 +87,7 @@ def test_flags_out_of_range_are_refused() -> None:
 
 def test_an_hf_folder_recommends_its_generation_config(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from slotserve.runners.pytorch.checkpoint import sampling_defaults
+    from slotserve.runners.pytorch.load.checkpoint import sampling_defaults
 
     assert sampling_defaults(tmp_path) == NEUTRAL  # no generation_config.json
     (tmp_path / "generation_config.json").write_text(

@@ -68,7 +68,7 @@ def torch_spec(
     config: TorchConfig, engine: EngineConfig, model_path: Path, model_name: str
 ) -> TorchSpec:
     try:
-        from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+        from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
     except ImportError as exc:
         raise ValueError(
             f"the PyTorch runner needs its dependencies ({exc.name} is missing): "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from slotserve.engine.runner_interface import MemoryNeed, Runner, RunnerFrontend
 
 if TYPE_CHECKING:
-    from slotserve.runners.pytorch.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ class TorchSpec:
         return TorchFrontend(self.load.model_path)
 
     def memory_needed(self) -> MemoryNeed:
-        from slotserve.runners.pytorch.checkpoint import estimate_memory
         from slotserve.runners.pytorch.encoder import estimate_encoder_memory, is_encoder
+        from slotserve.runners.pytorch.load.memory import estimate_memory
 
         if is_encoder(self.load.model_path):
             return estimate_encoder_memory(self.load)

@@ -1,4 +1,4 @@
-"""The encoder family (BERT, ``model_type: bert``): an embedding-only runner.
+"""The encoder runner (BERT, ``families/bert.py``): embeddings only.
 
 Every token attends to the whole prompt (no causal mask), positions are learned absolute
 embeddings plus a token-type embedding (type 0: one segment), and each layer is post-norm
@@ -23,7 +23,6 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,19 +31,12 @@ from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
-from slotserve.runners.pytorch.checkpoint import DTYPES, TorchLoadConfig
+from slotserve.runners.pytorch.families.registry import ENCODERS
+from slotserve.runners.pytorch.load.checkpoint import DTYPES, TorchLoadConfig
+from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
-from slotserve.runners.pytorch.weights import safetensors_tensors
 
 logger = logging.getLogger(__name__)
-
-ENCODER_MODEL_TYPES = ("bert",)
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def is_encoder(path: Path) -> bool:
@@ -52,7 +44,7 @@ def is_encoder(path: Path) -> bool:
     config_file = path / "config.json"
     if not path.is_dir() or not config_file.is_file():
         return False
-    return json.loads(config_file.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+    return json.loads(config_file.read_text()).get("model_type") in ENCODERS
 
 
 class EncoderRunner:
@@ -63,18 +55,19 @@ class EncoderRunner:
         started = time.monotonic()
         path = load.model_path
         raw = json.loads((path / "config.json").read_text())
-        self._check(raw, path)
-        self.hidden = int(raw["hidden_size"])
-        self.heads = int(raw["num_attention_heads"])
-        self.layers = int(raw["num_hidden_layers"])
-        self.eps = float(raw.get("layer_norm_eps", 1e-12))
-        self.act = _ACTIVATIONS[str(raw.get("hidden_act", "gelu"))]
+        family = ENCODERS.get(str(raw.get("model_type")))
+        if family is None:
+            raise ValueError(
+                f"{path.name}: model_type {raw.get('model_type')!r} is not an encoder family"
+            )
+        config = family.config(raw, path.name)
+        self.hidden, self.heads = config.hidden_size, config.num_heads
+        self.layers, self.eps = config.num_layers, config.layer_norm_eps
+        self.act = config.activation
         self.device = load.torch_device()
         self.dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
-        self.max_seq_len = min(
-            int(raw.get("max_position_embeddings", 512)), load.max_seq_len or 4096
-        )
-        self._weights = self._load(path)
+        self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+        self._weights = self._load(path, family.weight_name)
         self._tokenizer = HfTokenizer.from_folder(path)
         pooling = sentence_transformers_pooling(path) or "cls"  # BERT's summary token
         self._pools = PromptPools(pooling)
@@ -82,7 +75,7 @@ class EncoderRunner:
         self._forward_seconds = 0.0
         self._info = ModelInfo(
             name=load.model_name or path.name,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=config.vocab_size,
             num_slots=load.num_slots,
             max_seq_len=self.max_seq_len,
             eog_token_ids=frozenset(),
@@ -110,25 +103,13 @@ class EncoderRunner:
             time.monotonic() - started,
         )
 
-    @staticmethod
-    def _check(raw: dict[str, Any], path: Path) -> None:
-        problems = []
-        if raw.get("model_type") not in ENCODER_MODEL_TYPES:
-            problems.append(f"model_type {raw.get('model_type')!r} is not an encoder family")
-        if raw.get("position_embedding_type", "absolute") != "absolute":
-            problems.append("only absolute position embeddings are supported")
-        if str(raw.get("hidden_act", "gelu")) not in _ACTIVATIONS:
-            problems.append(f"activation {raw.get('hidden_act')!r} is not supported")
-        if int(raw.get("hidden_size", 0)) % max(int(raw.get("num_attention_heads", 1)), 1):
-            problems.append("hidden_size is not a multiple of num_attention_heads")
-        if problems:
-            raise ValueError(f"{path.name}: " + "; ".join(problems))
-
-    def _load(self, path: Path) -> dict[str, torch.Tensor]:
+    def _load(
+        self, path: Path, weight_name: Callable[[str], str | None]
+    ) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = {}
-        for name, tensor in safetensors_tensors(path):
-            name = name.removeprefix("bert.")
-            if name.startswith(("embeddings.", "encoder.")) and not name.endswith("position_ids"):
+        for raw_name, tensor in safetensors_tensors(path):
+            name = weight_name(raw_name)
+            if name is not None:
                 weights[name] = tensor.to(self.device, self.dtype)
         needed = [
             "embeddings.word_embeddings.weight",

@@ -2,8 +2,8 @@
 place, through each sequence's block table, for decode and prefill rows alike (no gather into
 padded tensors, no mask tensors), with GQA and sliding windows.
 
-It takes what the CPU kernels take (``attention.PagedStep``: block tables, each token's
-sequence and position), so one step plan serves both. Work is cut into programs of one
+It takes what the CPU kernels take (``PagedStep`` in ``model/attention.py``: block tables,
+each token's sequence and position), so one step plan serves both. Work is cut into programs of one
 *row tile* (up to ``BLOCK_M`` consecutive tokens of one sequence) by one KV head, the query
 heads that share that KV head stacked as rows.
 

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
-from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.model.config import ModelConfig
 
 
 class KvPool:

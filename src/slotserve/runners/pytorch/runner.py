@@ -28,22 +28,23 @@ from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, Model
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
-from slotserve.runners.pytorch.checkpoint import (
+from slotserve.runners.pytorch.load.checkpoint import (
     TorchLoadConfig,
-    open_gguf,
     read_model_config,
     sampling_defaults,
 )
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.deltanet import BLOCK
-from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
-from slotserve.runners.pytorch.shard import GroupPlan, ModelShard, StepPlan
-from slotserve.runners.pytorch.tensor_parallel import (
+from slotserve.runners.pytorch.load.gguf_file import open_gguf
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.deltanet import BLOCK
+from slotserve.runners.pytorch.model.tensor_parallel import (
     join_group,
     open_store,
     rank_device,
     shard_config,
 )
+from slotserve.runners.pytorch.planner import StepPlanner
+from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.shard import ModelShard
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.tp_workers import TensorParallelRanks, rank_threads
 
@@ -103,11 +104,7 @@ class TorchRunner:
         bytes_per_token = self.shard.kv_bytes_per_token * ranks
         num_blocks = self.pool.tables.num_blocks
         self._samplers: dict[int, SequenceSampler] = {}
-        self._prompt_lengths: dict[int, int] = {}  # by slot: where decoding starts
-        # Recurrent-state snapshots asked for by the prefix cache, by slot, until a chunk
-        # reaches them: {position: snapshot} to save, the snapshot to resume from.
-        self._pending_saves: dict[int, dict[int, int]] = {}
-        self._pending_restores: dict[int, int] = {}
+        self._planner = StepPlanner(self.pool, self.shard.linear_states)
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
         # A sentence-transformers folder names its pooling; else the last token's final state.
@@ -183,19 +180,19 @@ class TorchRunner:
         return self.config.linear_state_bytes(self.dtype.itemsize)
 
     def save_state(self, slot: int, position: int, snapshot: int) -> None:
-        assert 0 <= snapshot < self.snapshot_capacity and position % BLOCK == 0
-        self._pending_saves.setdefault(slot, {})[position] = snapshot
+        assert 0 <= snapshot < self.snapshot_capacity
+        self._planner.save_state(slot, position, snapshot)
 
     def restore_state(self, slot: int, snapshot: int) -> None:
         assert 0 <= snapshot < self.snapshot_capacity
-        self._pending_restores[slot] = snapshot
+        self._planner.restore_state(slot, snapshot)
 
     # ---- Runner protocol (continued) ----------------------------------------------------------
 
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
-        self._prompt_lengths[slot] = len(prompt_token_ids)
+        self._planner.start(slot, len(prompt_token_ids))
         if params.embed:  # pooled, never sampled
             self._samplers.pop(slot, None)
             return
@@ -205,7 +202,7 @@ class TorchRunner:
 
     def remove_sequence(self, slot: int) -> None:
         self._samplers.pop(slot, None)
-        self._prompt_lengths.pop(slot, None)
+        self._planner.forget(slot)
         self._pools.forget(slot)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
@@ -221,8 +218,7 @@ class TorchRunner:
         if self.shard.linear_states is not None and 0 < num_tokens < self.pool.tables.lengths[slot]:
             raise RuntimeError(f"cannot roll slot {slot}'s recurrent state back to {num_tokens}")
         if num_tokens == 0:
-            self._pending_saves.pop(slot, None)
-            self._pending_restores.pop(slot, None)
+            self._planner.drop_snapshots(slot)
         self.pool.tables.trim(slot, num_tokens)
 
     def kv_tokens(self, slot: int) -> int:
@@ -264,10 +260,8 @@ class TorchRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
         started = time.perf_counter()
-        # One-token chunks attend as one group, first (decoded tokens before one-token prompt
-        # chunks, which a recurrent layer computes as prompts); each longer chunk alone.
-        ordered = sorted(chunks, key=lambda c: (len(c.token_ids) > 1, not self._decodes(c), c.slot))
-        plan, scoring, sampling = self._plan(ordered)
+        ordered = self._planner.order(chunks)
+        plan, scoring, sampling = self._planner.plan(ordered)
         if self.ranks is not None:
             self.ranks.send(plan)
         hidden = self.shard.forward(plan)
@@ -289,43 +283,6 @@ class TorchRunner:
             torch.cuda.synchronize(self.device)
         self._forward_seconds += time.perf_counter() - started
         return result
-
-    def _plan(
-        self, ordered: Sequence[ScheduledChunk]
-    ) -> tuple[StepPlan, list[ScheduledChunk], list[ScheduledChunk]]:
-        """The step as plain numbers for every rank, with the chunks whose prompt positions
-        are scored and those that sample (``logit_rows``: one list of rows per scored chunk,
-        then the sampled rows: each chunk's last position and any draft positions)."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        write_rows: list[int] = []
-        sample_rows: list[int] = []
-        logit_rows: list[list[int]] = []
-        scoring: list[ScheduledChunk] = []
-        for chunk in ordered:
-            end = chunk.start_pos + len(chunk.token_ids)
-            if chunk.prompt_logprob_targets:
-                scoring.append(chunk)
-                first = len(tokens)
-                logit_rows.append(list(range(first, first + len(chunk.prompt_logprob_targets))))
-            tokens.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, end))
-            write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
-            if chunk.sample:
-                sample_rows.extend(range(len(tokens) - 1 - chunk.num_drafts, len(tokens)))
-        sampling = [c for c in ordered if c.sample]
-        if sampling:
-            logit_rows.append(sample_rows)
-        plan = StepPlan(
-            tokens,
-            positions,
-            write_rows,
-            self._groups(ordered),
-            self.pool.take_pending_copies(),
-            logit_rows,
-            **self._linear_plan(ordered),
-        )
-        return plan, scoring, sampling
 
     def _score_prompt(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -396,63 +353,6 @@ class TorchRunner:
             alive, depth = still, depth + 1
         return result
 
-    def _groups(self, ordered: Sequence[ScheduledChunk]) -> list[GroupPlan]:
-        """All one-token chunks (first in ``ordered``) as one group, each longer chunk alone."""
-        tables = self.pool.tables.tables
-        decode = [chunk for chunk in ordered if len(chunk.token_ids) == 1]
-        batches = ([decode] if decode else []) + [[chunk] for chunk in ordered[len(decode) :]]
-        groups, row = [], 0
-        for batch in batches:
-            q_len = len(batch[0].token_ids)
-            groups.append(
-                GroupPlan(
-                    row,
-                    [list(tables[chunk.slot]) for chunk in batch],
-                    [chunk.start_pos for chunk in batch],
-                    q_len,
-                )
-            )
-            row += q_len * len(batch)
-        return groups
-
-    def _decodes(self, chunk: ScheduledChunk) -> bool:
-        """A decoded token: one token past the prompt (a recurrent layer's one-token step)."""
-        return len(chunk.token_ids) == 1 and chunk.start_pos >= self._prompt_lengths.get(
-            chunk.slot, 0
-        )
-
-    def _linear_plan(self, ordered: Sequence[ScheduledChunk]) -> dict[str, Any]:
-        """The Gated DeltaNet layers' view of the step (decoded tokens first, as in
-        ``ordered``): a sequence starting at position 0 starts from a zero state, one the
-        prefix cache resumed from a snapshot; snapshots its chunks reach are taken."""
-        states = self.shard.linear_states
-        if states is None:
-            return {}
-        decode = [c.slot for c in ordered if self._decodes(c)]
-        prefills, saves, row = [], [], len(decode)
-        for chunk in ordered[len(decode) :]:
-            length = len(chunk.token_ids)
-            prefills.append((row, length, chunk.slot, chunk.start_pos))
-            row += length
-            pending = self._pending_saves.get(chunk.slot, {})
-            for position in [p for p in pending if p <= chunk.start_pos + length]:
-                # A position already passed would leave the snapshot unwritten: the cache
-                # asks only for positions ahead of the slot.
-                assert position > chunk.start_pos, f"slot {chunk.slot}: {position} is passed"
-                saves.append((chunk.slot, position, states.snapshot_row(pending.pop(position))))
-        loads = [
-            (states.snapshot_row(self._pending_restores.pop(c.slot)), c.slot)
-            for c in ordered
-            if c.slot in self._pending_restores
-        ]
-        return {
-            "linear_resets": [c.slot for c in ordered if c.start_pos == 0],
-            "linear_loads": loads,
-            "linear_decode": decode,
-            "linear_prefills": prefills,
-            "linear_saves": saves,
-        }
-
     def close(self) -> None:
         """Drops the KV pool and the weights; on CUDA the allocator's cache is emptied too,
         so an unloaded model's device memory goes back to the GPU (and to other models)."""
@@ -482,7 +382,7 @@ def context_cost(config: ModelConfig, device: torch.device) -> float:
 
 def _recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]:
     """What a model with Gated DeltaNet layers changes in the engine's rules: chunks cut on
-    the chunked delta rule's block grid from position 0 (batch invariance, ``deltanet.py``);
+    the chunked delta rule's block grid from position 0 (batch invariance, ``model/deltanet.py``);
     a prefix cache only through snapshots of the recurrent state, which cannot be cut at
     any position; no speculation (the state cannot be rewound past a rejected draft)."""
     if not config.linear_layers:

@@ -16,21 +16,25 @@ from typing import Any
 import msgspec
 import torch
 
-from slotserve.runners.pytorch.attention import (
+from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
+from slotserve.runners.pytorch.kv_cache import KvPool
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.memory import kv_blocks
+from slotserve.runners.pytorch.load.weights import checkpoint_tensors, load_into
+from slotserve.runners.pytorch.model.attention import (
     AttentionGroup,
     PagedStep,
     StepAttention,
     build_group,
 )
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, kv_blocks
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
-from slotserve.runners.pytorch.deltanet import LinearStatePool, LinearStep
-from slotserve.runners.pytorch.gguf_weights import gguf_tensors
-from slotserve.runners.pytorch.kv_cache import KvPool
-from slotserve.runners.pytorch.model import Decoder
-from slotserve.runners.pytorch.tensor_parallel import TensorParallel, shard_config, tensor_slicer
-from slotserve.runners.pytorch.weights import dummy_tensors, load_into, safetensors_tensors
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.decoder import Decoder
+from slotserve.runners.pytorch.model.deltanet import LinearStatePool, LinearStep
+from slotserve.runners.pytorch.model.tensor_parallel import (
+    TensorParallel,
+    shard_config,
+    tensor_slicer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +84,7 @@ class ModelShard:
         with torch.device(device):
             self.model = Decoder(local, dtype, max_seq_len, tp)
         self.model.eval()
-        if load.load_format == "dummy":
-            tensors = dummy_tensors(config)
-        elif gguf_reader is not None:
-            tensors = gguf_tensors(gguf_reader, config)
-        else:
-            tensors = safetensors_tensors(load.model_path)
+        tensors = checkpoint_tensors(load, config, gguf_reader)
         load_into(self.model, tensors, tensor_slicer(tp) if tp is not None else None)
         if device.type == "cpu" and dtype == torch.bfloat16:
             # Batch invariance holds in bfloat16 on CPU only (attention.py).

@@ -26,9 +26,10 @@ import msgspec
 import torch
 import zmq
 
-from slotserve.runners.pytorch.checkpoint import TorchLoadConfig, open_gguf, read_model_config
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.gguf_file import open_gguf
+from slotserve.runners.pytorch.model.tensor_parallel import join_group, open_store, rank_device
 from slotserve.runners.pytorch.shard import ModelShard, StepPlan
-from slotserve.runners.pytorch.tensor_parallel import join_group, open_store, rank_device
 
 logger = logging.getLogger(__name__)
 

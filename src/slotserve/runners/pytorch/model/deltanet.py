@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.layers import Projection, RmsNorm
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.layers import Projection, RmsNorm
 
 BLOCK = 64  # tokens per block of the chunked form (and the runner's chunk grain)
 

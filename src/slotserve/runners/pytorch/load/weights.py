@@ -10,31 +10,22 @@ second full copy of the model is ever held. Experts are named one by one
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.model import Decoder, DecoderLayer
-from slotserve.runners.pytorch.moe import Expert
+from slotserve.runners.pytorch.families.registry import family_of
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.gguf_file import gguf_tensors
+from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.decoder import Decoder, DecoderLayer
+from slotserve.runners.pytorch.model.moe import Expert
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-# Multimodal checkpoints (Gemma 3 4B+, Qwen3.5) keep the text model under a prefix.
-_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
-# What a text decoder does not use: vision towers and their projectors, Qwen3.5's
-# multi-token-prediction head (served models decode one token per step).
-_SKIPPED = (
-    "model.visual.",
-    "model.vision_tower.",
-    "vision_tower.",
-    "model.multi_modal_projector.",
-    "multi_modal_projector.",
-    "mtp.",
-)
 
 
 def load_into(
@@ -45,13 +36,14 @@ def load_into(
     """Copies every named tensor into ``model``; raises if one is unknown or one is missing.
     ``shard``: cuts each whole tensor to a tensor-parallel rank's slice first."""
     c = model.config
+    family = family_of(c)
     expected = _expected_names(c)
     seen: set[str] = set()
     for raw_name, tensor in _per_expert(tensors):
-        name = _normalise(raw_name)
-        if name == "lm_head.weight" and c.tie_word_embeddings:
+        name = family.weight_name(raw_name)  # a multimodal checkpoint's text model
+        if name is None or name.endswith("rotary_emb.inv_freq"):
             continue
-        if name.endswith("rotary_emb.inv_freq") or name.startswith(_SKIPPED):
+        if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         target = _target(model, name)
         if shard is not None:
@@ -63,13 +55,6 @@ def load_into(
     missing = sorted(expected - seen)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-
-
-def _normalise(name: str) -> str:
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            return "model." + name[len(prefix) :]
-    return name
 
 
 def _target(model: Decoder, name: str) -> torch.Tensor:
@@ -90,7 +75,7 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
         "input_layernorm.weight": layer.input_norm.weight,
         "post_attention_layernorm.weight": layer.post_attention_norm.weight,
     }
-    if c.gemma_norms:
+    if c.sandwich_norms:
         pieces |= {
             "pre_feedforward_layernorm.weight": layer.pre_mlp_norm.weight,
             "post_feedforward_layernorm.weight": layer.post_mlp_norm.weight,
@@ -198,7 +183,7 @@ def _expected_names(c: ModelConfig) -> set[str]:
         )
     ]
     norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    if c.gemma_norms:
+    if c.sandwich_norms:
         norms += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     dense_mlp = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     sparse_mlp = ["mlp.gate.weight"] + [
@@ -249,23 +234,16 @@ def _per_expert(
 # ---- sources --------------------------------------------------------------------------------
 
 
-def safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``model.safetensors`` or of the shards ``model.safetensors.index.json``
-    lists, one at a time."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / shard for shard in shards]
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder} has neither model.safetensors nor an index of shards")
-    for path in files:
-        with safe_open(str(path), framework="pt") as shard:
-            for name in shard.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, shard.get_tensor(name)
+def checkpoint_tensors(
+    load: TorchLoadConfig, config: ModelConfig, gguf_reader: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights ``load`` names: random ones (``--load-format dummy``), a GGUF file's (its
+    reader already open), or an HF folder's safetensors."""
+    if load.load_format == "dummy":
+        return dummy_tensors(config)
+    if gguf_reader is not None:
+        return gguf_tensors(gguf_reader, config)
+    return safetensors_tensors(load.model_path)
 
 
 def dummy_tensors(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:

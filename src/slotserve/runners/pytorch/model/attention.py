@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.model.config import ModelConfig
 
 
 @dataclass

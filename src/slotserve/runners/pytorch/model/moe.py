@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slotserve.runners.pytorch.config import ModelConfig
-from slotserve.runners.pytorch.layers import Projection, activation
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.layers import Projection, activation
 
 
 class Expert(nn.Module):

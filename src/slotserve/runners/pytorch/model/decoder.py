@@ -1,4 +1,4 @@
-"""The decoder, written once for every supported family (see ``config.py``), run over one
+"""The decoder, written once for every supported family (``families/``), run over one
 flattened batch per engine step: the tokens of every scheduled chunk, prefill and decode alike,
 go through each projection and MLP together; attention runs per group of sequences over the
 paged KV pool (``attention.py``), Gated DeltaNet layers per sequence over their state
@@ -15,14 +15,14 @@ import math
 import torch
 from torch import nn
 
-from slotserve.runners.pytorch.attention import PagedStep, StepAttention, attend
-from slotserve.runners.pytorch.config import ModelConfig
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.deltanet import LinearAttention, LinearStep, linear_attention
-from slotserve.runners.pytorch.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
-from slotserve.runners.pytorch.moe import SparseMlp
-from slotserve.runners.pytorch.rotary import apply_rotary, rotary_tables, without_scaling
-from slotserve.runners.pytorch.tensor_parallel import TensorParallel
+from slotserve.runners.pytorch.model.attention import PagedStep, StepAttention, attend
+from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
+from slotserve.runners.pytorch.model.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
+from slotserve.runners.pytorch.model.moe import SparseMlp
+from slotserve.runners.pytorch.model.rotary import apply_rotary, rotary_tables, without_scaling
+from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
 
 
 class _Norms:
@@ -67,9 +67,9 @@ class DecoderLayer(nn.Module):
     moe: SparseMlp  # mixture of experts instead
     input_norm: RmsNorm
     post_attention_norm: RmsNorm
-    pre_mlp_norm: RmsNorm  # Gemma
-    post_mlp_norm: RmsNorm  # Gemma
-    q_norm: RmsNorm  # Qwen3, Qwen3.5, Gemma
+    pre_mlp_norm: RmsNorm  # sandwich norms
+    post_mlp_norm: RmsNorm  # sandwich norms
+    q_norm: RmsNorm  # qk_norm
     k_norm: RmsNorm
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int) -> None:
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         plus_one, eps = c.plus_one_norms, c.rms_norm_eps
         self.input_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
         self.post_attention_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
-        if c.gemma_norms:
+        if c.sandwich_norms:
             self.pre_mlp_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
             self.post_mlp_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
         if c.qk_norm and not self.is_linear:
@@ -291,7 +291,7 @@ class Decoder(nn.Module):
                 )
             if tp is not None:  # each rank's o_proj gave a partial sum
                 x = tp.all_reduce(x)
-            if c.gemma_norms:
+            if c.sandwich_norms:
                 x = norm(x, layer.post_attention_norm)
                 x, residual = norm.add(x, residual, layer.pre_mlp_norm)
             else:
@@ -299,7 +299,7 @@ class Decoder(nn.Module):
             x = layer.mlp(x, c, kernels)
             if tp is not None:
                 x = tp.all_reduce(x)
-            if c.gemma_norms:
+            if c.sandwich_norms:
                 x = norm(x, layer.post_mlp_norm)
             hidden = x
         return hidden if residual is None else residual + hidden

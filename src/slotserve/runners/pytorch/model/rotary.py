@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from slotserve.runners.pytorch.config import ModelConfig
+from slotserve.runners.pytorch.model.config import ModelConfig
 
 
 def rotary_tables(
@@ -56,6 +56,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def without_scaling(config: ModelConfig) -> ModelConfig:
     from dataclasses import replace
 
-    from slotserve.runners.pytorch.config import RopeScaling
+    from slotserve.runners.pytorch.model.config import RopeScaling
 
     return replace(config, rope_scaling=RopeScaling())

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, PrefixStore, ReduceOp, TCPStore
 
-from slotserve.runners.pytorch.config import ModelConfig, UnsupportedModelError
+from slotserve.runners.pytorch.model.config import ModelConfig, UnsupportedModelError
 
 # A step blocks in a collective while a peer computes; a peer that died turns into an error
 # (its socket closes), so this only bounds a peer that hangs.

@@ -1,0 +1,1 @@
+"""Model families: one file each, listed once in ``registry.py``."""

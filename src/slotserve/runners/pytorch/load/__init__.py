@@ -1,0 +1,1 @@
+"""What the runner reads from a checkpoint: settings, configuration, weights, memory."""

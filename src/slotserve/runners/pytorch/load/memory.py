@@ -1,0 +1,88 @@
+"""The memory the PyTorch runner takes: its KV pool's blocks, and the estimate of the server's
+pre-flight before loading a model, from the configuration alone."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.model.tensor_parallel import shard_config
+
+
+def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:
+    """KV bytes on CPU: ``--kv-memory``, else every slot's ``max_seq_len`` within a quarter of
+    RAM."""
+    if load.kv_memory_bytes:
+        return load.kv_memory_bytes
+    blocks_per_sequence = -(-max_seq_len // load.block_size)  # whole blocks, rounded up
+    wanted = load.num_slots * blocks_per_sequence * load.block_size * bytes_per_token
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(wanted, ram // 4)
+
+
+def kv_blocks(
+    load: TorchLoadConfig, device: torch.device, max_seq_len: int, bytes_per_token: int
+) -> int:
+    """KV pool blocks: ``--kv-memory``; on a GPU what ``--gpu-memory-fraction`` leaves free
+    after the weights (and any recurrent state); on CPU :func:`cpu_kv_budget`."""
+    block = load.block_size
+    if load.kv_memory_bytes:
+        budget = load.kv_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(free - total * (1 - load.gpu_memory_fraction))
+    else:
+        budget = cpu_kv_budget(load, max_seq_len, bytes_per_token)
+    blocks = budget // (block * bytes_per_token)
+    if blocks * block < max_seq_len:
+        raise ValueError(
+            f"the KV memory ({budget / 2**20:.0f} MiB) holds {blocks * block} tokens, "
+            f"less than one sequence of {max_seq_len}: raise --kv-memory or lower "
+            f"--max-model-len"
+        )
+    return int(blocks)
+
+
+def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
+    """Weights in the runner's dtype, the KV pool and buffers, from the configuration alone
+    (unsupported architectures fail here, before any weight is read). On a GPU the KV pool
+    takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit. Tensor
+    parallel ranks on one machine: their slices add up to the whole model, each rank a process
+    of its own (``--kv-memory`` is each rank's)."""
+    config = read_model_config(load.model_path)
+    ranks = load.tensor_parallel_size
+    shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
+    dtype_bytes = load.torch_dtype.itemsize
+    max_seq_len = load.sequence_length(config)
+    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    attention = hidden * ((3 if config.attn_output_gate else 2) * q_dim + 2 * kv_dim)
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    linear = hidden * (
+        config.linear_conv_channels + 2 * value_dim + 2 * config.linear_num_value_heads
+    )
+    dense = 3 * hidden * config.intermediate_size
+    experts = config.num_experts * (3 * hidden * config.moe_intermediate_size + hidden)
+    experts += (3 * hidden + 1) * config.shared_expert_intermediate_size
+    layers = sum(
+        (linear if config.is_linear(i) else attention) + (experts if config.is_sparse(i) else dense)
+        for i in range(config.num_layers)
+    )
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    weights = (embeddings + layers) * dtype_bytes
+    per_token = config.kv_bytes_per_token(dtype_bytes)
+    on_gpu = load.torch_device().type == "cuda"
+    if on_gpu and not load.kv_memory_bytes:
+        kv = max_seq_len * per_token
+    else:
+        kv = cpu_kv_budget(load, max_seq_len, per_token)
+        if load.kv_memory_bytes:
+            kv *= ranks
+    buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
+    # DeltaNet states: the slots' and the prefix cache's snapshots.
+    buffers += (load.num_slots + load.state_snapshots) * config.linear_state_bytes(dtype_bytes)
+    return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
