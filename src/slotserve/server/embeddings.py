@@ -48,6 +48,8 @@ class EmbeddingRequest(BaseModel):
     # vLLM's extension: keep only the last N tokens of each input instead of refusing it.
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     keep_alive: float | str | None = None  # Ollama's, as on the generation routes
+    # vLLM's: the request's place in line under --schedule-policy priority (lower first).
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
 
 def _inputs(model: LoadedModel, body: EmbeddingRequest) -> list[list[int]]:
@@ -94,7 +96,9 @@ async def create_embeddings(
     model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, "embd", http_request_id, len(prompts))
     with host.refusing_a_dead_engine():
-        streams = submit_prompts(model.engine, request_id, prompts, SamplingParams(embed=True))
+        streams = submit_prompts(
+            model.engine, request_id, prompts, SamplingParams(embed=True), body.priority
+        )
     finals: dict[int, RequestOutput] = {}
     async with (
         abort_on_disconnect(raw, abort_all(streams)) as gone,

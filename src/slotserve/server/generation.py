@@ -20,7 +20,11 @@ from slotserve.server.tracing import note_submitted
 
 
 def submit_prompts(
-    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
+    engine: AsyncEngine,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int = 0,
 ) -> list[RequestStream]:
     """Submits one engine request per prompt; raises (4xx errors) before anything is queued
     for a prompt that fails validation, and withdraws the ones already queued."""
@@ -28,7 +32,7 @@ def submit_prompts(
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
-            streams.append(engine.submit(rid, prompt, params))
+            streams.append(engine.submit(rid, prompt, params, priority))
             note_submitted(streams[-1].request_id)
     except BaseException:
         for stream in streams:

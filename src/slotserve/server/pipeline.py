@@ -119,13 +119,14 @@ def submit_chat(
     prompt: list[int],
     plan: ToolPlan,
     params: SamplingParams,
+    priority: int = 0,
 ) -> ChatGeneration:
     """Submits ``prompt`` on ``model`` (taken again by the caller since it was rendered, with
     nothing awaited since: it cannot be unloaded in between); ``InvalidRequestError`` naming
     the chat field at fault."""
     try:
         with host.refusing_a_dead_engine():
-            streams = submit_prompts(model.engine, request_id, [prompt], params)
+            streams = submit_prompts(model.engine, request_id, [prompt], params, priority)
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"

@@ -95,6 +95,7 @@ def chat_request_of(
     if isinstance(body, MessagesRequest):
         fields: dict[str, Any] = {
             "keep_alive": body.keep_alive,
+            "priority": body.priority,
             "max_completion_tokens": body.max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,

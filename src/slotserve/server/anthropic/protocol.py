@@ -202,6 +202,8 @@ class MessagesRequest(CountTokensRequest):
     container: str | dict[str, Any] | None = None
     # Ollama's, as on the chat path: how long the model stays loaded once idle.
     keep_alive: float | str | None = None
+    # vLLM's: the request's place in line under --schedule-policy priority (lower first).
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()

@@ -35,7 +35,7 @@ async def start_chat(
     model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
-    return submit_chat(host, model, raw, request_id, prompt, plan, params)
+    return submit_chat(host, model, raw, request_id, prompt, plan, params, body.priority)
 
 
 def render_chat(

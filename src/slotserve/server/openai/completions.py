@@ -83,7 +83,7 @@ async def create_completion(
         defaults=model.sampling_defaults,
     )
     with host.refusing_a_dead_engine():
-        streams = submit_prompts(model.engine, request_id, prompts, params)
+        streams = submit_prompts(model.engine, request_id, prompts, params, body.priority)
     envelope = Envelope(
         request_id, "text_completion", int(time.time()), host.name, body.include_usage
     )

@@ -127,6 +127,8 @@ class SamplingFields(_Strict):
     model: str | None = None
     # Ollama's: how long the model stays loaded once idle (seconds or "5m"; 0 unloads).
     keep_alive: float | str | None = None
+    # vLLM's: the request's place in line under --schedule-policy priority (lower first).
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     temperature: float | None = sampled("temperature")
     top_p: float | None = sampled("top_p")
     n: int = sampled("n", 1)

@@ -102,6 +102,7 @@ def chat_request_of(
     fields: dict[str, Any] = {
         "model": body.model,
         "keep_alive": body.keep_alive,
+        "priority": body.priority,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

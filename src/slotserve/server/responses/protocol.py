@@ -303,6 +303,8 @@ Includable = Literal[
 class ResponsesRequest(_Strict):
     model: str | None = None
     keep_alive: float | str | None = None  # Ollama's, as on the chat path
+    # vLLM's: the request's place in line under --schedule-policy priority (lower first).
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = sampled("max_tokens")
