@@ -121,3 +121,14 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+def require_batch_invariance(runner: Runner) -> None:
+    """Skips a test that compares a sequence alone and batched on a path that states no batch
+    invariance here: the plain-torch path on a CPU with AMX, where oneDNN chooses its matmul
+    kernels by shape (the default path, the CPU kernels, states it on every CPU)."""
+    compute = runner.model_info.compute
+    if not compute.batch_invariant:
+        pytest.skip(
+            f"{compute.kernels} is not batch-invariant on this CPU ({compute.cpu_features})"
+        )

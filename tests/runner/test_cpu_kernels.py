@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
-from slotserve.runners.pytorch.cpu_kernels import CpuKernels, build_directory, load_cpu_kernels
+from slotserve.runners.pytorch.cpu_kernels import (
+    CpuKernels,
+    build_directory,
+    cpu_features,
+    load_cpu_kernels,
+)
 from slotserve.runners.pytorch.model.layers import RmsNorm
 from slotserve.runners.pytorch.model.rotary import apply_rotary
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -300,6 +305,15 @@ def test_the_runner_serves_through_the_kernels_unless_told_not_to(
     # The projections: the kernels' GEMM where the CPU has AVX512-BF16, else oneDNN.
     assert (torch_runner.shard.model.lm_head.kernel_weight is not None) == kernels.has_gemm
     assert torch_reference_runner.shard.model.lm_head.kernel_weight is None
+    # What /v1/models says of each: the kernel path is always batch-invariant; the plain-torch
+    # one states none where oneDNN has AMX kernels to choose by shape.
+    served, reference = torch_runner.model_info.compute, torch_reference_runner.model_info.compute
+    assert served.batch_invariant and served.kernels.startswith(
+        f"slotserve CPU kernels ({kernels.isa})"
+    )
+    assert (kernels.gemm in served.kernels) == kernels.has_gemm
+    assert reference.kernels.startswith("torch ops")
+    assert reference.batch_invariant == ("AMX_BF16" not in cpu_features())
 
 
 def test_without_avx512_bf16_onednn_serves_the_projections_beside_the_kernels(

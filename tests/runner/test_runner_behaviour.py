@@ -12,6 +12,7 @@ from slotserve.engine.core.slots import SlotState
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from tests.prompts import PROMPTS
+from tests.runner.conftest import require_batch_invariance
 from tests.runner.engine_runs import Recording, alone_then_together, generate, greedy
 
 
@@ -19,6 +20,7 @@ from tests.runner.engine_runs import Recording, alone_then_together, generate, g
 def test_greedy_tokens_are_identical_alone_and_batched(
     any_runner: Runner, prefix_cache: bool
 ) -> None:
+    require_batch_invariance(any_runner)
     # With the cache on, the batched run reuses the KV the runs alone left behind.
     core = EngineCore(any_runner, EngineConfig(num_slots=8, prefix_cache=prefix_cache))
     prompts = [any_runner.tokenizer.encode(p) for p in PROMPTS]
@@ -31,6 +33,7 @@ def test_long_prefill_arriving_beside_a_decoding_sequence_changes_nothing(
     any_runner: Runner,
 ) -> None:
     """A neighbour's long prefill chunk must not change a decoding sequence (E4)."""
+    require_batch_invariance(any_runner)
     batches: list[list[int]] = []
     config = EngineConfig(num_slots=8, prefix_cache=False)  # the long chunk must really run
     core = EngineCore(Recording(any_runner, batches), config)  # type: ignore[arg-type]
@@ -54,6 +57,7 @@ def test_long_prefill_arriving_beside_a_decoding_sequence_changes_nothing(
 
 def test_long_context_decoding_alone_matches_decoding_beside_others(any_runner: Runner) -> None:
     """Log-probabilities, not only tokens, are compared: they show any rounding difference."""
+    require_batch_invariance(any_runner)
     core = EngineCore(any_runner, EngineConfig(num_slots=8, prefix_cache=False))
     long_text = " ".join(f"Note {i}: " + PROMPTS[i % 8] + "." for i in range(24))
     prompts = [any_runner.tokenizer.encode(f"Reader {k}. " + long_text) for k in range(4)]
@@ -79,6 +83,7 @@ def test_long_context_decoding_alone_matches_decoding_beside_others(any_runner: 
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(any_runner: Runner) -> None:
+    require_batch_invariance(any_runner)
     core = EngineCore(any_runner, EngineConfig(num_slots=8))
     encode = any_runner.tokenizer.encode
     prompt = encode(PROMPTS[4])

@@ -11,6 +11,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner, VerifyCost
 from slotserve.engine.sampling_params import SamplingParams
 from tests.prompts import PROMPTS
+from tests.runner.conftest import require_batch_invariance
 
 # Input-grounded: the model copies text it was given, so prompt lookup finds its drafts.
 GROUNDED = (
@@ -58,6 +59,7 @@ def greedy(n: int = 48, **extra: object) -> SamplingParams:
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_tokens_and_logprobs_match_without_drafts(any_runner: Runner, k: int) -> None:
+    require_batch_invariance(any_runner)
     config = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=8)
     alone_jobs = {"grounded": (GROUNDED, greedy())}
     batched_jobs = {**alone_jobs, "p0": (PROMPTS[0], greedy(24)), "p1": (PROMPTS[1], greedy(40))}
@@ -73,6 +75,7 @@ def test_greedy_tokens_and_logprobs_match_without_drafts(any_runner: Runner, k: 
 
 
 def test_seeded_samples_match_without_drafts(any_runner: Runner) -> None:
+    require_batch_invariance(any_runner)
     config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8)
     params = SamplingParams(max_tokens=40, temperature=0.7, seed=11, ignore_eos=True, logprobs=1)
     jobs = {"grounded": (GROUNDED, params), "other": (PROMPTS[2], params)}
@@ -84,6 +87,7 @@ def test_seeded_samples_match_without_drafts(any_runner: Runner) -> None:
 
 
 def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner) -> None:
+    require_batch_invariance(any_runner)
     plain, _ = run(any_runner, None, {"g": (GROUNDED, greedy())})
     stop_token = plain["g"][0][12]  # a token of the copied list, well inside the output
     jobs = {"g": (GROUNDED, greedy(stop_token_ids=[stop_token]))}
@@ -98,6 +102,7 @@ def test_a_stop_inside_an_accepted_run_and_the_kv_left_behind(any_runner: Runner
 
 
 def test_the_runners_own_cost_drafts_on_a_copy(any_runner: Runner) -> None:
+    require_batch_invariance(any_runner)
     # At the runner's measured cost (half a step per draft on llama.cpp) a copy still drafts.
     jobs = {"g": (GROUNDED, greedy(64))}
     plain, _ = run(any_runner, None, jobs)

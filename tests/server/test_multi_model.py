@@ -95,6 +95,10 @@ def test_one_gguf_on_both_runners_under_two_names(multi: ServerProcess, model_pa
     load_smol(multi, "smol-torch", model_path, runner="torch", slots=2)
     listed = cards(multi)
     assert listed["smol-cpp"]["runner"] == "llama.cpp" and listed["smol-torch"]["runner"] == "torch"
+    # Each names what serves it: ggml, or the PyTorch runner's CPU kernels.
+    assert listed["smol-cpp"]["compute"]["kernels"].startswith("ggml; ")
+    assert listed["smol-torch"]["compute"]["kernels"].startswith("slotserve CPU kernels")
+    assert listed["smol-torch"]["compute"]["batch_invariant"] is True
     for name in ("smol-cpp", "smol-torch"):
         assert listed[name]["state"] == "ready" and listed[name]["slots"] == 2
         assert listed[name]["max_model_len"] > 0

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from slotserve.engine.runner_interface import ComputePath
+
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
@@ -152,6 +154,47 @@ class CpuKernels:
             q, key_cache, value_cache, block_tables, token_seq, positions, block_size, window,
             scale,
         )  # fmt: skip
+
+
+# The CPU features that decide which kernels serve, as /proc/cpuinfo names them.
+_KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+@functools.cache
+def cpu_features() -> tuple[str, ...]:
+    """Which of the features the kernels (and oneDNN) choose by this CPU has (Linux; else
+    none known)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ()
+    flags = next((set(line.split()) for line in lines if line.startswith("flags")), set())
+    return tuple(f.upper() for f in _KERNEL_FEATURES if f in flags)
+
+
+def compute_path(
+    device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None
+) -> ComputePath:
+    """What serves a decoder on ``device`` in ``dtype`` with ``kernels`` (None: plain torch),
+    and whether it is batch-invariant: our kernels are by construction (any GEMM); oneDNN's
+    bfloat16 matmuls were measured so on CPUs without AMX, while with AMX oneDNN picks its
+    kernels by shape and a row can take other bits in a batch than alone (the LM head at 64
+    rows); float32 and GPUs make no claim (docs/runners.md)."""
+    if device.type != "cpu":
+        return ComputePath(str(device), (), "torch (SDPA attention)", batch_invariant=False)
+    features = cpu_features()
+    if dtype != torch.bfloat16:
+        return ComputePath("cpu", features, f"torch ops ({dtype})", batch_invariant=False)
+    if kernels is not None and kernels.has_gemm:
+        return ComputePath(
+            "cpu", features, f"slotserve CPU kernels ({kernels.isa}), {kernels.gemm} GEMM"
+        )
+    onednn = "oneDNN projections (prepacked, split-K)"
+    if kernels is not None:
+        return ComputePath("cpu", features, f"slotserve CPU kernels ({kernels.isa}), {onednn}")
+    return ComputePath(
+        "cpu", features, f"torch ops, {onednn}", batch_invariant="AMX_BF16" not in features
+    )
 
 
 def build_directory() -> Path:

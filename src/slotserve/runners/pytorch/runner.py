@@ -126,6 +126,7 @@ class TorchRunner:
             tensor_parallel_size=ranks,
             sampling_defaults=sampling_defaults(path, reader),
             pooling=pooling,
+            compute=self.shard.compute,
             **_recurrent_state_rules(config, self.snapshot_capacity),
         )
         logger.info(
@@ -136,12 +137,7 @@ class TorchRunner:
             self.device,
             f" × {ranks} tensor-parallel ranks" if ranks > 1 else "",
             str(self.dtype).removeprefix("torch."),
-            (
-                f"CPU kernels: {kernels.isa}, projections by "
-                + ("their GEMM (avx512-bf16)" if kernels.has_gemm else "oneDNN")
-            )
-            if (kernels := self.shard.model.kernels)
-            else "torch ops",
+            self.shard.compute.kernels,
             load.num_slots,
             self.max_seq_len,
             num_blocks,

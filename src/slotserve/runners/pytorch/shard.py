@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import torch
 
-from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
+from slotserve.runners.pytorch.cpu_kernels import compute_path, load_cpu_kernels
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.load.memory import kv_blocks
@@ -96,6 +96,7 @@ class ModelShard:
                 self.model.make_batch_invariant()
                 if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                     self.model.prepack()
+        self.compute = compute_path(device, dtype, self.model.kernels)
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
             LinearStatePool(local, load.num_slots, dtype, device, load.state_snapshots)
