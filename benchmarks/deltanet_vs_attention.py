@@ -24,7 +24,7 @@ from typing import Any
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--model", help="GGUF file (default: the embedded model)")
     args = parser.parse_args()
 
-    from slotserve.models.source import resolve_model_path
+    from slotserve.hosting.source import resolve_model_path
 
     model = str(resolve_model_path(args.model))
 

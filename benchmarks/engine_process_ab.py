@@ -19,7 +19,7 @@ from typing import Any
 
 from slotserve.bench.runner import random_completions_on
 from slotserve.bench.servers import slotserve_spec
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 
 MODES = {"process": "--engine-process", "thread": "--no-engine-process"}
 

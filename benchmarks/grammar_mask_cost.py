@@ -29,7 +29,7 @@ import llguidance.numpy as llg_numpy
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.decoding.structured_output import GrammarMasks, grammar_of
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 from slotserve.runners.llama_cpp.frontend import LlamaCppFrontend
 
 PERSON = {

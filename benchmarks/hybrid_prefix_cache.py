@@ -71,7 +71,7 @@ def make_folder(root: Path, tokenizer_dir: Path | None = None) -> Path:
     embedded GGUF's, or the one saved in ``tokenizer_dir``."""
     from transformers import AutoTokenizer
 
-    from slotserve.models.source import embedded_model_path
+    from slotserve.hosting.source import embedded_model_path
 
     if tokenizer_dir is None:
         gguf = embedded_model_path()
@@ -92,7 +92,7 @@ def make_gguf(root: Path) -> Path:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from slotserve.bench.hf_gguf import q8_0_gguf, qwen35_gguf
-    from slotserve.models.source import embedded_model_path
+    from slotserve.hosting.source import embedded_model_path
 
     folder = make_folder(root)
     torch.manual_seed(0)

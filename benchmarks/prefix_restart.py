@@ -23,7 +23,7 @@ import httpx
 
 from slotserve.bench.datasets import agent_prefix
 from slotserve.bench.servers import running, slotserve_spec
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 
 
 def first_token_seconds(base_url: str, messages: list[dict[str, str]]) -> float:

@@ -30,7 +30,7 @@ import httpx
 
 from slotserve.bench.metrics import percentile
 from slotserve.bench.servers import ServerSpec, free_port, running
-from slotserve.models.source import resolve_model_path
+from slotserve.hosting.source import resolve_model_path
 
 PREFIXES, USERS, CONCURRENCY, MAX_TOKENS = 8, 8, 8, 16
 SERVE = [sys.executable, "-m", "slotserve.cli", "serve"]

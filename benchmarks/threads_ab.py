@@ -21,7 +21,7 @@ from typing import Any
 
 from slotserve.bench.runner import random_completions_on
 from slotserve.bench.servers import slotserve_spec
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # libtcmalloc-minimal4
 SETTINGS: dict[str, dict[str, str]] = {

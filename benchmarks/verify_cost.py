@@ -20,7 +20,7 @@ from typing import Any
 
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.source import embedded_model_path
+from slotserve.hosting.source import embedded_model_path
 
 
 def load(name: str, threads: int) -> Runner:

@@ -19,7 +19,7 @@ from slotserve import parent_death
 # Triton's kernels run in its interpreter where no NVIDIA GPU is (set before any is defined).
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from slotserve.models.source import ModelUnavailableError, embedded_model_path
+from slotserve.hosting.source import ModelUnavailableError, embedded_model_path
 
 # NOTE: the fast tier (`make test-fast`) is every test not marked `slow`, and a test is slow when
 # it needs a real model or a spawned server. The hook below marks it by its fixtures, so a new

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slotserve.cli import build_parser
-from slotserve.models.source import ModelUnavailableError, resolve_model_path
+from slotserve.hosting.source import ModelUnavailableError, resolve_model_path
 from slotserve.options import parse_cache_budget
 
 

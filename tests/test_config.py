@@ -17,9 +17,9 @@ from slotserve.chat.command import local_configs
 from slotserve.cli import build_parser
 from slotserve.config_docs import COMMAND, render
 from slotserve.engine.config import SpeculativeConfig
-from slotserve.models.config import LaunchConfig, LlamaCppConfig, RunnerConfig, TorchConfig
-from slotserve.models.registry import ModelRegistry
-from slotserve.models.served import ModelLaunch
+from slotserve.hosting.config import LaunchConfig, LlamaCppConfig, RunnerConfig, TorchConfig
+from slotserve.hosting.registry import ModelRegistry
+from slotserve.hosting.served import ModelLaunch
 from slotserve.options import ENV_PREFIX, CacheBudget, options
 from slotserve.serve_config import ServeConfig
 from slotserve.server.app import create_app

@@ -19,7 +19,7 @@ HTTP = ("fastapi", "starlette", "uvicorn")
 ENGINE_BASE = "slotserve.engine"
 
 # What the models, the server and the commands are built from: no lower package imports them.
-UPPER = tuple(f"slotserve.{name}" for name in ("models", "server", "chat", "bench", "replicas"))
+UPPER = tuple(f"slotserve.{name}" for name in ("hosting", "server", "chat", "bench", "replicas"))
 # The engine's core and its clients: runners and the text protocol stay below them.
 ENGINE_TOP = ("slotserve.engine.core", "slotserve.engine.client")
 # The APIs' packages: each turns its wire format into a chat prompt and renders the events.
@@ -38,7 +38,7 @@ FORBIDDEN_SLOTSERVE = {
     "slotserve.engine.core": ("slotserve.engine.client",),
     "slotserve.runners": (*ENGINE_TOP, "slotserve.protocol", *UPPER),
     "slotserve.protocol": (*ENGINE_TOP, "slotserve.runners", *UPPER),
-    "slotserve.models": ("slotserve.server", "slotserve.chat", "slotserve.bench"),
+    "slotserve.hosting": ("slotserve.server", "slotserve.chat", "slotserve.bench"),
     "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
     **{module: SERVER_APIS for module in PIPELINE},
 }
@@ -56,7 +56,7 @@ TORCH_LAYERS = {
 FORBIDDEN_EXTERNAL = {
     "slotserve.engine": BACKENDS + HTTP,
     "slotserve.protocol": BACKENDS + HTTP,
-    "slotserve.models": HTTP,
+    "slotserve.hosting": HTTP,
     "slotserve.runners": HTTP,
 }
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from slotserve.chat.command import local_options
-from slotserve.models.config import PER_MODEL, ModelOptions
+from slotserve.hosting.config import PER_MODEL, ModelOptions
 from slotserve.options import Option, options
 from slotserve.serve_config import AUTO_TOOL_CHOICE_FLAG, AUTO_TOOL_CHOICE_HELP, SERVE_GROUPS
 

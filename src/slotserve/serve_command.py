@@ -1,5 +1,5 @@
 """``slotserve serve``: the server's start from its configuration (``serve_config.py``,
-whose options are its flags); how each model is built is ``models/launch.py``'s."""
+whose options are its flags); how each model is built is ``hosting/launch.py``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from slotserve.models.launch import build_launch, launch_factory, startup_models
+from slotserve.hosting.launch import build_launch, launch_factory, startup_models
 from slotserve.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return serve_replicas(config, argv or [])
     import uvicorn
 
-    from slotserve.models.registry import ModelRegistry
-    from slotserve.models.source import ModelUnavailableError
+    from slotserve.hosting.registry import ModelRegistry
+    from slotserve.hosting.source import ModelUnavailableError
     from slotserve.server.admin_access import admin_access
     from slotserve.server.app import create_app
     from slotserve.server.connections import KEEP_ALIVE_S, HttpProtocol, raise_open_file_limit

@@ -1,5 +1,5 @@
 """``slotserve serve``'s configuration: the server's own options and its replicas', beside the
-models' (``models/config.py``) and each engine's (``engine/config.py``); the command's flags
+models' (``hosting/config.py``) and each engine's (``engine/config.py``); the command's flags
 are derived from them, in one group each (:data:`SERVE_GROUPS`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from slotserve.engine.config import EngineConfig
-from slotserve.models.config import (
+from slotserve.hosting.config import (
     PER_MODEL,
     LaunchConfig,
     ModelOptions,

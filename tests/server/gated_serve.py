@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slotserve import cli
-from slotserve.models import launch as model_launch
+from slotserve.hosting import launch as model_launch
 
 GATE_ENV = "SLOTSERVE_TEST_LOAD_GATE"
 GATE_TIMEOUT_S = 120.0

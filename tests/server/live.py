@@ -13,9 +13,9 @@ import uvicorn
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
-from slotserve.models.host import ModelHost
-from slotserve.models.registry import ModelRegistry
-from slotserve.models.served import ModelLaunch, RestartPolicy
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.registry import ModelRegistry
+from slotserve.hosting.served import ModelLaunch, RestartPolicy
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.serving import ServingContext

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from slotserve.models.registry import ModelRegistry
+from slotserve.hosting.registry import ModelRegistry
 from slotserve.server.admin_access import admin_access, is_loopback
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics

@@ -24,7 +24,7 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
-from slotserve.models.served import RestartPolicy
+from slotserve.hosting.served import RestartPolicy
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.conftest import wait_until
 from tests.server.live import LiveServer, live_server

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import Runner
-from slotserve.models.registry import ModelRegistry
-from slotserve.models.served import ModelLaunch, RestartPolicy
+from slotserve.hosting.registry import ModelRegistry
+from slotserve.hosting.served import ModelLaunch, RestartPolicy
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.serving import ServingContext

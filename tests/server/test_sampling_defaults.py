@@ -19,7 +19,7 @@ from slotserve.engine.sampling_defaults import (
     from_generation_config,
     from_gguf,
 )
-from slotserve.models.config import ModelOptions
+from slotserve.hosting.config import ModelOptions
 from slotserve.server.openai.params import sampling_params_of
 from slotserve.server.openai.protocol import CompletionRequest
 from tests.conftest import ServerProcess, start_server, stop_server

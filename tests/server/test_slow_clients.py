@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotserve.models.served import LOADING_RETRY_AFTER_S
+from slotserve.hosting.served import LOADING_RETRY_AFTER_S
 from slotserve.server.connections import KEEP_ALIVE_S
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 

@@ -151,7 +151,7 @@ class Session:
     def open(cls, args: argparse.Namespace) -> Session | None:
         """The session ``--model`` and ``--output-dir`` describe (the folder made); None after
         printing why there is no model."""
-        from slotserve.models.source import ModelUnavailableError, resolve_model_path
+        from slotserve.hosting.source import ModelUnavailableError, resolve_model_path
 
         console = Console()
         try:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import openai
     from openai.types.chat import ChatCompletionMessageParam
 
-    from slotserve.models.host import ModelHost
+    from slotserve.hosting.host import ModelHost
 
 
 class Message(TypedDict):
@@ -84,8 +84,8 @@ class EngineBackend:
         config: EngineConfig,
         chat_template_file: Path | None,
     ) -> EngineBackend:
-        from slotserve.models.host import ModelHost
-        from slotserve.models.served import ModelLaunch
+        from slotserve.hosting.host import ModelHost
+        from slotserve.hosting.served import ModelLaunch
 
         host = ModelHost(ModelLaunch(name, spec, config, chat_template_file))
         await host.load()
@@ -105,7 +105,7 @@ class EngineBackend:
     async def stream(
         self, messages: list[Message], options: GenerationOptions
     ) -> AsyncIterator[str | Usage]:
-        from slotserve.models.served import ModelUnavailableError
+        from slotserve.hosting.served import ModelUnavailableError
 
         try:
             model = self._host.require_ready()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from slotserve.chat.backend import ChatBackend, ChatBackendError, GenerationOptions
 from slotserve.engine.config import EngineConfig
-from slotserve.models.config import ModelOptions, RunnerConfig
+from slotserve.hosting.config import ModelOptions, RunnerConfig
 from slotserve.options import Option, add_arguments, configure, env, options
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _check(args: argparse.Namespace) -> str | None:
 async def _chat(args: argparse.Namespace) -> int:
     from slotserve.chat.session import ChatSession
     from slotserve.chat.terminal import Screen, run_interactive, run_lines, run_quick
-    from slotserve.models.source import ModelUnavailableError
+    from slotserve.hosting.source import ModelUnavailableError
 
     screen = Screen.for_stdio()
     try:
@@ -159,8 +159,8 @@ async def _open_backend(args: argparse.Namespace, screen: Screen) -> ChatBackend
     if args.url:
         return await RemoteBackend.connect(args.url, args.api_key, args.model_name)
 
-    from slotserve.models.launch import default_model_name, runner_factory
-    from slotserve.models.source import resolve_model_path
+    from slotserve.hosting.launch import default_model_name, runner_factory
+    from slotserve.hosting.source import resolve_model_path
 
     engine, runner = local_configs(args)
     model_path = resolve_model_path(args.model or env("MODEL"))

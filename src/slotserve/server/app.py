@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.engine.prefix_cache.stats import PrefixCacheStats
-from slotserve.models.served import ModelState
+from slotserve.hosting.served import ModelState
 from slotserve.server.admin_access import ADMIN_PREFIXES, AdminAccessMiddleware
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from slotserve.server.anthropic.serving import count_tokens, create_message

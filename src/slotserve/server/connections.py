@@ -23,7 +23,7 @@ import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from slotserve.models.served import LOADING_RETRY_AFTER_S
+from slotserve.hosting.served import LOADING_RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.served import LoadedModel
 from slotserve.server.errors import GenerationFailed
 from slotserve.server.generation import (
     abort_all,

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
-from slotserve.models.registry import ModelLoadError, ModelNotFoundError
-from slotserve.models.served import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
+from slotserve.hosting.registry import ModelLoadError, ModelNotFoundError
+from slotserve.hosting.served import RELOAD_HINT, ModelUnavailableError, ReloadConflictError
 
 logger = logging.getLogger(__name__)
 

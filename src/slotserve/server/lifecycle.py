@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from slotserve.models.registry import ModelRegistry
+from slotserve.hosting.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.engine.prefix_cache.stats import PrefixCacheStats
-from slotserve.models.config import load_request_model
-from slotserve.models.host import ModelHost
-from slotserve.models.served import ModelState
+from slotserve.hosting.config import load_request_model
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import ModelState
 from slotserve.server.errors import ErrorResponse, error_response
 from slotserve.server.serving import ServingContext
 
@@ -34,7 +34,7 @@ class LoadModelBody(BaseModel):
     path: str | None = None
 
 
-# The per-model options' fields are generated from their declarations (models/config.py).
+# The per-model options' fields are generated from their declarations (hosting/config.py).
 if TYPE_CHECKING:
     LoadModelRequest = LoadModelBody
 else:

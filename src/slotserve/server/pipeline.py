@@ -18,8 +18,8 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.host import ModelHost
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import LoadedModel
 from slotserve.protocol.reasoning import ReasoningParser
 from slotserve.server.events import ChoiceFinished, Event, PromptLogprobs, TokenLogprobs
 from slotserve.server.generation import EngineRun, accumulate, submit_prompts

@@ -13,7 +13,7 @@ from __future__ import annotations
 from slotserve.engine.core.limits import CONTEXT_LENGTH_EXCEEDED
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.runner_interface import Tokenizer
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.served import LoadedModel
 
 SLACK = 4
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.models.host import ModelHost
-from slotserve.models.registry import ModelRegistry
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.registry import ModelRegistry
+from slotserve.hosting.served import LoadedModel
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.server.admin_access import LOOPBACK_OPEN, AdminAccess
 from slotserve.server.metrics import ServerMetrics

@@ -25,8 +25,8 @@ from fastapi import APIRouter
 
 from slotserve import __version__
 from slotserve.engine.core.stats import EngineStats
-from slotserve.models.host import ModelHost
-from slotserve.models.served import ModelState
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import ModelState
 from slotserve.server.errors import ErrorResponse
 from slotserve.server.serving import ServingContext
 

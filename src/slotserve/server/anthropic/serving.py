@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.models.host import ModelHost
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import LoadedModel
 from slotserve.server.anthropic.chat_request import anthropic_param, chat_request_of
 from slotserve.server.anthropic.output import message, new_id
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest

@@ -9,8 +9,8 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.host import ModelHost
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import LoadedModel
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages

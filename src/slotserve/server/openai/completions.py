@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken, SequenceDelta
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.served import LoadedModel
 from slotserve.server.generation import EngineRun, accumulate, submit_prompts
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import CompletionRequest

@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from slotserve.engine.core.limits import CONTEXT_LENGTH_EXCEEDED
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.models.served import LoadedModel
+from slotserve.hosting.served import LoadedModel
 from slotserve.server.errors import ErrorCounter, GenerationFailed, error_response, stream_error
 from slotserve.server.events import fold
 from slotserve.server.openai.chat_prompt import start_chat

@@ -25,9 +25,9 @@ from slotserve.engine.client.async_engine import OutputListener
 from slotserve.engine.core.stats import EngineTotals
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import MemoryNeed
-from slotserve.models.catalog import scan_models_dir
-from slotserve.models.host import ModelHost
-from slotserve.models.served import ModelLaunch, ModelState, ModelUnavailableError
+from slotserve.hosting.catalog import scan_models_dir
+from slotserve.hosting.host import ModelHost
+from slotserve.hosting.served import ModelLaunch, ModelState, ModelUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ class RunnerCommon:
 
 @dataclass(frozen=True)
 class LlamaCppConfig(RunnerCommon):
-    """How the llama.cpp runner is built (``models/launch.py``: ``llama_cpp_spec``)."""
+    """How the llama.cpp runner is built (``hosting/launch.py``: ``llama_cpp_spec``)."""
 
     ctx_size: int = option(
         0,
@@ -123,7 +123,7 @@ class LlamaCppConfig(RunnerCommon):
 
 @dataclass(frozen=True)
 class TorchConfig(RunnerCommon):
-    """How the PyTorch runner is built (``models/launch.py``: ``torch_spec``)."""
+    """How the PyTorch runner is built (``hosting/launch.py``: ``torch_spec``)."""
 
     dtype: str = option(
         "auto",

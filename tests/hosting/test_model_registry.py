@@ -14,14 +14,14 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.runner_interface import MemoryNeed
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.models.catalog import scan_models_dir
-from slotserve.models.registry import (
+from slotserve.hosting.catalog import scan_models_dir
+from slotserve.hosting.registry import (
     MemoryReading,
     ModelLoadError,
     ModelNotFoundError,
     ModelRegistry,
 )
-from slotserve.models.served import ModelLaunch, ModelUnavailableError
+from slotserve.hosting.served import ModelLaunch, ModelUnavailableError
 from tests.fake_runner import FakeRunner
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""How each served model is built from its configuration (``models/config.py``): at
+"""How each served model is built from its configuration (``hosting/config.py``): at
 start-up (the positional model, every ``--model PATH[=NAME]``), or by ``POST /models/load``
 with options of its own over the server's."""
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.models.config import (
+from slotserve.hosting.config import (
     LaunchConfig,
     LlamaCppConfig,
     ModelsConfig,
@@ -21,8 +21,8 @@ from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 if TYPE_CHECKING:
     from slotserve.engine.config import EngineConfig
     from slotserve.engine.runner_interface import MemoryNeed, RunnerSpec
-    from slotserve.models.host import ModelLaunch
-    from slotserve.models.registry import LaunchFactory
+    from slotserve.hosting.host import ModelLaunch
+    from slotserve.hosting.registry import LaunchFactory
 
 # Recurrent-state snapshots per slot by default (--prefix-cache-snapshots): a conversation's
 # next turn, a shared prefix's branch point and a few spaced points per running prompt.
@@ -111,7 +111,7 @@ def build_launch(
     estimate (an unreadable model or an unsupported architecture fails here, before any
     weight is read; at start-up the load reports it instead, and the server exits with
     status 1)."""
-    from slotserve.models.host import ModelLaunch, RestartPolicy
+    from slotserve.hosting.host import ModelLaunch, RestartPolicy
     from slotserve.protocol.reasoning import get_reasoning_parser
 
     chat = config.model
@@ -156,7 +156,7 @@ def launch_factory(base: LaunchConfig) -> LaunchFactory:
     request's options over it."""
 
     def make(name: str, path: Path, options: Mapping[str, Any]) -> ModelLaunch:
-        from slotserve.models.source import ModelUnavailableError, resolve_model_path
+        from slotserve.hosting.source import ModelUnavailableError, resolve_model_path
 
         config = base.with_options(options)
         try:
@@ -171,7 +171,7 @@ def launch_factory(base: LaunchConfig) -> LaunchFactory:
 def startup_models(models: ModelsConfig) -> list[tuple[Path, str]]:
     """(path, name) of the models to load at start-up: the positional model, each
     ``--model PATH[=NAME]``; with neither and no ``--models-dir``, the embedded model."""
-    from slotserve.models.source import resolve_model_path
+    from slotserve.hosting.source import resolve_model_path
 
     given: list[tuple[str | None, str | None]] = []
     if models.model:

@@ -39,7 +39,7 @@ from slotserve.engine.client.async_engine import OutputListener
 from slotserve.engine.core.stats import EngineTotals
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON
-from slotserve.models.served import (
+from slotserve.hosting.served import (
     LOADING_RETRY_AFTER_S,
     RELOAD_HINT,
     LoadedModel,
@@ -49,9 +49,9 @@ from slotserve.models.served import (
     build_model,
 )
 
-# models/launch.py builds its recipes from these names as this module gives them.
-from slotserve.models.served import ModelLaunch as ModelLaunch
-from slotserve.models.served import RestartPolicy as RestartPolicy
+# hosting/launch.py builds its recipes from these names as this module gives them.
+from slotserve.hosting.served import ModelLaunch as ModelLaunch
+from slotserve.hosting.served import RestartPolicy as RestartPolicy
 
 logger = logging.getLogger(__name__)
 
