@@ -87,7 +87,8 @@ struct Tiles {
 };
 
 static inline float bf16_in(uint16_t bits) {  // input denormals are zero, as the unit reads them
-    const uint32_t word = (bits & 0x7f80) == 0 ? uint32_t(bits & 0x8000) << 16 : uint32_t(bits) << 16;
+    const uint32_t word =
+        (bits & 0x7f80) == 0 ? uint32_t(bits & 0x8000) << 16 : uint32_t(bits) << 16;
     float f;
     std::memcpy(&f, &word, sizeof(f));
     return f;
@@ -127,7 +128,8 @@ struct EmulatedTiles {
                 std::memcpy(b, reg[B][k], sizeof(b));
                 for (int n = 0; n < kLanes; ++n) {
                     even[n] = flushed(std::fma(bf16_in(a[2 * k]), bf16_in(b[2 * n]), even[n]));
-                    odd[n] = flushed(std::fma(bf16_in(a[2 * k + 1]), bf16_in(b[2 * n + 1]), odd[n]));
+                    odd[n] =
+                        flushed(std::fma(bf16_in(a[2 * k + 1]), bf16_in(b[2 * n + 1]), odd[n]));
                 }
             }
             for (int n = 0; n < kLanes; ++n) c[n] = flushed(c[n] + flushed(even[n] + odd[n]));
