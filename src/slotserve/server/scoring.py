@@ -10,6 +10,7 @@ pair's relevance score (not normalised).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +45,19 @@ class ScoreRequest(_ScoringFields):
     text_2: str | list[str]
 
 
+@dataclass(frozen=True)
+class _Route:
+    """What differs between the two routes below the request body: the engine id's prefix, and
+    the fields the pair's two texts came from (named by a too-long text's 400)."""
+
+    prefix: str
+    params: tuple[str, str]
+
+
+_RERANK = _Route("rerank", ("query", "documents"))
+_SCORE = _Route("score", ("text_1", "text_2"))
+
+
 def _pair_ids(model: LoadedModel, first: str, second: str, params: tuple[str, str]) -> list[int]:
     """BERT's pair template, ``[CLS] first [SEP] second [SEP]`` (what the HF tokenizer makes of
     a text pair): the second text's own leading [CLS] dropped. Only BERT cross-encoders are
@@ -70,7 +84,7 @@ async def _scores(
     raw: Request,
     http_request_id: str,
     pairs: list[tuple[str, str]],
-    params: tuple[str, str],
+    route: _Route,
 ) -> tuple[str, list[RequestOutput] | None]:
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
     if not model.info.cross_encoder:
@@ -83,9 +97,10 @@ async def _scores(
         )
     if len(pairs) > MAX_INPUTS:
         raise InvalidRequestError(f"At most {MAX_INPUTS} pairs per request.")
-    prompts = await host.off_loop(model, _score_pairs, model, pairs, params)
-    prefix = "rerank" if params[0] == "query" else "score"
-    finals = await pool_prompts(host, model, prefix, http_request_id, prompts, body.priority, raw)
+    prompts = await host.off_loop(model, _score_pairs, model, pairs, route.params)
+    finals = await pool_prompts(
+        host, model, route.prefix, http_request_id, prompts, body.priority, raw
+    )
     return host.name, finals
 
 
@@ -95,7 +110,7 @@ async def create_rerank(
     if not body.documents:
         raise InvalidRequestError("'documents' must not be empty.", param="documents")
     pairs = [(body.query, document) for document in body.documents]
-    name, finals = await _scores(ctx, body, raw, http_request_id, pairs, ("query", "documents"))
+    name, finals = await _scores(ctx, body, raw, http_request_id, pairs, _RERANK)
     if finals is None:
         return Response(status_code=499)
     order = sorted(range(len(finals)), key=lambda k: _score_of(finals[k]), reverse=True)
@@ -137,7 +152,7 @@ async def create_score(
     ctx: ServingContext, body: ScoreRequest, raw: Request, http_request_id: str
 ) -> Response:
     pairs = _score_pairs_of(body)
-    name, finals = await _scores(ctx, body, raw, http_request_id, pairs, ("text_1", "text_2"))
+    name, finals = await _scores(ctx, body, raw, http_request_id, pairs, _SCORE)
     if finals is None:
         return Response(status_code=499)
     tokens = sum(out.num_prompt_tokens for out in finals)
