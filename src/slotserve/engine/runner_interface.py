@@ -149,6 +149,9 @@ class ModelInfo:
     # An encoder: every token attends to the whole prompt, so a prompt runs in one chunk of at
     # most ``max_batch_tokens`` and its KV is never reused (no prefix cache, no decode).
     bidirectional: bool = False
+    # A cross-encoder: its prompt is a (query, document) pair and its "embedding" is one
+    # relevance score, not a normalised vector; served by /v1/rerank and /v1/score only.
+    cross_encoder: bool = False
     # What a request gets for the sampling fields it leaves out: the model's own values over
     # its runner's ecosystem's defaults (``engine/sampling_defaults.py``).
     sampling_defaults: SamplingDefaults = NEUTRAL

@@ -46,6 +46,7 @@ from slotserve.server.openapi import build_openapi
 from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.serving import create_response, get_response
 from slotserve.server.responses.store import ResponseStore
+from slotserve.server.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
 from slotserve.server.scrape_metrics import EngineCollector, EngineSample, PrefixCacheCollector
 from slotserve.server.serving import ServingContext
 from slotserve.server.tracing import TracingMiddleware
@@ -125,6 +126,18 @@ def create_app(ctx: ServingContext) -> FastAPI:
     @app.post("/v1/embeddings", responses=_GENERATION_ERRORS)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await create_embeddings(ctx, body, raw, request_id_of(raw))
+
+    # vLLM serves rerank at all three paths, score at two; clients use each.
+    @app.post("/v1/rerank", responses=_GENERATION_ERRORS)
+    @app.post("/v2/rerank", responses=_GENERATION_ERRORS)
+    @app.post("/rerank", responses=_GENERATION_ERRORS)
+    async def rerank(body: RerankRequest, raw: Request) -> Response:
+        return await create_rerank(ctx, body, raw, request_id_of(raw))
+
+    @app.post("/v1/score", responses=_GENERATION_ERRORS)
+    @app.post("/score", responses=_GENERATION_ERRORS)
+    async def score(body: ScoreRequest, raw: Request) -> Response:
+        return await create_score(ctx, body, raw, request_id_of(raw))
 
     response_store = ResponseStore()
 

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
 from slotserve.server.errors import GenerationFailed
 from slotserve.server.generation import (
@@ -83,6 +84,12 @@ async def create_embeddings(
     ctx: ServingContext, body: EmbeddingRequest, raw: Request, http_request_id: str
 ) -> Response:
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
+    if model.info.cross_encoder:
+        raise InvalidRequestError(
+            f"The model {host.name} is a cross-encoder: it serves /v1/rerank and /v1/score, "
+            "not embeddings.",
+            param="model",
+        )
     if not model.info.can_embed:
         raise InvalidRequestError(
             f"The model {host.name} does not serve embeddings.", param="model"
@@ -93,11 +100,47 @@ async def create_embeddings(
             param="dimensions",
         )
     prompts = await host.off_loop(model, _inputs, model, body)
+    finals = await pool_prompts(host, model, "embd", http_request_id, prompts, body.priority, raw)
+    if finals is None:
+        return Response(status_code=499)
+    data = []
+    for index, final in enumerate(finals):
+        vector = final.embedding
+        assert vector is not None, "an embedding request ended without its vector"
+        data.append(
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _encoded(vector, body.encoding_format),
+            }
+        )
+    tokens = sum(out.num_prompt_tokens for out in finals)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": host.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
+async def pool_prompts(
+    host: ModelHost,
+    model: LoadedModel,
+    prefix: str,
+    http_request_id: str,
+    prompts: list[list[int]],
+    priority: int,
+    raw: Request,
+) -> list[RequestOutput] | None:
+    """Runs each prompt as one pooled engine request (an embedding, or a cross-encoder's
+    score) and returns their final outputs in order; None when the client left."""
     model = host.require_same(model)  # nothing awaits from here to the submission
-    request_id = engine_request_id(model, "embd", http_request_id, len(prompts))
+    request_id = engine_request_id(model, prefix, http_request_id, len(prompts))
     with host.refusing_a_dead_engine():
         streams = submit_prompts(
-            model.engine, request_id, prompts, SamplingParams(embed=True), body.priority
+            model.engine, request_id, prompts, SamplingParams(embed=True), priority
         )
     finals: dict[int, RequestOutput] = {}
     async with (
@@ -110,24 +153,5 @@ async def create_embeddings(
             if output.finished:
                 finals[index] = output
     if gone.is_set() or len(finals) < len(prompts):
-        return Response(status_code=499)
-    data = []
-    for index in range(len(prompts)):
-        vector = finals[index].embedding
-        assert vector is not None, "an embedding request ended without its vector"
-        data.append(
-            {
-                "object": "embedding",
-                "index": index,
-                "embedding": _encoded(vector, body.encoding_format),
-            }
-        )
-    tokens = sum(out.num_prompt_tokens for out in finals.values())
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "model": host.name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-    )
+        return None
+    return [finals[index] for index in range(len(prompts))]

@@ -74,12 +74,15 @@ def model_card(ctx: ServingContext, host: ModelHost) -> dict[str, Any]:
             "max_model_len": model.info.max_seq_len,
             "runner": model.info.runner,
             "slots": model.info.num_slots,
-            # What the model serves: text generation, and /v1/embeddings.
+            # What the model serves: text generation, /v1/embeddings, or (a cross-encoder)
+            # /v1/rerank and /v1/score.
             "capabilities": [
                 kind
                 for kind, served in (
                     ("generation", model.info.can_generate),
-                    ("embeddings", model.info.can_embed),
+                    ("embeddings", model.info.can_embed and not model.info.cross_encoder),
+                    ("rerank", model.info.cross_encoder),
+                    ("score", model.info.cross_encoder),
                 )
                 if served
             ],

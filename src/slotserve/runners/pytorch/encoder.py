@@ -1,15 +1,21 @@
-"""The encoder runner (BERT, ``families/bert.py``): embeddings only.
+"""The encoder runner (BERT, ``families/bert.py``): embeddings, or a cross-encoder's scores
+(``cross_encoder.py``), never generation.
 
 Every token attends to the whole prompt (no causal mask), positions are learned absolute
-embeddings plus a token-type embedding (type 0: one segment), and each layer is post-norm
-(LayerNorm after each residual sum) with a GELU MLP. So a token's hidden state depends on the
-tokens after it: a prompt runs in one chunk (``ModelInfo.bidirectional``; the engine then
-refuses prompts longer than one step's budget), nothing of it can be reused, and no KV is
-kept. The runner only remembers each slot's length, so the engine's KV bookkeeping holds.
+embeddings plus a token-type embedding (type 0: one segment; a cross-encoder's pair has two),
+and each layer is post-norm (LayerNorm after each residual sum) with a GELU MLP. So a token's
+hidden state depends on the tokens after it: a prompt runs in one chunk
+(``ModelInfo.bidirectional``; the engine then refuses prompts longer than one step's budget),
+nothing of it can be reused, and no KV is kept. The runner only remembers each slot's length,
+so the engine's KV bookkeeping holds.
 
 Each prompt runs through the encoder on its own, whatever else the step holds: its vector is
 then the same alone or batched, at the price of one pass over the weights per prompt (the
 models of this family are small).
+
+A cross-encoder's prompt is a (query, document) pair; it ends with one relevance score where an
+embedding model ends with its pooled vector, and the engine carries it the same way (as a
+one-value ``RequestOutput.embedding``, never normalised).
 
 ``dtype auto`` is float32 here: embedding models are small, and their vectors are compared by
 cosine similarity, where bfloat16's rounding shows.
@@ -31,6 +37,7 @@ from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
+from slotserve.runners.pytorch import cross_encoder
 from slotserve.runners.pytorch.families.registry import ENCODERS
 from slotserve.runners.pytorch.load.checkpoint import DTYPES, TorchLoadConfig
 from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
@@ -67,8 +74,13 @@ class EncoderRunner:
         self.device = load.torch_device()
         self.dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
         self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
+        self._score = cross_encoder.score_activation(raw, path.name)
         self._weights = self._load(path, family.weight_name)
         self._tokenizer = HfTokenizer.from_folder(path)
+        self._sep_id = self._tokenizer.sep_token_id
+        if self._score is not None and self._sep_id is None:
+            raise ValueError(f"{path.name}: a cross-encoder's tokenizer has no [SEP] token")
+        self._scores: dict[int, list[float]] = {}
         pooling = sentence_transformers_pooling(path) or "cls"  # BERT's summary token
         self._pools = PromptPools(pooling)
         self._lengths = [0] * load.num_slots
@@ -90,9 +102,11 @@ class EncoderRunner:
             can_generate=False,
             pooling=pooling,
             bidirectional=True,
+            cross_encoder=self._score is not None,
         )
         logger.info(
-            "loaded encoder %s (%s, %s pooling) on %s in %s: %d slots × %d tokens in %.1f s",
+            "loaded %s %s (%s, %s pooling) on %s in %s: %d slots × %d tokens in %.1f s",
+            "cross-encoder" if self._score is not None else "encoder",
             path.name,
             raw["model_type"],
             pooling,
@@ -118,6 +132,8 @@ class EncoderRunner:
             "embeddings.LayerNorm.weight",
             *(f"encoder.layer.{i}.output.LayerNorm.weight" for i in range(self.layers)),
         ]
+        if self._score is not None:
+            needed += ["pooler.dense.weight", "classifier.weight", "classifier.bias"]
         missing = [name for name in needed if name not in weights]
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -136,10 +152,16 @@ class EncoderRunner:
         """The last layer's hidden states of one whole prompt, one row per token."""
         w, n = self._weights, len(token_ids)
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        # An embedding prompt is one segment (type 0); a cross-encoder's pair is two.
+        types = (
+            cross_encoder.token_types(token_ids, self._sep_id, self.device)
+            if self._score is not None and self._sep_id is not None
+            else torch.zeros(n, dtype=torch.int64, device=self.device)
+        )
         x = (
             w["embeddings.word_embeddings.weight"][ids]
             + w["embeddings.position_embeddings.weight"][:n]
-            + w["embeddings.token_type_embeddings.weight"][0]
+            + w["embeddings.token_type_embeddings.weight"][types]
         )
         x = self._norm(x, "embeddings.LayerNorm")
         head_dim = self.hidden // self.heads
@@ -190,10 +212,13 @@ class EncoderRunner:
             if not (chunk.embed and chunk.embed_last and chunk.start_pos == 0):
                 raise RuntimeError("an encoder runs whole embedding prompts only")
             hidden = self.encode(chunk.token_ids)
+            self._lengths[chunk.slot] = len(chunk.token_ids)
+            if self._score is not None:  # a score, not a pooled vector: never normalised
+                self._scores[chunk.slot] = [cross_encoder.score(self._weights, hidden, self._score)]
+                continue
             rows = self._pools.rows(chunk)
             part = None if rows is None else hidden[rows[0] : rows[1]].float().cpu().numpy()
             self._pools.add(chunk, part)
-            self._lengths[chunk.slot] = len(chunk.token_ids)
         self._forward_seconds += time.perf_counter() - started
         return {}
 
@@ -201,10 +226,12 @@ class EncoderRunner:
         return {}
 
     def take_embeddings(self) -> dict[int, list[float]]:
-        return self._pools.take()
+        scores, self._scores = self._scores, {}
+        return self._pools.take() | scores
 
     def remove_sequence(self, slot: int) -> None:
         self._pools.forget(slot)
+        self._scores.pop(slot, None)
 
     # No KV is kept: only the lengths the engine's bookkeeping expects.
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:

@@ -87,6 +87,12 @@ class HfTokenizer:
                 ids.add(token_id)
         return frozenset(i for i in ids if 0 <= i < self.vocab_size)
 
+    @property
+    def sep_token_id(self) -> int | None:
+        """BERT's segment separator ([SEP]); None for a tokenizer without one."""
+        sep = self._tok.sep_token_id
+        return None if sep is None else int(sep)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 

@@ -1,5 +1,6 @@
-"""BERT (``bert``), an encoder served for embeddings by ``encoder.py``: its ``config.json``
-keys, and the names its checkpoints give the weights (under ``bert.`` in some)."""
+"""BERT (``bert``), an encoder served for embeddings and, as a cross-encoder, for scores by
+``encoder.py``: its ``config.json`` keys, and the names its checkpoints give the weights (under
+``bert.`` in some; a cross-encoder's pooler and classifier too, see ``cross_encoder.py``)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _config(raw: Mapping[str, Any], name: str) -> EncoderConfig:
 
 def _weight_name(name: str) -> str | None:
     name = name.removeprefix("bert.")
-    used = name.startswith(("embeddings.", "encoder.")) and not name.endswith("position_ids")
+    parts = ("embeddings.", "encoder.", "pooler.", "classifier.")
+    used = name.startswith(parts) and not name.endswith("position_ids")
     return name if used else None
 
 
