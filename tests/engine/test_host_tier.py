@@ -14,7 +14,8 @@ from slotserve.engine.prefix_cache.host_tier import HostTier
 from slotserve.engine.prefix_cache.slot_cache import SlotPrefixCache
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of, texts_in_waves
 from tests.engine.test_prefix_cache import assert_kv_consistent
-from tests.fake_runner import FakeRunner, SavingFakeRunner
+from tests.fake_runner import FakeRunner
+from tests.fake_state_runners import SavingFakeRunner
 
 SYSTEM = "You are a careful assistant who checks every step twice. " * 4  # 228 tokens
 # Random workloads for ``texts_in_waves``: prompts sharing prefixes of the system prompt or not.

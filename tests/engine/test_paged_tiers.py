@@ -18,7 +18,8 @@ from tests.engine.helpers import make_core, run_to_completion, submit, text_of, 
 from tests.engine.test_host_tier import RAM_BUDGETS, SYSTEM, WAVE_REQUESTS
 from tests.engine.test_paged_prefix_cache import check as check_paged
 from tests.engine.test_paged_prefix_cache import solo_text
-from tests.fake_runner import FakeRunner, PagedSavingFakeRunner
+from tests.fake_runner import FakeRunner
+from tests.fake_state_runners import PagedSavingFakeRunner
 
 
 def _core(blocks: int = 128, **config: object) -> tuple[EngineCore, PagedSavingFakeRunner]:

@@ -14,7 +14,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.outputs import RequestOutput
 from slotserve.options import CacheBudget
 from tests.engine.helpers import make_core, submit, text_of
-from tests.fake_runner import RecurrentFakeRunner
+from tests.fake_state_runners import RecurrentFakeRunner
 
 SYSTEM = "You are a careful assistant. "  # 29 bytes: off the 8-token grid
 

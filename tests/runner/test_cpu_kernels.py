@@ -1,6 +1,7 @@
 """The PyTorch runner's C++ CPU kernels (``cpu_kernels.py``) against the plain-torch path they
 replace, and their contract: every row of a call is bit-identical to the same row computed
-alone, with one thread and with two, whatever else the call holds.
+alone, with one thread and with two, whatever else the call holds, and on every instruction set
+(how the runner loads and serves them is in test_cpu_kernel_builds.py).
 
 Tolerances against the reference: the norms, the residual add and SiLU·mul round as the torch
 operators do (asserted equal up to one bfloat16 step, and equal in the large majority of
@@ -11,30 +12,17 @@ tolerances to a float32 dense reference.
 
 from __future__ import annotations
 
-import logging
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.runner_interface import Runner
 from slotserve.runners.pytorch.cpu_kernels import (
     CpuKernels,
-    build_directory,
-    cpu_features,
-    load_cpu_kernels,
 )
 from slotserve.runners.pytorch.model.layers import RmsNorm
 from slotserve.runners.pytorch.model.rotary import apply_rotary
-from slotserve.runners.pytorch.runner import TorchRunner
-from tests.prompts import PROMPTS
-from tests.runner.engine_runs import alone_then_together, greedy
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -295,70 +283,6 @@ def test_out_of_range_metadata_is_refused_not_read(kernels: CpuKernels) -> None:
         pool.attend(kernels, q, [3], [5])
 
 
-def test_the_runner_serves_through_the_kernels_unless_told_not_to(
-    kernels: CpuKernels, torch_runner: Runner, torch_reference_runner: Runner
-) -> None:
-    assert isinstance(torch_runner, TorchRunner)
-    assert isinstance(torch_reference_runner, TorchRunner)
-    assert torch_runner.shard.model.kernels is not None
-    assert torch_reference_runner.shard.model.kernels is None
-    # The projections: the kernels' GEMM where the CPU has AVX512-BF16, else oneDNN.
-    assert (torch_runner.shard.model.lm_head.kernel_weight is not None) == kernels.has_gemm
-    assert torch_reference_runner.shard.model.lm_head.kernel_weight is None
-    # What /v1/models says of each: the kernel path is always batch-invariant; the plain-torch
-    # one states none where oneDNN has AMX kernels to choose by shape.
-    served, reference = torch_runner.model_info.compute, torch_reference_runner.model_info.compute
-    assert served.batch_invariant and served.kernels.startswith(
-        f"slotserve CPU kernels ({kernels.isa})"
-    )
-    assert (kernels.gemm in served.kernels) == kernels.has_gemm
-    assert reference.kernels.startswith("torch ops")
-    assert reference.batch_invariant == ("AMX_BF16" not in cpu_features())
-
-
-def test_without_avx512_bf16_onednn_serves_the_projections_beside_the_kernels(
-    kernels: CpuKernels, model_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A CPU with the kernels' instruction sets but no AVX512-BF16 (simulated): oneDNN's
-    prepacked, split-K projections serve beside the attention and per-row kernels, and every
-    sequence keeps its tokens in a batch."""
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
-
-    monkeypatch.setattr(kernels, "has_gemm", False)
-    runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_seq_len=512))
-    try:
-        model = runner.shard.model
-        assert model.kernels is kernels
-        assert model.lm_head.kernel_weight is None and model.lm_head.packed is not None
-        core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-        prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
-        alone, together = alone_then_together(core, prompts, greedy(12))
-        assert together == alone
-    finally:
-        runner.close()
-
-
-def test_a_failed_build_warns_once_and_leaves_the_torch_path(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A machine without a compiler (simulated: the build raises as torch's does)."""
-    from torch.utils import cpp_extension
-
-    def no_compiler(**kwargs: object) -> None:
-        raise RuntimeError("Error building extension 'x': c++: not found\nninja: build stopped")
-
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    load_cpu_kernels.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert load_cpu_kernels() is None
-            assert load_cpu_kernels() is None  # asked again: no second build, no second warning
-        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(warnings) == 1 and "c++: not found" in warnings[0], warnings
-    finally:
-        load_cpu_kernels.cache_clear()
-
-
 def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     """One source, three builds: AVX512-BF16 (attention's dot products in one instruction),
     AVX-512 and AVX2 (the same dot products as two fused steps, AVX2 in 256-bit halves) must
@@ -412,16 +336,3 @@ def _runs(kernels: CpuKernels, isa: str) -> bool:
         return False
     kernels.select_isa(default)
     return True
-
-
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(
-    kernels: CpuKernels,
-) -> None:
-    """torch's build lock is a plain file; a build killed mid-way leaves it behind. A fresh
-    process must still load the kernels (bounded here by a timeout, not left to hang)."""
-    stale = build_directory() / "lock"
-    stale.write_text("")
-    load = "from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels as f; assert f()"
-    done = subprocess.run([sys.executable, "-c", load], timeout=300, capture_output=True)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert not stale.exists()

@@ -1,9 +1,10 @@
-"""Edges of a served model's life (loading, reloading, request ids, shutdown), against real servers
+"""Edges of a served model's life (loading, reloading, shutdown), against real servers
 spawned on loopback with the embedded SmolLM2 GGUF, through HTTP only (``/v1/...``,
 ``/v1/slots``, ``/metrics``, ``/health``, ``/ready``): clients that leave while the model loads,
-reloads under live streams, counters across reloads, several prompts × ``n``, two requests
-sharing one ``x-request-id``, and a second SIGTERM during the drain. Every wait is on a state
-(polled with a deadline) or an event, never a fixed sleep.
+reloads under live streams, counters across reloads, several prompts × ``n``, and a second
+SIGTERM during the drain (two requests sharing one ``x-request-id`` are in
+test_shared_request_ids.py). Every wait is on a state (polled with a deadline) or an event,
+never a fixed sleep.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,139 +21,26 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 from tests.prompts import PROMPTS
 from tests.server.gated_serve import GATE_ENV
+from tests.server.lifecycle_helpers import (
+    LONG,
+    MODEL,
+    Samples,
+    StreamReader,
+    assert_openai_error,
+    choices_by_index,
+    greedy_text,
+    idle,
+    metric,
+    ready_status,
+    running_request_ids,
+    scrape,
+)
 
 pytestmark = pytest.mark.slow  # its tests start servers of their own
-
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-# Long enough that a stream is still generating whatever the machine's speed when the test acts
-# on it (several seconds of decoding on the 2-core CI machine), short of every slot's context.
-LONG = 3000
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-# ---- helpers ----------------------------------------------------------------------------------
-
-
-def scrape(base_url: str) -> tuple[Samples, dict[str, str]]:
-    """Every sample of ``/metrics`` keyed by name and sorted labels, and each sample name's
-    family type (counter, gauge, histogram)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    samples: Samples = {}
-    kinds: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-            kinds[sample.name] = family.type
-    return samples, kinds
-
-
-def metric(samples: Samples, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
-    return float(samples.get(key, 0.0))
-
-
-def idle(server: ServerProcess) -> bool:
-    """No request anywhere in the engine: every slot free and holding no request, none queued."""
-    slots = server.slots()
-    return (
-        slots["state"] == "ready"
-        and slots["num_running"] == 0
-        and slots["num_waiting"] == 0
-        and all(s["state"] == "free" and s["request_id"] is None for s in slots["slots"])
-    )
-
-
-def running_request_ids(server: ServerProcess) -> set[str]:
-    return {s["request_id"] for s in server.slots()["slots"] if s["state"] == "generating"}
-
-
-def ready_status(server: ServerProcess) -> int:
-    try:
-        return httpx.get(f"{server.base_url}/ready", timeout=2).status_code
-    except httpx.TransportError:
-        return -1
-
-
-def greedy_text(server: ServerProcess, prompt: str, max_tokens: int = 8) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{server.api_url}/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return str(response.json()["choices"][0]["text"])
-
-
-def assert_openai_error(response: httpx.Response) -> dict[str, Any]:
-    body = response.json()
-    assert set(body) == {"error"}, body
-    error: dict[str, Any] = body["error"]
-    assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
-    return error
-
-
-class StreamReader:
-    """A streaming completion read to its end on a thread; ``lines`` are its non-empty SSE
-    lines so far, ``first_chunk`` is set once a generated chunk arrived, ``done`` at the end."""
-
-    def __init__(self, server: ServerProcess, body: dict[str, Any], **headers: str) -> None:
-        self.lines: list[str] = []
-        self.error: BaseException | None = None
-        self.status: int | None = None
-        self.first_chunk = threading.Event()
-        self.done = threading.Event()
-        self._leave = threading.Event()
-        self._thread = threading.Thread(
-            target=self._read, args=(server, {**body, "stream": True}, headers), daemon=True
-        )
-        self._thread.start()
-
-    def _read(self, server: ServerProcess, body: dict[str, Any], headers: dict[str, str]) -> None:
-        try:
-            with httpx.stream(
-                "POST", f"{server.api_url}/completions", json=body, headers=headers, timeout=300
-            ) as response:
-                self.status = response.status_code
-                for line in response.iter_lines():
-                    if self._leave.is_set():
-                        return  # leaving the block closes the connection: a disconnect
-                    if line:
-                        self.lines.append(line)
-                        if line.startswith("data: {") and '"choices":[{' in line:
-                            self.first_chunk.set()
-        except BaseException as exc:  # the test thread reports it
-            self.error = exc
-        finally:
-            self.first_chunk.set()  # never leave a waiter hanging on a stream that failed
-            self.done.set()
-
-    def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line[6:]) for line in self.lines if line.startswith("data: {")]
-
-    def wait(self, timeout: float) -> bool:
-        return self.done.wait(timeout)
-
-    def leave(self, timeout: float = 30) -> None:
-        """The client disconnects (at its next line) and the thread ends."""
-        self._leave.set()
-        assert self.wait(timeout), "the reader thread did not end"
-
-
-def choices_by_index(events: list[dict[str, Any]]) -> tuple[dict[int, str], dict[int, list[str]]]:
-    """Text and every non-null finish reason per choice index of a completion stream."""
-    texts: dict[int, str] = {}
-    finishes: dict[int, list[str]] = {}
-    for event in events:
-        for choice in event.get("choices", []):
-            index = choice["index"]
-            texts[index] = texts.get(index, "") + choice["text"]
-            finishes.setdefault(index, [])
-            if choice["finish_reason"] is not None:
-                finishes[index].append(choice["finish_reason"])
-    return texts, finishes
 
 
 # ---- a. clients that leave while the model loads ------------------------------------------------
@@ -396,140 +283,6 @@ def test_several_prompts_times_n_are_indexed_k_times_n_plus_i(server: ServerProc
         "each choice has exactly one finish_reason"
     )
     assert streamed == text, "streamed choices carry the same text under the same index"
-
-
-# ---- e. two requests with the same x-request-id ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def dup_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("dup"), "--slots", "4")
-    yield proc
-    stop_server(proc)
-
-
-@pytest.fixture
-def healthy_dup_server(dup_server: ServerProcess) -> Iterator[ServerProcess]:
-    """The server, healthy and idle before and after the test (a test that breaks it reloads it,
-    so the next one starts clean)."""
-    assert ready_status(dup_server) == 200 and wait_until(lambda: idle(dup_server))
-    yield dup_server
-    if ready_status(dup_server) != 200:
-        httpx.post(f"{dup_server.base_url}/admin/reload", timeout=120)
-    assert wait_until(lambda: ready_status(dup_server) == 200 and idle(dup_server))
-
-
-def test_two_concurrent_streams_with_one_request_id_are_served_independently(
-    healthy_dup_server: ServerProcess,
-) -> None:
-    server = healthy_dup_server
-    expected = [greedy_text(server, p, max_tokens=24) for p in PROMPTS[:2]]
-    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    first = StreamReader(server, {**body, "prompt": PROMPTS[0]}, **{"x-request-id": "same-id"})
-    assert first.first_chunk.wait(60)
-    second = StreamReader(server, {**body, "prompt": PROMPTS[1]}, **{"x-request-id": "same-id"})
-    for reader, text in zip((first, second), expected, strict=True):
-        assert reader.wait(60) and reader.error is None and reader.status == 200
-        assert reader.lines[-1] == "data: [DONE]"
-        streamed, finishes = choices_by_index(reader.events())
-        assert streamed == {0: text} and finishes == {0: ["length"]}
-    ids = [{e["id"] for e in reader.events()} for reader in (first, second)]
-    assert all(len(i) == 1 for i in ids) and ids[0] != ids[1], f"completion ids {ids}"
-    assert all("same-id" in next(iter(i)) for i in ids), "the engine id names the client's id"
-    assert wait_until(lambda: idle(server)) and ready_status(server) == 200
-
-
-def test_two_multi_prompt_requests_with_one_request_id_are_served_independently(
-    healthy_dup_server: ServerProcess,
-) -> None:
-    server = healthy_dup_server
-    first = StreamReader(
-        server,
-        {"prompt": PROMPTS[:2], "max_tokens": LONG, "ignore_eos": True},
-        **{"x-request-id": "multi-id"},
-    )
-    try:
-        assert first.first_chunk.wait(60)
-        assert wait_until(lambda: len(running_request_ids(server)) == 2), "the first runs"
-        prompts = PROMPTS[2:4]
-        expected = [greedy_text(server, p, max_tokens=6) for p in prompts]
-        second = httpx.post(
-            f"{server.api_url}/completions",
-            json={"prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
-            headers={"x-request-id": "multi-id"},
-            timeout=60,
-        )
-        assert len(running_request_ids(server)) == 2, "the first was in flight all along"
-    finally:
-        first.leave()
-    if 400 <= second.status_code < 500:  # refusing is allowed, if clearly
-        assert_openai_error(second)
-    else:
-        assert second.status_code == 200, second.text
-        reply = second.json()
-        assert [c["text"] for c in reply["choices"]] == expected
-        assert [c["index"] for c in reply["choices"]] == [0, 1]
-    assert first.error is None and first.status == 200
-    streamed, finishes = choices_by_index(first.events())
-    assert set(streamed) == {0, 1} and all(streamed.values()), "the first kept its own choices"
-    assert finishes == {0: [], 1: []}, "the first was still generating when its client left"
-    assert wait_until(lambda: idle(server)) and ready_status(server) == 200
-
-
-def test_two_multi_prompt_completions_with_one_request_id_get_distinct_ids(
-    healthy_dup_server: ServerProcess,
-) -> None:
-    server = healthy_dup_server
-    body = {"prompt": PROMPTS[:2], "max_tokens": LONG, "ignore_eos": True}
-    first = StreamReader(server, body, **{"x-request-id": "multi-ids"})
-    try:
-        assert first.first_chunk.wait(60)
-        second = httpx.post(
-            f"{server.api_url}/completions",
-            json={**body, "max_tokens": 2},
-            headers={"x-request-id": "multi-ids"},
-            timeout=60,
-        )
-        assert not first.done.is_set(), "the first was in flight all along"
-    finally:
-        first.leave()
-    assert second.status_code == 200, second.text
-    first_ids = {e["id"] for e in first.events()}
-    assert len(first_ids) == 1 and second.json()["id"] not in first_ids
-
-
-def test_an_id_reused_right_after_its_client_left_is_served_and_harms_nothing(
-    healthy_dup_server: ServerProcess,
-) -> None:
-    server = healthy_dup_server
-    expected = greedy_text(server, PROMPTS[5], max_tokens=8)
-    for attempt in range(3):
-        request_id = f"reused-{attempt}"
-        with httpx.Client(timeout=60) as http:
-            request = http.build_request(
-                "POST",
-                f"{server.api_url}/completions",
-                json={"prompt": "Count:", "max_tokens": LONG, "ignore_eos": True, "stream": True},
-                headers={"x-request-id": request_id},
-            )
-            left = http.send(request, stream=True)
-            lines = left.iter_lines()
-            assert next(lines).startswith("data: {"), "the stream is generating"
-            left.close()  # the client leaves mid-stream
-        again = httpx.post(
-            f"{server.api_url}/completions",
-            json={"prompt": PROMPTS[5], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
-            headers={"x-request-id": request_id},
-            timeout=60,
-        )
-        if 400 <= again.status_code < 500:
-            assert_openai_error(again)
-        else:
-            assert again.status_code == 200, again.text
-            assert again.json()["choices"][0]["text"] == expected
-            assert again.json()["choices"][0]["finish_reason"] == "length"
-        assert ready_status(server) == 200, httpx.get(f"{server.base_url}/health").text
-        assert wait_until(lambda: idle(server)), server.slots()
 
 
 # ---- f. a second SIGTERM during the drain ------------------------------------------------------
