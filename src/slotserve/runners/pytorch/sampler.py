@@ -90,7 +90,7 @@ def sample(
     if drawn:
         chosen[drawn] = _draw(adjusted[drawn], [samplers[i] for i in drawn])
     token_ids = chosen.tolist()
-    _count(samplers, token_ids, device)
+    _count(samplers, token_ids)
     return _with_logprobs(logits, samplers, token_ids)
 
 
@@ -191,7 +191,7 @@ def _draw_filtered(
     return order.gather(1, index).squeeze(-1)
 
 
-def _count(samplers: Sequence[SequenceSampler], token_ids: list[int], device: torch.device) -> None:
+def _count(samplers: Sequence[SequenceSampler], token_ids: list[int]) -> None:
     """The penalties' state takes each sampled token."""
     for row, s in enumerate(samplers):
         if s.output_counts is not None:
