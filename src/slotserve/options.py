@@ -119,6 +119,7 @@ class Option:
     parse: Callable[[str], Any] | None = None
     wire: Any = None
     ge: float | None = None
+    many: bool = False  # a repeated flag that also takes several values at once (nargs "+")
     name: str = ""
     default: Any = None
     kind: Any = str
@@ -176,6 +177,7 @@ def option(
     parse: Callable[[str], Any] | None = None,
     wire: Any = None,
     ge: float | None = None,
+    many: bool = False,
 ) -> _T:
     """A dataclass field declared as an option (see :class:`Option`)."""
     # Left empty, flag, dest and variable are named by options(), which knows the field's name.
@@ -190,6 +192,7 @@ def option(
         parse,
         wire,
         ge,
+        many,
     )
     return dataclasses.field(default=default, metadata={_KEY: declared})
 
@@ -246,8 +249,14 @@ def add_arguments(parser: argparse._ActionsContainer, declared: Iterable[Option]
                 help=help_text,
             )
         elif opt.repeated:
+            # ``many``: "--flag a b" as well as "--flag a --flag b".
+            how: dict[str, Any] = {"action": "extend", "nargs": "+"} if opt.many else {}
             parser.add_argument(
-                *flags, dest=opt.dest, action="append", metavar=opt.metavar, help=help_text
+                *flags,
+                dest=opt.dest,
+                metavar=opt.metavar,
+                help=help_text,
+                **(how or {"action": "append"}),
             )
         else:
             parser.add_argument(

@@ -19,7 +19,7 @@ from slotserve.engine.decoding.speculative import (
     expected_tokens,
 )
 from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.runner_interface import VerifyCost
+from slotserve.engine.verify_cost import VerifyCost
 from tests.engine.helpers import make_core, run_to_completion, submit, text_of
 from tests.fake_runner import FakeRunner
 

@@ -19,9 +19,11 @@ def generate(
     core: EngineCore,
     jobs: dict[str, tuple[list[int], SamplingParams]],
     start_after: dict[str, tuple[str, int]] | None = None,
+    adapters: dict[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Runs ``jobs`` to completion; ``start_after[rid] = (other, k)`` submits ``rid`` once
-    ``other`` has generated ``k`` tokens. Returns each request's output token ids."""
+    ``other`` has generated ``k`` tokens; ``adapters[rid]``: the LoRA adapter ``rid`` runs
+    with. Returns each request's output token ids."""
     start_after = start_after or {}
     tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
     pending = dict(jobs)
@@ -32,7 +34,8 @@ def generate(
             gate = start_after.get(rid)
             if gate is None or len(tokens[gate[0]]) >= gate[1]:
                 prompt, params = pending.pop(rid)
-                core.add_request(core.make_request(rid, prompt, params))
+                adapter = (adapters or {}).get(rid, 0)
+                core.add_request(core.make_request(rid, prompt, params, adapter=adapter))
 
     submit_ready()
     while len(done) < len(jobs):

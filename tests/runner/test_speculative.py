@@ -8,8 +8,9 @@ import pytest
 
 from slotserve.engine.config import EngineConfig, SpeculativeConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.runner_interface import Runner, VerifyCost
+from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.verify_cost import VerifyCost
 from tests.prompts import PROMPTS
 from tests.runner.conftest import require_batch_invariance
 

@@ -9,9 +9,11 @@ one token it is prefilling; when the last token is computed the runner samples t
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.engine.adapters import cache_keys
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.outputs import FinishReason, SampledToken
@@ -32,6 +34,7 @@ class Request:
     deadline: float | None = None  # monotonic time after which the engine ends the request
     overtaken: int = 0  # later requests admitted first (schedule policy lpm)
     priority: int = 0  # schedule policy priority: lower runs first (vLLM's meaning)
+    adapter: int = 0  # the LoRA adapter's id (``engine/adapters.py``); 0: the base model
 
     @property
     def finished(self) -> bool:
@@ -92,6 +95,10 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def cache_keys(self, length: int | None = None) -> Sequence_[int]:
+        """The first ``length`` tokens (all by default) as the prefix cache keys them."""
+        return cache_keys(self.token_ids[:length], self.request.adapter)
+
 
 def new_request(
     config: EngineConfig,
@@ -99,9 +106,12 @@ def new_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     priority: int = 0,
+    adapter: int = 0,
 ) -> Request:
     """A request arriving now, its deadline set, its sequences not yet built."""
-    request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+    request = Request(
+        request_id, list(prompt_token_ids), params, priority=priority, adapter=adapter
+    )
     if config.request_timeout_s is not None:
         request.deadline = request.arrival_time + config.request_timeout_s
     return request

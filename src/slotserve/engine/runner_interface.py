@@ -8,7 +8,7 @@ is. Everything crossing this boundary is a plain Python value: slot indices, tok
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -17,6 +17,7 @@ from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.engine.verify_cost import VerifyCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,33 +56,7 @@ class ScheduledChunk:
     # (``embed_last``) hands the slot's vector over in ``Runner.take_embeddings``.
     embed: bool = False
     embed_last: bool = False
-
-
-@dataclass(frozen=True)
-class VerifyCost:
-    """A one-sequence step that verifies ``d >= 1`` drafts costs ``1 + first + per_draft * d``
-    plain decode steps (``first``: whatever switches on with a multi-token chunk). Measured per
-    runner with ``benchmarks/verify_cost.py``; the defaults are the PyTorch runner's (its
-    one-sequence step reads the weights once whatever the tokens).
-
-    ``lone_step_pays_a_draft_from``: from this many tokens of context, a sequence decoding
-    alone makes the runner compute one token more anyway (llama.cpp's ballast, which keeps its
-    attention batch-invariant), so the plain step costs what a one-draft verification does and
-    the first draft takes that token's place."""
-
-    first: float = 0.0
-    per_draft: float = 0.025
-    lone_step_pays_a_draft_from: int | None = None
-
-    def of(self, drafts: int, context: int = 0, alone: bool = False) -> float:
-        """The step's cost with ``drafts`` drafts, in plain steps of this sequence."""
-        if drafts == 0:
-            return 1.0
-        verify = 1.0 + self.first + self.per_draft * drafts
-        start = self.lone_step_pays_a_draft_from
-        if alone and start is not None and context >= start:
-            return verify / (1.0 + self.first + self.per_draft)
-        return verify
+    adapter: int = 0  # the LoRA adapter the rows run with (``AdapterInfo.adapter_id``; 0: none)
 
 
 RECURRENT_STATE_NO_ROLLBACK = (
@@ -102,6 +77,18 @@ class ComputePath:
     kernels: str = ""
     # Whether a sequence's tokens are independent of its batch on this path (E4).
     batch_invariant: bool = True
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter a runner holds; a request names it as its model."""
+
+    name: str
+    # From the adapter's files: the same adapter has the same id in every process and after a
+    # restart, so the prefix cache (whose disk tier outlives the process) keys KV by it.
+    adapter_id: int
+    rank: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -135,7 +122,7 @@ class ModelInfo:
     context_cost: float = 0.0
     # Speculative decoding: what verifying drafts adds to a one-sequence decode step on this
     # runner; the speculator drafts only as many tokens as are expected to pay for it.
-    verify_cost: VerifyCost = VerifyCost()
+    verify_cost: VerifyCost = field(default_factory=VerifyCost)
     # Why drafts cannot be verified (a recurrent state cannot be rolled back to before a
     # rejected draft); speculative decoding is then off. None when it works.
     speculative_unsupported: str | None = None
@@ -156,6 +143,9 @@ class ModelInfo:
     # its runner's ecosystem's defaults (``engine/sampling_defaults.py``).
     sampling_defaults: SamplingDefaults = NEUTRAL
     compute: ComputePath = ComputePath()
+    # LoRA adapters (``engine/adapters.py``): why none are served, and those loaded now.
+    lora_unsupported: str | None = "this runner serves no LoRA adapters"
+    adapters: tuple[AdapterInfo, ...] = ()
 
     @property
     def can_embed(self) -> bool:

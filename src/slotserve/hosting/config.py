@@ -155,6 +155,19 @@ class TorchConfig(RunnerCommon):
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
         "(default on; compiled on first use; off: plain torch operators, the reference)",
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        env=None,
+        many=True,
+        metavar="NAME=PATH",
+        help="torch: LoRA adapters (PEFT folders) loaded with the model, each served as model "
+        "NAME (vLLM's flag; a JSON object with name and path works too); more load at run "
+        "time through POST /v1/load_lora_adapter",
+    )
+    max_loras: int = option(8, ge=1, help="torch: LoRA adapters held at once (default 8)")
+    max_lora_rank: int = option(
+        64, ge=1, help="torch: the largest LoRA rank an adapter may have (default 64)"
+    )
     tensor_parallel_size: int = option(
         1,
         short="-tp",

@@ -4,6 +4,7 @@ with options of its own over the server's."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,10 +39,12 @@ def runner_factory(
     if kind == "auto":
         kind = "llama.cpp" if model_path.is_file() else "torch"
     if kind == "llama.cpp":
-        if runner.tensor_parallel_size != 1:
-            raise ValueError(
-                "--tensor-parallel-size is a PyTorch runner setting: add --runner torch"
-            )
+        for flag, value in (
+            ("--tensor-parallel-size", runner.tensor_parallel_size != 1),
+            ("--lora-modules", runner.lora_modules),
+        ):
+            if value:
+                raise ValueError(f"{flag} is a PyTorch runner setting: add --runner torch")
         return llama_cpp_spec(runner, engine, model_path, model_name)
     return torch_spec(runner, engine, model_path, model_name)
 
@@ -91,8 +94,26 @@ def torch_spec(
         tensor_parallel_size=config.tensor_parallel_size,
         cpu_kernels=config.cpu_kernels,
         state_snapshots=_state_snapshots(config, engine),
+        lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
     )
     return TorchSpec(load)
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` forms: ``name=path``, or a JSON object with ``name`` and
+    ``path``."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--lora-modules {text}: a JSON object needs name and path") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text}: expected NAME=PATH")
+    return name, path
 
 
 def _state_snapshots(runner: RunnerCommon, engine: EngineConfig) -> int:

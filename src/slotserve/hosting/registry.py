@@ -150,10 +150,10 @@ class ModelRegistry:
         name = requested or self.default_name
         host = self.hosts.get(name) if name else None
         if host is None:
-            raise self._not_found(requested)
+            raise self.not_found(requested)
         return host
 
-    def _not_found(self, requested: str | None) -> ModelNotFoundError:
+    def not_found(self, requested: str | None) -> ModelNotFoundError:
         loaded = ", ".join(f"'{n}'" for n in self.hosts) or "none"
         message = (
             f"The model '{requested}' does not exist or is not loaded"
@@ -184,7 +184,7 @@ class ModelRegistry:
                 raise ModelUnavailableError(f"{exc} Retry shortly.", 5) from exc
             raise
         if host is None:
-            raise self._not_found(requested)
+            raise self.not_found(requested)
         host.require_ready()  # 503 while loading, unhealthy, unloading or draining
         host.last_used = time.monotonic()
         if keep_alive_s is not None and self._reloadable(host.name):
@@ -243,7 +243,7 @@ class ModelRegistry:
         if path is None:
             path = self.available().get(name)
             if path is None:
-                raise ModelLoadError(404, str(self._not_found(name)))
+                raise ModelLoadError(404, str(self.not_found(name)))
         try:
             # Reads the model's metadata for the pre-flight: off the event loop.
             launch = await asyncio.to_thread(self.make_launch, name, path, options)
@@ -305,7 +305,7 @@ class ModelRegistry:
         """Unloads a model (see ``ModelHost.unload``); returns how many requests were cut."""
         host = self.hosts.get(name)
         if host is None or host.state is ModelState.UNLOADING:
-            raise self._not_found(name)
+            raise self.not_found(name)
         wait_s = self.unload_timeout_s if timeout_s is None else timeout_s
         cut_off = await host.unload(wait_s, force)
         if self.hosts.get(name) is host:

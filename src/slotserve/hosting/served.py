@@ -14,7 +14,13 @@ from slotserve.engine.client import make_client
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, Runner, Tokenizer
+from slotserve.engine.runner_interface import (
+    AdapterInfo,
+    MemoryNeed,
+    ModelInfo,
+    Runner,
+    Tokenizer,
+)
 from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.reasoning import ReasoningParser
@@ -55,6 +61,9 @@ class LoadedModel:
     chat_template: ChatTemplate | None
     # The sampling fields' defaults in force: the server's flags over the model's own.
     sampling_defaults: SamplingDefaults = NEUTRAL
+    # The LoRA adapters its engine holds, by name: those loaded with it, then as the adapter
+    # routes load and unload them (an engine restart starts again from ``info.adapters``).
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
 
     @property
     def stats(self) -> EngineStats:
@@ -123,4 +132,5 @@ async def build_model(
         await engine.shutdown()
         raise
     defaults = launch.sampling.over(info.sampling_defaults)
-    return LoadedModel(engine, engine.tokenizer, info, template, defaults)
+    adapters = {adapter.name: adapter for adapter in info.adapters}
+    return LoadedModel(engine, engine.tokenizer, info, template, defaults, adapters)

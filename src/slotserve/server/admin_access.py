@@ -28,7 +28,14 @@ from slotserve.server.middleware import (
     send_refusal,
 )
 
-ADMIN_PREFIXES = ("/admin/", "/models/load", "/models/unload", "/flush_cache")
+ADMIN_PREFIXES = (
+    "/admin/",
+    "/models/load",
+    "/models/unload",
+    "/flush_cache",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
 
 
 def is_loopback(host: str) -> bool:

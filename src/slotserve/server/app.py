@@ -25,6 +25,7 @@ from slotserve.server.errors import (
     install_error_handlers,
     request_id_of,
 )
+from slotserve.server.lora_routes import lora_routes
 from slotserve.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -166,6 +167,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         return await detokenize(ctx, body, raw)
 
     app.include_router(model_routes(ctx))
+    app.include_router(lora_routes(ctx))
     app.include_router(worker_routes(ctx))  # what the SGLang Model Gateway asks
 
     @app.get("/health")

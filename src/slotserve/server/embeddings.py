@@ -30,7 +30,7 @@ from slotserve.server.generation import (
 )
 from slotserve.server.openai.completions import prompt_items
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import ServingContext, engine_request_id
+from slotserve.server.serving import ServingContext, engine_request_id, request_adapter
 
 # Inputs of one request; each takes a place in the engine's queue (``--max-queue``).
 MAX_INPUTS = 64
@@ -139,8 +139,9 @@ async def pool_prompts(
     model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, prefix, http_request_id, len(prompts))
     with host.refusing_a_dead_engine():
+        params = SamplingParams(embed=True)
         streams = submit_prompts(
-            model.engine, request_id, prompts, SamplingParams(embed=True), priority
+            model.engine, request_id, prompts, params, priority, request_adapter(raw)
         )
     finals: dict[int, RequestOutput] = {}
     async with (

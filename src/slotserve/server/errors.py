@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.hosting.registry import ModelLoadError, ModelNotFoundError
@@ -253,6 +254,11 @@ def install_error_handlers(app: FastAPI, count: ErrorCounter | None = None) -> N
     @app.exception_handler(ModelNotFoundError)
     async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
         error = ApiError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return respond(request, error)
+
+    @app.exception_handler(AdapterNotFoundError)
+    async def _no_adapter(request: Request, exc: AdapterNotFoundError) -> JSONResponse:
+        error = ApiError(404, str(exc), "invalid_request_error", "lora_name", "model_not_found")
         return respond(request, error)
 
     @app.exception_handler(QueueFullError)

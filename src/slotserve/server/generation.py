@@ -25,14 +25,16 @@ def submit_prompts(
     prompts: list[list[int]],
     params: SamplingParams,
     priority: int = 0,
+    adapter: int = 0,
 ) -> list[RequestStream]:
-    """Submits one engine request per prompt; raises (4xx errors) before anything is queued
-    for a prompt that fails validation, and withdraws the ones already queued."""
+    """Submits one engine request per prompt (on LoRA ``adapter``, 0: none); raises (4xx
+    errors) before anything is queued for a prompt that fails validation, and withdraws the
+    ones already queued."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
-            streams.append(engine.submit(rid, prompt, params, priority))
+            streams.append(engine.submit(rid, prompt, params, priority, adapter))
             note_submitted(streams[-1].request_id)
     except BaseException:
         for stream in streams:

@@ -17,6 +17,7 @@ from slotserve.hosting.config import load_request_model
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import ModelState
 from slotserve.server.errors import ErrorResponse, error_response
+from slotserve.server.lora_routes import adapter_card, adapter_cards
 from slotserve.server.serving import ServingContext
 
 # llama-server's router reports loaded / loading / unloaded.
@@ -104,6 +105,7 @@ def unloaded_card(ctx: ServingContext, name: str) -> dict[str, Any]:
 def model_list(ctx: ServingContext) -> dict[str, Any]:
     """Every model served, then those of ``--models-dir`` not loaded (state "unloaded")."""
     data = [model_card(ctx, host) for host in ctx.models.hosts.values()]
+    data += adapter_cards(ctx)
     data += [
         unloaded_card(ctx, name) for name in ctx.models.available() if name not in ctx.models.hosts
     ]
@@ -142,6 +144,9 @@ def model_routes(ctx: ServingContext) -> APIRouter:
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in models.hosts and model_id in models.available():
             return unloaded_card(ctx, model_id)
+        base = ctx.adapter_base(model_id)
+        if base is not None and (model := models.host(base).model) is not None:
+            return adapter_card(ctx, base, model.adapters[model_id])
         return model_card(ctx, models.host(model_id))
 
     @router.post("/models/load", responses=_errors(400, 401, 404, 409, 500))

@@ -24,6 +24,7 @@ from slotserve.protocol.reasoning import ReasoningParser
 from slotserve.server.events import ChoiceFinished, Event, PromptLogprobs, TokenLogprobs
 from slotserve.server.generation import EngineRun, accumulate, submit_prompts
 from slotserve.server.reply_parser import ReplyParser, parse_reply
+from slotserve.server.serving import request_adapter
 from slotserve.server.tool_plan import ToolPlan
 
 
@@ -126,7 +127,9 @@ def submit_chat(
     the chat field at fault."""
     try:
         with host.refusing_a_dead_engine():
-            streams = submit_prompts(model.engine, request_id, [prompt], params, priority)
+            streams = submit_prompts(
+                model.engine, request_id, [prompt], params, priority, request_adapter(raw)
+            )
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"

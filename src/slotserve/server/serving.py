@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.registry import ModelRegistry
 from slotserve.hosting.served import LoadedModel
@@ -38,11 +39,26 @@ class ServingContext:
         self, requested: str | None, raw: Request, keep_alive: float | str | None = None
     ) -> tuple[ModelHost, LoadedModel]:
         """The model a request names, ready (404 unknown, 503 not ready); its name labels the
-        request's error metrics. Nothing awaits between this and the request's submission,
-        so the model cannot be unloaded in between."""
-        host = await self.models.acquire(requested, parse_keep_alive(keep_alive))
+        request's error metrics. A LoRA adapter's name gives its base model, the adapter
+        noted for :func:`request_adapter`. Nothing awaits between this and the request's
+        submission, so neither can be unloaded in between."""
+        base = self.adapter_base(requested)
+        host = await self.models.acquire(base or requested, parse_keep_alive(keep_alive))
+        model = host.require_ready()
         raw.state.model_name = host.name
-        return host, host.require_ready()
+        raw.state.adapter = None
+        if base is not None:
+            raw.state.adapter = model.adapters.get(requested or "")
+            if raw.state.adapter is None:  # unloaded while the base model loaded
+                raise self.models.not_found(requested)
+        return host, model
+
+    def adapter_base(self, name: str | None) -> str | None:
+        """The model whose LoRA adapter ``name`` is (None: no adapter has the name)."""
+        for host in list(self.models.hosts.values()):
+            if name and host.model is not None and name in host.model.adapters:
+                return host.name
+        return None
 
     def request_bytes_limit(self) -> int:
         """The largest request body accepted: ``--max-request-bytes``, else
@@ -60,6 +76,18 @@ class ServingContext:
 
     def count_error(self, status: int, error_type: str, model_name: str | None = None) -> None:
         self.metrics.count_error(status, error_type, model_name or self.models.default_name or "")
+
+
+def served_name(host: ModelHost, raw: Request) -> str:
+    """The model a response names: the LoRA adapter the request named, else the model."""
+    adapter: AdapterInfo | None = getattr(raw.state, "adapter", None)
+    return host.name if adapter is None else adapter.name
+
+
+def request_adapter(raw: Request) -> int:
+    """The id of the LoRA adapter the request named as its model (0: none)."""
+    adapter: AdapterInfo | None = getattr(raw.state, "adapter", None)
+    return 0 if adapter is None else adapter.adapter_id
 
 
 _DURATION_PART = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")

@@ -26,7 +26,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
-from slotserve.engine.runner_interface import ModelInfo, Tokenizer
+from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: int = 0,
     ) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
@@ -129,7 +130,7 @@ class AsyncEngine:
             raise EngineDeadError(unhealthy)
         while request_id in self._busy:
             request_id = f"{request_id.split('~')[0]}~{uuid.uuid4().hex[:8]}"
-        request = self.client.make_request(request_id, prompt_token_ids, params, priority)
+        request = self.client.make_request(request_id, prompt_token_ids, params, priority, adapter)
         self.client.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -158,6 +159,11 @@ class AsyncEngine:
         """Evicts every cached prefix no running request uses; returns the tokens freed once
         :attr:`stats` shows it (``EngineDeadError`` when the engine no longer serves)."""
         return await self.client.flush_prefix_cache()
+
+    async def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        """Loads the LoRA adapter at ``path`` as ``name``, or with no path unloads ``name``
+        (its requests in flight end with an error), between two steps."""
+        return await self.client.call_adapter(name, path)
 
     def detach(self, request_id: str) -> None:
         """Stops routing outputs of ``request_id`` (its stream was closed)."""

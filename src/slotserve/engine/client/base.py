@@ -13,27 +13,27 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError, QueueFullError
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
 from slotserve.engine.request import Request
-from slotserve.engine.runner_interface import ModelInfo, Tokenizer
+from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
 
 Deliver = Callable[[list[RequestOutput]], None]  # called on the engine (or receiving) thread
 # Answers one awaiting caller from any thread: a result, or the exception to raise.
-Settle = Callable[[int | BaseException], None]
+Settle = Callable[[Any], None]
 
 
-def answer() -> tuple[asyncio.Future[int], Settle]:
+def answer() -> tuple[asyncio.Future[Any], Settle]:
     """A future for the calling coroutine and the function any thread settles it with."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[int] = loop.create_future()
+    future: asyncio.Future[Any] = loop.create_future()
 
-    def resolve(result: int | BaseException) -> None:
+    def resolve(result: Any) -> None:
         if future.done():  # the caller was cancelled
             return
         if isinstance(result, BaseException):
@@ -41,7 +41,7 @@ def answer() -> tuple[asyncio.Future[int], Settle]:
         else:
             future.set_result(result)
 
-    def settle(result: int | BaseException) -> None:
+    def settle(result: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
             loop.call_soon_threadsafe(resolve, result)
 
@@ -122,6 +122,7 @@ class EngineCoreClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: int = 0,
     ) -> Request:
         """Validates a request against the model (``InvalidRequestError``)."""
         ...
@@ -136,6 +137,11 @@ class EngineCoreClient(Protocol):
         """Evicts every cached prefix no running sequence uses, between two steps; returns the
         tokens freed once the core has published a snapshot that shows it
         (``EngineDeadError`` when the engine no longer serves)."""
+        ...
+
+    async def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        """Loads the LoRA adapter at ``path`` as ``name`` (None: unloads ``name``) between two
+        steps: ``InvalidRequestError``, ``AdapterNotFoundError`` or ``EngineDeadError``."""
         ...
 
     def stop(self) -> None: ...

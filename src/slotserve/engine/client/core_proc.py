@@ -13,9 +13,11 @@ from collections.abc import Callable
 import zmq
 
 from slotserve import parent_death
+from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client import wire
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.request import Request, add_sequences
 from slotserve.engine.runner_interface import RunnerSpec
@@ -74,6 +76,7 @@ def _serve(
             continue
         refused: list[RequestOutput] = []
         flush_ids: list[int] = []
+        answers: list[wire.AdapterAnswer] = []
         while True:  # everything that arrived, before the step
             try:
                 frame = inbox.recv(zmq.NOBLOCK, copy=False)
@@ -91,6 +94,9 @@ def _serve(
             if isinstance(message, wire.FlushPrefixCache):
                 flush_ids.append(message.flush_id)
                 continue
+            if isinstance(message, wire.AdapterCall):
+                answers.append(_call_adapter(core, message))
+                continue
             received += 1
             refusal = _add(core, message)
             if refusal is not None:
@@ -100,6 +106,8 @@ def _serve(
         _publish(core, outbox, outputs, received)
         if flush_ids:  # after the snapshot that shows it
             outbox.send(wire.encode(wire.PrefixCacheFlushed(flush_ids, freed)))
+        for answer in answers:
+            outbox.send(wire.encode(answer))
         if not core.has_work and core.unhealthy is None:
             core.check_integrity_when_idle()
             _publish(core, outbox, [], received)
@@ -116,6 +124,7 @@ def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
             arrival_time=message.arrival_time,
             deadline=message.deadline,
             priority=message.priority,
+            adapter=message.adapter,
         )
         core.add_request(add_sequences(request, core.model_info, core.runner.tokenizer))
         return None
@@ -123,6 +132,15 @@ def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
         logger.exception("request %s refused by the engine core", message.request_id)
         kind = FailureKind.MODEL_UNHEALTHY if core.unhealthy else FailureKind.REQUEST_FAILED
         return RequestOutput(message.request_id, finished=True, error=str(exc), failure=kind)
+
+
+def _call_adapter(core: EngineCore, call: wire.AdapterCall) -> wire.AdapterAnswer:
+    try:
+        return wire.AdapterAnswer(call.call_id, core.call_adapter(call.name, call.path))
+    except AdapterNotFoundError as exc:
+        return wire.AdapterAnswer(call.call_id, None, str(exc), not_found=True)
+    except InvalidRequestError as exc:
+        return wire.AdapterAnswer(call.call_id, None, exc.message)
 
 
 def _publish(

@@ -14,11 +14,13 @@ import logging
 import threading
 from collections.abc import Callable
 
+from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.errors import EngineDeadError, InvalidRequestError
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request
+from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class InprocClient(ClientState):
         self._aborts: list[str] = []
         self._flushes: list[Settle] = []  # flush_prefix_cache calls waiting for the thread
         self._flushed: list[tuple[Settle, int]] = []  # done; answered once published
+        self._adapter_calls: list[tuple[str, str | None, Settle]] = []  # call_adapter's
         self._in_transit = 0  # requests taken from the inbox, not yet in a published snapshot
         self._thread: threading.Thread | None = None
 
@@ -86,8 +89,9 @@ class InprocClient(ClientState):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: int = 0,
     ) -> Request:
-        return self.core.make_request(request_id, prompt_token_ids, params, priority)
+        return self.core.make_request(request_id, prompt_token_ids, params, priority, adapter)
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises ``QueueFullError`` at once when the queue is full and
@@ -109,7 +113,17 @@ class InprocClient(ClientState):
             self._refuse_unless_serving()
             self._flushes.append(settle)
             self._work_ready.notify()
-        return await done
+        freed: int = await done
+        return freed
+
+    async def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        done, settle = answer()
+        with self._lock:
+            self._refuse_unless_serving()
+            self._adapter_calls.append((name, path, settle))
+            self._work_ready.notify()
+        info: AdapterInfo = await done
+        return info
 
     def stop(self) -> None:
         """Asks the engine thread to end after its current step."""
@@ -164,7 +178,8 @@ class InprocClient(ClientState):
     def _refuse_flushes(self, reason: str) -> None:
         with self._lock:
             waiting = self._flushes + [settle for settle, _ in self._flushed]
-            self._flushes, self._flushed = [], []
+            waiting += [settle for _, _, settle in self._adapter_calls]
+            self._flushes, self._flushed, self._adapter_calls = [], [], []
         for settle in waiting:
             settle(EngineDeadError(reason))
 
@@ -191,7 +206,12 @@ class InprocClient(ClientState):
         stopping."""
         with self._lock:
             while not (
-                self._inbox or self._aborts or self._flushes or self.core.has_work or self._stopping
+                self._inbox
+                or self._aborts
+                or self._flushes
+                or self._adapter_calls
+                or self.core.has_work
+                or self._stopping
             ):
                 self._work_ready.wait()
             if self._stopping:
@@ -199,6 +219,7 @@ class InprocClient(ClientState):
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             flushes, self._flushes = self._flushes, []
+            calls, self._adapter_calls = self._adapter_calls, []
             self._in_transit = len(new)
         refused = []
         for request in new:
@@ -214,6 +235,11 @@ class InprocClient(ClientState):
                 )
         for request_id in aborts:
             self.core.abort(request_id)
+        for name, path, settle in calls:
+            try:
+                settle(self.core.call_adapter(name, path))
+            except (InvalidRequestError, AdapterNotFoundError) as exc:
+                settle(exc)
         if flushes:  # one flush answers every caller waiting for one
             freed = self.core.flush_prefix_cache()
             with self._lock:

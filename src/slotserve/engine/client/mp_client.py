@@ -33,15 +33,16 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
+from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client import wire
 from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.client.core_proc import POLL_MS, run_engine_core
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.limits import validate_request
-from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.errors import EngineDeadError, InvalidRequestError
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request, new_request
-from slotserve.engine.runner_interface import RunnerFrontend, RunnerSpec
+from slotserve.engine.runner_interface import AdapterInfo, RunnerFrontend, RunnerSpec
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class MPClient(ClientState):
         self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
         self._received = 0
         self._live: set[str] = set()
-        self._flushes: dict[int, Settle] = {}  # flush_prefix_cache calls awaiting the engine
-        self._flush_ids = 0
+        self._awaiting: dict[int, Settle] = {}  # flushes and adapter calls, by id
+        self._call_ids = 0
         self._receiver = threading.Thread(target=self._receive, name="slotserve-engine-out")
         self._receiver.daemon = True
         self._receiver.start()
@@ -138,10 +139,11 @@ class MPClient(ClientState):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: int = 0,
     ) -> Request:
         """Validates here; the engine process builds the sequences (and detokenizers)."""
-        validate_request(self, self.config, prompt_token_ids, params, priority)
-        return new_request(self.config, request_id, prompt_token_ids, params, priority)
+        validate_request(self, self.config, prompt_token_ids, params, priority, adapter)
+        return new_request(self.config, request_id, prompt_token_ids, params, priority, adapter)
 
     def add_request(self, request: Request) -> None:
         message = wire.AddRequest(
@@ -151,6 +153,7 @@ class MPClient(ClientState):
             request.arrival_time,
             request.deadline,
             request.priority,
+            request.adapter,
         )
         try:
             with self._lock:
@@ -172,13 +175,28 @@ class MPClient(ClientState):
         try:
             with self._lock:
                 self._refuse_unless_serving()
-                self._flush_ids += 1
-                message = wire.FlushPrefixCache(self._flush_ids)
+                self._call_ids += 1
+                message = wire.FlushPrefixCache(self._call_ids)
                 self._send_or_refuse(message)
-                self._flushes[message.flush_id] = settle
+                self._awaiting[message.flush_id] = settle
         except EngineDeadError as refused:
             raise self._notice_death(refused) from None
-        return await done
+        freed: int = await done
+        return freed
+
+    async def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        done, settle = answer()
+        try:
+            with self._lock:
+                self._refuse_unless_serving()
+                self._call_ids += 1
+                call = wire.AdapterCall(self._call_ids, name, path)
+                self._send_or_refuse(call)
+                self._awaiting[call.call_id] = settle
+        except EngineDeadError as refused:
+            raise self._notice_death(refused) from None
+        info: AdapterInfo = await done
+        return info
 
     def stop(self, reason: str = STOPPED_REASON) -> None:
         """Asks the engine process to end its requests (saying ``reason``) and exit."""
@@ -247,10 +265,13 @@ class MPClient(ClientState):
                 return
             if isinstance(message, wire.PrefixCacheFlushed):
                 with self._lock:
-                    waiting = [self._flushes.pop(i, None) for i in message.flush_ids]
+                    waiting = [self._awaiting.pop(i, None) for i in message.flush_ids]
                 for settle in waiting:
                     if settle is not None:
                         settle(message.freed_tokens)
+                continue
+            if isinstance(message, wire.AdapterAnswer):
+                self._answer_adapter_call(message)
                 continue
             if isinstance(message, wire.Crashed):
                 self._on_death(message.error)
@@ -265,6 +286,18 @@ class MPClient(ClientState):
                         self._live.discard(out.request_id)
             if message.outputs:
                 self._deliver(message.outputs)
+
+    def _answer_adapter_call(self, message: wire.AdapterAnswer) -> None:
+        with self._lock:
+            settle = self._awaiting.pop(message.call_id, None)
+        if settle is None:
+            return
+        if message.info is not None:
+            settle(message.info)
+        elif message.not_found:
+            settle(AdapterNotFoundError(message.error))
+        else:
+            settle(InvalidRequestError(message.error or "", param="lora_name"))
 
     def _on_death(self, error: str | None) -> None:
         """The process died or its loop crashed: refuse new work, end every request."""
@@ -286,7 +319,7 @@ class MPClient(ClientState):
     def _fail_live(self, message: str, kind: FailureKind) -> None:
         with self._lock:
             live, self._live = self._live, set()
-            flushes, self._flushes = list(self._flushes.values()), {}
+            flushes, self._awaiting = list(self._awaiting.values()), {}
         for settle in flushes:  # no step will answer them any more
             settle(EngineDeadError(message))
         if live:

@@ -16,7 +16,7 @@ import msgspec
 
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.runner_interface import ModelInfo
+from slotserve.engine.runner_interface import AdapterInfo, ModelInfo
 from slotserve.engine.sampling_params import SamplingParams
 
 # ---- API process → engine process ---------------------------------------------------------
@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     arrival_time: float  # time.monotonic(): one clock for every process on the machine
     deadline: float | None
     priority: int = 0
+    adapter: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -51,7 +52,16 @@ class FlushPrefixCache(msgspec.Struct, tag=True, array_like=True):
     flush_id: int
 
 
-ToEngine = AddRequest | Abort | Stop | FlushPrefixCache
+class AdapterCall(msgspec.Struct, tag=True, array_like=True):
+    """Load the LoRA adapter at ``path`` as ``name`` (``path`` None: unload ``name``);
+    answered by :class:`AdapterAnswer`."""
+
+    call_id: int
+    name: str
+    path: str | None
+
+
+ToEngine = AddRequest | Abort | Stop | FlushPrefixCache | AdapterCall
 
 # ---- engine process → API process ---------------------------------------------------------
 
@@ -85,6 +95,15 @@ class PrefixCacheFlushed(msgspec.Struct, tag=True, array_like=True):
     freed_tokens: int
 
 
+class AdapterAnswer(msgspec.Struct, tag=True, array_like=True):
+    """The adapter loaded or unloaded, or why not (``not_found``: no adapter had the name)."""
+
+    call_id: int
+    info: AdapterInfo | None
+    error: str | None = None
+    not_found: bool = False
+
+
 class Stopped(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -95,7 +114,9 @@ class Crashed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-FromEngine = Ready | LoadFailed | StepOutputs | PrefixCacheFlushed | Stopped | Crashed
+FromEngine = (
+    Ready | LoadFailed | StepOutputs | PrefixCacheFlushed | AdapterAnswer | Stopped | Crashed
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from slotserve.engine.adapters import cache_keys
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.core.slots import Slot
 from slotserve.engine.prefix_cache.base import PrefixCache
@@ -28,7 +29,7 @@ def order_by_cached_prefix(
         arrival, request = item
         if request.overtaken >= num_slots:
             return (0, 0, arrival)
-        prompt = request.prompt_token_ids
+        prompt = cache_keys(request.prompt_token_ids, request.adapter)
         match = cache.match(prompt).length
         return (1, -policy.reusable_length(match, len(prompt)), arrival)
 
@@ -70,14 +71,14 @@ def waits_for_prefill_in_flight(
 ) -> bool:
     """Invariant 7: True when ``request`` should wait for one of the ``prefilling`` slots
     (oldest admission first) to compute what it shares with it, at least ``min_tokens``."""
-    prompt = request.prompt_token_ids
+    prompt = cache_keys(request.prompt_token_ids, request.adapter)
     cached = policy.reusable_length(cache.match(prompt).length, len(prompt))
     for slot in prefilling:
         seq = slot.sequence
         assert seq is not None, f"slot {slot.index} holds no sequence"
         # What the running prefill will leave in the cache that this prompt can take.
         will_cache = policy.cacheable_length(seq.num_prompt_tokens, seq.num_prompt_tokens)
-        shared = common_prefix_length(prompt, seq.token_ids[:will_cache])
+        shared = common_prefix_length(prompt, seq.cache_keys(will_cache))
         shared = policy.reusable_length(shared, len(prompt))
         if shared >= min_tokens and shared > cached:
             # A cache that resumes only where it kept a state must keep one there.

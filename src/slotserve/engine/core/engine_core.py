@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 
+from slotserve.engine.adapters import adapter_ids, load_adapter, unload_adapter
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.limits import validate_request
 from slotserve.engine.core.output_processor import (
@@ -32,11 +33,11 @@ from slotserve.engine.core.slots import SlotState
 from slotserve.engine.core.stats import EngineCounters, EngineStats
 from slotserve.engine.decoding.speculative import build_speculator
 from slotserve.engine.decoding.structured_output import GrammarMasks
-from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.errors import EngineDeadError, InvalidRequestError
 from slotserve.engine.outputs import FailureKind, FinishReason, RequestOutput, SampledToken
 from slotserve.engine.prefix_cache import build_prefix_cache
 from slotserve.engine.request import Request, Sequence, add_sequences, new_request
-from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from slotserve.engine.runner_interface import AdapterInfo, Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,12 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: int = 0,
     ) -> Request:
         """Validates a request against the model's limits; raises ``InvalidRequestError``.
         Safe from any thread (reads only what is fixed at load time)."""
-        validate_request(self.runner, self.config, prompt_token_ids, params, priority)
-        request = new_request(self.config, request_id, prompt_token_ids, params, priority)
+        validate_request(self.runner, self.config, prompt_token_ids, params, priority, adapter)
+        request = new_request(self.config, request_id, prompt_token_ids, params, priority, adapter)
         return add_sequences(request, self.runner.model_info, self.runner.tokenizer)
 
     def add_request(self, request: Request) -> None:
@@ -96,6 +98,10 @@ class EngineCore:
             raise EngineDeadError(self.unhealthy)
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id} is already in the engine")
+        if request.adapter and request.adapter not in adapter_ids(self.runner):
+            raise InvalidRequestError(
+                "the request's LoRA adapter is not loaded (any more)", param="model"
+            )
         self._live[request.request_id] = request
         self.scheduler.waiting.append(request)
         self.counters.requests_submitted += 1
@@ -292,6 +298,20 @@ class EngineCore:
                     if not quietly:
                         raise
                     logger.warning("could not free slot %d after the runner failed", slot.index)
+
+    def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        """Between steps, loads the LoRA adapter at ``path`` as ``name`` or, with no path,
+        unloads ``name``; the requests using an unloaded adapter end with an error."""
+        if path is not None:
+            return load_adapter(self.runner, name, path)
+        info = unload_adapter(self.runner, name)
+        if info.adapter_id not in adapter_ids(self.runner):
+            message = f"the LoRA adapter {name} was unloaded"
+            for request in [r for r in self._live.values() if r.adapter == info.adapter_id]:
+                self._end_request(
+                    request, "error", self._pending, message, FailureKind.REQUEST_FAILED
+                )
+        return info
 
     def flush_prefix_cache(self) -> int:
         """Evicts every cached prefix no running sequence uses (``POST /flush_cache``);

@@ -89,6 +89,7 @@ def validate_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     priority: int = 0,
+    adapter: int = 0,
 ) -> None:
     """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
     spec included. Any thread: it only reads what the runner (or the API process's frontend)
@@ -99,6 +100,8 @@ def validate_request(
             "start it with --schedule-policy priority to order requests by it.",
             param="priority",
         )
+    if adapter and checker.model_info.lora_unsupported:
+        raise InvalidRequestError(checker.model_info.lora_unsupported, param="model")
     check_request(checker.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
         check_structured_output(params.structured_output)

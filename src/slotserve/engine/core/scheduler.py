@@ -61,6 +61,7 @@ Batch-construction invariants:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as SequenceOf
 from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
@@ -108,11 +109,8 @@ class Scheduler:
                 f"max_batch_tokens ({config.max_batch_tokens}) must leave room for two grains "
                 f"({policy.grain} tokens each) of prefill beside {config.num_slots} decode tokens"
             )
-        self.config = config
-        self.kv = kv
-        self.policy = policy
-        self.prefix_cache = prefix_cache
-        self.speculator = speculator
+        self.config, self.kv, self.policy = config, kv, policy
+        self.prefix_cache, self.speculator = prefix_cache, speculator
         self.whole_prompts = whole_prompts
         self.embed_reuses_prefix = embed_reuses_prefix
         # Invariant 2: where a chunk's attention outweighs its projections (0: nowhere).
@@ -168,7 +166,7 @@ class Scheduler:
             seq.prompt_logprobs = []  # scored again from the start: no cached positions
         seq.num_computed_tokens = cache.attach(
             slot.index,
-            seq.token_ids,
+            seq.cache_keys(),
             cache.match(self._reusable(seq)),
             count=False,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -187,11 +185,11 @@ class Scheduler:
         match = cache.match(self._reusable(sequence))
         free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
         slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
-        cached = cache.attach(slot.index, sequence.token_ids, match)
+        cached = cache.attach(slot.index, sequence.cache_keys(), match)
         sequence.num_computed_tokens = sequence.num_cached_tokens = cached
         return slot
 
-    def _reusable(self, seq: Sequence) -> list[int]:
+    def _reusable(self, seq: Sequence) -> SequenceOf[int]:
         """What the prefix cache may supply: nothing while prompt log-probabilities are wanted
         and not yet delivered (cached positions have no logits to score), nor to an embedding
         whose pooling reads every position (invariant 10)."""
@@ -199,11 +197,11 @@ class Scheduler:
             return []
         if seq.request.params.embed and not self.embed_reuses_prefix:
             return []
-        return seq.token_ids
+        return seq.cache_keys()
 
-    def _cacheable_tokens(self, seq: Sequence) -> list[int]:
+    def _cacheable_tokens(self, seq: Sequence) -> SequenceOf[int]:
         length = self.policy.cacheable_length(seq.num_prompt_tokens, seq.num_computed_tokens)
-        return seq.token_ids[:length]
+        return seq.cache_keys(length)
 
     def _waits_for_prefill_in_flight(self, request: Request) -> bool:
         """Invariant 7 (``admission.py``): True when ``request`` should wait for a running
@@ -241,8 +239,9 @@ class Scheduler:
             draft = drafts.get(slot.index, [])
             if self._reserve(slot, pos + 1 + len(draft), chunks):
                 chunks[slot.index] = ScheduledChunk(
-                    slot.index, [seq.token_ids[pos], *draft], pos, True, len(draft)
-                )
+                    slot.index, [seq.token_ids[pos], *draft], pos, True, len(draft),
+                    adapter=seq.request.adapter,
+                )  # fmt: skip
                 budget -= 1 + len(draft)
         prefill = self._by_admission(SlotState.PREFILLING)
         for slot, size in zip(prefill, self._prefill_sizes(prefill, budget), strict=True):
@@ -264,6 +263,7 @@ class Scheduler:
                     prompt_logprob_targets=targets,
                     embed=embed,
                     embed_last=embed and end == seq.num_tokens,
+                    adapter=seq.request.adapter,
                 )
         return list(chunks.values())
 

@@ -39,7 +39,8 @@ from typing import Protocol
 
 from slotserve.engine.config import SpeculativeConfig
 from slotserve.engine.request import Sequence
-from slotserve.engine.runner_interface import ModelInfo, VerifyCost
+from slotserve.engine.runner_interface import ModelInfo
+from slotserve.engine.verify_cost import VerifyCost
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from slotserve.engine.runner_interface import (
     RECURRENT_STATE_NO_ROLLBACK,
     ComputePath,
     ModelInfo,
-    VerifyCost,
 )
+from slotserve.engine.verify_cost import VerifyCost
 from slotserve.runners.llama_cpp.backend import FA_TILE_Q, SPLIT_KV_CONTEXT
 from slotserve.runners.llama_cpp.cpu import WeightLayout, cpu_features
 from slotserve.runners.llama_cpp.metadata import kv_shape, sampling_defaults
@@ -70,6 +70,10 @@ def describe(
             kernels=f"ggml; weights in {', '.join(buffers) or 'no'} buffers "
             f"(extra buffer types {'on' if layout.use_extra_buffers else 'off'}: "
             f"{layout.reason})",
+        ),
+        lora_unsupported=(
+            "the llama.cpp runner serves no LoRA adapters: serve the model's HF folder "
+            "with --runner torch for them"
         ),
     )
 

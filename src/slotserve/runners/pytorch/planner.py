@@ -45,8 +45,12 @@ class StepPlanner:
 
     def order(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
         """One-token chunks attend as one group, first (decoded tokens before one-token prompt
-        chunks, which a recurrent layer computes as prompts); each longer chunk alone."""
-        return sorted(chunks, key=lambda c: (len(c.token_ids) > 1, not self._decodes(c), c.slot))
+        chunks, which a recurrent layer computes as prompts); each longer chunk alone. Rows
+        with the same LoRA adapter sit together, so that its update reads one range."""
+        return sorted(
+            chunks,
+            key=lambda c: (len(c.token_ids) > 1, not self._decodes(c), c.adapter, c.slot),
+        )
 
     def plan(
         self, ordered: Sequence[ScheduledChunk]

@@ -15,33 +15,31 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import slotserve
-from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
-from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
+from slotserve.runners.pytorch.adapters import AdapterSet
 from slotserve.runners.pytorch.load.checkpoint import (
     TorchLoadConfig,
     read_model_config,
     sampling_defaults,
 )
 from slotserve.runners.pytorch.load.gguf_file import open_gguf
-from slotserve.runners.pytorch.model.config import ModelConfig
-from slotserve.runners.pytorch.model.deltanet import BLOCK
 from slotserve.runners.pytorch.model.tensor_parallel import (
     join_group,
     open_store,
     rank_device,
     shard_config,
 )
+from slotserve.runners.pytorch.model_rules import context_cost, recurrent_state_rules
 from slotserve.runners.pytorch.planner import StepPlanner
 from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
 from slotserve.runners.pytorch.shard import ModelShard
@@ -101,6 +99,17 @@ class TorchRunner:
                 self.ranks.close()
             raise
         self.pool = self.shard.pool
+        kernels = self.shard.model.kernels
+        self.lora = AdapterSet(
+            config,
+            self.dtype,
+            self.device,
+            kernels if kernels is not None and kernels.has_gemm else None,
+            load.max_loras,
+            load.max_lora_rank,
+        )
+        for name, folder in load.lora_modules:
+            self.lora.load(name, Path(folder))
         bytes_per_token = self.shard.kv_bytes_per_token * ranks
         num_blocks = self.pool.tables.num_blocks
         self._samplers: dict[int, SequenceSampler] = {}
@@ -127,7 +136,11 @@ class TorchRunner:
             sampling_defaults=sampling_defaults(path, reader),
             pooling=pooling,
             compute=self.shard.compute,
-            **_recurrent_state_rules(config, self.snapshot_capacity),
+            lora_unsupported=(
+                "LoRA adapters are not served under tensor parallelism" if ranks > 1 else None
+            ),
+            adapters=tuple(self.lora.adapters),
+            **recurrent_state_rules(config, self.snapshot_capacity),
         )
         logger.info(
             "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "
@@ -182,6 +195,20 @@ class TorchRunner:
     def restore_state(self, slot: int, snapshot: int) -> None:
         assert 0 <= snapshot < self.snapshot_capacity
         self._planner.restore_state(slot, snapshot)
+
+    # ---- AdapterRunner (LoRA) -----------------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[AdapterInfo]:
+        return self.lora.adapters
+
+    def load_adapter(self, name: str, path: Path) -> AdapterInfo:
+        if self._info.lora_unsupported:
+            raise ValueError(self._info.lora_unsupported)
+        return self.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        return self.lora.unload(name)
 
     # ---- Runner protocol (continued) ----------------------------------------------------------
 
@@ -260,7 +287,8 @@ class TorchRunner:
         plan, scoring, sampling = self._planner.plan(ordered)
         if self.ranks is not None:
             self.ranks.send(plan)
-        hidden = self.shard.forward(plan)
+        lora = self.lora.step([(chunk.adapter, len(chunk.token_ids)) for chunk in ordered])
+        hidden = self.shard.forward(plan, lora)
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
         if any(chunk.embed for chunk in ordered):
@@ -358,38 +386,3 @@ class TorchRunner:
         self.shard.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-# A multiply-add of CPU attention takes about this many of a projection's: in a prefill step
-# over a long context the attention kernel runs at 0.6-0.7 of the projection GEMM's rate
-# (benchmarks/RESULTS.md, "A prefill over a long context runs alone").
-CPU_ATTENTION_WEIGHT = 1.7
-
-
-def context_cost(config: ModelConfig, device: torch.device) -> float:
-    """``ModelInfo.context_cost`` on this device: on a CPU a prompt token's attention over a
-    long context outweighs its projections. Not stated on a GPU, where neither sets a
-    step's length the same way."""
-    if device.type != "cpu":
-        return 0.0
-    ratio = config.attention_macs_per_position() / config.projection_macs_per_token()
-    return CPU_ATTENTION_WEIGHT * ratio
-
-
-def _recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]:
-    """What a model with Gated DeltaNet layers changes in the engine's rules: chunks cut on
-    the chunked delta rule's block grid from position 0 (batch invariance, ``model/deltanet.py``);
-    a prefix cache only through snapshots of the recurrent state, which cannot be cut at
-    any position; no speculation (the state cannot be rewound past a rejected draft)."""
-    if not config.linear_layers:
-        return {}
-    return {
-        "chunk_policy": ChunkPolicy(grain=BLOCK, anchored=True),
-        "prefix_cache_unsupported": (
-            None
-            if snapshots
-            else "the model's Gated DeltaNet layers keep a recurrent state, which the cache "
-            "keeps only as snapshots, and --prefix-cache-snapshots is 0"
-        ),
-        "speculative_unsupported": RECURRENT_STATE_NO_ROLLBACK,
-    }

@@ -30,6 +30,7 @@ from slotserve.runners.pytorch.model.attention import (
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.decoder import Decoder
 from slotserve.runners.pytorch.model.deltanet import LinearStatePool, LinearStep
+from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import (
     TensorParallel,
     shard_config,
@@ -109,8 +110,9 @@ class ModelShard:
             num_blocks = tp.min_across_ranks(num_blocks)
         self.pool = KvPool(local, num_blocks, load.block_size, load.num_slots, dtype, device)
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """The step's final hidden states, one row per token of ``plan.tokens``."""
+    def forward(self, plan: StepPlan, lora: StepLora | None = None) -> torch.Tensor:
+        """The step's final hidden states, one row per token of ``plan.tokens``; ``lora``:
+        the rows' LoRA adapters."""
         device, pool = self.device, self.pool
         pool.copy_blocks(plan.block_copies)
         if self.model.kernels is not None:
@@ -133,6 +135,7 @@ class ModelShard:
             pool.layers,
             linear_step,
             self.linear_states.layers if self.linear_states is not None else None,
+            lora,
         )
 
     def _groups(self, plan: StepPlan) -> list[AttentionGroup]:

@@ -31,7 +31,7 @@ from slotserve.server.events import fold
 from slotserve.server.openai.chat_prompt import render_chat, start_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.pipeline import ChatGeneration
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, served_name
 
 # The engine ends a request with "abort" when the server shuts down under it.
 _SHUTDOWN = "The request was ended because the server is shutting down; retry it."
@@ -54,7 +54,7 @@ async def create_message(
     if body.stream:
         stream = MessageEventStream(
             message_id,
-            host.name,
+            served_name(host, raw),
             generation.num_prompt_tokens,
             body.stop_sequences,
             show_thinking,
@@ -67,7 +67,8 @@ async def create_message(
     assert totals is not None, "a finished run ends with its usage"
     if reply.finish_reason == "abort":
         return ApiError(503, _SHUTDOWN, "service_unavailable").response(anthropic=True)
-    answer = message(message_id, host.name, reply, totals, body.stop_sequences, show_thinking)
+    name = served_name(host, raw)
+    answer = message(message_id, name, reply, totals, body.stop_sequences, show_thinking)
     return JSONResponse(answer)
 
 

@@ -12,7 +12,7 @@ from slotserve.server.openai.chat_prompt import start_chat
 from slotserve.server.openai.chat_render import ChatChunks, chat_chunks, chat_completion
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.shapes import Envelope, ended_on_failure
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, served_name
 
 
 async def create_chat_completion(
@@ -24,7 +24,11 @@ async def create_chat_completion(
     created = int(time.time())
     if body.stream:
         envelope = Envelope(
-            generation.request_id, "chat.completion.chunk", created, host.name, body.include_usage
+            generation.request_id,
+            "chat.completion.chunk",
+            created,
+            served_name(host, raw),
+            body.include_usage,
         )
         chunks = ChatChunks(envelope, model.tokenizer, generation.num_choices)
         return StreamingResponse(
@@ -33,5 +37,5 @@ async def create_chat_completion(
     events = await generation.collect()
     if generation.disconnected:
         return Response(status_code=499)
-    envelope = Envelope(generation.request_id, "chat.completion", created, host.name)
+    envelope = Envelope(generation.request_id, "chat.completion", created, served_name(host, raw))
     return JSONResponse(chat_completion(generation, events, body, model.tokenizer, envelope))

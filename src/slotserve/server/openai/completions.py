@@ -26,7 +26,7 @@ from slotserve.server.openai.shapes import (
     vllm_prompt_logprobs,
 )
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import ServingContext, engine_request_id
+from slotserve.server.serving import ServingContext, engine_request_id, request_adapter, served_name
 
 MAX_PROMPTS = 64
 
@@ -83,9 +83,11 @@ async def create_completion(
         defaults=model.sampling_defaults,
     )
     with host.refusing_a_dead_engine():
-        streams = submit_prompts(model.engine, request_id, prompts, params, body.priority)
+        streams = submit_prompts(
+            model.engine, request_id, prompts, params, body.priority, request_adapter(raw)
+        )
     envelope = Envelope(
-        request_id, "text_completion", int(time.time()), host.name, body.include_usage
+        request_id, "text_completion", int(time.time()), served_name(host, raw), body.include_usage
     )
     n = body.n
     run = EngineRun(model.engine, raw, streams, n)

@@ -44,7 +44,7 @@ from slotserve.server.responses.protocol import ResponsesRequest
 from slotserve.server.responses.store import ResponseStore, StoredResponse
 from slotserve.server.responses.stream import ResponseEventStream
 from slotserve.server.responses.tools import chat_tools
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, served_name
 
 # Where a prompt too long for a slot is told how to make room.
 _CONTEXT_HINT = (
@@ -75,7 +75,7 @@ async def create_response(
     chat = chat_request_of(body, system + conversation)
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
     shell = response_shell(
-        body, new_id("resp"), int(time.time()), host.name, model.sampling_defaults
+        body, new_id("resp"), int(time.time()), served_name(host, raw), model.sampling_defaults
     )
     try:
         generation = await start_chat(host, model, chat, raw, http_request_id)

@@ -47,6 +47,11 @@ class TorchLoadConfig:
     cpu_kernels: bool = True  # CPU, bfloat16: the C++ kernels (cpu_kernels.py) where they run
     # Gated DeltaNet models: recurrent states the prefix cache may keep (0: no prefix cache).
     state_snapshots: int = 0
+    # LoRA adapters loaded with the model, (name, PEFT folder); how many may be held at once;
+    # the largest rank taken.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -61,6 +66,12 @@ class TorchLoadConfig:
             raise ValueError("--tensor-parallel-size must be >= 1")
         if self.state_snapshots < 0:
             raise ValueError("--prefix-cache-snapshots must be >= 0")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be >= 1")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} --lora-modules, over --max-loras")
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served under tensor parallelism")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,6 +20,7 @@ from slotserve.runners.pytorch.model.attention import PagedStep, StepAttention, 
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
 from slotserve.runners.pytorch.model.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
+from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
 from slotserve.runners.pytorch.model.rotary import apply_rotary, rotary_tables, without_scaling
 from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
@@ -53,6 +54,14 @@ def _query_and_gate(qkv: torch.Tensor, c: ModelConfig) -> tuple[torch.Tensor, to
     head's rows of the fused projection are [query | gate]."""
     both = qkv[:, : 2 * c.num_heads * c.head_dim].view(-1, c.num_heads, 2 * c.head_dim)
     return both[..., : c.head_dim], both[..., c.head_dim :]
+
+
+def _project(
+    projection: Projection, x: torch.Tensor, lora: LayerLora | None, target: str
+) -> torch.Tensor:
+    """``projection(x)``, plus each row's LoRA update where the step has adapters."""
+    out: torch.Tensor = projection(x)
+    return out if lora is None else lora.add(out, x, target)
 
 
 class DecoderLayer(nn.Module):
@@ -113,11 +122,13 @@ class DecoderLayer(nn.Module):
         sliding: bool,
         c: ModelConfig,
         kernels: CpuKernels | None,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = self.qkv(x)
+        qkv = _project(self.qkv, x, lora, "qkv")
         if kernels is not None and step.paged is not None:
-            return self._kernel_attention(qkv, rotary, step.paged, kv, sliding, c, kernels)
+            out = self._kernel_attention(qkv, rotary, step.paged, kv, sliding, c, kernels)
+            return _project(self.o_proj, out, lora, "o_proj")
         gate = None
         if c.attn_output_gate:
             query, gate = _query_and_gate(qkv, c)
@@ -139,7 +150,7 @@ class DecoderLayer(nn.Module):
         out = attend(q, k, value, kv[0], kv[1], step, sliding, c)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(out.shape))
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return _project(self.o_proj, out, lora, "o_proj")
 
     def _kernel_attention(
         self,
@@ -151,8 +162,8 @@ class DecoderLayer(nn.Module):
         c: ModelConfig,
         kernels: CpuKernels,
     ) -> torch.Tensor:
-        """The same attention through the CPU kernels: ``rotary`` holds the whole tables (the
-        kernel reads each token's row), the pool is read in place."""
+        """The same attention (before ``o_proj``) through the CPU kernels: ``rotary`` holds
+        the whole tables (the kernel reads each token's row), the pool is read in place."""
         q_norm = self.q_norm.weight if c.qk_norm else None
         k_norm = self.k_norm.weight if c.qk_norm else None
         q = kernels.rotary_write(
@@ -167,15 +178,22 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         if c.attn_output_gate:
             out = out * torch.sigmoid(_query_and_gate(qkv, c)[1].reshape(out.shape))
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return out
 
-    def mlp(self, x: torch.Tensor, c: ModelConfig, kernels: CpuKernels | None) -> torch.Tensor:
+    def mlp(
+        self,
+        x: torch.Tensor,
+        c: ModelConfig,
+        kernels: CpuKernels | None,
+        lora: LayerLora | None = None,
+    ) -> torch.Tensor:
         if self.sparse:
             return self.moe(x)  # type: ignore[no-any-return]
+        gate_up = _project(self.gate_up, x, lora, "gate_up")
         if kernels is not None and c.hidden_activation == "silu":
-            return self.down(kernels.silu_mul(self.gate_up(x)))  # type: ignore[no-any-return]
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(activation(gate, c.hidden_activation) * up)  # type: ignore[no-any-return]
+            return _project(self.down, kernels.silu_mul(gate_up), lora, "down")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _project(self.down, activation(gate, c.hidden_activation) * up, lora, "down")
 
 
 class Decoder(nn.Module):
@@ -252,9 +270,11 @@ class Decoder(nn.Module):
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         linear_step: LinearStep | None = None,
         linear_states: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        lora: StepLora | None = None,
     ) -> torch.Tensor:
         """Hidden states after the last layer (before the final norm), one row per token.
-        ``linear_step`` and ``linear_states``: for models with Gated DeltaNet layers."""
+        ``linear_step`` and ``linear_states``: for models with Gated DeltaNet layers;
+        ``lora``: the rows' LoRA adapters."""
         c, tp, kernels = self.config, self.tp, self.kernels
         if step.paged is None:
             kernels = None  # a step planned for the torch path (the GPU's) stays on it
@@ -288,6 +308,7 @@ class Decoder(nn.Module):
                     sliding,
                     c,
                     kernels,
+                    None if lora is None else LayerLora(lora, index),
                 )
             if tp is not None:  # each rank's o_proj gave a partial sum
                 x = tp.all_reduce(x)
@@ -296,7 +317,7 @@ class Decoder(nn.Module):
                 x, residual = norm.add(x, residual, layer.pre_mlp_norm)
             else:
                 x, residual = norm.add(x, residual, layer.post_attention_norm)
-            x = layer.mlp(x, c, kernels)
+            x = layer.mlp(x, c, kernels, None if lora is None else LayerLora(lora, index))
             if tp is not None:
                 x = tp.all_reduce(x)
             if c.sandwich_norms:

@@ -1,0 +1,214 @@
+"""LoRA adapters on the PyTorch runner (SPEC S11): greedy tokens equal transformers + PEFT on
+the same adapter (applied and merged); a request's tokens are the same alone and beside
+requests with other adapters or none; the prefix cache never hands one adapter's KV to
+another; adapters it cannot serve are refused with the reason, the runner unharmed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slotserve.bench.lora_adapters import peft_model, random_adapter
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.errors import InvalidRequestError
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.runner import TorchRunner
+from tests.prompts import PROMPTS
+from tests.runner.conftest import require_batch_invariance
+from tests.runner.engine_runs import generate, greedy
+
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two adapters: every projection at rank 8, and attention only at rank 4 with rsLoRA."""
+    root = tmp_path_factory.mktemp("lora")
+    return [
+        random_adapter(hf_checkpoint, root / "all", seed=1),
+        random_adapter(
+            hf_checkpoint,
+            root / "attention",
+            seed=2,
+            rank=4,
+            targets=("q_proj", "v_proj", "o_proj"),
+            use_rslora=True,
+        ),
+    ]
+
+
+def _runner(checkpoint: Path, adapters: list[Path], **options: object) -> TorchRunner:
+    modules = tuple((f"a{i}", str(path)) for i, path in enumerate(adapters))
+    return TorchRunner(
+        TorchLoadConfig(checkpoint, num_slots=6, max_seq_len=512, lora_modules=modules, **options)  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def fp32_lora_runner(hf_checkpoint: Path, adapters: list[Path]) -> Iterator[TorchRunner]:
+    runner = _runner(hf_checkpoint, adapters, dtype="float32")
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def lora_runner(hf_checkpoint: Path, adapters: list[Path]) -> Iterator[TorchRunner]:
+    runner = _runner(hf_checkpoint, adapters)  # bfloat16: the CPU kernels where they run
+    yield runner
+    runner.close()
+
+
+def _ids(runner: TorchRunner) -> list[int]:
+    return [adapter.adapter_id for adapter in runner.model_info.adapters]
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]
+            torch.tensor([prompt]),
+            max_new_tokens=TOKENS,
+            min_new_tokens=TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["peft", "merged"])
+@pytest.mark.parametrize("which", [0, 1], ids=["all-modules", "attention-rslora"])
+def test_greedy_tokens_equal_transformers_with_peft(
+    fp32_lora_runner: TorchRunner,
+    hf_checkpoint: Path,
+    adapters: list[Path],
+    which: int,
+    merged: bool,
+) -> None:
+    reference = peft_model(hf_checkpoint, adapters[which], merged=merged)
+    core = EngineCore(fp32_lora_runner, EngineConfig(num_slots=6))
+    prompts = [fp32_lora_runner.tokenizer.encode(p) for p in PROMPTS[:3]]
+    adapter = _ids(fp32_lora_runner)[which]
+    jobs = {f"p{i}": (p, greedy(TOKENS)) for i, p in enumerate(prompts)}
+    ours = generate(core, jobs, adapters=dict.fromkeys(jobs, adapter))
+    base = generate(core, jobs)
+    for i, prompt in enumerate(prompts):
+        assert ours[f"p{i}"] == _hf_greedy(reference, prompt), f"prompt {i}"
+    assert ours != base, "the adapter changed no token: the test would not see it missing"
+
+
+def test_tokens_alone_equal_tokens_beside_other_adapters(lora_runner: TorchRunner) -> None:
+    require_batch_invariance(lora_runner)
+    core = EngineCore(lora_runner, EngineConfig(num_slots=6, prefix_cache=False))
+    first, second = _ids(lora_runner)
+    prompts = [lora_runner.tokenizer.encode(p) for p in PROMPTS[:3]]
+    chosen = {"a": first, "b": second, "c": 0, "d": first, "e": second, "f": 0}
+    jobs = {rid: (prompts[i % 3], greedy(TOKENS)) for i, rid in enumerate(chosen)}
+    alone: dict[str, list[int]] = {}
+    for rid, job in jobs.items():
+        alone |= generate(core, {rid: job}, adapters=chosen)
+    together = generate(core, jobs, adapters=chosen)
+    assert together == alone
+    assert alone["a"] != alone["c"] != alone["b"], "adapters made no difference"
+
+
+def test_prefix_cache_never_crosses_adapters(lora_runner: TorchRunner) -> None:
+    core = EngineCore(lora_runner, EngineConfig(num_slots=6))
+    first, second = _ids(lora_runner)
+    prompt = lora_runner.tokenizer.encode(PROMPTS[4] * 3)
+    solo = {}
+    for name, adapter in (("base", 0), ("first", first), ("second", second)):
+        core.flush_prefix_cache()
+        solo[name] = generate(core, {name: (prompt, greedy(TOKENS))}, adapters={name: adapter})
+    core.flush_prefix_cache()
+    hits = []
+    for rid, adapter in (("1", first), ("2", 0), ("3", second), ("4", first)):
+        before = core.snapshot().prefix_cache.hit_tokens
+        tokens = generate(core, {rid: (prompt, greedy(TOKENS))}, adapters={rid: adapter})
+        hits.append(core.snapshot().prefix_cache.hit_tokens - before)
+        expected = {first: "first", 0: "base", second: "second"}[adapter]
+        assert tokens[rid] == solo[expected][expected], f"request {rid}"
+    assert hits[:3] == [0, 0, 0], "a prefix computed with one adapter served another"
+    assert hits[3] > 0, "the same adapter's prompt was not served from the cache"
+
+
+def test_an_unloaded_adapter_is_refused_and_its_requests_end(
+    lora_runner: TorchRunner, adapters: list[Path], tmp_path: Path
+) -> None:
+    core = EngineCore(lora_runner, EngineConfig(num_slots=6, prefix_cache=False))
+    prompt = lora_runner.tokenizer.encode(PROMPTS[0])
+    info = core.call_adapter("extra", str(adapters[0]))
+    assert info.adapter_id == _ids(lora_runner)[0]  # the same files: the same id
+    core.call_adapter("extra", None)  # a0 still holds the same adapter
+    assert info.adapter_id in {a.adapter_id for a in lora_runner.adapters}
+    solo_id = core.call_adapter(
+        "solo", str(_edited(adapters[1], tmp_path, lora_alpha=3))
+    ).adapter_id
+    assert solo_id not in _ids(lora_runner)
+    core.add_request(core.make_request("r", prompt, greedy(TOKENS), adapter=solo_id))
+    core.step()
+    core.call_adapter("solo", None)
+    (out,) = [o for o in core.step() if o.request_id == "r"]
+    assert out.finished and "unloaded" in (out.error or "")
+    with pytest.raises(InvalidRequestError, match="not loaded"):
+        core.add_request(core.make_request("s", prompt, greedy(TOKENS), adapter=solo_id))
+
+
+def _corrupt(folder: Path, tmp: Path) -> Path:
+    out = tmp / "corrupt"
+    out.mkdir()
+    (out / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    data = (folder / "adapter_model.safetensors").read_bytes()
+    (out / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    return out
+
+
+def _edited(folder: Path, tmp: Path, **changes: object) -> Path:
+    out = tmp / "edited"
+    out.mkdir()
+    settings = json.loads((folder / "adapter_config.json").read_text()) | changes
+    (out / "adapter_config.json").write_text(json.dumps(settings))
+    (out / "adapter_model.safetensors").write_bytes(
+        (folder / "adapter_model.safetensors").read_bytes()
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda folder, tmp: tmp / "missing", "not a folder"),
+        (_corrupt, "cannot be read"),
+        (lambda folder, tmp: _edited(folder, tmp, use_dora=True), "use_dora"),
+        (lambda folder, tmp: _edited(folder, tmp, peft_type="IA3"), "only LoRA"),
+    ],
+    ids=["missing", "truncated", "dora", "not-lora"],
+)
+def test_adapters_it_cannot_serve_are_refused_with_the_reason(
+    lora_runner: TorchRunner, adapters: list[Path], tmp_path: Path, make: object, message: str
+) -> None:
+    before = list(lora_runner.adapters)
+    folder = make(adapters[0], tmp_path)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        lora_runner.load_adapter("bad", folder)
+    assert list(lora_runner.adapters) == before
+
+
+def test_a_rank_over_the_limit_and_another_base_model_are_refused(
+    hf_checkpoint: Path, adapters: list[Path], tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="over --max-lora-rank 4"):
+        _runner(hf_checkpoint, adapters[:1], max_lora_rank=4, load_format="dummy")
+    other = tmp_path / "other-base"
+    other.mkdir()
+    settings = json.loads((hf_checkpoint / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(settings | {"intermediate_size": 512}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (hf_checkpoint / name).is_file():
+            (other / name).write_text((hf_checkpoint / name).read_text())
+    with pytest.raises(ValueError, match="trained for another base model"):
+        _runner(other, adapters[:1], load_format="dummy")
