@@ -47,9 +47,9 @@ class ServerConfig:
     )
     admin_api_key: str | None = option(
         None,
-        help="a key apart for the admin routes (reload, load and unload models, flush the "
-        "cache): required on them, where --api-key then no longer opens them; prefer the "
-        "SLOTSERVE_ADMIN_API_KEY environment variable",
+        help="a key apart for the admin routes (reload, load and unload models and LoRA "
+        "adapters, flush the cache): required on them, where --api-key then no longer opens "
+        "them; prefer the SLOTSERVE_ADMIN_API_KEY environment variable",
     )
     admin_routes: str = option(
         "auto",

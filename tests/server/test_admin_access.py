@@ -54,7 +54,13 @@ def test_the_rule_follows_the_keys_and_the_bind(
 
 def test_a_public_bind_without_a_key_refuses_admin_routes_and_serves_the_rest() -> None:
     http = _client("0.0.0.0", None, None, "auto")
-    for path, body in (UNLOAD, ("/models/load", {"model": "x", "path": "/x"})):
+    lora = {"lora_name": "x", "lora_path": "/x"}
+    for path, body in (
+        UNLOAD,
+        ("/models/load", {"model": "x", "path": "/x"}),
+        ("/v1/load_lora_adapter", lora),
+        ("/v1/unload_lora_adapter", {"lora_name": "x"}),
+    ):
         refused = http.post(path, json=body)
         assert refused.status_code == 403, path
         message = refused.json()["error"]["message"]

@@ -150,7 +150,10 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(keyed_server: ServerPr
     )
     log = keyed_server.log_path.read_text()
     assert "sk-test-secret-4242" not in log, "the key never reaches the log"
-    assert "admin routes (/admin/*, /models/load, /models/unload, /flush_cache): callers " in log
+    assert (
+        "admin routes (/admin/*, /models/load, /models/unload, /flush_cache, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter): callers " in log
+    )
 
 
 def test_every_log_line_of_a_request_names_it(keyed_server: ServerProcess) -> None:

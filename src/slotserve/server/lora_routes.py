@@ -17,8 +17,6 @@ from slotserve.hosting.host import ModelHost
 from slotserve.server.errors import ErrorResponse
 from slotserve.server.serving import ServingContext
 
-LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-
 
 class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")

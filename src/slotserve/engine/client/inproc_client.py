@@ -240,6 +240,9 @@ class InprocClient(ClientState):
                 settle(self.core.call_adapter(name, path))
             except (InvalidRequestError, AdapterNotFoundError) as exc:
                 settle(exc)
+            except Exception as exc:  # a failed load must not end the loop
+                logger.exception("the adapter call for %s failed", name)
+                settle(InvalidRequestError(f"{type(exc).__name__}: {exc}", param="lora_path"))
         if flushes:  # one flush answers every caller waiting for one
             freed = self.core.flush_prefix_cache()
             with self._lock:
