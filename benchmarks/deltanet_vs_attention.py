@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.ab import alternate
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ def main() -> None:
     for context in args.contexts:
         runs: dict[str, list[tuple[float, float]]] = {"hybrid": [], "attention": []}
         for round_ in range(args.rounds):
-            order = ["hybrid", "attention"] if round_ % 2 == 0 else ["attention", "hybrid"]
+            order = alternate(["hybrid", "attention"], round_)
             for name in order:
                 runs[name].append(
                     costs(folders[name], context, args.max_tokens, args.prefill_chunk, round_)

@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.ab import alternate
 from slotserve.bench.runner import random_completions_on
 from slotserve.bench.servers import slotserve_spec
 from slotserve.hosting.source import embedded_model_path
@@ -49,7 +50,7 @@ def main() -> None:
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):
         for concurrency in args.concurrency:
-            order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
+            order = alternate(list(MODES), round_index)
             for mode in order:
                 report = one_run(args, mode, concurrency, seed=round_index)
                 rows.setdefault((mode, concurrency), []).append(report)

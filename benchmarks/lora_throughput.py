@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from cpu_limits import cpu_identity
 
+from slotserve.bench.ab import alternate
 from slotserve.bench.hf_reference import convert_gguf_to_hf
 from slotserve.bench.lora_adapters import ALL_TARGETS, random_adapter
 from slotserve.engine.config import EngineConfig
@@ -77,7 +78,7 @@ def main() -> None:
         throughput(runner, prompts[:2], [], 4)  # warm-up
         rounds = []
         for index in range(args.rounds):
-            order = ("base", "lora") if index % 2 == 0 else ("lora", "base")
+            order = alternate(("base", "lora"), index)
             figures = {
                 name: throughput(runner, prompts, ids if name == "lora" else [], args.max_tokens)
                 for name in order

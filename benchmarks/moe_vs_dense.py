@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.ab import alternate
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
@@ -106,7 +107,7 @@ def main() -> None:
     for streams in args.streams:
         runs: dict[str, list[float]] = {"moe": [], "dense": []}
         for round_ in range(args.rounds):
-            order = ["moe", "dense"] if round_ % 2 == 0 else ["dense", "moe"]
+            order = alternate(["moe", "dense"], round_)
             for name in order:
                 runs[name].append(decode_tok_s(folders[name], streams, args.max_tokens, round_))
         ratios = [m / d for m, d in zip(runs["moe"], runs["dense"], strict=True)]

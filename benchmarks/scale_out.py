@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from slotserve.bench.ab import alternate
 from slotserve.bench.metrics import percentile
 from slotserve.bench.servers import ServerSpec, free_port, running
 from slotserve.hosting.source import resolve_model_path
@@ -200,7 +201,7 @@ def main() -> int:
     model = resolve_model_path(None)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
     for round_index in range(args.rounds):
-        order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+        order = alternate(SYSTEMS, round_index)
         for name in order:
             with system(name, model) as api_url:
                 result = asyncio.run(run_workload(api_url))

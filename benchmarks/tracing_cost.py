@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cpu_limits import cpu_identity
 
+from slotserve.bench.ab import alternate
 from slotserve.bench.datasets import random_dataset
 from slotserve.bench.loadgen import LoadConfig
 from slotserve.bench.runner import run_benchmark
@@ -68,7 +69,7 @@ def main() -> None:
     rounds = []
     with tempfile.TemporaryDirectory() as logs:
         for index in range(args.rounds):
-            order = ("traced", "untraced") if index % 2 == 0 else ("untraced", "traced")
+            order = alternate(("traced", "untraced"), index)
             figures = {
                 name: one_run(endpoint if name == "traced" else None, args, Path(logs), index)
                 for name in order

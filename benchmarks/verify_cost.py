@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.ab import alternate
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.source import embedded_model_path
@@ -68,7 +69,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         runner.execute([ScheduledChunk(0, prompt, 0, True)])
         rounds: list[dict[int, float]] = []
         for round_index in range(args.rounds):
-            order = args.drafts if round_index % 2 == 0 else list(reversed(args.drafts))
+            order = alternate(args.drafts, round_index)
             rounds.append({d: step_ms(runner, args.context, d, args.reps) for d in order})
         ms = {d: statistics.median(r[d] for r in rounds) for d in args.drafts}
     finally:

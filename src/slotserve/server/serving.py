@@ -78,15 +78,21 @@ class ServingContext:
         self.metrics.count_error(status, error_type, model_name or self.models.default_name or "")
 
 
+def _named_adapter(raw: Request) -> AdapterInfo | None:
+    """The LoRA adapter the request named as its model (``ServingContext.acquire`` notes it)."""
+    adapter: AdapterInfo | None = getattr(raw.state, "adapter", None)
+    return adapter
+
+
 def served_name(host: ModelHost, raw: Request) -> str:
     """The model a response names: the LoRA adapter the request named, else the model."""
-    adapter: AdapterInfo | None = getattr(raw.state, "adapter", None)
+    adapter = _named_adapter(raw)
     return host.name if adapter is None else adapter.name
 
 
 def request_adapter(raw: Request) -> int:
     """The id of the LoRA adapter the request named as its model (0: none)."""
-    adapter: AdapterInfo | None = getattr(raw.state, "adapter", None)
+    adapter = _named_adapter(raw)
     return 0 if adapter is None else adapter.adapter_id
 
 
