@@ -36,6 +36,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("api_key", ("--api-key",), "API_KEY", None),
     ("block_size", ("--block-size",), "BLOCK_SIZE", 16),
     ("chat_template", ("--chat-template",), "CHAT_TEMPLATE", None),
+    ("classifier_from_token", ("--classifier-from-token",), None, None),
     ("cpu_kernels", ("--cpu-kernels", "--no-cpu-kernels"), "CPU_KERNELS", True),
     ("ctx_size", ("--ctx-size",), "CTX_SIZE", 0),
     ("device", ("--device",), "DEVICE", "auto"),

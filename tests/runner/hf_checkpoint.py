@@ -32,10 +32,16 @@ QWEN3_5: dict[str, Any] = {
 
 
 def tiny_random_checkpoint(
-    family: str, tokenizer_dir: Path, out_dir: Path, **overrides: Any
+    family: str,
+    tokenizer_dir: Path,
+    out_dir: Path,
+    sequence_classifier: bool = False,
+    **overrides: Any,
 ) -> Path:
     """A small random model of ``family`` saved by transformers itself, with the SmolLM2
-    tokenizer (its vocabulary size): the reference implementation for parity tests."""
+    tokenizer (its vocabulary size): the reference implementation for parity tests.
+    ``sequence_classifier``: the family's ``ForSequenceClassification`` with one label (a
+    reranker), its score head wide enough that scores spread."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -97,6 +103,10 @@ def tiny_random_checkpoint(
     }
     config_name, model_name, family_settings = classes[family]
     config = getattr(transformers, config_name)(**{**common, **family_settings, **overrides})
+    if sequence_classifier:
+        model_name = model_name.replace("ForCausalLM", "ForSequenceClassification")
+        config.num_labels = 1
+        config.pad_token_id = AutoTokenizer.from_pretrained(str(tokenizer_dir)).pad_token_id
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():  # random norm weights too, so a misplaced norm shows
@@ -107,6 +117,8 @@ def tiny_random_checkpoint(
                 parameter.normal_(0.0 if plus_one else 1.0, 0.1)
             elif name.endswith(("A_log", "dt_bias")):
                 parameter.add_(torch.randn_like(parameter) * 0.3)
+            elif name == "score.weight":
+                parameter.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
     return out_dir

@@ -12,6 +12,7 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.protocol.score_pairs import pair_prompt
 from slotserve.runners.pytorch.encoder import EncoderRunner
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from tests.runner.cross_encoder_folder import write_cross_encoder
@@ -38,8 +39,8 @@ def scorer(folder: Path) -> Iterator[EncoderRunner]:
 
 
 def pair_ids(runner: EncoderRunner, query: str, document: str) -> list[int]:
-    """What the routes send: BERT's pair template (``server/scoring.py``)."""
-    return runner.tokenizer.encode(query) + runner.tokenizer.encode(document)[1:]
+    """What the routes send: the tokenizer's pair template, BERT's (``score_pairs.py``)."""
+    return pair_prompt(runner.tokenizer, None, query, document)
 
 
 def scores(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, float]:

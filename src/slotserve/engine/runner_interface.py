@@ -152,6 +152,13 @@ class ModelInfo:
         return self.pooling is not None
 
     @property
+    def routes_served(self) -> str:
+        """What a model that does not generate serves, for the errors refusing generation."""
+        if self.cross_encoder:
+            return "a cross-encoder: it serves /v1/rerank and /v1/score only"
+        return "an embedding model: it serves /v1/embeddings only"
+
+    @property
     def kv_capacity(self) -> int:
         return self.kv_capacity_tokens or self.num_slots * self.max_seq_len
 
@@ -173,6 +180,14 @@ class Tokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """A printable form of one token, used in logprobs (control tokens keep their markup)."""
         ...
+
+
+@runtime_checkable
+class PairTokenizer(Tokenizer, Protocol):
+    """A cross-encoder's tokenizer: a (query, document) pair in the model's own template
+    (BERT's ``[CLS] a [SEP] b [SEP]``; a decoder reranker's texts one after the other)."""
+
+    def encode_pair(self, first: str, second: str) -> list[int]: ...
 
 
 class RequestChecker(Protocol):

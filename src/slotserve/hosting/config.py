@@ -168,6 +168,16 @@ class TorchConfig(RunnerCommon):
     max_lora_rank: int = option(
         64, ge=1, help="torch: the largest LoRA rank an adapter may have (default 64)"
     )
+    classifier_from_token: tuple[str, ...] = option(
+        (),
+        env=None,
+        many=True,
+        metavar="TOKEN",
+        help="torch: serve a causal LM as a reranker (/v1/rerank, /v1/score), scored at the "
+        "prompt's last token by these vocabulary tokens (vLLM's classifier_from_token): two, "
+        "false then true, give sigmoid(logit true - logit false), as 'no yes' for "
+        "Qwen3-Reranker; one gives the sigmoid of its logit",
+    )
     tensor_parallel_size: int = option(
         1,
         short="-tp",

@@ -42,6 +42,7 @@ def runner_factory(
         for flag, value in (
             ("--tensor-parallel-size", runner.tensor_parallel_size != 1),
             ("--lora-modules", runner.lora_modules),
+            ("--classifier-from-token", runner.classifier_from_token),
         ):
             if value:
                 raise ValueError(f"{flag} is a PyTorch runner setting: add --runner torch")
@@ -97,6 +98,7 @@ def torch_spec(
         lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
+        classifier_from_token=tuple(config.classifier_from_token),
     )
     return TorchSpec(load)
 

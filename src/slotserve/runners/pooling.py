@@ -11,6 +11,7 @@ rule), so their first chunk starts at position 0, which starts the slot's pool a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,18 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
 
 
 class PromptPools:
-    def __init__(self, pooling: str) -> None:
+    """``finish`` makes a slot's result of its pooled state: a normalised vector by default, a
+    reranker's score (``score_head.py``)."""
+
+    def __init__(
+        self,
+        pooling: str,
+        finish: Callable[[np.ndarray[Any, Any]], list[float]] | None = None,
+    ) -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r} (known: {', '.join(POOLINGS)})")
         self.pooling = pooling
+        self._finish = finish or normalised
         self._kept: dict[int, tuple[np.ndarray[Any, Any], int]] = {}  # slot -> (sum, count)
         self._done: dict[int, list[float]] = {}
 
@@ -85,7 +94,7 @@ class PromptPools:
             self._kept[slot] = total + hidden.astype(np.float64).sum(axis=0), count + len(hidden)
         if chunk.embed_last:
             total, count = self._kept.pop(slot)
-            self._done[slot] = normalised(total / count)
+            self._done[slot] = self._finish(total / count)
 
     def take(self) -> dict[int, list[float]]:
         done, self._done = self._done, {}

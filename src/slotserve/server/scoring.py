@@ -18,7 +18,9 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.runner_interface import PairTokenizer
 from slotserve.hosting.served import LoadedModel
+from slotserve.protocol.score_pairs import carries_pair_roles, pair_prompt
 from slotserve.server.embeddings import MAX_INPUTS, pool_prompts
 from slotserve.server.prompt_bound import check_prompt_chars
 from slotserve.server.serving import ServingContext
@@ -58,19 +60,19 @@ _RERANK = _Route("rerank", ("query", "documents"))
 _SCORE = _Route("score", ("text_1", "text_2"))
 
 
-def _pair_ids(model: LoadedModel, first: str, second: str, params: tuple[str, str]) -> list[int]:
-    """BERT's pair template, ``[CLS] first [SEP] second [SEP]`` (what the HF tokenizer makes of
-    a text pair): the second text's own leading [CLS] dropped. Only BERT cross-encoders are
-    served, so this template is the one; the runner types the tokens after the first [SEP]."""
-    for text, param in zip((first, second), params, strict=True):
-        check_prompt_chars(model, text, param)
-    return model.tokenizer.encode(first) + model.tokenizer.encode(second)[1:]
-
-
 def _score_pairs(
     model: LoadedModel, pairs: list[tuple[str, str]], params: tuple[str, str]
 ) -> list[list[int]]:
-    return [_pair_ids(model, first, second, params) for first, second in pairs]
+    """Each pair as one prompt (``protocol/score_pairs.py``)."""
+    tokenizer = model.tokenizer
+    assert isinstance(tokenizer, PairTokenizer), "cross-encoders are served by HF tokenizers"
+    template = model.chat_template if carries_pair_roles(model.chat_template) else None
+    prompts = []
+    for first, second in pairs:
+        for text, param in zip((first, second), params, strict=True):
+            check_prompt_chars(model, text, param)
+        prompts.append(pair_prompt(tokenizer, template, first, second))
+    return prompts
 
 
 def _score_of(output: RequestOutput) -> float:
@@ -92,7 +94,8 @@ async def _scores(
         serves = " and ".join(kind for kind, served in kinds if served)
         raise InvalidRequestError(
             f"The model {host.name} is not a cross-encoder (it serves {serves}); rerank and "
-            "score need one (a BertForSequenceClassification folder with one label).",
+            "score need one (a sequence classifier with one label, or a causal LM served with "
+            "--classifier-from-token).",
             param="model",
         )
     if len(pairs) > MAX_INPUTS:

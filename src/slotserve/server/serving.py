@@ -123,7 +123,7 @@ def parse_keep_alive(value: float | str | None) -> float | None:
 def require_chat_template(model: LoadedModel) -> ChatTemplate:
     if not model.info.can_generate:
         raise InvalidRequestError(
-            f"The model {model.info.name} is an embedding model: it serves /v1/embeddings only.",
+            f"The model {model.info.name} is {model.info.routes_served}.",
             param="model",
         )
     if model.chat_template is None:

@@ -33,7 +33,7 @@ def check_request(
         return _check_embedding(info, config, num_prompt)
     if not info.can_generate:
         raise InvalidRequestError(
-            f"The model {info.name} is an embedding model: it serves /v1/embeddings only.",
+            f"The model {info.name} is {info.routes_served}.",
             param="model",
         )
     if num_prompt >= limit:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ARCHITECTURE = "BertForSequenceClassification"
+from slotserve.runners.pytorch.families.base import is_sequence_classifier
 
 # sentence-transformers stores a non-default activation as a dotted torch path in
 # ``config.json`` (``sentence_transformers.activation_fn``); these two are the ones it writes
@@ -32,9 +32,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def score_activation(
     raw: Mapping[str, Any], name: str
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The activation of a cross-encoder's logit; None for a folder that is not one. Raises
-    for a cross-encoder served nowhere here (several labels)."""
-    if ARCHITECTURE not in (raw.get("architectures") or []):
+    """The activation of a sequence classifier's logit (BERT's here, a decoder's in
+    ``score_head.py``); None for a folder that is not one. Raises for a classifier served
+    nowhere here (several labels)."""
+    if not is_sequence_classifier(raw):
         return None
     labels = int(raw.get("num_labels", len(raw.get("id2label") or {}) or 2))
     if labels != 1:

@@ -26,6 +26,7 @@ from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledC
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
+from slotserve.runners.pytorch import score_head
 from slotserve.runners.pytorch.adapters import AdapterSet
 from slotserve.runners.pytorch.load.checkpoint import (
     TorchLoadConfig,
@@ -83,6 +84,7 @@ class TorchRunner:
         self._tokenizer = (
             HfTokenizer.from_gguf(path) if path.is_file() else HfTokenizer.from_folder(path)
         )
+        head_rows = score_head.token_ids(self._tokenizer, load.classifier_from_token, path)
         self.device = rank_device(load.torch_device(), 0, ranks)
         self.ranks: TensorParallelRanks | None = None
         try:
@@ -92,7 +94,7 @@ class TorchRunner:
                 self.ranks = TensorParallelRanks(load, store.port)
                 tp = join_group(store, 0, ranks, self.device, config.vocab_size)
             self.shard = ModelShard(
-                load, config, reader, self.device, self.dtype, self.max_seq_len, tp
+                load, config, reader, self.device, self.dtype, self.max_seq_len, tp, head_rows
             )
         except BaseException:
             if self.ranks is not None:
@@ -116,9 +118,15 @@ class TorchRunner:
         self._planner = StepPlanner(self.pool, self.shard.linear_states)
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
         self._forward_seconds = 0.0
-        # A sentence-transformers folder names its pooling; else the last token's final state.
-        pooling = (sentence_transformers_pooling(path) if path.is_dir() else None) or "last"
-        self._pools = PromptPools(pooling)
+        # A reranker scores its last token; a sentence-transformers folder names its pooling;
+        # else the last token's final state.
+        self.score_head = score_head.choose(path, self.shard.classifier, self.shard.lm_head_rows)
+        named = sentence_transformers_pooling(path) if path.is_dir() else None
+        pooling = "last" if self.score_head is not None else named or "last"
+        self._pools = PromptPools(pooling, self.score_head)
+        rules = recurrent_state_rules(config, self.snapshot_capacity)
+        if self.score_head is not None:
+            rules["speculative_unsupported"] = "the model is a reranker: it does not generate"
         self._info = ModelInfo(
             name=load.model_name or config.name,
             vocab_size=config.vocab_size,
@@ -140,7 +148,9 @@ class TorchRunner:
                 "LoRA adapters are not served under tensor parallelism" if ranks > 1 else None
             ),
             adapters=tuple(self.lora.adapters),
-            **recurrent_state_rules(config, self.snapshot_capacity),
+            can_generate=self.score_head is None,
+            cross_encoder=self.score_head is not None,
+            **rules,
         )
         logger.info(
             "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "

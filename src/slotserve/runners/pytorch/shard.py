@@ -11,6 +11,7 @@ same code: there is a single path through the forward pass.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -36,6 +37,7 @@ from slotserve.runners.pytorch.model.tensor_parallel import (
     shard_config,
     tensor_slicer,
 )
+from slotserve.runners.pytorch.score_head import CLASSIFIER_WEIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +81,24 @@ class ModelShard:
         dtype: torch.dtype,
         max_seq_len: int,
         tp: TensorParallel | None,
+        lm_head_rows: Sequence[int] = (),
     ) -> None:
+        """``lm_head_rows``: vocabulary rows of the LM head kept aside in float32, as
+        ``lm_head_rows`` (a reranker's classifier tokens, ``score_head.py``), read before
+        the weights are packed for the kernels."""
         self.device = device
         local = shard_config(config, tp.size if tp is not None else 1)
         with torch.device(device):
             self.model = Decoder(local, dtype, max_seq_len, tp)
         self.model.eval()
         tensors = checkpoint_tensors(load, config, gguf_reader)
-        load_into(self.model, tensors, tensor_slicer(tp) if tp is not None else None)
+        self.classifier: torch.Tensor | None = None  # a sequence classifier's score head
+        load_into(
+            self.model, self._set_aside(tensors), tensor_slicer(tp) if tp is not None else None
+        )
+        self.lm_head_rows = (
+            self.model.lm_head.weight[list(lm_head_rows)].float().clone() if lm_head_rows else None
+        )
         if device.type == "cpu" and dtype == torch.bfloat16:
             # Batch invariance holds in bfloat16 on CPU only (attention.py).
             if load.cpu_kernels and local.head_dim % 16 == 0:
@@ -109,6 +121,15 @@ class ModelShard:
         if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
             num_blocks = tp.min_across_ranks(num_blocks)
         self.pool = KvPool(local, num_blocks, load.block_size, load.num_slots, dtype, device)
+
+    def _set_aside(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            if name == CLASSIFIER_WEIGHT:
+                self.classifier = tensor.float()
+            else:
+                yield name, tensor
 
     def forward(self, plan: StepPlan, lora: StepLora | None = None) -> torch.Tensor:
         """The step's final hidden states, one row per token of ``plan.tokens``; ``lora``:

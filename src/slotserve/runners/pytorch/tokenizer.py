@@ -96,6 +96,17 @@ class HfTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        return list(self._tok(first, second)["input_ids"])
+
+    def vocabulary_id(self, token: str) -> int | None:
+        """The id of one whole token of the vocabulary, spelled as the vocabulary spells it
+        (``convert_tokens_to_ids``); None when there is no such token."""
+        token_id = self._tok.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self._tok.unk_token_id:
+            return None
+        return int(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
 

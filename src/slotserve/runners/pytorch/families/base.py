@@ -23,6 +23,15 @@ from slotserve.runners.pytorch.model.config import (
     rope_scaling,
 )
 
+# The architecture suffix of a checkpoint with a classifier head (BERT's cross-encoders, a
+# decoder reranker) in place of an LM head.
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def is_sequence_classifier(raw: Mapping[str, Any]) -> bool:
+    return any(str(a).endswith(CLASSIFIER_SUFFIX) for a in raw.get("architectures") or [])
+
+
 # llama.cpp's name for the norm before the MLP, where most families have HF's
 # ``post_attention_layernorm``.
 LLAMA_CPP_FFN_NORM = {

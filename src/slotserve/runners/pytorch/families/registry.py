@@ -22,6 +22,7 @@ from slotserve.runners.pytorch.families.base import (
     GgufKeys,
     HfConfig,
     gguf_common_keys,
+    is_sequence_classifier,
 )
 from slotserve.runners.pytorch.model.config import ModelConfig, UnsupportedModelError
 
@@ -70,6 +71,10 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         raw = {**raw["text_config"], "model_type": model_type}
         if tied is not None:
             raw["tie_word_embeddings"] = tied
+    if is_sequence_classifier(raw):
+        # A sequence classifier has a score head instead of an LM head (``score_head.py``);
+        # the head tied to the embeddings costs nothing and is never read.
+        raw = {**raw, "tie_word_embeddings": True}
     return family.config(HfConfig(raw, name, str(model_type)))
 
 

@@ -52,6 +52,8 @@ class TorchLoadConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 8
     max_lora_rank: int = 64
+    # A causal LM served as a reranker, scored by these tokens' logits (``score_head.py``).
+    classifier_from_token: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -72,6 +74,8 @@ class TorchLoadConfig:
             raise ValueError(f"{len(self.lora_modules)} --lora-modules, over --max-loras")
         if self.lora_modules and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served under tensor parallelism")
+        if self.classifier_from_token and self.tensor_parallel_size > 1:
+            raise ValueError("--classifier-from-token is not served under tensor parallelism")
 
     @property
     def torch_dtype(self) -> torch.dtype:
