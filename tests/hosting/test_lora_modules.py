@@ -1,5 +1,5 @@
 """``--lora-modules`` as vLLM takes it: several at once or flag by flag, ``NAME=PATH`` or a JSON
-object; a PyTorch runner setting the llama.cpp runner refuses before any load."""
+object; both runners take them."""
 
 from __future__ import annotations
 
@@ -43,9 +43,12 @@ def test_a_malformed_module_names_the_flag(text: str) -> None:
         parse_lora_module(text)
 
 
-def test_the_llama_cpp_runner_refuses_adapters_before_loading(tmp_path: Path) -> None:
-    gguf = tmp_path / "model.gguf"  # never read: the refusal comes first
+def test_both_runners_take_the_adapters_and_their_limits(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"  # never read: the recipe is made without loading
     gguf.write_bytes(b"")
-    config = _serve_config("--lora-modules", "a=/x")
-    with pytest.raises(ValueError, match="--lora-modules is a PyTorch runner setting"):
-        runner_factory(config, EngineConfig(), gguf, "m")
+    config = _serve_config("--lora-modules", "a=/x.gguf", "--max-loras", "3")
+    spec = runner_factory(config, EngineConfig(), gguf, "m")
+    assert spec.lora_modules == (("a", "/x.gguf"),) and spec.max_loras == 3  # type: ignore[attr-defined]
+    config = _serve_config("--lora-modules", "a=/x", "--max-lora-rank", "16")
+    spec = runner_factory(config, EngineConfig(), tmp_path, "m")
+    assert spec.load.lora_modules == (("a", "/x"),) and spec.load.max_lora_rank == 16  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -40,6 +40,36 @@ def llama_runner(model_path: Path) -> Iterator[LlamaCppRunner]:
     )
     yield r
     r.close()
+
+
+def llama_cpp_reference(model_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> Any:
+    """llama-cpp-python's own ``Llama`` on the model, one sequence (``settings``: more of its
+    arguments, e.g. ``lora_path``): the reference for the llama.cpp runner's tokens."""
+    import llama_cpp
+
+    from slotserve.runners.llama_cpp.cpu import choose_weight_layout, extra_buffer_types
+
+    # The reference loads its weights in the layout ours chose (never ggml's crashing AMX
+    # buffer); llama_cpp.Llama takes no argument for it.
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+    layout = choose_weight_layout("auto", extra_buffer_types())
+
+    def params() -> object:
+        chosen = default_params()
+        chosen.use_extra_bufts = layout.use_extra_buffers
+        return chosen
+
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+    return llama_cpp.Llama(
+        model_path=str(model_path),
+        n_ctx=2048,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=2,
+        flash_attn=FLASH_ATTN,
+        verbose=False,
+        **settings,
+    )
 
 
 @pytest.fixture

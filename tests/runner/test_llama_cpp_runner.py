@@ -9,37 +9,16 @@ import pytest
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.runners.llama_cpp.cpu import choose_weight_layout, extra_buffer_types
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
-from tests.runner.conftest import FLASH_ATTN
+from tests.runner.conftest import llama_cpp_reference
 from tests.runner.engine_runs import NUM_TOKENS, generate, greedy
 
 
 def test_greedy_output_matches_llama_cpp_python_single_sequence(
     runner: LlamaCppRunner, model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    # The reference loads its weights in the layout ours chose (never ggml's crashing AMX
-    # buffer); llama_cpp.Llama takes no argument for it.
-    default_params = llama_cpp.llama_cpp.llama_model_default_params
-    layout = choose_weight_layout("auto", extra_buffer_types())
-
-    def params() -> object:
-        chosen = default_params()
-        chosen.use_extra_bufts = layout.use_extra_buffers
-        return chosen
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-    reference = llama_cpp.Llama(
-        model_path=str(model_path),
-        n_ctx=2048,
-        n_batch=512,
-        n_ubatch=512,
-        n_threads=2,
-        flash_attn=FLASH_ATTN,
-        verbose=False,
-    )
+    reference = llama_cpp_reference(model_path, monkeypatch)
     core = EngineCore(runner, EngineConfig(num_slots=8))
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
     ours = generate(core, {f"p{i}": (p, greedy()) for i, p in enumerate(prompts)})

@@ -1,7 +1,7 @@
 """LoRA adapters through the server (SPEC S11), with the real clients: an adapter given at
 start (``--lora-modules``) or loaded at run time is a model of its own in ``/v1/models`` and
 in every API; bad adapters are refused in the API's shape while the server keeps serving; an
-unloaded adapter is gone; the llama.cpp runner refuses adapters with the reason."""
+unloaded adapter is gone; the llama.cpp runner serves GGUF adapters."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from slotserve.bench.hf_reference import convert_gguf_to_hf
-from slotserve.bench.lora_adapters import random_adapter
+from slotserve.bench.lora_adapters import random_adapter, random_gguf_adapter
 from tests.conftest import ServerProcess, start_server, stop_server
 
 PROMPT = "The three primary colours are"
@@ -115,10 +115,25 @@ def test_a_bad_adapter_is_a_400_and_the_server_keeps_serving(
         _complete(client, "bad")
 
 
-def test_the_llama_cpp_runner_refuses_adapters_with_the_reason(
-    server: ServerProcess, folders: dict[str, Path]
+def test_the_llama_cpp_runner_serves_gguf_adapters(
+    server: ServerProcess, folders: dict[str, Path], model_path: Path, tmp_path: Path
 ) -> None:
-    body = {"lora_name": "first", "lora_path": str(folders["first"])}
-    answer = httpx.post(f"{server.api_url}/load_lora_adapter", json=body, timeout=60)
+    """On the shared llama.cpp server: a PEFT folder is refused naming what it takes, a GGUF
+    adapter serves, and is unloaded again so the other tests see the server as it was."""
+    client = openai.OpenAI(base_url=server.api_url, api_key="none")
+    (base,) = [m.id for m in client.models.list().data]
+    load = f"{server.api_url}/load_lora_adapter"
+    body = {"lora_name": "peft", "lora_path": str(folders["first"])}
+    answer = httpx.post(load, json=body, timeout=60)
     assert answer.status_code == 400
-    assert "serves no LoRA adapters" in answer.json()["error"]["message"]
+    assert "not a .gguf file" in answer.json()["error"]["message"]
+    adapter = random_gguf_adapter(model_path, tmp_path / "adapter.gguf", seed=7)
+    answer = httpx.post(load, json={"lora_name": "gguf", "lora_path": str(adapter)}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    try:
+        assert answer.json()["model"]["parent"] == base
+        assert _complete(client, "gguf") != _complete(client, base)
+        assert _complete(client, "gguf") == _complete(client, "gguf")
+    finally:
+        unload = {"lora_name": "gguf"}
+        assert httpx.post(f"{server.api_url}/unload_lora_adapter", json=unload).status_code == 200

@@ -97,6 +97,19 @@ class RunnerCommon:
         "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
         "load; default 4 per slot; 0: no prefix cache for such models)",
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        env=None,
+        many=True,
+        metavar="NAME=PATH",
+        help="LoRA adapters loaded with the model, each served as model NAME (vLLM's flag; a "
+        "JSON object with name and path works too): PEFT folders on torch, GGUF adapter files "
+        "on llama.cpp; more load at run time through POST /v1/load_lora_adapter",
+    )
+    max_loras: int = option(8, ge=1, help="LoRA adapters held at once (default 8)")
+    max_lora_rank: int = option(
+        64, ge=1, help="the largest LoRA rank an adapter may have (default 64)"
+    )
 
 
 @dataclass(frozen=True)
@@ -154,19 +167,6 @@ class TorchConfig(RunnerCommon):
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
         "(default on; compiled on first use; off: plain torch operators, the reference)",
-    )
-    lora_modules: tuple[str, ...] = option(
-        (),
-        env=None,
-        many=True,
-        metavar="NAME=PATH",
-        help="torch: LoRA adapters (PEFT folders) loaded with the model, each served as model "
-        "NAME (vLLM's flag; a JSON object with name and path works too); more load at run "
-        "time through POST /v1/load_lora_adapter",
-    )
-    max_loras: int = option(8, ge=1, help="torch: LoRA adapters held at once (default 8)")
-    max_lora_rank: int = option(
-        64, ge=1, help="torch: the largest LoRA rank an adapter may have (default 64)"
     )
     classifier_from_token: tuple[str, ...] = option(
         (),

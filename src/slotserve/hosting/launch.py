@@ -41,7 +41,6 @@ def runner_factory(
     if kind == "llama.cpp":
         for flag, value in (
             ("--tensor-parallel-size", runner.tensor_parallel_size != 1),
-            ("--lora-modules", runner.lora_modules),
             ("--classifier-from-token", runner.classifier_from_token),
         ):
             if value:
@@ -65,6 +64,9 @@ def llama_cpp_spec(
         model_name=model_name,
         state_snapshots=_state_snapshots(config, engine),
         repack=config.repack,
+        lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
     )
 
 

@@ -26,6 +26,9 @@ class LlamaCppSpec:
     model_name: str | None = None
     state_snapshots: int = 0
     repack: str = "auto"
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner

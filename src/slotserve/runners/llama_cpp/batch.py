@@ -13,7 +13,26 @@ import llama_cpp as llama
 import numpy as np
 
 from slotserve.engine.runner_interface import ScheduledChunk
-from slotserve.runners.llama_cpp.backend import SPLIT_KV_CONTEXT
+from slotserve.runners.llama_cpp.backend import FA_TILE_Q, SPLIT_KV_CONTEXT
+
+
+def decode_groups(chunks: Sequence[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    """The step's chunks in llama_decode calls: one call per LoRA adapter (llama.cpp applies
+    adapters to the whole context) and chunk length.
+
+    With per-sequence KV streams llama.cpp cuts a batch into sub-batches taking the same number
+    of tokens from each of a run of consecutive sequence ids, so chunks of different lengths in
+    one call would be cut into pieces sized by their neighbours, and attention rounds
+    differently in pieces shorter than 64 tokens: a token's result would depend on what ran
+    beside it. Grouped by length, every chunk runs whole or in pieces of 64 or more, in as
+    many weight passes as llama.cpp would have made anyway. Multiples of 64 may share a call:
+    llama.cpp's cuts then fall on multiples of 64."""
+    groups: dict[tuple[int, int], list[ScheduledChunk]] = {}
+    for chunk in sorted(chunks, key=lambda c: c.slot):
+        length = len(chunk.token_ids)
+        key = FA_TILE_Q if length % FA_TILE_Q == 0 else length
+        groups.setdefault((chunk.adapter, key), []).append(chunk)
+    return list(groups.values())
 
 
 @dataclass

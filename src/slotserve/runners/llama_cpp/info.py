@@ -11,6 +11,7 @@ import llama_cpp as llama
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.runner_interface import (
     RECURRENT_STATE_NO_ROLLBACK,
+    AdapterInfo,
     ComputePath,
     ModelInfo,
 )
@@ -32,9 +33,11 @@ def describe(
     pooling: str,
     buffers: list[str],
     layout: WeightLayout,
+    adapters: tuple[AdapterInfo, ...],
 ) -> ModelInfo:
     """The model's ``ModelInfo``; ``snapshots`` is how many recurrent-state snapshots the
-    runner keeps, ``buffers`` the weight buffer types llama.cpp reported while loading."""
+    runner keeps, ``buffers`` the weight buffer types llama.cpp reported while loading,
+    ``adapters`` the LoRA adapters loaded with it."""
     vocab = llama.llama_model_get_vocab(model)
     hybrid = bool(llama.llama_model_is_hybrid(model))
     template = llama.llama_model_chat_template(model, None)
@@ -71,10 +74,8 @@ def describe(
             f"(extra buffer types {'on' if layout.use_extra_buffers else 'off'}: "
             f"{layout.reason})",
         ),
-        lora_unsupported=(
-            "the llama.cpp runner serves no LoRA adapters: serve the model's HF folder "
-            "with --runner torch for them"
-        ),
+        lora_unsupported=None,
+        adapters=adapters,
     )
 
 

@@ -32,16 +32,17 @@ import numpy as np
 
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
+from slotserve.runners.llama_cpp.adapters import GgufAdapters
 from slotserve.runners.llama_cpp.backend import (
     FA_TILE_Q,
     context_params,
     default_ctx_size,
     init_llama_backend,
 )
-from slotserve.runners.llama_cpp.batch import DecodeBatch, ballast_for
+from slotserve.runners.llama_cpp.batch import DecodeBatch, ballast_for, decode_groups
 from slotserve.runners.llama_cpp.cpu import BUFFER_LOG, choose_weight_layout, extra_buffer_types
 from slotserve.runners.llama_cpp.info import describe
 from slotserve.runners.llama_cpp.metadata import pooling_of
@@ -67,6 +68,9 @@ class LlamaCppRunner:
         model_name: str | None = None,
         state_snapshots: int = 0,
         repack: str = "auto",
+        lora_modules: tuple[tuple[str, str], ...] = (),
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
     ) -> None:
         init_llama_backend()
         path = Path(model_path)
@@ -88,6 +92,9 @@ class LlamaCppRunner:
             llama.llama_model_free(self._model)
             raise RuntimeError(f"llama.cpp could not create a context of {ctx_size} tokens")
         self._memory = llama.llama_get_memory(self._ctx)
+        self.lora = GgufAdapters(self._model, max_loras, max_lora_rank)
+        for name, adapter_path in lora_modules:
+            self.lora.load(name, Path(adapter_path))
         self._vocab = llama.llama_model_get_vocab(self._model)
         self._tokenizer = LlamaCppTokenizer(self._vocab)
         self._n_vocab = self._tokenizer.vocab_size
@@ -115,6 +122,7 @@ class LlamaCppRunner:
             pooling=pooling,
             buffers=buffers,
             layout=layout,
+            adapters=tuple(self.lora.adapters),
         )
         self._snapshot_bytes = self._recurrent_state_bytes() if self._states.capacity else 0
         logger.info(
@@ -145,6 +153,18 @@ class LlamaCppRunner:
     @property
     def paged_kv(self) -> None:
         return None  # one KV stream per slot
+
+    # ---- AdapterRunner (GGUF LoRA) ------------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[AdapterInfo]:
+        return self.lora.adapters
+
+    def load_adapter(self, name: str, path: Path) -> AdapterInfo:
+        return self.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        return self.lora.unload(self._ctx, name)
 
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
@@ -197,22 +217,10 @@ class LlamaCppRunner:
         return sampled
 
     def _execute_round(self, chunks: Sequence[ScheduledChunk]) -> dict[int, list[SampledToken]]:
-        # One llama_decode per chunk length. With per-sequence KV streams llama.cpp cuts a
-        # batch into sub-batches taking the same number of tokens from each of a run of
-        # consecutive sequence ids, so chunks of different lengths in one call would be cut
-        # into pieces sized by their neighbours, and attention rounds differently in pieces
-        # shorter than 64 tokens: a token's result would depend on what ran beside it.
-        # Grouped by length, every chunk runs whole or in pieces of 64 or more, in as many
-        # weight passes as llama.cpp would have made anyway.
-        by_length: dict[int, list[ScheduledChunk]] = {}
-        for chunk in sorted(chunks, key=lambda c: c.slot):
-            length = len(chunk.token_ids)
-            # Multiples of 64 may share a call: llama.cpp's cuts then fall on multiples of 64.
-            key = FA_TILE_Q if length % FA_TILE_Q == 0 else length
-            by_length.setdefault(key, []).append(chunk)
         sampled: dict[int, list[SampledToken]] = {}
-        for length, group in by_length.items():
-            sampled.update(self._decode(group, self._ballast_for(group) if length == 1 else []))
+        for group in decode_groups(chunks):
+            decoding = len(group[0].token_ids) == 1
+            sampled.update(self._decode(group, self._ballast_for(group) if decoding else []))
         return sampled
 
     def _ballast_for(self, group: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -225,6 +233,7 @@ class LlamaCppRunner:
     def _decode(
         self, chunks: Sequence[ScheduledChunk], ballast: Sequence[ScheduledChunk] = ()
     ) -> dict[int, list[SampledToken]]:
+        self.lora.activate(self._ctx, chunks[0].adapter)  # one adapter a call (decode_groups)
         rows = self._batch.fill([*chunks, *ballast])
         pooled = [(chunk, self._pools.rows(chunk)) for chunk in chunks if chunk.embed]
         # Embeddings only for the calls whose rows are pooled: llama.cpp then outputs every
