@@ -97,6 +97,49 @@ def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path) -> None:
     runner.close()
 
 
+def test_lora_adapters_match_transformers_with_peft_on_the_gpu(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """Requests with an adapter and without one in the same steps, on the GPU's torch path
+    (``model/lora.py``): each one's greedy tokens are transformers + PEFT's."""
+    from transformers import AutoModelForCausalLM
+
+    from slotserve.bench.lora_adapters import peft_model, random_adapter
+
+    adapter = random_adapter(smollm2, tmp_path / "adapter", seed=1)
+    load = TorchLoadConfig(
+        smollm2,
+        num_slots=8,
+        dtype="float32",
+        device="cuda",
+        kv_memory_bytes=KV_MEMORY,
+        lora_modules=(("a", str(adapter)),),
+    )
+    runner = TorchRunner(load)
+    (info,) = runner.model_info.adapters
+    core = EngineCore(runner, EngineConfig(num_slots=8))
+    prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+    jobs = {f"{kind}{i}": (p, greedy(16)) for i, p in enumerate(prompts) for kind in "ab"}
+    chosen = {rid: info.adapter_id for rid in jobs if rid.startswith("a")}
+    ours = generate(core, jobs, adapters=chosen)
+    runner.close()
+    base: Any = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
+    for kind, model in (("a", peft_model(smollm2, adapter)), ("b", base)):
+        model.to("cuda")
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                out = model.generate(  # type: ignore[operator]
+                    torch.tensor([prompt], device="cuda"),
+                    max_new_tokens=16,
+                    min_new_tokens=16,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            assert ours[f"{kind}{i}"] == out[0, len(prompt) :].tolist(), f"{kind}{i}"
+    assert ours["a0"] != ours["b0"], "the adapter changed no token"
+
+
 def test_host_ram_and_disk_restore_what_a_hit_in_gpu_memory_reads(
     gpu_runner: TorchRunner, tmp_path: Path
 ) -> None:
