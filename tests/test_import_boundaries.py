@@ -43,12 +43,12 @@ FORBIDDEN_SLOTSERVE = {
     **{module: SERVER_APIS for module in PIPELINE},
 }
 # The PyTorch runner's layers, bottom up: the shared decoder and its layers (which call the CPU
-# kernels), the families that map checkpoints onto it, the readers that load those checkpoints;
-# the runner's top-level modules stand above all three.
+# and GPU kernels), the families that map checkpoints onto it, the readers that load those
+# checkpoints; the runner's top-level modules stand above all three.
 # package → what of ``slotserve.runners.pytorch`` it may import (its own modules included).
 TORCH = "slotserve.runners.pytorch"
 TORCH_LAYERS = {
-    f"{TORCH}.model": (f"{TORCH}.model", f"{TORCH}.cpu_kernels"),
+    f"{TORCH}.model": (f"{TORCH}.model", f"{TORCH}.cpu_kernels", f"{TORCH}.gpu_kernels"),
     f"{TORCH}.families": (f"{TORCH}.families", f"{TORCH}.model"),
     f"{TORCH}.load": (f"{TORCH}.load", f"{TORCH}.families", f"{TORCH}.model"),
 }

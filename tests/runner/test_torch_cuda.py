@@ -70,11 +70,17 @@ def gpu_runner(smollm2: Path) -> Iterator[TorchRunner]:
     runner.close()
 
 
-def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path) -> None:
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path, attention: str) -> None:
     from transformers import AutoModelForCausalLM
 
     load = TorchLoadConfig(
-        smollm2, num_slots=8, dtype="float32", device="cuda", kv_memory_bytes=KV_MEMORY
+        smollm2,
+        num_slots=8,
+        dtype="float32",
+        device="cuda",
+        kv_memory_bytes=KV_MEMORY,
+        attention_backend=attention,
     )
     runner = TorchRunner(load)
     model: Any = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)

@@ -20,6 +20,7 @@ from slotserve.options import option, options, parse_bytes
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
 from slotserve.runners.llama_cpp import REPACK_CHOICES
+from slotserve.runners.pytorch import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -167,6 +168,13 @@ class TorchConfig(RunnerCommon):
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
         "(default on; compiled on first use; off: plain torch operators, the reference)",
+    )
+    attention_backend: str = option(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        help="torch: attention where the CPU kernels do not serve: triton (kernels reading the "
+        "paged KV pool in place, batch-invariant; not yet measured on a GPU), torch (gathered, "
+        "then SDPA on GPUs); auto: torch",
     )
     classifier_from_token: tuple[str, ...] = option(
         (),

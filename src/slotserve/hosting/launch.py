@@ -101,6 +101,7 @@ def torch_spec(
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         classifier_from_token=tuple(config.classifier_from_token),
+        attention_backend=config.attention_backend,
     )
     return TorchSpec(load)
 

@@ -76,7 +76,8 @@ def row_tiles(token_seq: list[int], device: torch.device) -> RowTiles:
     return RowTiles(tensor(seq), tensor(first), tensor(rows))
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter, on the CPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -212,6 +213,6 @@ def paged_attention(
         q.stride(0), key_cache.stride(0), block_tables.stride(0), out.stride(0),
         block_size=block_size, groups=groups, group_pad=_next_power_of_two(groups),
         head_dim=head_dim, dim_pad=max(16, _next_power_of_two(head_dim)), kv_heads=kv_heads,
-        block_m=BLOCK_M, block_n=BLOCK_N, exact_dots=_interpreted(),
+        block_m=BLOCK_M, block_n=BLOCK_N, exact_dots=interpreted(),
     )  # fmt: skip
     return out

@@ -285,7 +285,9 @@ class TorchRunner:
                 f"load={self.load.load_format}",
                 str(self.dtype),
                 self.device.type,
-                "torch ops" if kernels is None else f"{kernels.isa},gemm={kernels.has_gemm}",
+                ("triton" if self.shard.triton else "torch ops")
+                if kernels is None
+                else f"{kernels.isa},gemm={kernels.has_gemm}",
                 f"layers={config.num_attention_layers}x{config.num_kv_heads}x{config.head_dim}",
             )
         )

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from slotserve.runners.pytorch import ATTENTION_BACKENDS, gpu_kernels
 from slotserve.runners.pytorch.cpu_kernels import compute_path, load_cpu_kernels
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
@@ -87,6 +88,7 @@ class ModelShard:
         ``lm_head_rows`` (a reranker's classifier tokens, ``score_head.py``), read before
         the weights are packed for the kernels."""
         self.device = device
+        self.triton = triton_attention(load.attention_backend, device)
         local = shard_config(config, tp.size if tp is not None else 1)
         with torch.device(device):
             self.model = Decoder(local, dtype, max_seq_len, tp)
@@ -139,6 +141,11 @@ class ModelShard:
         if self.model.kernels is not None:
             paged = paged_step(plan, pool.block_size)
             step = StepAttention(paged.cache_rows, [], paged)  # the kernels write K/V themselves
+        elif self.triton:
+            paged = paged_step(plan, pool.block_size)
+            tiles = gpu_kernels.row_tiles(paged.token_seq.tolist(), device)
+            paged = paged.to(device)
+            step = StepAttention(paged.cache_rows.long(), [], paged, tiles)
         else:
             write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
             step = StepAttention(write_rows, self._groups(plan))
@@ -185,6 +192,23 @@ class ModelShard:
         if self.linear_states is not None:
             self.linear_states.clear()
         self.model = None  # type: ignore[assignment]
+
+
+def triton_attention(backend: str, device: torch.device) -> bool:
+    """Whether attention runs as the Triton kernels where the CPU kernels do not
+    (``--attention-backend``). auto keeps torch's until the kernels have run and been measured
+    on a GPU (they are tested under Triton's interpreter)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend != "triton":
+        return False
+    runs = gpu_kernels.available() and (device.type == "cuda" or gpu_kernels.interpreted())
+    if not runs:
+        raise ValueError(
+            "--attention-backend triton needs Triton (pip install -e '.[gpu]') and a CUDA "
+            "device (or TRITON_INTERPRET=1, the interpreter the tests use)"
+        )
+    return True
 
 
 def paged_step(plan: StepPlan, block_size: int) -> PagedStep:

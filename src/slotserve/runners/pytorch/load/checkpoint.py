@@ -54,6 +54,7 @@ class TorchLoadConfig:
     max_lora_rank: int = 64
     # A causal LM served as a reranker, scored by these tokens' logits (``score_head.py``).
     classifier_from_token: tuple[str, ...] = ()
+    attention_backend: str = "auto"  # see ``shard.triton_attention``
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

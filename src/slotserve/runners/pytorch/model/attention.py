@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slotserve.runners.pytorch.gpu_kernels import RowTiles, paged_attention
 from slotserve.runners.pytorch.model.config import ModelConfig
 
 
@@ -59,12 +60,24 @@ class PagedStep:
     cache_rows: torch.Tensor  # [tokens]: where the token's K/V go
     block_size: int
 
+    def to(self, device: torch.device) -> PagedStep:
+        return PagedStep(
+            self.block_tables.to(device),
+            self.token_seq.to(device),
+            self.positions.to(device),
+            self.cache_rows.to(device),
+            self.block_size,
+        )
+
 
 @dataclass
 class StepAttention:
     write_rows: torch.Tensor  # [tokens]: the cache row each token's K/V goes to
     groups: list[AttentionGroup]
-    paged: PagedStep | None = None  # instead of the groups, on the CPU kernels' path
+    # Instead of the groups: the pool as the kernels read it in place, the CPU kernels' or,
+    # with its row tiles, the Triton kernel's (``gpu_kernels.py``).
+    paged: PagedStep | None = None
+    tiles: RowTiles | None = None
 
 
 def build_group(
@@ -122,6 +135,13 @@ def attend(
     new K/V into the caches, returns [tokens, heads * head_dim]."""
     key_cache.index_copy_(0, step.write_rows, k)
     value_cache.index_copy_(0, step.write_rows, v)
+    if step.paged is not None and step.tiles is not None:
+        paged = step.paged
+        window = (config.sliding_window or 0) if sliding else 0
+        return paged_attention(
+            q, key_cache, value_cache, paged.block_tables, step.tiles, paged.positions,
+            paged.block_size, window, config.attention_scale,
+        )  # fmt: skip
     kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim
     key_rows = key_cache.view(-1, dim)
     value_rows = value_cache.view(-1, dim)

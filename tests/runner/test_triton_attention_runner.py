@@ -1,0 +1,77 @@
+"""The PyTorch runner with its attention as the Triton kernels (``--attention-backend triton``),
+run by Triton's interpreter on the CPU: small random models
+give torch attention's greedy tokens, through chunked prefill, decode, a prefix-cache hit and
+sliding windows; the choice is refused where the kernels cannot run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.runners.pytorch import gpu_kernels
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.runner import TorchRunner
+from slotserve.runners.pytorch.shard import triton_attention
+from tests.prompts import PROMPTS
+from tests.runner.engine_runs import generate, greedy
+from tests.runner.hf_checkpoint import tiny_random_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not gpu_kernels.available() or not gpu_kernels.interpreted(),
+    reason="Triton is not installed, or this machine runs it on a GPU (test_torch_cuda.py)",
+)
+
+# Small enough for the interpreter: two or three layers, a few heads.
+SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"], ids=["llama", "gemma3-sliding"])
+def folder(
+    request: pytest.FixtureRequest, hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    family = request.param
+    layers = 3 if family == "gemma3_text" else 2
+    out = tmp_path_factory.mktemp(family)
+    yield tiny_random_checkpoint(
+        family, hf_checkpoint, out, num_hidden_layers=layers, head_dim=16, **SMALL
+    )
+
+
+def run(folder: Path, backend: str) -> dict[str, list[int]]:
+    """Greedy tokens of prompts in chunks of 16 tokens, then a prompt sharing the first's
+    cached prefix."""
+    runner = TorchRunner(
+        TorchLoadConfig(folder, num_slots=3, dtype="float32", attention_backend=backend)
+    )
+    assert runner.shard.triton == (backend == "triton")
+    core = EngineCore(runner, EngineConfig(num_slots=3, prefill_chunk=16))
+    prompts = [runner.tokenizer.encode(p * 3) for p in PROMPTS[:3]]
+    tokens = generate(core, {f"p{i}": (p, greedy(8)) for i, p in enumerate(prompts)})
+    tokens |= generate(core, {"again": (prompts[0] + prompts[1], greedy(8))})
+    assert core.snapshot().prefix_cache.hit_tokens > 0
+    runner.close()
+    return tokens
+
+
+def test_triton_attention_gives_torch_attentions_tokens(folder: Path) -> None:
+    assert run(folder, "triton") == run(folder, "torch")
+
+
+def test_the_backend_is_refused_where_its_kernels_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = torch.device("cpu")
+    assert not triton_attention("auto", cpu)
+    assert triton_attention("triton", cpu)  # the interpreter runs it here
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs Triton"):
+        triton_attention("triton", cpu)
+    with pytest.raises(ValueError, match="--attention-backend must be one of"):
+        triton_attention("flash", cpu)
