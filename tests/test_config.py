@@ -65,6 +65,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("models_autoload", ("--models-autoload", "--no-models-autoload"), "MODELS_AUTOLOAD", True),
     ("models_dir", ("--models-dir",), "MODELS_DIR", None),
     ("models_max", ("--models-max",), "MODELS_MAX", 4),
+    ("n_gpu_layers", ("--n-gpu-layers", "-ngl"), "N_GPU_LAYERS", 0),
     ("port", ("--port",), "PORT", 8000),
     ("prefill_chunk", ("--prefill-chunk",), "PREFILL_CHUNK", 512),
     ("prefix_cache", ("--prefix-cache", "--no-prefix-cache"), "PREFIX_CACHE", True),

@@ -1,5 +1,5 @@
 """``--lora-modules`` as vLLM takes it: several at once or flag by flag, ``NAME=PATH`` or a JSON
-object; both runners take them."""
+object; both runners take them. And llama.cpp's GPU offload, refused by a CPU-only build."""
 
 from __future__ import annotations
 
@@ -52,3 +52,29 @@ def test_both_runners_take_the_adapters_and_their_limits(tmp_path: Path) -> None
     config = _serve_config("--lora-modules", "a=/x", "--max-lora-rank", "16")
     spec = runner_factory(config, EngineConfig(), tmp_path, "m")
     assert spec.load.lora_modules == (("a", "/x"),) and spec.load.max_lora_rank == 16  # type: ignore[attr-defined]
+
+
+def test_gpu_offload_on_a_cpu_only_llama_cpp_build_is_refused_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama-cpp-python build offloads to a GPU")
+    gguf = tmp_path / "model.gguf"  # never read: the refusal comes first
+    gguf.write_bytes(b"")
+    for flag in ("--n-gpu-layers", "-ngl"):
+        config = _serve_config(flag, "99")
+        with pytest.raises(ValueError, match="CMAKE_ARGS"):
+            runner_factory(config, EngineConfig(), gguf, "m")
+
+
+@pytest.mark.parametrize(("layers", "share"), [(0, 0.0), (15, 0.5), (99, 1.0), (-1, 1.0)])
+def test_offloaded_layers_take_their_share_of_the_estimate(
+    model_path: Path, layers: int, share: float
+) -> None:
+    from slotserve.runners.llama_cpp.frontend import estimate_memory
+
+    need = estimate_memory(model_path, 4, 4096, 512, n_gpu_layers=layers)
+    assert need.device_share == share  # SmolLM2-135M: 30 layers
+    assert need.host_bytes + need.device_bytes == need.total_bytes

@@ -47,8 +47,8 @@ def test_models_dir_names_models_as_llama_servers_router_does(tmp_path: Path) ->
     assert scan_models_dir(tmp_path / "missing") == {}
 
 
-def fake_launch(name: str, gib: float = 1.0) -> ModelLaunch:
-    need = MemoryNeed(int(gib * GIB), 0, 0, 0)
+def fake_launch(name: str, gib: float = 1.0, device_share: float = 0.0) -> ModelLaunch:
+    need = MemoryNeed(int(gib * GIB), 0, 0, 0, device_share)
     return ModelLaunch(
         name, lambda: FakeRunner(num_slots=1), EngineConfig(num_slots=1), memory=need
     )
@@ -57,9 +57,10 @@ def fake_launch(name: str, gib: float = 1.0) -> ModelLaunch:
 def registry(tmp_path: Path, **options: Any) -> ModelRegistry:
     """Every file in ``tmp_path`` is a model of the dir; ``options`` set the registry's own."""
     sizes: dict[str, float] = options.pop("sizes", {})
+    shares: dict[str, float] = options.pop("device_shares", {})
 
     def make(name: str, path: Path, load_options: Mapping[str, Any]) -> ModelLaunch:
-        return fake_launch(name, sizes.get(name, 1.0))
+        return fake_launch(name, sizes.get(name, 1.0), shares.get(name, 0.0))
 
     memory = options.pop("memory", MemoryReading(64 * GIB, 64 * GIB))
     return ModelRegistry(make, models_dir=tmp_path, read_memory=lambda: memory, **options)
@@ -84,6 +85,28 @@ def test_the_preflight_refuses_what_does_not_fit_before_loading(tmp_path: Path) 
             await models.load("huge", options={})
         assert refused.value.status == 400 and "7.90 GiB" in str(refused.value)
         assert "huge" not in models.hosts
+        await models.stop()
+
+    asyncio.run(main())
+
+
+def test_offloaded_layers_count_against_the_gpu_not_the_ram(tmp_path: Path) -> None:
+    """llama.cpp's --n-gpu-layers: the offloaded share of a model is not RAM's to hold (this
+    machine has no GPU, so only the RAM side is checked)."""
+    need = MemoryNeed(8 * GIB, 0, 0, 0, device_share=0.75)
+    assert (need.device_bytes, need.host_bytes) == (6 * GIB, 2 * GIB)
+    assert "6.00 GiB of it on the GPU" in need.describe()
+
+    async def main() -> None:
+        models = registry(
+            models_dir(tmp_path, "offloaded", "on-cpu"),
+            sizes={"offloaded": 7.9, "on-cpu": 7.9},
+            device_shares={"offloaded": 0.75},
+            memory=MemoryReading(available_bytes=6 * GIB, total_bytes=6 * GIB),
+        )
+        await models.load("offloaded")
+        with pytest.raises(ModelLoadError):
+            await models.load("on-cpu", options={})
         await models.stop()
 
     asyncio.run(main())

@@ -126,6 +126,14 @@ class LlamaCppConfig(RunnerCommon):
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
     )
+    n_gpu_layers: int = option(
+        0,
+        short="-ngl",
+        ge=-1,
+        help="llama.cpp: layers to offload to the GPU (llama-server's flag; -1: all), with "
+        "llama-cpp-python built for one (CMAKE_ARGS=-DGGML_CUDA=on); a CPU-only build refuses "
+        "it (default 0)",
+    )
     repack: str = option(
         "auto",
         choices=REPACK_CHOICES,

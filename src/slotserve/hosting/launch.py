@@ -64,6 +64,7 @@ def llama_cpp_spec(
         model_name=model_name,
         state_snapshots=_state_snapshots(config, engine),
         repack=config.repack,
+        n_gpu_layers=config.n_gpu_layers,
         lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,

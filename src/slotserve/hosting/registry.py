@@ -266,21 +266,18 @@ class ModelRegistry:
         need = launch.memory
         if need is None:
             return
-        if need.gpu:
+        if need.device_bytes:
             free = free_gpu_bytes()
-            if free is not None and need.total_bytes > free:
+            if free is not None and need.device_bytes > free:
                 raise ModelLoadError(400, _too_big(launch.name, need, free))
+        if not need.host_bytes:
             return
         reading = self.read_memory()
         # Weights are memory-mapped: the kernel counts their pages as reclaimable cache, so
         # what the loaded models were estimated to take is subtracted from the total as well.
-        held = sum(
-            h.launch.memory.total_bytes
-            for h in self.hosts.values()
-            if h.launch.memory is not None and not h.launch.memory.gpu
-        )
+        held = sum(h.launch.memory.host_bytes for h in self.hosts.values() if h.launch.memory)
         free = min(reading.available_bytes, reading.total_bytes - held)
-        if need.total_bytes + PREFLIGHT_HEADROOM_BYTES > free:
+        if need.host_bytes + PREFLIGHT_HEADROOM_BYTES > free:
             raise ModelLoadError(400, _too_big(launch.name, need, free))
 
     async def _make_room(self, name: str) -> None:

@@ -29,6 +29,13 @@ class LlamaCppSpec:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 8
     max_lora_rank: int = 64
+    n_gpu_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_gpu_layers:  # refused before any process starts, on a CPU-only build
+            from slotserve.runners.llama_cpp.backend import check_gpu_offload
+
+            check_gpu_offload(self.n_gpu_layers)
 
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner
@@ -44,7 +51,7 @@ class LlamaCppSpec:
         from slotserve.runners.llama_cpp.frontend import estimate_memory
 
         return estimate_memory(
-            self.model_path, self.num_slots, self.ctx_size, self.max_batch_tokens
+            self.model_path, self.num_slots, self.ctx_size, self.max_batch_tokens, self.n_gpu_layers
         )
 
 

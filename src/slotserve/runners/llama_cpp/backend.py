@@ -72,3 +72,13 @@ def _silence_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             "llama.cpp: %s",
             message,
         )
+
+
+def check_gpu_offload(n_gpu_layers: int) -> None:
+    """Raises ``ValueError`` for layers to offload where this llama-cpp-python build cannot."""
+    if n_gpu_layers and not llama.llama_supports_gpu_offload():
+        raise ValueError(
+            "--n-gpu-layers needs llama-cpp-python built with a GPU backend, and this build "
+            'is CPU-only: reinstall it with CMAKE_ARGS="-DGGML_CUDA=on" pip install '
+            "--force-reinstall --no-cache-dir llama-cpp-python (docs/runners.md)"
+        )

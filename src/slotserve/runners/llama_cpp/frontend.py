@@ -40,10 +40,11 @@ COMPUTE_BUFFER_BYTES = 128 * 2**20
 
 
 def estimate_memory(
-    model_path: Path, num_slots: int, ctx_size: int, max_batch_tokens: int
+    model_path: Path, num_slots: int, ctx_size: int, max_batch_tokens: int, n_gpu_layers: int = 0
 ) -> MemoryNeed:
     """Weights (the file, memory-mapped), the KV cache of every slot's context and the
-    compute buffers, from the GGUF's metadata (a ``vocab_only`` load: no weight is read)."""
+    compute buffers, from the GGUF's metadata (a ``vocab_only`` load: no weight is read);
+    offloaded layers (``n_gpu_layers``, -1: all) hold their share of both on the GPU."""
     init_llama_backend()
     params = llama.llama_model_default_params()
     params.vocab_only = True
@@ -59,9 +60,12 @@ def estimate_memory(
     finally:
         llama.llama_model_free(model)
     tokens = ctx_size if ctx_size > 0 else default_ctx_size(num_slots, shape.n_ctx_train)
+    layers = max(shape.n_layer, 1)
+    offloaded = layers if n_gpu_layers < 0 else min(n_gpu_layers, layers)
     return MemoryNeed(
         weights_bytes=model_path.stat().st_size,
         kv_bytes=shape.bytes_per_token * tokens,
         kv_tokens=tokens,
         overhead_bytes=COMPUTE_BUFFER_BYTES + max_batch_tokens * n_vocab * 4,
+        device_share=offloaded / layers,
     )

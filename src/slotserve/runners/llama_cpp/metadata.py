@@ -24,10 +24,11 @@ def metadata(model: Any, key: str) -> str | None:
 
 @dataclass(frozen=True)
 class KvShape:
-    """Bytes of K and V one token takes over all layers, and the trained context."""
+    """Bytes of K and V one token takes over all layers, the trained context, the layers."""
 
     bytes_per_token: int
     n_ctx_train: int
+    n_layer: int
 
 
 def kv_shape(model: Any) -> KvShape:
@@ -48,7 +49,7 @@ def kv_shape(model: Any) -> KvShape:
     key_length = number("attention.key_length") or (number("embedding_length") or 0) // n_head
     value_length = number("attention.value_length") or key_length
     per_token = n_layer * n_head_kv * (key_length + value_length) * KV_BYTES_PER_VALUE
-    return KvShape(per_token, number("context_length") or 4096)
+    return KvShape(per_token, number("context_length") or 4096, n_layer)
 
 
 def sampling_defaults(model: Any) -> SamplingDefaults:

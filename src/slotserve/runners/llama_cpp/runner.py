@@ -7,12 +7,11 @@ sequence id. Each step fills one ``llama_batch`` with every scheduled chunk and 
 KV layout: ``kv_unified = false`` gives each sequence its own KV stream of
 ``ctx_size / num_slots`` cells. With a unified cache a neighbour's long prefill chunk
 interleaves its cells with ours and changes the attention's rounding, which breaks batch
-invariance; separate streams keep every sequence's attention the same alone or
-batched. The price: one sequence can use at most ``ctx_size / num_slots`` tokens, and sharing
-a prefix between slots copies KV between streams instead of sharing cells
-(docs/design/batch-invariance.md):
-``llama_memory_seq_cp`` between streams copies the whole stream buffer (a few ms), then
-``llama_memory_seq_rm`` trims the copy to the shared prefix.
+invariance; separate streams keep every sequence's attention the same alone or batched.
+The price: one sequence can use at most ``ctx_size / num_slots`` tokens, and sharing a prefix
+between slots copies KV between streams instead of sharing cells
+(docs/design/batch-invariance.md): ``llama_memory_seq_cp`` between streams copies the whole
+stream buffer (a few ms), then ``llama_memory_seq_rm`` trims the copy to the shared prefix.
 
 Hybrid models keep their recurrent state beside that KV: ``states.py``.
 """
@@ -38,6 +37,7 @@ from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.llama_cpp.adapters import GgufAdapters
 from slotserve.runners.llama_cpp.backend import (
     FA_TILE_Q,
+    check_gpu_offload,
     context_params,
     default_ctx_size,
     init_llama_backend,
@@ -71,12 +71,14 @@ class LlamaCppRunner:
         lora_modules: tuple[tuple[str, str], ...] = (),
         max_loras: int = 8,
         max_lora_rank: int = 64,
+        n_gpu_layers: int = 0,
     ) -> None:
         init_llama_backend()
+        check_gpu_offload(n_gpu_layers)
         path = Path(model_path)
         layout = choose_weight_layout(repack, extra_buffer_types())
         model_params = llama.llama_model_default_params()
-        model_params.n_gpu_layers = 0
+        model_params.n_gpu_layers = n_gpu_layers
         model_params.use_extra_bufts = layout.use_extra_buffers
         with BUFFER_LOG.recording() as buffers:
             self._model = llama.llama_model_load_from_file(str(path).encode(), model_params)

@@ -266,4 +266,4 @@ def estimate_encoder_memory(load: TorchLoadConfig) -> MemoryNeed:
                 count += math.prod(handle.get_slice(name).get_shape())
     dtype_bytes = 4 if load.dtype == "auto" else DTYPES[load.dtype].itemsize
     on_gpu = load.torch_device().type == "cuda"
-    return MemoryNeed(count * dtype_bytes, 0, 0, 64 * 2**20, gpu=on_gpu)
+    return MemoryNeed(count * dtype_bytes, 0, 0, 64 * 2**20, device_share=float(on_gpu))

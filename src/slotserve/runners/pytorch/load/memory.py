@@ -85,4 +85,4 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
     # DeltaNet states: the slots' and the prefix cache's snapshots.
     buffers += (load.num_slots + load.state_snapshots) * config.linear_state_bytes(dtype_bytes)
-    return MemoryNeed(weights, kv, kv // per_token, buffers, gpu=on_gpu)
+    return MemoryNeed(weights, kv, kv // per_token, buffers, device_share=float(on_gpu))
