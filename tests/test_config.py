@@ -35,6 +35,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("admin_routes", ("--admin-routes",), "ADMIN_ROUTES", "auto"),
     ("api_key", ("--api-key",), "API_KEY", None),
     ("attention_backend", ("--attention-backend",), "ATTENTION_BACKEND", "auto"),
+    ("batch_invariant", ("--batch-invariant", "--no-batch-invariant"), "BATCH_INVARIANT", False),
     ("block_size", ("--block-size",), "BLOCK_SIZE", 16),
     ("chat_template", ("--chat-template",), "CHAT_TEMPLATE", None),
     ("classifier_from_token", ("--classifier-from-token",), None, None),

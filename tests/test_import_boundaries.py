@@ -48,7 +48,12 @@ FORBIDDEN_SLOTSERVE = {
 # package → what of ``slotserve.runners.pytorch`` it may import (its own modules included).
 TORCH = "slotserve.runners.pytorch"
 TORCH_LAYERS = {
-    f"{TORCH}.model": (f"{TORCH}.model", f"{TORCH}.cpu_kernels", f"{TORCH}.gpu_kernels"),
+    f"{TORCH}.model": (
+        f"{TORCH}.model",
+        f"{TORCH}.cpu_kernels",
+        f"{TORCH}.gpu_kernels",
+        f"{TORCH}.gpu_matmul",
+    ),
     f"{TORCH}.families": (f"{TORCH}.families", f"{TORCH}.model"),
     f"{TORCH}.load": (f"{TORCH}.load", f"{TORCH}.families", f"{TORCH}.model"),
 }

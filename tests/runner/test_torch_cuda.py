@@ -146,6 +146,28 @@ def test_lora_adapters_match_transformers_with_peft_on_the_gpu(
     assert ours["a0"] != ours["b0"], "the adapter changed no token"
 
 
+def test_batch_invariant_tokens_are_the_same_alone_and_batched_on_the_gpu(
+    smollm2: Path,
+) -> None:
+    """``--batch-invariant`` in bfloat16: Triton attention and matmuls, each sequence alone and
+    then sixteen at once with staggered starts give the same tokens."""
+    load = TorchLoadConfig(
+        smollm2, num_slots=16, device="cuda", kv_memory_bytes=KV_MEMORY, batch_invariant=True
+    )
+    runner = TorchRunner(load)
+    assert runner.model_info.compute.batch_invariant
+    core = EngineCore(runner, EngineConfig(num_slots=16, prefix_cache=False))
+    prompts = [runner.tokenizer.encode(p) for p in PROMPTS * 2]
+    jobs = {f"p{i}": (p, greedy(24)) for i, p in enumerate(prompts)}
+    alone: dict[str, list[int]] = {}
+    for rid, job in jobs.items():
+        alone |= generate(core, {rid: job})
+    staggered = {f"p{i}": ("p0", i) for i in range(1, len(prompts))}
+    together = generate(core, jobs, start_after=staggered)
+    runner.close()
+    assert together == alone
+
+
 def test_host_ram_and_disk_restore_what_a_hit_in_gpu_memory_reads(
     gpu_runner: TorchRunner, tmp_path: Path
 ) -> None:

@@ -1,7 +1,8 @@
 """The PyTorch runner with its attention as the Triton kernels (``--attention-backend triton``),
-run by Triton's interpreter on the CPU: small random models
-give torch attention's greedy tokens, through chunked prefill, decode, a prefix-cache hit and
-sliding windows; the choice is refused where the kernels cannot run."""
+and with ``--batch-invariant`` (Triton matmuls too), run by Triton's interpreter on the CPU:
+small random models give torch attention's greedy tokens through chunked prefill, decode, a
+prefix-cache hit and sliding windows, and the same tokens alone and batched; the choices are
+refused where the kernels cannot run or do not cover a layer."""
 
 from __future__ import annotations
 
@@ -62,6 +63,39 @@ def run(folder: Path, backend: str) -> dict[str, list[int]]:
 
 def test_triton_attention_gives_torch_attentions_tokens(folder: Path) -> None:
     assert run(folder, "triton") == run(folder, "torch")
+
+
+def test_batch_invariant_tokens_are_the_same_alone_and_batched(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    """``--batch-invariant`` (bfloat16, Triton attention and matmuls): each sequence alone,
+    then all of them batched with staggered starts, give the same bits. One small model: the
+    interpreter runs the head's matmul over the whole vocabulary."""
+    folder = tiny_random_checkpoint(
+        "llama", hf_checkpoint, tmp_path, num_hidden_layers=2, head_dim=16, **SMALL
+    )
+    runner = TorchRunner(TorchLoadConfig(folder, num_slots=3, batch_invariant=True))
+    compute = runner.model_info.compute
+    assert compute.batch_invariant and "invariant Triton matmuls" in compute.kernels
+    core = EngineCore(runner, EngineConfig(num_slots=3, prefill_chunk=16, prefix_cache=False))
+    prompts = [runner.tokenizer.encode(p * 2) for p in PROMPTS[3:6]]
+    jobs = {f"p{i}": (p, greedy(4)) for i, p in enumerate(prompts)}
+    alone: dict[str, list[int]] = {}
+    for rid, job in jobs.items():
+        alone |= generate(core, {rid: job})
+    together = generate(core, jobs, start_after={"p1": ("p0", 2), "p2": ("p0", 3)})
+    runner.close()
+    assert together == alone
+
+
+def test_batch_invariance_refuses_the_layers_it_does_not_cover(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    moe = tiny_random_checkpoint(
+        "qwen3_moe", hf_checkpoint, tmp_path, num_hidden_layers=2, head_dim=16, **SMALL
+    )
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        TorchRunner(TorchLoadConfig(moe, num_slots=1, batch_invariant=True))
 
 
 def test_the_backend_is_refused_where_its_kernels_cannot_run(

@@ -184,6 +184,12 @@ class TorchConfig(RunnerCommon):
         "paged KV pool in place, batch-invariant; not yet measured on a GPU), torch (gathered, "
         "then SDPA on GPUs); auto: torch",
     )
+    batch_invariant: bool = option(
+        False,
+        help="torch on GPUs: every sequence's tokens independent of its batch (vLLM's "
+        "VLLM_BATCH_INVARIANT): Triton attention and matmuls whose sums keep one order; dense "
+        "models (the CPU path is batch-invariant already)",
+    )
     classifier_from_token: tuple[str, ...] = option(
         (),
         env=None,

@@ -103,6 +103,7 @@ def torch_spec(
         max_lora_rank=config.max_lora_rank,
         classifier_from_token=tuple(config.classifier_from_token),
         attention_backend=config.attention_backend,
+        batch_invariant=config.batch_invariant,
     )
     return TorchSpec(load)
 

@@ -11,6 +11,7 @@ import torch
 
 from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.load.peft_adapter import read_adapter
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.lora import LoraAdapter, LowRank, StepLora, step_lora
@@ -25,12 +26,13 @@ class AdapterSet:
         dtype: torch.dtype,
         device: torch.device,
         kernels: CpuKernels | None,
-        max_loras: int,
-        max_rank: int,
+        load: TorchLoadConfig,
     ) -> None:
+        """``kernels``: the CPU kernels' GEMM where it serves the projections."""
         self.config, self.dtype, self.device = config, dtype, device
         self.kernels = kernels
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank = load.max_loras, load.max_lora_rank
+        self.invariant = load.batch_invariant
         self._by_id: dict[int, LoraAdapter] = {}
         self._by_name: dict[str, AdapterInfo] = {}
 
@@ -62,7 +64,7 @@ class AdapterSet:
         return adapter.info
 
     def _low_rank(self, down: torch.Tensor, up: torch.Tensor) -> LowRank:
-        return LowRank(down, up, self.kernels)
+        return LowRank(down, up, self.kernels, self.invariant)
 
     def unload(self, name: str) -> AdapterInfo:
         info = self._by_name.pop(name)  # KeyError: none has the name

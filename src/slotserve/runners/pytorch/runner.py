@@ -107,8 +107,7 @@ class TorchRunner:
             self.dtype,
             self.device,
             kernels if kernels is not None and kernels.has_gemm else None,
-            load.max_loras,
-            load.max_lora_rank,
+            load,
         )
         for name, folder in load.lora_modules:
             self.lora.load(name, Path(folder))

@@ -10,6 +10,7 @@ same code: there is a single path through the forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -88,7 +89,8 @@ class ModelShard:
         ``lm_head_rows`` (a reranker's classifier tokens, ``score_head.py``), read before
         the weights are packed for the kernels."""
         self.device = device
-        self.triton = triton_attention(load.attention_backend, device)
+        backend = "triton" if load.batch_invariant else load.attention_backend
+        self.triton = triton_attention(backend, device)
         local = shard_config(config, tp.size if tp is not None else 1)
         with torch.device(device):
             self.model = Decoder(local, dtype, max_seq_len, tp)
@@ -101,7 +103,10 @@ class ModelShard:
         self.lm_head_rows = (
             self.model.lm_head.weight[list(lm_head_rows)].float().clone() if lm_head_rows else None
         )
-        if device.type == "cpu" and dtype == torch.bfloat16:
+        if load.batch_invariant:
+            _check_invariant_layers(local)
+            self.model.use_invariant_matmul()
+        elif device.type == "cpu" and dtype == torch.bfloat16:
             # Batch invariance holds in bfloat16 on CPU only (attention.py).
             if load.cpu_kernels and local.head_dim % 16 == 0:
                 self.model.kernels = load_cpu_kernels()
@@ -112,6 +117,13 @@ class ModelShard:
                 if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
                     self.model.prepack()
         self.compute = compute_path(device, dtype, self.model.kernels)
+        if self.triton:
+            matmuls = "invariant Triton" if load.batch_invariant else "torch"
+            self.compute = dataclasses.replace(
+                self.compute,
+                kernels=f"Triton paged attention, {matmuls} matmuls ({dtype})",
+                batch_invariant=load.batch_invariant,
+            )
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
             LinearStatePool(local, load.num_slots, dtype, device, load.state_snapshots)
@@ -192,6 +204,15 @@ class ModelShard:
         if self.linear_states is not None:
             self.linear_states.clear()
         self.model = None  # type: ignore[assignment]
+
+
+def _check_invariant_layers(config: ModelConfig) -> None:
+    """``--batch-invariant`` covers attention, the projections, the head and LoRA updates; the
+    layers it does not cover yet are refused rather than served with a broken promise."""
+    if config.num_experts or any(config.linear_layers):
+        raise ValueError(
+            "--batch-invariant does not cover mixture-of-experts or Gated DeltaNet layers yet"
+        )
 
 
 def triton_attention(backend: str, device: torch.device) -> bool:

@@ -55,6 +55,8 @@ class TorchLoadConfig:
     # A causal LM served as a reranker, scored by these tokens' logits (``score_head.py``).
     classifier_from_token: tuple[str, ...] = ()
     attention_backend: str = "auto"  # see ``shard.triton_attention``
+    # Off the CPU kernels (GPUs): Triton attention and matmuls whose sums keep one order.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -75,6 +77,8 @@ class TorchLoadConfig:
             raise ValueError(f"{len(self.lora_modules)} --lora-modules, over --max-loras")
         if self.lora_modules and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served under tensor parallelism")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("--batch-invariant is not served under tensor parallelism")
         if self.classifier_from_token and self.tensor_parallel_size > 1:
             raise ValueError("--classifier-from-token is not served under tensor parallelism")
 

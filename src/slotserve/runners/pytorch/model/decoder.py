@@ -238,6 +238,13 @@ class Decoder(nn.Module):
         self._embed_scale = math.sqrt(c.hidden_size)
         self.kernels: CpuKernels | None = None  # set by the shard where they serve (CPU, bf16)
 
+    def use_invariant_matmul(self) -> None:
+        """Every projection and the head through ``gpu_matmul.invariant_linear`` (GPUs, and the
+        tests under Triton's interpreter): ``--batch-invariant``."""
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.invariant = True
+
     def make_batch_invariant(self) -> None:
         """After loading: long-input projections split their reduction (see ``Projection``).
         A tied head keeps sharing the embedding: hidden sizes above the limit would need a

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.gpu_matmul import invariant_linear
 
 # oneDNN's bfloat16 matmuls give every row the same bits whatever the batch while the reduced
 # dimension is at most this long (measured up to 600 rows); beyond it some row counts switch to
@@ -37,6 +38,7 @@ class Projection(nn.Linear):
     kernels: CpuKernels | None = None
     kernel_weight: torch.Tensor | None = None  # the whole weight, packed for the kernels
     kernel_bias: torch.Tensor | None = None  # the bias in float32, as the GEMM adds it
+    invariant = False  # through ``gpu_matmul.invariant_linear`` (--batch-invariant on GPUs)
 
     def pack(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """The kernels' GEMM from now on (CPU, bfloat16). ``keep_weight``: as :meth:`prepack`."""
@@ -76,6 +78,8 @@ class Projection(nn.Linear):
         return F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return invariant_linear(x, self.weight, self.bias)
         if self.kernel_weight is not None:
             assert self.kernels is not None
             rows = x.reshape(-1, x.shape[-1])

@@ -19,15 +19,24 @@ import torch.nn.functional as F
 
 from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.gpu_matmul import invariant_linear
 
 
 class LowRank:
     """One fused projection's update for one adapter: ``x @ down.T @ up.T`` (the scale is in
     ``up``)."""
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor, kernels: CpuKernels | None) -> None:
+    def __init__(
+        self,
+        down: torch.Tensor,
+        up: torch.Tensor,
+        kernels: CpuKernels | None,
+        invariant: bool = False,
+    ) -> None:
+        """``invariant``: through ``gpu_matmul.invariant_linear`` (--batch-invariant)."""
         self.rank, self.out_features = down.shape[0], up.shape[0]
         self.kernels = kernels
+        self.linear = invariant_linear if invariant else F.linear
         if kernels is not None:
             self.down, self.up = kernels.pack_weight(down), kernels.pack_weight(up)
         else:
@@ -37,7 +46,7 @@ class LowRank:
         if self.kernels is not None:
             inner = self.kernels.linear(x, self.down, None, self.rank)
             return self.kernels.linear(inner, self.up, None, self.out_features)
-        return F.linear(F.linear(x, self.down), self.up)
+        return self.linear(self.linear(x, self.down), self.up)
 
 
 @dataclass
