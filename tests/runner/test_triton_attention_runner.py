@@ -105,7 +105,7 @@ def test_the_backend_is_refused_where_its_kernels_cannot_run(
     assert not triton_attention("auto", cpu)
     assert triton_attention("triton", cpu)  # the interpreter runs it here
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="needs Triton"):
+    with pytest.raises(ValueError, match="needs Triton"):  # on a CPU, outside the interpreter
         triton_attention("triton", cpu)
     with pytest.raises(ValueError, match="--attention-backend must be one of"):
         triton_attention("flash", cpu)

@@ -42,6 +42,8 @@ def runner_factory(
         for flag, value in (
             ("--tensor-parallel-size", runner.tensor_parallel_size != 1),
             ("--classifier-from-token", runner.classifier_from_token),
+            ("--attention-backend", runner.attention_backend != "auto"),
+            ("--batch-invariant", runner.batch_invariant),
         ):
             if value:
                 raise ValueError(f"{flag} is a PyTorch runner setting: add --runner torch")

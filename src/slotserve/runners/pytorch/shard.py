@@ -92,6 +92,8 @@ class ModelShard:
         backend = "triton" if load.batch_invariant else load.attention_backend
         self.triton = triton_attention(backend, device)
         local = shard_config(config, tp.size if tp is not None else 1)
+        if load.batch_invariant:
+            _check_invariant_layers(local)
         with torch.device(device):
             self.model = Decoder(local, dtype, max_seq_len, tp)
         self.model.eval()
@@ -104,7 +106,6 @@ class ModelShard:
             self.model.lm_head.weight[list(lm_head_rows)].float().clone() if lm_head_rows else None
         )
         if load.batch_invariant:
-            _check_invariant_layers(local)
             self.model.use_invariant_matmul()
         elif device.type == "cpu" and dtype == torch.bfloat16:
             # Batch invariance holds in bfloat16 on CPU only (attention.py).
@@ -226,8 +227,9 @@ def triton_attention(backend: str, device: torch.device) -> bool:
     runs = gpu_kernels.available() and (device.type == "cuda" or gpu_kernels.interpreted())
     if not runs:
         raise ValueError(
-            "--attention-backend triton needs Triton (pip install -e '.[gpu]') and a CUDA "
-            "device (or TRITON_INTERPRET=1, the interpreter the tests use)"
+            "Triton attention (--attention-backend triton, --batch-invariant) needs Triton "
+            "(pip install -e '.[gpu]') and a CUDA device (or TRITON_INTERPRET=1, the "
+            "interpreter the tests use)"
         )
     return True
 

@@ -1,5 +1,7 @@
-"""``--lora-modules`` as vLLM takes it: several at once or flag by flag, ``NAME=PATH`` or a JSON
-object; both runners take them. And llama.cpp's GPU offload, refused by a CPU-only build."""
+"""Runner settings as ``serve`` parses them into each runner's recipe: ``--lora-modules`` as
+vLLM takes it (several at once or flag by flag, ``NAME=PATH`` or a JSON object), for both
+runners; llama.cpp's GPU offload, refused by a CPU-only build; PyTorch runner settings the
+llama.cpp runner refuses before any load."""
 
 from __future__ import annotations
 
@@ -78,3 +80,20 @@ def test_offloaded_layers_take_their_share_of_the_estimate(
     need = estimate_memory(model_path, 4, 4096, 512, n_gpu_layers=layers)
     assert need.device_share == share  # SmolLM2-135M: 30 layers
     assert need.host_bytes + need.device_bytes == need.total_bytes
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--classifier-from-token", "no", "yes"),
+        ("--attention-backend", "triton"),
+        ("--batch-invariant",),
+    ],
+)
+def test_pytorch_runner_settings_are_refused_by_the_llama_cpp_runner(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    gguf = tmp_path / "model.gguf"  # never read: the refusal comes first
+    gguf.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"{flags[0]} is a PyTorch runner setting"):
+        runner_factory(_serve_config(*flags), EngineConfig(), gguf, "m")
