@@ -72,6 +72,16 @@ def llama_cpp_reference(model_path: Path, monkeypatch: pytest.MonkeyPatch, **set
     )
 
 
+def llama_cpp_greedy(reference: Any, prompt: list[int], tokens: int) -> list[int]:
+    """The reference's first ``tokens`` greedy tokens after ``prompt``, from a fresh state."""
+    out: list[int] = []
+    for token in reference.generate(prompt, temp=0.0, reset=True):
+        out.append(token)
+        if len(out) == tokens:
+            break
+    return out
+
+
 @pytest.fixture
 def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
     """The llama.cpp runner, for its own tests."""

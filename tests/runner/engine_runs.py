@@ -112,3 +112,61 @@ def run_logprobs(
                 cached[out.request_id] = out.num_cached_tokens
     core.check_integrity()
     return {rid: (tokens[rid], cached[rid]) for rid in jobs}
+
+
+def scores(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, float]:
+    """A cross-encoder's score of each prompt (a one-value pooled output), by request id."""
+    for rid, prompt in prompts.items():
+        core.add_request(core.make_request(rid, prompt, SamplingParams(embed=True)))
+    done: dict[str, float] = {}
+    while len(done) < len(prompts):
+        for out in core.step():
+            if out.finished:
+                assert out.error is None and out.embedding is not None, out.error
+                assert len(out.embedding) == 1
+                done[out.request_id] = out.embedding[0]
+    return done
+
+
+def adapter_ids(runner: Runner) -> list[int]:
+    return [adapter.adapter_id for adapter in runner.model_info.adapters]
+
+
+def check_tokens_alone_equal_tokens_beside_other_adapters(
+    runner: Runner, prompts: list[list[int]], tokens: int
+) -> None:
+    """Six requests over the runner's two adapters and none: each one's greedy tokens are the
+    same alone and all batched (prefix cache off), and the adapters change them."""
+    core = EngineCore(runner, EngineConfig(num_slots=6, prefix_cache=False))
+    first, second = adapter_ids(runner)
+    chosen = {"a": first, "b": second, "c": 0, "d": first, "e": second, "f": 0}
+    jobs = {rid: (prompts[i % 3], greedy(tokens)) for i, rid in enumerate(chosen)}
+    alone: dict[str, list[int]] = {}
+    for rid, job in jobs.items():
+        alone |= generate(core, {rid: job}, adapters=chosen)
+    together = generate(core, jobs, adapters=chosen)
+    assert together == alone
+    assert alone["a"] != alone["c"] != alone["b"], "adapters made no difference"
+
+
+def check_prefix_cache_never_crosses_adapters(
+    runner: Runner, prompt: list[int], tokens: int
+) -> None:
+    """A prompt computed with one adapter (or none) is never a cache hit for another, and is
+    one for the same adapter; every request gets its solo tokens."""
+    core = EngineCore(runner, EngineConfig(num_slots=6))
+    first, second = adapter_ids(runner)
+    solo = {}
+    for name, adapter in (("base", 0), ("first", first), ("second", second)):
+        core.flush_prefix_cache()
+        solo[name] = generate(core, {name: (prompt, greedy(tokens))}, adapters={name: adapter})
+    core.flush_prefix_cache()
+    hits = []
+    for rid, adapter in (("1", first), ("2", 0), ("3", second), ("4", first)):
+        before = core.snapshot().prefix_cache.hit_tokens
+        out = generate(core, {rid: (prompt, greedy(tokens))}, adapters={rid: adapter})
+        hits.append(core.snapshot().prefix_cache.hit_tokens - before)
+        expected = {first: "first", 0: "base", second: "second"}[adapter]
+        assert out[rid] == solo[expected][expected], f"request {rid}"
+    assert hits[:3] == [0, 0, 0], "a prefix computed with one adapter served another"
+    assert hits[3] > 0, "the same adapter's prompt was not served from the cache"

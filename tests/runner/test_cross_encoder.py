@@ -11,11 +11,11 @@ import pytest
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.sampling_params import SamplingParams
 from slotserve.protocol.score_pairs import pair_prompt
 from slotserve.runners.pytorch.encoder import EncoderRunner
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from tests.runner.cross_encoder_folder import write_cross_encoder
+from tests.runner.engine_runs import scores
 
 PAIRS = [
     ("what is a cat", "a cat is a small domesticated carnivorous mammal"),
@@ -41,19 +41,6 @@ def scorer(folder: Path) -> Iterator[EncoderRunner]:
 def pair_ids(runner: EncoderRunner, query: str, document: str) -> list[int]:
     """What the routes send: the tokenizer's pair template, BERT's (``score_pairs.py``)."""
     return pair_prompt(runner.tokenizer, None, query, document)
-
-
-def scores(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, float]:
-    for rid, prompt in prompts.items():
-        core.add_request(core.make_request(rid, prompt, SamplingParams(embed=True)))
-    done: dict[str, float] = {}
-    while len(done) < len(prompts):
-        for out in core.step():
-            if out.finished:
-                assert out.error is None and out.embedding is not None, out.error
-                assert len(out.embedding) == 1
-                done[out.request_id] = out.embedding[0]
-    return done
 
 
 def test_pairs_are_tokenized_as_the_hf_tokenizer_does(folder: Path, scorer: EncoderRunner) -> None:

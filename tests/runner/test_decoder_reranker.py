@@ -15,12 +15,12 @@ import pytest
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.sampling_params import SamplingParams
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.score_pairs import carries_pair_roles, pair_prompt
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.conftest import require_batch_invariance
+from tests.runner.engine_runs import scores
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
 QUERIES = ["what is a cat", "how tall is mount everest"]
@@ -55,16 +55,8 @@ def float32_classifier(classifier: Path) -> Iterator[TorchRunner]:
     runner.close()
 
 
-def scores(core: EngineCore, prompts: list[list[int]]) -> list[float]:
-    for i, prompt in enumerate(prompts):
-        core.add_request(core.make_request(f"p{i}", prompt, SamplingParams(embed=True)))
-    done: dict[str, float] = {}
-    while len(done) < len(prompts):
-        for out in core.step():
-            if out.finished:
-                assert out.error is None and out.embedding is not None, out.error
-                assert len(out.embedding) == 1
-                done[out.request_id] = out.embedding[0]
+def ordered_scores(core: EngineCore, prompts: list[list[int]]) -> list[float]:
+    done = scores(core, {f"p{i}": prompt for i, prompt in enumerate(prompts)})
     return [done[f"p{i}"] for i in range(len(prompts))]
 
 
@@ -88,7 +80,7 @@ def test_a_sequence_classifier_scores_as_sentence_transformers(
     expected = CrossEncoder(str(classifier), device="cpu").predict(PAIRS)
     assert np.ptp(np.log(expected / (1 - expected))) > 0.1  # logits apart: an order to keep
     core = EngineCore(float32_classifier, EngineConfig(num_slots=4))
-    got = scores(core, pair_prompts(float32_classifier))
+    got = ordered_scores(core, pair_prompts(float32_classifier))
     # float32 both sides; the attention kernels and the reference's padding differ.
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
 
@@ -123,7 +115,7 @@ def test_a_causal_lm_scores_by_its_classifier_tokens_logits(
     try:
         assert runner.model_info.cross_encoder and not runner.model_info.can_generate
         prompts = pair_prompts(runner)
-        got = scores(EngineCore(runner, EngineConfig(num_slots=4)), prompts)
+        got = ordered_scores(EngineCore(runner, EngineConfig(num_slots=4)), prompts)
     finally:
         runner.close()
     expected = yes_no_reference(causal_lm, prompts, tokens)
@@ -138,11 +130,11 @@ def test_a_score_is_the_same_alone_batched_and_behind_a_cache_hit(causal_lm: Pat
         require_batch_invariance(runner)
         prompts = pair_prompts(runner)
         alone = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-        solo = [scores(alone, [prompt])[0] for prompt in prompts]
+        solo = [ordered_scores(alone, [prompt])[0] for prompt in prompts]
         cached = EngineCore(runner, EngineConfig(num_slots=4))
-        first = scores(cached, prompts)
+        first = ordered_scores(cached, prompts)
         hits_before = cached.prefix_cache.stats().hit_tokens
-        again = scores(cached, prompts)
+        again = ordered_scores(cached, prompts)
         assert cached.prefix_cache.stats().hit_tokens > hits_before  # the query prefix, reused
     finally:
         runner.close()

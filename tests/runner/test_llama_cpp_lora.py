@@ -16,8 +16,14 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
-from tests.runner.conftest import FLASH_ATTN, llama_cpp_reference
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.conftest import FLASH_ATTN, llama_cpp_greedy, llama_cpp_reference
+from tests.runner.engine_runs import (
+    adapter_ids,
+    check_prefix_cache_never_crosses_adapters,
+    check_tokens_alone_equal_tokens_beside_other_adapters,
+    generate,
+    greedy,
+)
 
 TOKENS = 16
 
@@ -48,10 +54,6 @@ def lora_runner(model_path: Path, adapters: list[Path]) -> Iterator[LlamaCppRunn
     runner.close()
 
 
-def _ids(runner: LlamaCppRunner) -> list[int]:
-    return [adapter.adapter_id for adapter in runner.model_info.adapters]
-
-
 @pytest.mark.parametrize("which", [0, 1], ids=["all-modules", "attention"])
 def test_greedy_tokens_equal_llama_cpp_python_with_the_adapter(
     model_path: Path, adapters: list[Path], which: int, monkeypatch: pytest.MonkeyPatch
@@ -71,52 +73,24 @@ def test_greedy_tokens_equal_llama_cpp_python_with_the_adapter(
     core = EngineCore(runner, EngineConfig(num_slots=1))
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:3]]
     jobs = {f"p{i}": (p, greedy(TOKENS)) for i, p in enumerate(prompts)}
-    ours = generate(core, jobs, adapters=dict.fromkeys(jobs, _ids(runner)[0]))
+    ours = generate(core, jobs, adapters=dict.fromkeys(jobs, adapter_ids(runner)[0]))
     assert ours != generate(core, jobs), "the adapter changed no token"
     runner.close()
     reference = llama_cpp_reference(model_path, monkeypatch, lora_path=str(adapters[which]))
     for i, prompt in enumerate(prompts):
-        expected = []
-        for token in reference.generate(prompt, temp=0.0, reset=True):
-            expected.append(token)
-            if len(expected) == TOKENS:
-                break
+        expected = llama_cpp_greedy(reference, prompt, TOKENS)
         assert ours[f"p{i}"] == expected, f"prompt {i} diverged from llama-cpp-python"
     reference.close()
 
 
 def test_tokens_alone_equal_tokens_beside_other_adapters(lora_runner: LlamaCppRunner) -> None:
-    core = EngineCore(lora_runner, EngineConfig(num_slots=6, prefix_cache=False))
-    first, second = _ids(lora_runner)
     prompts = [lora_runner.tokenizer.encode(p) for p in PROMPTS[:3]]
-    chosen = {"a": first, "b": second, "c": 0, "d": first, "e": second, "f": 0}
-    jobs = {rid: (prompts[i % 3], greedy(TOKENS)) for i, rid in enumerate(chosen)}
-    alone: dict[str, list[int]] = {}
-    for rid, job in jobs.items():
-        alone |= generate(core, {rid: job}, adapters=chosen)
-    together = generate(core, jobs, adapters=chosen)
-    assert together == alone
-    assert alone["a"] != alone["c"] != alone["b"], "adapters made no difference"
+    check_tokens_alone_equal_tokens_beside_other_adapters(lora_runner, prompts, TOKENS)
 
 
 def test_prefix_cache_never_crosses_adapters(lora_runner: LlamaCppRunner) -> None:
-    core = EngineCore(lora_runner, EngineConfig(num_slots=6))
-    first, second = _ids(lora_runner)
     prompt = lora_runner.tokenizer.encode(PROMPTS[4] * 12)  # past the 64-token cache grain
-    solo = {}
-    for name, adapter in (("base", 0), ("first", first), ("second", second)):
-        core.flush_prefix_cache()
-        solo[name] = generate(core, {name: (prompt, greedy(TOKENS))}, adapters={name: adapter})
-    core.flush_prefix_cache()
-    hits = []
-    for rid, adapter in (("1", first), ("2", 0), ("3", second), ("4", first)):
-        before = core.snapshot().prefix_cache.hit_tokens
-        tokens = generate(core, {rid: (prompt, greedy(TOKENS))}, adapters={rid: adapter})
-        hits.append(core.snapshot().prefix_cache.hit_tokens - before)
-        expected = {first: "first", 0: "base", second: "second"}[adapter]
-        assert tokens[rid] == solo[expected][expected], f"request {rid}"
-    assert hits[:3] == [0, 0, 0], "a prefix computed with one adapter served another"
-    assert hits[3] > 0, "the same adapter's prompt was not served from the cache"
+    check_prefix_cache_never_crosses_adapters(lora_runner, prompt, TOKENS)
 
 
 def test_an_adapter_loads_and_unloads_at_run_time(
@@ -126,7 +100,7 @@ def test_an_adapter_loads_and_unloads_at_run_time(
     prompt = lora_runner.tokenizer.encode(PROMPTS[0])
     extra = random_gguf_adapter(model_path, tmp_path / "extra.gguf", seed=3, rank=2)
     info = core.call_adapter("extra", str(extra))
-    assert info.rank == 2 and info.adapter_id not in _ids(lora_runner)
+    assert info.rank == 2 and info.adapter_id not in adapter_ids(lora_runner)
     core.add_request(core.make_request("r", prompt, greedy(TOKENS), adapter=info.adapter_id))
     core.step()
     core.call_adapter("extra", None)

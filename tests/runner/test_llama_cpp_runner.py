@@ -11,7 +11,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
-from tests.runner.conftest import llama_cpp_reference
+from tests.runner.conftest import llama_cpp_greedy, llama_cpp_reference
 from tests.runner.engine_runs import NUM_TOKENS, generate, greedy
 
 
@@ -23,10 +23,6 @@ def test_greedy_output_matches_llama_cpp_python_single_sequence(
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
     ours = generate(core, {f"p{i}": (p, greedy()) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
-        expected = []
-        for token in reference.generate(prompt, temp=0.0, reset=True):
-            expected.append(token)
-            if len(expected) == NUM_TOKENS:
-                break
+        expected = llama_cpp_greedy(reference, prompt, NUM_TOKENS)
         assert ours[f"p{i}"] == expected, f"prompt {i} diverged from llama-cpp-python"
     reference.close()

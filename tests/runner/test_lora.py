@@ -20,7 +20,13 @@ from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.conftest import require_batch_invariance
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import (
+    adapter_ids,
+    check_prefix_cache_never_crosses_adapters,
+    check_tokens_alone_equal_tokens_beside_other_adapters,
+    generate,
+    greedy,
+)
 
 TOKENS = 16
 
@@ -63,10 +69,6 @@ def lora_runner(hf_checkpoint: Path, adapters: list[Path]) -> Iterator[TorchRunn
     runner.close()
 
 
-def _ids(runner: TorchRunner) -> list[int]:
-    return [adapter.adapter_id for adapter in runner.model_info.adapters]
-
-
 def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(  # type: ignore[operator]
@@ -92,7 +94,7 @@ def test_greedy_tokens_equal_transformers_with_peft(
     reference = peft_model(hf_checkpoint, adapters[which], merged=merged)
     core = EngineCore(fp32_lora_runner, EngineConfig(num_slots=6))
     prompts = [fp32_lora_runner.tokenizer.encode(p) for p in PROMPTS[:3]]
-    adapter = _ids(fp32_lora_runner)[which]
+    adapter = adapter_ids(fp32_lora_runner)[which]
     jobs = {f"p{i}": (p, greedy(TOKENS)) for i, p in enumerate(prompts)}
     ours = generate(core, jobs, adapters=dict.fromkeys(jobs, adapter))
     base = generate(core, jobs)
@@ -103,37 +105,13 @@ def test_greedy_tokens_equal_transformers_with_peft(
 
 def test_tokens_alone_equal_tokens_beside_other_adapters(lora_runner: TorchRunner) -> None:
     require_batch_invariance(lora_runner)
-    core = EngineCore(lora_runner, EngineConfig(num_slots=6, prefix_cache=False))
-    first, second = _ids(lora_runner)
     prompts = [lora_runner.tokenizer.encode(p) for p in PROMPTS[:3]]
-    chosen = {"a": first, "b": second, "c": 0, "d": first, "e": second, "f": 0}
-    jobs = {rid: (prompts[i % 3], greedy(TOKENS)) for i, rid in enumerate(chosen)}
-    alone: dict[str, list[int]] = {}
-    for rid, job in jobs.items():
-        alone |= generate(core, {rid: job}, adapters=chosen)
-    together = generate(core, jobs, adapters=chosen)
-    assert together == alone
-    assert alone["a"] != alone["c"] != alone["b"], "adapters made no difference"
+    check_tokens_alone_equal_tokens_beside_other_adapters(lora_runner, prompts, TOKENS)
 
 
 def test_prefix_cache_never_crosses_adapters(lora_runner: TorchRunner) -> None:
-    core = EngineCore(lora_runner, EngineConfig(num_slots=6))
-    first, second = _ids(lora_runner)
     prompt = lora_runner.tokenizer.encode(PROMPTS[4] * 3)
-    solo = {}
-    for name, adapter in (("base", 0), ("first", first), ("second", second)):
-        core.flush_prefix_cache()
-        solo[name] = generate(core, {name: (prompt, greedy(TOKENS))}, adapters={name: adapter})
-    core.flush_prefix_cache()
-    hits = []
-    for rid, adapter in (("1", first), ("2", 0), ("3", second), ("4", first)):
-        before = core.snapshot().prefix_cache.hit_tokens
-        tokens = generate(core, {rid: (prompt, greedy(TOKENS))}, adapters={rid: adapter})
-        hits.append(core.snapshot().prefix_cache.hit_tokens - before)
-        expected = {first: "first", 0: "base", second: "second"}[adapter]
-        assert tokens[rid] == solo[expected][expected], f"request {rid}"
-    assert hits[:3] == [0, 0, 0], "a prefix computed with one adapter served another"
-    assert hits[3] > 0, "the same adapter's prompt was not served from the cache"
+    check_prefix_cache_never_crosses_adapters(lora_runner, prompt, TOKENS)
 
 
 def test_an_unloaded_adapter_is_refused_and_its_requests_end(
@@ -142,13 +120,13 @@ def test_an_unloaded_adapter_is_refused_and_its_requests_end(
     core = EngineCore(lora_runner, EngineConfig(num_slots=6, prefix_cache=False))
     prompt = lora_runner.tokenizer.encode(PROMPTS[0])
     info = core.call_adapter("extra", str(adapters[0]))
-    assert info.adapter_id == _ids(lora_runner)[0]  # the same files: the same id
+    assert info.adapter_id == adapter_ids(lora_runner)[0]  # the same files: the same id
     core.call_adapter("extra", None)  # a0 still holds the same adapter
     assert info.adapter_id in {a.adapter_id for a in lora_runner.adapters}
     solo_id = core.call_adapter(
         "solo", str(_edited(adapters[1], tmp_path, lora_alpha=3))
     ).adapter_id
-    assert solo_id not in _ids(lora_runner)
+    assert solo_id not in adapter_ids(lora_runner)
     core.add_request(core.make_request("r", prompt, greedy(TOKENS), adapter=solo_id))
     core.step()
     core.call_adapter("solo", None)

@@ -70,6 +70,20 @@ def gpu_runner(smollm2: Path) -> Iterator[TorchRunner]:
     runner.close()
 
 
+def hf_greedy(model: Any, prompt: list[int], tokens: int) -> list[int]:
+    """transformers' own greedy tokens on the GPU, exactly ``tokens`` of them."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path, attention: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -90,16 +104,7 @@ def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path, attention: st
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS]
     ours = generate(core, {f"p{i}": (p, greedy(32)) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt], device="cuda"),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert ours[f"p{i}"] == out[0, len(prompt) :].tolist(), f"prompt {i}"
+        assert ours[f"p{i}"] == hf_greedy(model, prompt, 32), f"prompt {i}"
     runner.close()
 
 
@@ -133,16 +138,7 @@ def test_lora_adapters_match_transformers_with_peft_on_the_gpu(
     for kind, model in (("a", peft_model(smollm2, adapter)), ("b", base)):
         model.to("cuda")
         for i, prompt in enumerate(prompts):
-            with torch.no_grad():
-                out = model.generate(  # type: ignore[operator]
-                    torch.tensor([prompt], device="cuda"),
-                    max_new_tokens=16,
-                    min_new_tokens=16,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            assert ours[f"{kind}{i}"] == out[0, len(prompt) :].tolist(), f"{kind}{i}"
+            assert ours[f"{kind}{i}"] == hf_greedy(model, prompt, 16), f"{kind}{i}"
     assert ours["a0"] != ours["b0"], "the adapter changed no token"
 
 
