@@ -28,10 +28,12 @@ def test_a_rows_outputs_are_its_own_and_linears(bias: bool, depth: int) -> None:
     torch.testing.assert_close(full.float(), reference, atol=0.25, rtol=2**-7)
 
 
-def test_float32_and_leading_dimensions() -> None:
+def test_float32_leading_dimensions_and_a_column_major_weight() -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 24, generator=gen)
     x = torch.randn(2, 3, 24, generator=gen)
     out = invariant_linear(x, weight)
     assert out.shape == (2, 3, 40)
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    transposed = weight.T.contiguous().T  # the same values, column-major
+    assert torch.equal(invariant_linear(x, transposed), out)

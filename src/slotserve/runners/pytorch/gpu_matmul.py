@@ -84,6 +84,8 @@ def invariant_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if weight.stride(-1) != 1:  # the kernel reads each weight row as contiguous K
+        weight = weight.contiguous()
     depth = rows.shape[1]
     cols = weight.shape[0]
     out = torch.empty(rows.shape[0], cols, dtype=x.dtype, device=x.device)
