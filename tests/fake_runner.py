@@ -18,9 +18,10 @@ import numpy as np
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.decoding.structured_output import allowed_mask
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.verify_cost import VerifyCost
 

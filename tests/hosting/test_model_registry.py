@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.catalog import scan_models_dir
 from slotserve.hosting.registry import (

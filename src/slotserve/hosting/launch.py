@@ -21,7 +21,8 @@ from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 if TYPE_CHECKING:
     from slotserve.engine.config import EngineConfig
-    from slotserve.engine.runner_interface import MemoryNeed, RunnerSpec
+    from slotserve.engine.memory_need import MemoryNeed
+    from slotserve.engine.runner_interface import RunnerSpec
     from slotserve.hosting.host import ModelLaunch
     from slotserve.hosting.registry import LaunchFactory
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from slotserve.engine.client.async_engine import OutputListener
 from slotserve.engine.core.stats import EngineTotals
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.outputs import RequestOutput
-from slotserve.engine.runner_interface import MemoryNeed
 from slotserve.hosting.catalog import scan_models_dir
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import ModelLaunch, ModelState, ModelUnavailableError

@@ -14,9 +14,9 @@ from slotserve.engine.client import make_client
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.runner_interface import (
     AdapterInfo,
-    MemoryNeed,
     ModelInfo,
     Runner,
     Tokenizer,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slotserve.engine.runner_interface import MemoryNeed, Runner, RunnerFrontend
+from slotserve.engine.memory_need import MemoryNeed
+from slotserve.engine.runner_interface import Runner, RunnerFrontend
 
 if TYPE_CHECKING:
     from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import llama_cpp as llama
 
-from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.runners.llama_cpp.backend import default_ctx_size, init_llama_backend
 from slotserve.runners.llama_cpp.metadata import kv_shape
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer

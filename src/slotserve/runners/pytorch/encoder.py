@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import MemoryNeed, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
 from slotserve.runners.pytorch import cross_encoder

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from slotserve.engine.runner_interface import MemoryNeed
+from slotserve.engine.memory_need import MemoryNeed
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
 
