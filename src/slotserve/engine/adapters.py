@@ -1,6 +1,7 @@
 """LoRA adapters as the engine sees them: what a runner reports of one (:class:`AdapterInfo`),
-what a runner that serves them does (:class:`AdapterRunner`), and how the prefix cache keeps
-one adapter's KV apart from another's (:func:`cache_keys`).
+what a runner that serves them does (:class:`AdapterRunner`) and the names and limit it keeps
+(:class:`HeldAdapters`), and how the prefix cache keeps one adapter's KV apart from another's
+(:func:`cache_keys`).
 
 A request runs with at most one adapter, named by its id; the runner applies each row's
 adapter within the one batched forward, so requests with different adapters (or none) share
@@ -9,9 +10,9 @@ every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Runner
@@ -24,6 +25,48 @@ _TOKEN_BITS = 32
 
 class AdapterNotFoundError(LookupError):
     """No adapter has the name (HTTP 404)."""
+
+
+Held = TypeVar("Held")
+
+
+class HeldAdapters(Generic[Held]):
+    """The adapters a runner holds: by name (several names may load the same files, one id)
+    and, by id, what the runner keeps of each (its weights, a llama.cpp handle), at most
+    ``max_loras`` ids at once. Refusals are ``ValueError``s naming the limit."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.by_id: dict[int, Held] = {}
+        self._by_name: dict[str, AdapterInfo] = {}
+
+    @property
+    def infos(self) -> list[AdapterInfo]:
+        return list(self._by_name.values())
+
+    def check_name(self, name: str) -> None:
+        if name in self._by_name:
+            raise ValueError(f"an adapter named {name} is loaded already; unload it first")
+
+    def add(self, info: AdapterInfo, make: Callable[[], Held]) -> None:
+        """Holds ``info`` under its name; ``make`` builds what the runner keeps of a new id,
+        once there is room (never for files another name holds already)."""
+        if info.adapter_id not in self.by_id:
+            if len(self.by_id) >= self.max_loras:
+                raise ValueError(
+                    f"{len(self.by_id)} adapters are loaded, the --max-loras limit: unload one "
+                    f"before loading {info.name}"
+                )
+            self.by_id[info.adapter_id] = make()
+        self._by_name[info.name] = info
+
+    def remove(self, name: str) -> tuple[AdapterInfo, Held | None]:
+        """Drops the name (``KeyError`` when none has it); what the runner kept of its id,
+        when no other name holds it, to be freed."""
+        info = self._by_name.pop(name)
+        if any(other.adapter_id == info.adapter_id for other in self._by_name.values()):
+            return info, None
+        return info, self.by_id.pop(info.adapter_id)
 
 
 @runtime_checkable

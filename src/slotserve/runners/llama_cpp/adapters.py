@@ -18,6 +18,7 @@ from typing import Any
 
 import llama_cpp as llama
 
+from slotserve.engine.adapters import HeldAdapters
 from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.runners.fingerprint import weights_fingerprint
 
@@ -53,18 +54,16 @@ def read_lora_gguf(path: Path) -> int:
 class GgufAdapters:
     def __init__(self, model: Any, max_loras: int, max_rank: int) -> None:
         self._model = model
-        self.max_loras, self.max_rank = max_loras, max_rank
-        self._handles: dict[int, Any] = {}  # adapter id -> llama_adapter_lora_p
-        self._by_name: dict[str, AdapterInfo] = {}
+        self.max_rank = max_rank
+        self._held: HeldAdapters[Any] = HeldAdapters(max_loras)  # llama_adapter_lora_p by id
         self._active: int | None = None  # None: the context's adapters are not known
 
     @property
     def adapters(self) -> list[AdapterInfo]:
-        return list(self._by_name.values())
+        return self._held.infos
 
     def load(self, name: str, path: Path) -> AdapterInfo:
-        if name in self._by_name:
-            raise ValueError(f"an adapter named {name} is loaded already; unload it first")
+        self._held.check_name(name)
         if not path.is_file() or path.suffix != ".gguf":
             raise ValueError(
                 f"{path} is not a .gguf file: the llama.cpp runner takes GGUF LoRA adapters "
@@ -74,29 +73,25 @@ class GgufAdapters:
         if rank > self.max_rank:
             raise ValueError(f"{path.name} has rank {rank}, over --max-lora-rank {self.max_rank}")
         adapter_id = int(weights_fingerprint(path)[:12], 16) or 1
-        if adapter_id not in self._handles:
-            if len(self._handles) >= self.max_loras:
-                raise ValueError(
-                    f"{len(self._handles)} adapters are loaded, the --max-loras limit: unload "
-                    f"one before loading {name}"
-                )
-            handle = llama.llama_adapter_lora_init(self._model, str(path).encode())
-            if not handle:
-                raise ValueError(
-                    f"llama.cpp refused the adapter {path.name}: made for another model "
-                    "(its architecture or tensor shapes differ; the log says which)"
-                )
-            self._handles[adapter_id] = handle
         info = AdapterInfo(name, adapter_id, rank, str(path))
-        self._by_name[name] = info
+        self._held.add(info, lambda: self._init(path))
         logger.info("LoRA adapter %s loaded from %s (rank %d)", name, path, rank)
         return info
 
+    def _init(self, path: Path) -> Any:
+        handle = llama.llama_adapter_lora_init(self._model, str(path).encode())
+        if not handle:
+            raise ValueError(
+                f"llama.cpp refused the adapter {path.name}: made for another model "
+                "(its architecture or tensor shapes differ; the log says which)"
+            )
+        return handle
+
     def unload(self, ctx: Any, name: str) -> AdapterInfo:
-        info = self._by_name.pop(name)  # KeyError: none has the name
-        if all(other.adapter_id != info.adapter_id for other in self._by_name.values()):
+        info, handle = self._held.remove(name)  # KeyError: none has the name
+        if handle is not None:
             self.activate(ctx, 0)  # the context must not hold an adapter being freed
-            llama.llama_adapter_lora_free(self._handles.pop(info.adapter_id))
+            llama.llama_adapter_lora_free(handle)
         logger.info("LoRA adapter %s unloaded", name)
         return info
 
@@ -105,7 +100,7 @@ class GgufAdapters:
         if adapter_id == self._active:
             return
         if adapter_id:
-            handles = (llama.llama_adapter_lora_p_ctypes * 1)(self._handles[adapter_id])
+            handles = (llama.llama_adapter_lora_p_ctypes * 1)(self._held.by_id[adapter_id])
             scales = (ctypes.c_float * 1)(1.0)  # the adapter's own alpha / rank applies
             status = llama.llama_set_adapters_lora(ctx, handles, 1, scales)
         else:

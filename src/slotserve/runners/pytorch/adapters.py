@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from slotserve.engine.adapters import HeldAdapters
 from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
@@ -31,32 +32,22 @@ class AdapterSet:
         """``kernels``: the CPU kernels' GEMM where it serves the projections."""
         self.config, self.dtype, self.device = config, dtype, device
         self.kernels = kernels
-        self.max_loras, self.max_rank = load.max_loras, load.max_lora_rank
+        self.max_rank = load.max_lora_rank
         self.invariant = load.batch_invariant
-        self._by_id: dict[int, LoraAdapter] = {}
-        self._by_name: dict[str, AdapterInfo] = {}
+        self._held: HeldAdapters[LoraAdapter] = HeldAdapters(load.max_loras)
 
     @property
     def adapters(self) -> list[AdapterInfo]:
-        return list(self._by_name.values())
+        return self._held.infos
 
     def load(self, name: str, path: Path) -> AdapterInfo:
-        if name in self._by_name:
-            raise ValueError(f"an adapter named {name} is loaded already; unload it first")
+        self._held.check_name(name)
         if not path.is_dir():
             raise ValueError(f"{path} is not a folder (a PEFT adapter is one)")
         adapter = read_adapter(
             name, path, self.config, self.max_rank, self.dtype, self.device, self._low_rank
         )
-        known = self._by_id.get(adapter.info.adapter_id)
-        if known is None and len(self._by_id) >= self.max_loras:
-            raise ValueError(
-                f"{len(self._by_id)} adapters are loaded, the --max-loras limit: unload one "
-                f"before loading {name}"
-            )
-        if known is None:
-            self._by_id[adapter.info.adapter_id] = adapter
-        self._by_name[name] = adapter.info
+        self._held.add(adapter.info, lambda: adapter)
         logger.info(
             "LoRA adapter %s loaded from %s (rank %d, id %x)",
             name, path, adapter.info.rank, adapter.info.adapter_id,
@@ -67,15 +58,13 @@ class AdapterSet:
         return LowRank(down, up, self.kernels, self.invariant)
 
     def unload(self, name: str) -> AdapterInfo:
-        info = self._by_name.pop(name)  # KeyError: none has the name
-        if all(other.adapter_id != info.adapter_id for other in self._by_name.values()):
-            del self._by_id[info.adapter_id]
+        info, _ = self._held.remove(name)
         logger.info("LoRA adapter %s unloaded", name)
         return info
 
     def step(self, row_adapters: Sequence[tuple[int, int]]) -> StepLora | None:
         """(adapter id, rows) per chunk, in the step's row order: the step's groups, or None
         when no row has an adapter."""
-        if not self._by_id:
+        if not self._held.by_id:
             return None
-        return step_lora(self._by_id, row_adapters, self.device)
+        return step_lora(self._held.by_id, row_adapters, self.device)
