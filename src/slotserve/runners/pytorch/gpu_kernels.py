@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -88,31 +87,31 @@ def _next_power_of_two(n: int) -> int:
 if triton is not None:
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _dot(a: Any, b: Any, exact: tl.constexpr) -> Any:
+    def _dot(a, b, exact: tl.constexpr):  # type: ignore[no-untyped-def]
         """``a @ b`` in float32: on the GPU's tensor cores from the inputs' bfloat16, or in
-        exact float32 products (``exact``), which Triton's interpreter needs: its bfloat16
-        ``dot`` reads the raw bits."""
+        exact float32 products (``exact``), which float32 models need (not TF32) and Triton's
+        interpreter too: its bfloat16 ``dot`` reads the raw bits."""
         if exact:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _paged_attention_kernel(
-        q_ptr: Any,
-        k_ptr: Any,
-        v_ptr: Any,
-        out_ptr: Any,
-        tables_ptr: Any,
-        tile_seq_ptr: Any,
-        tile_first_ptr: Any,
-        tile_rows_ptr: Any,
-        positions_ptr: Any,
-        scale: Any,
-        window: Any,
-        stride_qt: Any,
-        stride_kr: Any,
-        stride_table: Any,
-        stride_ot: Any,
+    def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        tile_seq_ptr,
+        tile_first_ptr,
+        tile_rows_ptr,
+        positions_ptr,
+        scale,
+        window,
+        stride_qt,
+        stride_kr,
+        stride_table,
+        stride_ot,
         block_size: tl.constexpr,
         groups: tl.constexpr,
         group_pad: tl.constexpr,
@@ -122,7 +121,7 @@ if triton is not None:
         block_m: tl.constexpr,
         block_n: tl.constexpr,
         exact_dots: tl.constexpr,
-    ) -> None:
+    ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile)
@@ -213,6 +212,7 @@ def paged_attention(
         q.stride(0), key_cache.stride(0), block_tables.stride(0), out.stride(0),
         block_size=block_size, groups=groups, group_pad=_next_power_of_two(groups),
         head_dim=head_dim, dim_pad=max(16, _next_power_of_two(head_dim)), kv_heads=kv_heads,
-        block_m=BLOCK_M, block_n=BLOCK_N, exact_dots=interpreted(),
+        block_m=BLOCK_M, block_n=BLOCK_N,
+        exact_dots=interpreted() or q.dtype == torch.float32,  # not TF32 for float32 models
     )  # fmt: skip
     return out
