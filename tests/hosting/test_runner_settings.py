@@ -88,6 +88,7 @@ def test_offloaded_layers_take_their_share_of_the_estimate(
         ("--classifier-from-token", "no", "yes"),
         ("--attention-backend", "triton"),
         ("--batch-invariant",),
+        ("--enforce-eager",),
     ],
 )
 def test_pytorch_runner_settings_are_refused_by_the_llama_cpp_runner(

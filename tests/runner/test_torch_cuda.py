@@ -84,8 +84,14 @@ def hf_greedy(model: Any, prompt: list[int], tokens: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path, attention: str) -> None:
+@pytest.mark.parametrize(
+    ("attention", "eager"),
+    [("torch", True), ("triton", True), ("triton", False)],
+    ids=["torch", "triton-eager", "triton-graphs"],
+)
+def test_greedy_parity_with_transformers_on_the_gpu(
+    smollm2: Path, attention: str, eager: bool
+) -> None:
     from transformers import AutoModelForCausalLM
 
     load = TorchLoadConfig(
@@ -95,8 +101,10 @@ def test_greedy_parity_with_transformers_on_the_gpu(smollm2: Path, attention: st
         device="cuda",
         kv_memory_bytes=KV_MEMORY,
         attention_backend=attention,
+        enforce_eager=eager,
     )
     runner = TorchRunner(load)
+    assert (runner.shard.graphs is not None) == (not eager)
     model: Any = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
     model = model.to("cuda")
     model.train(False)
@@ -142,16 +150,20 @@ def test_lora_adapters_match_transformers_with_peft_on_the_gpu(
     assert ours["a0"] != ours["b0"], "the adapter changed no token"
 
 
-def test_batch_invariant_tokens_are_the_same_alone_and_batched_on_the_gpu(
-    smollm2: Path,
-) -> None:
-    """``--batch-invariant`` in bfloat16: Triton attention and matmuls, each sequence alone and
-    then sixteen at once with staggered starts give the same tokens."""
+def alone_and_batched(smollm2: Path, eager: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--batch-invariant`` greedy tokens of each sequence alone, then of sixteen at once with
+    staggered starts."""
     load = TorchLoadConfig(
-        smollm2, num_slots=16, device="cuda", kv_memory_bytes=KV_MEMORY, batch_invariant=True
+        smollm2,
+        num_slots=16,
+        device="cuda",
+        kv_memory_bytes=KV_MEMORY,
+        batch_invariant=True,
+        enforce_eager=eager,
     )
     runner = TorchRunner(load)
     assert runner.model_info.compute.batch_invariant
+    assert (runner.shard.graphs is None) == eager
     core = EngineCore(runner, EngineConfig(num_slots=16, prefix_cache=False))
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS * 2]
     jobs = {f"p{i}": (p, greedy(24)) for i, p in enumerate(prompts)}
@@ -161,7 +173,20 @@ def test_batch_invariant_tokens_are_the_same_alone_and_batched_on_the_gpu(
     staggered = {f"p{i}": ("p0", i) for i in range(1, len(prompts))}
     together = generate(core, jobs, start_after=staggered)
     runner.close()
-    assert together == alone
+    return alone, together
+
+
+def test_batch_invariant_tokens_are_the_same_alone_batched_and_graphed_on_the_gpu(
+    smollm2: Path,
+) -> None:
+    """``--batch-invariant`` in bfloat16 (Triton attention and matmuls): a sequence's tokens
+    alone and batched are the same, with decode replayed from CUDA graphs (buckets 1 to 16,
+    ballast rows beside the real ones) and run eagerly, and the two agree."""
+    graphed = alone_and_batched(smollm2, eager=False)
+    eager = alone_and_batched(smollm2, eager=True)
+    assert graphed[1] == graphed[0]
+    assert eager[1] == eager[0]
+    assert graphed == eager
 
 
 def test_host_ram_and_disk_restore_what_a_hit_in_gpu_memory_reads(
@@ -241,8 +266,20 @@ def test_qwen35_resumes_from_state_snapshots_on_the_gpu(
     runner.close()
 
 
-def test_decode_throughput_smoke(smollm2: Path) -> None:
-    load = TorchLoadConfig(smollm2, num_slots=64, device="cuda", kv_memory_bytes=8 * KV_MEMORY)
+@pytest.mark.parametrize(
+    ("attention", "eager"),
+    [("torch", True), ("triton", True), ("triton", False)],
+    ids=["torch", "triton-eager", "triton-graphs"],
+)
+def test_decode_throughput_smoke(smollm2: Path, attention: str, eager: bool) -> None:
+    load = TorchLoadConfig(
+        smollm2,
+        num_slots=64,
+        device="cuda",
+        kv_memory_bytes=8 * KV_MEMORY,
+        attention_backend=attention,
+        enforce_eager=eager,
+    )
     runner = TorchRunner(load)
     core = EngineCore(runner, EngineConfig(num_slots=64, max_batch_tokens=2048))
     prompt = runner.tokenizer.encode(PROMPTS[0])
@@ -250,6 +287,6 @@ def test_decode_throughput_smoke(smollm2: Path) -> None:
     started = time.perf_counter()
     out = generate(core, {f"r{i}": (prompt, greedy(64)) for i in range(64)})
     rate = sum(len(t) for t in out.values()) / (time.perf_counter() - started)
-    print(f"GPU: 64 sequences × 64 tokens: {rate:.0f} tok/s")
+    print(f"GPU, {attention} attention, eager {eager}: 64 sequences × 64 tokens: {rate:.0f} tok/s")
     assert rate > 500
     runner.close()

@@ -33,12 +33,16 @@ pytestmark = pytest.mark.skipif(
 SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text"], ids=["llama", "gemma3-sliding"])
+@pytest.fixture(
+    scope="module",
+    params=["llama", "gemma3_text", "qwen3_5_text"],
+    ids=["llama", "gemma3-sliding", "qwen35-gated"],
+)
 def folder(
     request: pytest.FixtureRequest, hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     family = request.param
-    layers = 3 if family == "gemma3_text" else 2
+    layers = 2 if family == "llama" else 4 if family == "qwen3_5_text" else 3
     out = tmp_path_factory.mktemp(family)
     yield tiny_random_checkpoint(
         family, hf_checkpoint, out, num_hidden_layers=layers, head_dim=16, **SMALL
@@ -46,17 +50,19 @@ def folder(
 
 
 def run(folder: Path, backend: str) -> dict[str, list[int]]:
-    """Greedy tokens of prompts in chunks of 16 tokens, then a prompt sharing the first's
-    cached prefix."""
+    """Greedy tokens of prompts in chunks of 16 tokens (64, Gated DeltaNet's block, for
+    Qwen3.5), then a prompt sharing the first's cached prefix (a hit where the model keeps
+    no recurrent state)."""
+    recurrent = "qwen3_5" in folder.name
     runner = TorchRunner(
         TorchLoadConfig(folder, num_slots=3, dtype="float32", attention_backend=backend)
     )
     assert runner.shard.triton == (backend == "triton")
-    core = EngineCore(runner, EngineConfig(num_slots=3, prefill_chunk=16))
+    core = EngineCore(runner, EngineConfig(num_slots=3, prefill_chunk=64 if recurrent else 16))
     prompts = [runner.tokenizer.encode(p * 3) for p in PROMPTS[:3]]
     tokens = generate(core, {f"p{i}": (p, greedy(8)) for i, p in enumerate(prompts)})
     tokens |= generate(core, {"again": (prompts[0] + prompts[1], greedy(8))})
-    assert core.snapshot().prefix_cache.hit_tokens > 0
+    assert recurrent or core.snapshot().prefix_cache.hit_tokens > 0
     runner.close()
     return tokens
 
@@ -102,7 +108,8 @@ def test_the_backend_is_refused_where_its_kernels_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cpu = torch.device("cpu")
-    assert not triton_attention("auto", cpu)
+    assert not triton_attention("auto", cpu)  # the CPU kernels' or torch's attention
+    assert triton_attention("auto", torch.device("cuda"))  # Triton is installed here
     assert triton_attention("triton", cpu)  # the interpreter runs it here
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs Triton"):  # on a CPU, outside the interpreter

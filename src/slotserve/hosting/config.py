@@ -181,14 +181,21 @@ class TorchConfig(RunnerCommon):
         "auto",
         choices=ATTENTION_BACKENDS,
         help="torch: attention where the CPU kernels do not serve: triton (kernels reading the "
-        "paged KV pool in place, batch-invariant; not yet measured on a GPU), torch (gathered, "
-        "then SDPA on GPUs); auto: torch",
+        "paged KV pool in place, batch-invariant; decode steps replay CUDA graphs), torch "
+        "(gathered, then SDPA on GPUs); auto: triton on a CUDA device with Triton installed, "
+        "else torch",
     )
     batch_invariant: bool = option(
         False,
         help="torch on GPUs: every sequence's tokens independent of its batch (vLLM's "
         "VLLM_BATCH_INVARIANT): Triton attention and matmuls whose sums keep one order; dense "
         "models (the CPU path is batch-invariant already)",
+    )
+    enforce_eager: bool = option(
+        False,
+        help="torch on GPUs: run decode steps operator by operator instead of replaying the "
+        "CUDA graphs captured at load (vLLM's --enforce-eager; graphs come with the Triton "
+        "attention, on dense models without tensor parallelism)",
     )
     classifier_from_token: tuple[str, ...] = option(
         (),

@@ -45,6 +45,7 @@ def runner_factory(
             ("--classifier-from-token", runner.classifier_from_token),
             ("--attention-backend", runner.attention_backend != "auto"),
             ("--batch-invariant", runner.batch_invariant),
+            ("--enforce-eager", runner.enforce_eager),
         ):
             if value:
                 raise ValueError(f"{flag} is a PyTorch runner setting: add --runner torch")
@@ -107,6 +108,7 @@ def torch_spec(
         classifier_from_token=tuple(config.classifier_from_token),
         attention_backend=config.attention_backend,
         batch_invariant=config.batch_invariant,
+        enforce_eager=config.enforce_eager,
     )
     return TorchSpec(load)
 

@@ -2,8 +2,9 @@
 reference between slots for prefix-cache hits (bookkeeping in
 ``engine/prefix_cache/block_table.py``).
 
-Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. One
-extra block at the end is never handed out and stays zero: attention pads gathers with it.
+Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. Two
+extra blocks at the end are never handed out: the first stays zero (attention pads gathers
+with it), the second takes the K/V of a CUDA graph's ballast rows (``cuda_graphs.py``).
 
 The prefix cache's host and disk tiers keep positions copied out of the pool
 (:meth:`KvPool.save_positions`) as one array ``[attention layer, K or V, position, KV head,
@@ -33,7 +34,8 @@ class KvPool:
         self.block_size = block_size
         self.tables = PagedKvTables(num_blocks, block_size, num_slots)
         self.zero_block = num_blocks
-        rows = (num_blocks + 1) * block_size
+        self.ballast_row = (num_blocks + 1) * block_size
+        rows = (num_blocks + 2) * block_size
         # Zeroed: gathers read padding from the zero block, and a freed block's old contents
         # are finite, so masked positions contribute exact zeros. A Gated DeltaNet layer keeps
         # no KV (an empty entry keeps the list indexed by layer).

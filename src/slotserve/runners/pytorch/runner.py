@@ -34,6 +34,7 @@ from slotserve.runners.pytorch.load.checkpoint import (
     sampling_defaults,
 )
 from slotserve.runners.pytorch.load.gguf_file import open_gguf
+from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import (
     join_group,
     open_store,
@@ -42,8 +43,12 @@ from slotserve.runners.pytorch.model.tensor_parallel import (
 )
 from slotserve.runners.pytorch.model_rules import context_cost, recurrent_state_rules
 from slotserve.runners.pytorch.planner import StepPlanner
-from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
-from slotserve.runners.pytorch.shard import ModelShard
+from slotserve.runners.pytorch.sampler import (
+    SequenceSampler,
+    new_sequence_sampler,
+    sample_chunks,
+)
+from slotserve.runners.pytorch.shard import ModelShard, StepPlan
 from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.tp_workers import TensorParallelRanks, rank_threads
 
@@ -299,25 +304,40 @@ class TorchRunner:
         if self.ranks is not None:
             self.ranks.send(plan)
         lora = self.lora.step([(chunk.adapter, len(chunk.token_ids)) for chunk in ordered])
-        hidden = self.shard.forward(plan, lora)
+        logits = self.shard.replay_decode(plan) if lora is None else None
+        if logits is None:
+            logits = self._forward(plan, ordered, scoring, lora)
         for chunk in ordered:
             self.pool.tables.commit(chunk.slot, chunk.start_pos + len(chunk.token_ids))
+        result: dict[int, list[SampledToken]] = {}
+        if sampling:
+            assert logits is not None
+            # One reduction: NaN or an infinity anywhere makes a row's sum non-finite.
+            if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
+                raise RunnerFailure("non-finite logits")
+            result = sample_chunks(sampling, logits, self._samplers)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._forward_seconds += time.perf_counter() - started
+        return result
+
+    def _forward(
+        self,
+        plan: StepPlan,
+        ordered: Sequence[ScheduledChunk],
+        scoring: Sequence[ScheduledChunk],
+        lora: StepLora | None,
+    ) -> torch.Tensor | None:
+        """The step run op by op: pooled and scored rows taken; the sampled rows' logits."""
+        hidden = self.shard.forward(plan, lora)
         if any(chunk.embed for chunk in ordered):
             self._pool(ordered, hidden)
         # Logits in the plan's order: the other ranks gather the vocabulary in the same calls.
         for chunk, rows in zip(scoring, plan.logit_rows, strict=False):
             self._score_prompt(chunk, self.shard.logits(hidden, rows))
-        result: dict[int, list[SampledToken]] = {}
-        if sampling:
-            logits = self.shard.logits(hidden, plan.logit_rows[-1])
-            # One reduction: NaN or an infinity anywhere makes a row's sum non-finite.
-            if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
-                raise RunnerFailure("non-finite logits")
-            result = self._sample_in_order(sampling, logits)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._forward_seconds += time.perf_counter() - started
-        return result
+        if len(plan.logit_rows) > len(scoring):
+            return self.shard.logits(hidden, plan.logit_rows[-1])
+        return None
 
     def _score_prompt(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -355,38 +375,6 @@ class TorchRunner:
 
     def take_embeddings(self) -> dict[int, list[float]]:
         return self._pools.take()
-
-    def _sample_in_order(
-        self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor
-    ) -> dict[int, list[SampledToken]]:
-        """Samples each chunk's rows of ``logits`` (``num_drafts + 1`` per chunk, in order),
-        position by position, each sequence stopping at its first sample that differs from the
-        draft after it: a sequence's sampler sees exactly the tokens it produces."""
-        if not any(chunk.num_drafts for chunk in chunks):  # no drafts: one row each, no copy
-            samplers = [self._samplers[chunk.slot] for chunk in chunks]
-            tokens = sample(logits, samplers, [chunk.allowed_tokens for chunk in chunks])
-            return {chunk.slot: [token] for chunk, token in zip(chunks, tokens, strict=True)}
-        firsts, row = [], 0
-        for chunk in chunks:
-            firsts.append(row)
-            row += chunk.num_drafts + 1
-        result: dict[int, list[SampledToken]] = {chunk.slot: [] for chunk in chunks}
-        alive = list(range(len(chunks)))
-        depth = 0
-        while alive:
-            rows = torch.tensor([firsts[i] + depth for i in alive], device=logits.device)
-            samplers = [self._samplers[chunks[i].slot] for i in alive]
-            still = []
-            # Constrained sequences are never drafted: their one mask is at depth 0.
-            allowed = [chunks[i].allowed_tokens if depth == 0 else None for i in alive]
-            for i, token in zip(alive, sample(logits[rows], samplers, allowed), strict=True):
-                chunk = chunks[i]
-                result[chunk.slot].append(token)
-                draft_at = len(chunk.token_ids) - chunk.num_drafts + depth
-                if depth < chunk.num_drafts and token.token_id == chunk.token_ids[draft_at]:
-                    still.append(i)
-            alive, depth = still, depth + 1
-        return result
 
     def close(self) -> None:
         """Drops the KV pool and the weights; on CUDA the allocator's cache is emptied too,

@@ -16,7 +16,7 @@ row's arithmetic is its own (row-wise softmax, sort and scans).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 
 from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.outputs import SampledToken
+from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 
 
@@ -92,6 +93,41 @@ def sample(
     token_ids = chosen.tolist()
     _count(samplers, token_ids)
     return _with_logprobs(logits, samplers, token_ids)
+
+
+def sample_chunks(
+    chunks: Sequence[ScheduledChunk],
+    logits: torch.Tensor,
+    samplers: Mapping[int, SequenceSampler],
+) -> dict[int, list[SampledToken]]:
+    """Samples each chunk's rows of ``logits`` (``num_drafts + 1`` per chunk, in order) with
+    its slot's sampler, position by position, each sequence stopping at its first sample that
+    differs from the draft after it: a sequence's sampler sees exactly the tokens it produces."""
+    if not any(chunk.num_drafts for chunk in chunks):  # no drafts: one row each, no copy
+        chosen = [samplers[chunk.slot] for chunk in chunks]
+        tokens = sample(logits, chosen, [chunk.allowed_tokens for chunk in chunks])
+        return {chunk.slot: [token] for chunk, token in zip(chunks, tokens, strict=True)}
+    firsts, row = [], 0
+    for chunk in chunks:
+        firsts.append(row)
+        row += chunk.num_drafts + 1
+    result: dict[int, list[SampledToken]] = {chunk.slot: [] for chunk in chunks}
+    alive = list(range(len(chunks)))
+    depth = 0
+    while alive:
+        rows = torch.tensor([firsts[i] + depth for i in alive], device=logits.device)
+        chosen = [samplers[chunks[i].slot] for i in alive]
+        still = []
+        # Constrained sequences are never drafted: their one mask is at depth 0.
+        allowed = [chunks[i].allowed_tokens if depth == 0 else None for i in alive]
+        for i, token in zip(alive, sample(logits[rows], chosen, allowed), strict=True):
+            chunk = chunks[i]
+            result[chunk.slot].append(token)
+            draft_at = len(chunk.token_ids) - chunk.num_drafts + depth
+            if depth < chunk.num_drafts and token.token_id == chunk.token_ids[draft_at]:
+                still.append(i)
+        alive, depth = still, depth + 1
+    return result
 
 
 def _plain_greedy(s: SequenceSampler) -> bool:

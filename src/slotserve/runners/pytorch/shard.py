@@ -20,9 +20,10 @@ import torch
 
 from slotserve.runners.pytorch import ATTENTION_BACKENDS, gpu_kernels
 from slotserve.runners.pytorch.cpu_kernels import compute_path, load_cpu_kernels
+from slotserve.runners.pytorch.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from slotserve.runners.pytorch.kv_cache import KvPool
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
-from slotserve.runners.pytorch.load.memory import kv_blocks
+from slotserve.runners.pytorch.load.memory import decode_graph_bytes, kv_blocks
 from slotserve.runners.pytorch.load.weights import checkpoint_tensors, load_into
 from slotserve.runners.pytorch.model.attention import (
     AttentionGroup,
@@ -132,10 +133,16 @@ class ModelShard:
             else None
         )
         self.kv_bytes_per_token = local.kv_bytes_per_token(dtype.itemsize)
-        num_blocks = kv_blocks(load, device, max_seq_len, self.kv_bytes_per_token)
+        graphs = decode_graphs_apply(load, local, device, self.triton, tp)
+        reserved = decode_graph_bytes(local, load.num_slots, dtype.itemsize) if graphs else 0
+        num_blocks = kv_blocks(load, device, max_seq_len, self.kv_bytes_per_token, reserved)
         if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
             num_blocks = tp.min_across_ranks(num_blocks)
         self.pool = KvPool(local, num_blocks, load.block_size, load.num_slots, dtype, device)
+        self.max_seq_len = max_seq_len
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = self.capture_decode(load.num_slots, cuda_capture(device))
 
     def _set_aside(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
@@ -179,6 +186,41 @@ class ModelShard:
             lora,
         )
 
+    @torch.inference_mode()
+    def capture_decode(self, max_batch: int, capture: Capture) -> DecodeGraphs:
+        """Decode steps of up to ``max_batch`` sequences as graphs (``cuda_graphs.py``)."""
+        # The attention kernel takes int32 numbers, as the eager steps give it (one compiled
+        # kernel for both).
+        order = torch.arange(max_batch, dtype=torch.int32, device=self.device)
+        ones = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        block_size = self.pool.block_size
+
+        def logits(
+            tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor
+        ) -> torch.Tensor:
+            size = tokens.shape[0]
+            paged = PagedStep(tables.int(), order[:size], positions.int(), rows, block_size)
+            tiles = gpu_kernels.RowTiles(order[:size], order[:size], ones[:size])
+            step = StepAttention(rows, [], paged, tiles)
+            hidden = self.model(tokens, positions, step, self.pool.layers)
+            return self.model.logits(hidden)
+
+        width = -(-self.max_seq_len // block_size)
+        return DecodeGraphs(logits, max_batch, width, self.pool.ballast_row, self.device, capture)
+
+    def replay_decode(self, plan: StepPlan) -> torch.Tensor | None:
+        """The logits of a step of one-token chunks that all sample, from a captured graph;
+        None where no graph takes the step (prompt chunks, drafts, scored or pooled rows, more
+        sequences than the largest bucket)."""
+        graphs, groups = self.graphs, plan.groups
+        if graphs is None or len(groups) != 1 or groups[0].q_len != 1:
+            return None
+        n = len(plan.tokens)
+        if plan.logit_rows != [list(range(n))] or not graphs.takes(n, groups[0].tables):
+            return None
+        self.pool.copy_blocks(plan.block_copies)
+        return graphs.replay(plan.tokens, plan.positions, plan.write_rows, groups[0].tables)
+
     def _groups(self, plan: StepPlan) -> list[AttentionGroup]:
         pool, c = self.pool, self.model.config
         window = c.sliding_window if any(c.sliding_layers) else None
@@ -201,6 +243,7 @@ class ModelShard:
         return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def close(self) -> None:
+        self.graphs = None  # its memory pool goes with it
         self.pool.clear()
         if self.linear_states is not None:
             self.linear_states.clear()
@@ -216,13 +259,35 @@ def _check_invariant_layers(config: ModelConfig) -> None:
         )
 
 
+def decode_graphs_apply(
+    load: TorchLoadConfig,
+    config: ModelConfig,
+    device: torch.device,
+    triton: bool,
+    tp: TensorParallel | None,
+) -> bool:
+    """Whether decode steps replay CUDA graphs: on a GPU with the Triton attention, unless
+    ``--enforce-eager``. Tensor parallelism, mixtures of experts and Gated DeltaNet layers
+    (per-step host decisions inside the forward) stay eager."""
+    return (
+        device.type == "cuda"
+        and triton
+        and not load.enforce_eager
+        and tp is None
+        and not config.num_experts
+        and not any(config.linear_layers)
+    )
+
+
 def triton_attention(backend: str, device: torch.device) -> bool:
     """Whether attention runs as the Triton kernels where the CPU kernels do not
-    (``--attention-backend``). auto keeps torch's until the kernels have run and been measured
-    on a GPU (they are tested under Triton's interpreter)."""
+    (``--attention-backend``). auto: on a CUDA device where Triton is installed (the kernels
+    and the decode graphs they allow are the GPU's fast path), else torch's."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
-    if backend != "triton":
+    if backend == "auto":
+        return device.type == "cuda" and gpu_kernels.available()
+    if backend == "torch":
         return False
     runs = gpu_kernels.available() and (device.type == "cuda" or gpu_kernels.interpreted())
     if not runs:

@@ -57,6 +57,7 @@ class TorchLoadConfig:
     attention_backend: str = "auto"  # see ``shard.triton_attention``
     # Off the CPU kernels (GPUs): Triton attention and matmuls whose sums keep one order.
     batch_invariant: bool = False
+    enforce_eager: bool = False  # GPUs: no CUDA graphs for decode steps (``cuda_graphs.py``)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

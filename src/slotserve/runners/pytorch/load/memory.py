@@ -9,6 +9,7 @@ import torch
 
 from slotserve.engine.memory_need import MemoryNeed
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
 
 
@@ -23,18 +24,33 @@ def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int)
     return min(wanted, ram // 4)
 
 
+def decode_graph_bytes(config: ModelConfig, max_batch: int, dtype_bytes: int) -> int:
+    """What decode's CUDA graphs hold (``cuda_graphs.py``), at most: the largest bucket's
+    logits (the head's output and its float32 copy, twice over for the softmax's temporaries)
+    and a few layers' activations, plus the captures' own bookkeeping."""
+    logits = config.vocab_size * (dtype_bytes + 3 * 4)
+    q_dim = config.num_heads * config.head_dim * (2 if config.attn_output_gate else 1)
+    activations = 8 * (config.hidden_size + config.intermediate_size + q_dim) * dtype_bytes
+    return max_batch * (logits + activations) + 64 * 2**20
+
+
 def kv_blocks(
-    load: TorchLoadConfig, device: torch.device, max_seq_len: int, bytes_per_token: int
+    load: TorchLoadConfig,
+    device: torch.device,
+    max_seq_len: int,
+    bytes_per_token: int,
+    reserved: int = 0,
 ) -> int:
     """KV pool blocks: ``--kv-memory``; on a GPU what ``--gpu-memory-fraction`` leaves free
-    after the weights (and any recurrent state); on CPU :func:`cpu_kv_budget`."""
+    after the weights (and any recurrent state) and the ``reserved`` bytes (decode graphs); on
+    CPU :func:`cpu_kv_budget`."""
     block = load.block_size
     if load.kv_memory_bytes:
         budget = load.kv_memory_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(free - total * (1 - load.gpu_memory_fraction))
+        budget = int(free - total * (1 - load.gpu_memory_fraction)) - reserved
     else:
         budget = cpu_kv_budget(load, max_seq_len, bytes_per_token)
     blocks = budget // (block * bytes_per_token)
@@ -83,6 +99,8 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
         if load.kv_memory_bytes:
             kv *= ranks
     buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
+    if on_gpu and not load.enforce_eager:
+        buffers += decode_graph_bytes(config, load.num_slots, dtype_bytes)
     # DeltaNet states: the slots' and the prefix cache's snapshots.
     buffers += (load.num_slots + load.state_snapshots) * config.linear_state_bytes(dtype_bytes)
     return MemoryNeed(weights, kv, kv // per_token, buffers, device_share=float(on_gpu))
