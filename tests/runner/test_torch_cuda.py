@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from slotserve.bench.model_shapes import SMOLLM2_135M
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
@@ -31,16 +32,6 @@ pytestmark = pytest.mark.skipif(
 
 SYSTEM = " ".join(PROMPTS * 2)  # ~110 tokens shared by every prompt
 KV_MEMORY = 1 << 30  # each runner's pool: a few at once must fit beside each other
-SMOLLM2_135M: dict[str, Any] = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
 
 
 @pytest.fixture(scope="module")
