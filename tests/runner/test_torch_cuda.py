@@ -96,6 +96,7 @@ def test_greedy_parity_with_transformers_on_the_gpu(
     )
     runner = TorchRunner(load)
     assert (runner.shard.graphs is not None) == (not eager)
+    assert ("CUDA graphs" in runner.model_info.compute.kernels) == (not eager)
     model: Any = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
     model = model.to("cuda")
     model.train(False)

@@ -143,6 +143,8 @@ class ModelShard:
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = self.capture_decode(load.num_slots, cuda_capture(device))
+            kernels = f"{self.compute.kernels}, decode steps in CUDA graphs"
+            self.compute = dataclasses.replace(self.compute, kernels=kernels)
 
     def _set_aside(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
