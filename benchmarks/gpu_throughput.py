@@ -206,7 +206,7 @@ def decode_workload(args: argparse.Namespace) -> Figures:
 
 def nano_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
     """nano-vllm's draws, in its order: every prompt (length, then ids), then every output
-    length. ``--max-len`` below 100 lowers the bottom of the range too (smoke tests)."""
+    length. ``--max-len`` below 400 lowers the bottom of the range too (smoke tests)."""
     rng, top = random.Random(0), min(10000, vocab - 1)  # nano-vllm's ids: 0..10000
     low = min(100, max(1, args.max_len // 4))
     prompts = [
