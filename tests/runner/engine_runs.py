@@ -50,15 +50,19 @@ def generate(
 
 
 def alone_then_together(
-    core: EngineCore, prompts: Sequence[list[int]], params: SamplingParams
+    core: EngineCore,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    start_after: dict[str, tuple[str, int]] | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Each prompt run by itself, one after another, then all of them at once in the same
-    core; requests ``p0``, ``p1``, ... Returns (alone, together)."""
+    core (``start_after`` staggers them, as :func:`generate` does); requests ``p0``, ``p1``,
+    ... Returns (alone, together)."""
     alone: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         alone.update(generate(core, {f"p{i}": (prompt, params)}))
-    together = generate(core, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
-    return alone, together
+    jobs = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
+    return alone, generate(core, jobs, start_after=start_after)
 
 
 def through_host_and_disk(num_slots: int, folder: Path) -> EngineConfig:

@@ -23,7 +23,13 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy, run_logprobs, through_host_and_disk
+from tests.runner.engine_runs import (
+    alone_then_together,
+    generate,
+    greedy,
+    run_logprobs,
+    through_host_and_disk,
+)
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -158,14 +164,10 @@ def alone_and_batched(smollm2: Path, eager: bool) -> tuple[dict[str, Any], dict[
     assert (runner.shard.graphs is None) == eager
     core = EngineCore(runner, EngineConfig(num_slots=16, prefix_cache=False))
     prompts = [runner.tokenizer.encode(p) for p in PROMPTS * 2]
-    jobs = {f"p{i}": (p, greedy(24)) for i, p in enumerate(prompts)}
-    alone: dict[str, list[int]] = {}
-    for rid, job in jobs.items():
-        alone |= generate(core, {rid: job})
     staggered = {f"p{i}": ("p0", i) for i in range(1, len(prompts))}
-    together = generate(core, jobs, start_after=staggered)
+    runs = alone_then_together(core, prompts, greedy(24), staggered)
     runner.close()
-    return alone, together
+    return runs
 
 
 def test_batch_invariant_tokens_are_the_same_alone_batched_and_graphed_on_the_gpu(

@@ -21,7 +21,7 @@ from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from slotserve.runners.pytorch.shard import triton_attention
 from tests.prompts import PROMPTS
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import alone_then_together, generate, greedy
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -85,11 +85,8 @@ def test_batch_invariant_tokens_are_the_same_alone_and_batched(
     assert compute.batch_invariant and "invariant Triton matmuls" in compute.kernels
     core = EngineCore(runner, EngineConfig(num_slots=3, prefill_chunk=16, prefix_cache=False))
     prompts = [runner.tokenizer.encode(p * 2) for p in PROMPTS[3:6]]
-    jobs = {f"p{i}": (p, greedy(4)) for i, p in enumerate(prompts)}
-    alone: dict[str, list[int]] = {}
-    for rid, job in jobs.items():
-        alone |= generate(core, {rid: job})
-    together = generate(core, jobs, start_after={"p1": ("p0", 2), "p2": ("p0", 3)})
+    staggered = {"p1": ("p0", 2), "p2": ("p0", 3)}
+    alone, together = alone_then_together(core, prompts, greedy(4), staggered)
     runner.close()
     assert together == alone
 
