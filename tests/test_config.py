@@ -32,6 +32,13 @@ DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
 # (dest, flags, SLOTSERVE_ variable, default with no variable set) of every serve flag.
 SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("admin_api_key", ("--admin-api-key",), "ADMIN_API_KEY", None),
+    (
+        "allowed_local_media_path",
+        ("--allowed-local-media-path",),
+        "ALLOWED_LOCAL_MEDIA_PATH",
+        None,
+    ),
+    ("allowed_media_domains", ("--allowed-media-domains",), None, None),
     ("admin_routes", ("--admin-routes",), "ADMIN_ROUTES", "auto"),
     ("api_key", ("--api-key",), "API_KEY", None),
     ("attention_backend", ("--attention-backend",), "ATTENTION_BACKEND", "auto"),
@@ -55,6 +62,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("kv_memory", ("--kv-memory",), "KV_MEMORY", None),
     ("load_format", ("--load-format",), "LOAD_FORMAT", "auto"),
     ("log_level", ("--log-level",), "LOG_LEVEL", "info"),
+    ("limit_mm_per_prompt", ("--limit-mm-per-prompt",), "LIMIT_MM_PER_PROMPT", '{"image": 8}'),
     ("lora_modules", ("--lora-modules",), None, None),
     ("max_batch_tokens", ("--max-batch-tokens",), "MAX_BATCH_TOKENS", 512),
     ("max_lora_rank", ("--max-lora-rank",), "MAX_LORA_RANK", 64),

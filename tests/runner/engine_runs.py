@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
@@ -20,10 +21,11 @@ def generate(
     jobs: dict[str, tuple[list[int], SamplingParams]],
     start_after: dict[str, tuple[str, int]] | None = None,
     adapters: dict[str, int] | None = None,
+    images: Mapping[str, Sequence[ImageInput]] | None = None,
 ) -> dict[str, list[int]]:
     """Runs ``jobs`` to completion; ``start_after[rid] = (other, k)`` submits ``rid`` once
     ``other`` has generated ``k`` tokens; ``adapters[rid]``: the LoRA adapter ``rid`` runs
-    with. Returns each request's output token ids."""
+    with; ``images[rid]``: its prompt's images. Returns each request's output token ids."""
     start_after = start_after or {}
     tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
     pending = dict(jobs)
@@ -35,7 +37,8 @@ def generate(
             if gate is None or len(tokens[gate[0]]) >= gate[1]:
                 prompt, params = pending.pop(rid)
                 adapter = (adapters or {}).get(rid, 0)
-                core.add_request(core.make_request(rid, prompt, params, adapter=adapter))
+                shown = (images or {}).get(rid, ())
+                core.add_request(core.make_request(rid, prompt, params, 0, adapter, shown))
 
     submit_ready()
     while len(done) < len(jobs):

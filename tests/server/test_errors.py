@@ -17,6 +17,12 @@ from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
+# A 1×1 PNG: a well-formed image, refused by a model that reads text only.
+PNG = (
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
+)
+
 BAD_CHAT_BODIES: list[tuple[str, Any, str | None]] = [
     ("wrong type for temperature", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ("messages not a list", {"messages": "hello"}, "messages"),
@@ -41,9 +47,18 @@ BAD_CHAT_BODIES: list[tuple[str, Any, str | None]] = [
     ("top_p zero", {"messages": MESSAGES, "top_p": 0}, "top_p"),
     ("stream not a bool", {"messages": MESSAGES, "stream": "maybe"}, "stream"),
     (
-        "image content part",
+        "image part without a url",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "messages.0.content.0.type",
+        "messages.0.content.0.image_url.image_url.url",
+    ),
+    (
+        "image to a text-only model",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG}}]}
+            ]
+        },
+        "messages",
     ),
     ("max_tokens beyond the context", {"messages": MESSAGES, "max_tokens": 10**6}, "max_tokens"),
     ("messages too long", {"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),

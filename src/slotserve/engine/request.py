@@ -16,6 +16,7 @@ from typing import Any
 from slotserve.engine.adapters import cache_keys
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.detokenizer import IncrementalDetokenizer
+from slotserve.engine.images import ImageInput, image_cache_keys
 from slotserve.engine.outputs import FinishReason, SampledToken
 from slotserve.engine.runner_interface import ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
@@ -35,6 +36,13 @@ class Request:
     overtaken: int = 0  # later requests admitted first (schedule policy lpm)
     priority: int = 0  # schedule policy priority: lower runs first (vLLM's meaning)
     adapter: int = 0  # the LoRA adapter's id (``engine/adapters.py``); 0: the base model
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order (``engine/images.py``)
+
+    def cache_keys(self, tokens: Sequence_[int] | None = None) -> Sequence_[int]:
+        """``tokens`` (the prompt by default: a sequence's start with it) as the prefix cache
+        keys them: by adapter, and by image over the images' placeholder runs."""
+        tokens = self.prompt_token_ids if tokens is None else tokens
+        return image_cache_keys(cache_keys(tokens, self.adapter), self.images, self.adapter)
 
     @property
     def finished(self) -> bool:
@@ -97,7 +105,7 @@ class Sequence:
 
     def cache_keys(self, length: int | None = None) -> Sequence_[int]:
         """The first ``length`` tokens (all by default) as the prefix cache keys them."""
-        return cache_keys(self.token_ids[:length], self.request.adapter)
+        return self.request.cache_keys(self.token_ids[:length])
 
 
 def new_request(
@@ -107,10 +115,16 @@ def new_request(
     params: SamplingParams,
     priority: int = 0,
     adapter: int = 0,
+    images: Sequence_[ImageInput] = (),
 ) -> Request:
     """A request arriving now, its deadline set, its sequences not yet built."""
     request = Request(
-        request_id, list(prompt_token_ids), params, priority=priority, adapter=adapter
+        request_id,
+        list(prompt_token_ids),
+        params,
+        priority=priority,
+        adapter=adapter,
+        images=tuple(images),
     )
     if config.request_timeout_s is not None:
         request.deadline = request.arrival_time + config.request_timeout_s

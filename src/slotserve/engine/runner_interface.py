@@ -147,6 +147,8 @@ class ModelInfo:
     # LoRA adapters (``engine/adapters.py``): why none are served, and those loaded now.
     lora_unsupported: str | None = "this runner serves no LoRA adapters"
     adapters: tuple[AdapterInfo, ...] = ()
+    # Images in prompts (``engine/images.py``): the runner is an ``ImageRunner``.
+    accepts_images: bool = False
 
     @property
     def can_embed(self) -> bool:

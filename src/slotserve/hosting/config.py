@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, create_model
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.sampling_defaults import DEFAULTED, LLAMA_SERVER, NEUTRAL, SamplingDefaults
 from slotserve.options import option, options, parse_bytes
+from slotserve.protocol.media import MediaPolicy
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
 from slotserve.runners.llama_cpp import REPACK_CHOICES
@@ -257,6 +258,24 @@ class ModelOptions:
         choices=REASONING_PARSERS,
         help="split <think>...</think> into message.reasoning_content (qwen3, deepseek_r1)",
     )
+    # Images in requests (vLLM's flags): how many, and where URLs may be read from.
+    limit_mm_per_prompt: str = option(
+        '{"image": 8}',
+        help='the most images one request may carry, as vLLM\'s JSON ({"image": N}; '
+        'default {"image": 8})',
+    )
+    allowed_media_domains: tuple[str, ...] = option(
+        (),
+        many=True,
+        env=None,
+        metavar="HOST",
+        help="hosts whose http(s) image URLs are fetched; repeat for several (default none: "
+        "only data: URLs are read, so a request cannot make the server fetch an address)",
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        help="a folder whose files requests may name as file:// image URLs (default none)",
+    )
     # llama-server's flag names; each is the default of a request that leaves the field out.
     temperature: float | None = _sampling_default("temperature")
     top_p: float | None = _sampling_default("top_p")
@@ -286,6 +305,13 @@ class ModelOptions:
         bad = [DEFAULTED[b].option or b for b in self.sampling_defaults.out_of_range()]
         if bad:
             raise ValueError(f"sampling defaults out of range: {', '.join(bad)}")
+        self.media_policy  # noqa: B018 (refuses a bad --limit-mm-per-prompt at start-up)
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy.of(
+            self.limit_mm_per_prompt, self.allowed_media_domains, self.allowed_local_media_path
+        )
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:

@@ -167,6 +167,7 @@ def build_launch(
         restart=RestartPolicy(
             chat.engine_restart == "always", chat.engine_restart_limit, chat.engine_restart_window
         ),
+        media=chat.media_policy,
     )
 
 

@@ -23,6 +23,7 @@ from slotserve.engine.runner_interface import (
 )
 from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.protocol.chat_template import ChatTemplate
+from slotserve.protocol.media import MediaPolicy
 from slotserve.protocol.reasoning import ReasoningParser
 
 RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
@@ -99,6 +100,7 @@ class ModelLaunch:
     model_path: Path | None = None  # where the weights are (the worker routes report it)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # the sampling flags
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # images a request may send
 
 
 async def build_model(

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from slotserve.engine.client.async_engine import AsyncEngine, RequestStream
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.server.errors import GenerationFailed
@@ -26,6 +27,7 @@ def submit_prompts(
     params: SamplingParams,
     priority: int = 0,
     adapter: int = 0,
+    images: Sequence[ImageInput] = (),
 ) -> list[RequestStream]:
     """Submits one engine request per prompt (on LoRA ``adapter``, 0: none); raises (4xx
     errors) before anything is queued for a prompt that fails validation, and withdraws the
@@ -34,7 +36,7 @@ def submit_prompts(
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
-            streams.append(engine.submit(rid, prompt, params, priority, adapter))
+            streams.append(engine.submit(rid, prompt, params, priority, adapter, images))
             note_submitted(streams[-1].request_id)
     except BaseException:
         for stream in streams:

@@ -12,11 +12,12 @@ by translating their requests into a chat completion request.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
@@ -121,14 +122,16 @@ def submit_chat(
     plan: ToolPlan,
     params: SamplingParams,
     priority: int = 0,
+    images: Sequence[ImageInput] = (),
 ) -> ChatGeneration:
     """Submits ``prompt`` on ``model`` (taken again by the caller since it was rendered, with
     nothing awaited since: it cannot be unloaded in between); ``InvalidRequestError`` naming
     the chat field at fault."""
     try:
         with host.refusing_a_dead_engine():
+            adapter = request_adapter(raw)
             streams = submit_prompts(
-                model.engine, request_id, [prompt], params, priority, request_adapter(raw)
+                model.engine, request_id, [prompt], params, priority, adapter, images
             )
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages

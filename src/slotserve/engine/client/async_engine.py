@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from slotserve.engine.client.base import Deliver, EngineCoreClient
 from slotserve.engine.client.inproc_client import InprocClient
@@ -25,6 +25,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
 from slotserve.engine.sampling_params import SamplingParams
@@ -117,6 +118,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         adapter: int = 0,
+        images: Sequence[ImageInput] = (),
     ) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
@@ -130,7 +132,9 @@ class AsyncEngine:
             raise EngineDeadError(unhealthy)
         while request_id in self._busy:
             request_id = f"{request_id.split('~')[0]}~{uuid.uuid4().hex[:8]}"
-        request = self.client.make_request(request_id, prompt_token_ids, params, priority, adapter)
+        request = self.client.make_request(
+            request_id, prompt_token_ids, params, priority, adapter, images
+        )
         self.client.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.errors import EngineDeadError, QueueFullError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
@@ -123,6 +124,7 @@ class EngineCoreClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
         adapter: int = 0,
+        images: Sequence[ImageInput] = (),
     ) -> Request:
         """Validates a request against the model (``InvalidRequestError``)."""
         ...

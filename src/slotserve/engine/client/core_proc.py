@@ -125,6 +125,7 @@ def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
             deadline=message.deadline,
             priority=message.priority,
             adapter=message.adapter,
+            images=tuple(message.images),
         )
         core.add_request(add_sequences(request, core.model_info, core.runner.tokenizer))
         return None

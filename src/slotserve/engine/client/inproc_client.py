@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import AdapterInfo
@@ -90,8 +91,11 @@ class InprocClient(ClientState):
         params: SamplingParams,
         priority: int = 0,
         adapter: int = 0,
+        images: Sequence[ImageInput] = (),
     ) -> Request:
-        return self.core.make_request(request_id, prompt_token_ids, params, priority, adapter)
+        return self.core.make_request(
+            request_id, prompt_token_ids, params, priority, adapter, images
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises ``QueueFullError`` at once when the queue is full and

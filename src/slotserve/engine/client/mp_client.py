@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -40,6 +40,7 @@ from slotserve.engine.client.core_proc import POLL_MS, run_engine_core
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.limits import validate_request
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
 from slotserve.engine.request import Request, new_request
 from slotserve.engine.runner_interface import AdapterInfo, RunnerFrontend, RunnerSpec
@@ -140,10 +141,13 @@ class MPClient(ClientState):
         params: SamplingParams,
         priority: int = 0,
         adapter: int = 0,
+        images: Sequence[ImageInput] = (),
     ) -> Request:
         """Validates here; the engine process builds the sequences (and detokenizers)."""
-        validate_request(self, self.config, prompt_token_ids, params, priority, adapter)
-        return new_request(self.config, request_id, prompt_token_ids, params, priority, adapter)
+        validate_request(self, self.config, prompt_token_ids, params, priority, adapter, images)
+        return new_request(
+            self.config, request_id, prompt_token_ids, params, priority, adapter, images
+        )
 
     def add_request(self, request: Request) -> None:
         message = wire.AddRequest(
@@ -154,6 +158,7 @@ class MPClient(ClientState):
             request.deadline,
             request.priority,
             request.adapter,
+            list(request.images),
         )
         try:
             with self._lock:

@@ -15,6 +15,7 @@ from typing import cast
 import msgspec
 
 from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo
 from slotserve.engine.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     deadline: float | None
     priority: int = 0
     adapter: int = 0
+    images: list[ImageInput] = []
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from slotserve.engine.adapters import cache_keys
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.core.slots import Slot
 from slotserve.engine.prefix_cache.base import PrefixCache
@@ -29,7 +28,7 @@ def order_by_cached_prefix(
         arrival, request = item
         if request.overtaken >= num_slots:
             return (0, 0, arrival)
-        prompt = cache_keys(request.prompt_token_ids, request.adapter)
+        prompt = request.cache_keys()
         match = cache.match(prompt).length
         return (1, -policy.reusable_length(match, len(prompt)), arrival)
 
@@ -71,7 +70,7 @@ def waits_for_prefill_in_flight(
 ) -> bool:
     """Invariant 7: True when ``request`` should wait for one of the ``prefilling`` slots
     (oldest admission first) to compute what it shares with it, at least ``min_tokens``."""
-    prompt = cache_keys(request.prompt_token_ids, request.adapter)
+    prompt = request.cache_keys()
     cached = policy.reusable_length(cache.match(prompt).length, len(prompt))
     for slot in prefilling:
         seq = slot.sequence

@@ -34,6 +34,7 @@ from slotserve.engine.core.stats import EngineCounters, EngineStats
 from slotserve.engine.decoding.speculative import build_speculator
 from slotserve.engine.decoding.structured_output import GrammarMasks
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
+from slotserve.engine.images import ImageInput, ImageRunner
 from slotserve.engine.outputs import FailureKind, FinishReason, RequestOutput, SampledToken
 from slotserve.engine.prefix_cache import build_prefix_cache
 from slotserve.engine.request import Request, Sequence, add_sequences, new_request
@@ -85,11 +86,16 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         adapter: int = 0,
+        images: SequenceOf[ImageInput] = (),
     ) -> Request:
         """Validates a request against the model's limits; raises ``InvalidRequestError``.
         Safe from any thread (reads only what is fixed at load time)."""
-        validate_request(self.runner, self.config, prompt_token_ids, params, priority, adapter)
-        request = new_request(self.config, request_id, prompt_token_ids, params, priority, adapter)
+        validate_request(
+            self.runner, self.config, prompt_token_ids, params, priority, adapter, images
+        )
+        request = new_request(
+            self.config, request_id, prompt_token_ids, params, priority, adapter, images
+        )
         return add_sequences(request, self.runner.model_info, self.runner.tokenizer)
 
     def add_request(self, request: Request) -> None:
@@ -209,6 +215,9 @@ class EngineCore:
             try:
                 if params.structured_output is not None and seq.grammar is None:
                     seq.grammar = self.grammars.matcher(params.structured_output)
+                if request.images:
+                    assert isinstance(self.runner, ImageRunner), "validated: it reads images"
+                    self.runner.add_images(seq.slot, request.images)
                 self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
             except Exception as exc:
                 logger.exception(

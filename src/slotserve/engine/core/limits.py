@@ -7,9 +7,12 @@ trim a chat history, say) keep working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.decoding.structured_output import check_structured_output
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.images import ImageInput, check_images
 from slotserve.engine.runner_interface import ModelInfo, RequestChecker
 from slotserve.engine.sampling_params import SamplingParams
 
@@ -90,6 +93,7 @@ def validate_request(
     params: SamplingParams,
     priority: int = 0,
     adapter: int = 0,
+    images: Sequence[ImageInput] = (),
 ) -> None:
     """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
     spec included. Any thread: it only reads what the runner (or the API process's frontend)
@@ -102,6 +106,7 @@ def validate_request(
         )
     if adapter and checker.model_info.lora_unsupported:
         raise InvalidRequestError(checker.model_info.lora_unsupported, param="model")
+    check_images(images, prompt_token_ids, checker.model_info.accepts_images)
     check_request(checker.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
         check_structured_output(params.structured_output)

@@ -32,7 +32,7 @@ from slotserve.runners.pytorch.model.attention import (
     build_group,
 )
 from slotserve.runners.pytorch.model.config import ModelConfig
-from slotserve.runners.pytorch.model.decoder import Decoder
+from slotserve.runners.pytorch.model.decoder import Decoder, StepImages
 from slotserve.runners.pytorch.model.deltanet import LinearStatePool, LinearStep
 from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import (
@@ -155,9 +155,11 @@ class ModelShard:
             else:
                 yield name, tensor
 
-    def forward(self, plan: StepPlan, lora: StepLora | None = None) -> torch.Tensor:
+    def forward(
+        self, plan: StepPlan, lora: StepLora | None = None, images: StepImages | None = None
+    ) -> torch.Tensor:
         """The step's final hidden states, one row per token of ``plan.tokens``; ``lora``:
-        the rows' LoRA adapters."""
+        the rows' LoRA adapters; ``images``: a vision-language model's inputs."""
         device, pool = self.device, self.pool
         pool.copy_blocks(plan.block_copies)
         if self.model.kernels is not None:
@@ -186,6 +188,7 @@ class ModelShard:
             linear_step,
             self.linear_states.layers if self.linear_states is not None else None,
             lora,
+            images,
         )
 
     @torch.inference_mode()
@@ -269,8 +272,8 @@ def decode_graphs_apply(
     tp: TensorParallel | None,
 ) -> bool:
     """Whether decode steps replay CUDA graphs: on a GPU with the Triton attention, unless
-    ``--enforce-eager``. Tensor parallelism, mixtures of experts and Gated DeltaNet layers
-    (per-step host decisions inside the forward) stay eager."""
+    ``--enforce-eager``. Tensor parallelism, mixtures of experts, Gated DeltaNet layers
+    and M-RoPE (per-step host inputs of the forward) stay eager."""
     return (
         device.type == "cuda"
         and triton
@@ -278,6 +281,7 @@ def decode_graphs_apply(
         and tp is None
         and not config.num_experts
         and not any(config.linear_layers)
+        and not config.mrope_section
     )
 
 

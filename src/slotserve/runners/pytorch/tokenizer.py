@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from slotserve.engine.images import ImagePreparer
+
 # Special tokens that end a turn in the chat templates of the supported families.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -51,12 +53,20 @@ class HfTokenizer:
             for i, piece in enumerate(pieces)
         ]
         self._pieces = [piece or "" for piece in pieces]
+        # A vision-language model's: an image → its patches and placeholder tokens.
+        self.image_preparer: ImagePreparer | None = None
 
     @classmethod
     def from_folder(cls, folder: Path) -> HfTokenizer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(folder)))
+        from slotserve.runners.pytorch.vision.qwen_vl import QwenVlImages, vision_config
+
+        tokenizer = cls(AutoTokenizer.from_pretrained(str(folder)))
+        raw = vision_config(folder)
+        if raw is not None:
+            tokenizer.image_preparer = QwenVlImages(folder, raw)
+        return tokenizer
 
     @classmethod
     def from_gguf(cls, path: Path) -> HfTokenizer:

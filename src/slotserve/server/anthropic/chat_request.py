@@ -13,6 +13,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.server.anthropic.protocol import (
     CountTokensRequest,
+    ImageBlock,
     Message,
     MessagesRequest,
     TextBlock,
@@ -81,7 +82,16 @@ def _converted(message: Message) -> list[dict[str, Any]]:
         for b in blocks
         if isinstance(b, ToolResultBlock)
     ]
-    if text or not out:
+    if any(isinstance(b, ImageBlock) for b in blocks):
+        parts = [
+            {"type": "image_url", "image_url": {"url": b.url}}
+            if isinstance(b, ImageBlock)
+            else {"type": "text", "text": b.text}
+            for b in blocks
+            if isinstance(b, ImageBlock | TextBlock)
+        ]
+        out.append({"role": message.role, "content": parts})
+    elif text or not out:
         out.append({"role": message.role, "content": text})
     return out
 

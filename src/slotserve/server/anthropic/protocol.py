@@ -38,11 +38,33 @@ class TextBlock(_Strict):
     citations: list[Any] | None = None
 
 
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class UrlSource(_Strict):
+    type: Literal["url"]
+    url: str
+
+
 class ImageBlock(BaseModel):
-    """Declared only to be refused by name: the model reads text only."""
+    """An image (read by a vision-language model); a document is refused by name."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["image", "document"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")] | None = None
+    cache_control: CacheControl | None = None
+
+    @property
+    def url(self) -> str:
+        """The image as an OpenAI image URL (a data: URL for base64 data)."""
+        source = self.source
+        assert source is not None, "checked by reject_unsupported"
+        if isinstance(source, UrlSource):
+            return source.url
+        return f"data:{source.media_type};base64,{source.data}"
 
 
 class ToolUseBlock(_Strict):
@@ -221,17 +243,17 @@ class MessagesRequest(CountTokensRequest):
 
 
 def _reject_block(block: Any, where: str, role: str) -> None:
-    if isinstance(block, ImageBlock) or (
+    if (isinstance(block, ImageBlock) and (block.type == "document" or block.source is None)) or (
         isinstance(block, ToolResultBlock)
         and not isinstance(block.content, str)
         and any(isinstance(part, ImageBlock) for part in block.content)
     ):
         raise InvalidRequestError(
-            f"'{where}': image and document blocks are not supported: this model reads text only.",
+            f"'{where}': document blocks, and images inside tool results, are not supported.",
             param=where,
         )
     allowed = {
-        "user": (TextBlock, ToolResultBlock),
+        "user": (TextBlock, ToolResultBlock, ImageBlock),
         "assistant": (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock),
         "system": (TextBlock,),
     }[role]

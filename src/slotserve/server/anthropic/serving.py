@@ -79,7 +79,9 @@ async def count_tokens(ctx: ServingContext, body: CountTokensRequest, raw: Reque
     host, model = await ctx.acquire(body.model, raw)
     chat = _chat_request(model, body)
     try:
-        prompt, _ = await host.off_loop(model, render_chat, host, model, chat, check_length=False)
+        prompt, _, _ = await host.off_loop(
+            model, render_chat, host, model, chat, check_length=False
+        )
     except InvalidRequestError as exc:
         exc.param = anthropic_param(exc.param)
         raise

@@ -8,9 +8,11 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
+from slotserve.engine.images import ImageInput
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
+from slotserve.server.openai.chat_images import place_images, read_images
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages
@@ -31,11 +33,11 @@ async def start_chat(
     ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
     loop; the model is checked again after it, and nothing awaits from there to the
     submission, so the model cannot be unloaded in between."""
-    prompt, plan = await host.off_loop(model, render_chat, host, model, body)
+    prompt, plan, images = await host.off_loop(model, render_chat, host, model, body)
     model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
-    return submit_chat(host, model, raw, request_id, prompt, plan, params, body.priority)
+    return submit_chat(host, model, raw, request_id, prompt, plan, params, body.priority, images)
 
 
 def render_chat(
@@ -44,8 +46,9 @@ def render_chat(
     body: ChatCompletionRequest,
     add_special_tokens: bool | None = None,
     check_length: bool = True,
-) -> tuple[list[int], ToolPlan]:
-    """The prompt's token ids as :func:`start_chat` submits them, and the tool plan; also
+) -> tuple[list[int], ToolPlan, list[ImageInput]]:
+    """The prompt's token ids as :func:`start_chat` submits them, the tool plan and the
+    images (read and placed: ``chat_images.py``); also
     what counting a request's tokens reads, so a count and a run cannot disagree.
     ``add_special_tokens`` None: the BOS token unless the template writes it itself (a second
     one would change the prompt). ``check_length``: refuse a prompt whose characters alone
@@ -53,6 +56,7 @@ def render_chat(
     a long conversation: call it off the event loop (``ModelHost.off_loop``)."""
     template = require_chat_template(model)
     plan = plan_tools(body, template, host.launch.tool_call_parser)
+    images = read_images(model, host.launch.media, body)
     prompt_text = template.render(
         template_messages(body, plan),
         add_generation_prompt=body.add_generation_prompt,
@@ -65,7 +69,9 @@ def render_chat(
         add_bos = add_special_tokens
     if check_length:
         check_prompt_chars(model, prompt_text, "messages")
-    return model.tokenizer.encode(prompt_text, add_special_tokens=add_bos), plan
+    tokens = model.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
+    tokens, images = place_images(model, tokens, images)
+    return tokens, plan, images
 
 
 def _sampling_params(

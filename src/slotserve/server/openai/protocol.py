@@ -33,7 +33,19 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageUrl(_Strict):
+    url: str  # data:image/...;base64,... or an http(s):// or file:// URL the server allows
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 Content = str | list[TextPart]
+# A user's content may hold images (read by a vision-language model; others refuse them).
+UserContent = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
 
 class SystemMessage(_Strict):
@@ -44,7 +56,7 @@ class SystemMessage(_Strict):
 
 class UserMessage(_Strict):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = None
 
 

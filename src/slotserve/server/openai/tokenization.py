@@ -80,7 +80,7 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest, raw: Request) -> 
             chat_template_kwargs=body.chat_template_kwargs,
         )
         chat.reject_unsupported()  # the chat route's checks of the template controls
-        tokens, _ = await host.off_loop(
+        tokens, _, _ = await host.off_loop(
             model, render_chat, host, model, chat, body.add_special_tokens, check_length=False
         )
     else:

@@ -29,7 +29,7 @@ from slotserve.protocol.tool_parsers import (
     get_tool_parser,
     parser_for_template,
 )
-from slotserve.server.openai.protocol import ChatCompletionRequest
+from slotserve.server.openai.protocol import ChatCompletionRequest, ImagePart, TextPart
 from slotserve.server.tool_plan import NO_TOOLS, ToolPlan
 
 
@@ -91,9 +91,15 @@ def template_messages(body: ChatCompletionRequest, plan: ToolPlan) -> list[dict[
     JSON the model is asked for."""
     messages: list[dict[str, Any]] = []
     for message in body.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        content: Any = message.content
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            # The template writes its image placeholder where each image stands.
+            content = [
+                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in content
+            ]
+        elif isinstance(content, list):
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.role == "assistant" and message.reasoning_content:

@@ -60,7 +60,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 assistant(fresh=True)["content"] = item.text()
             else:
                 reasoning.clear()
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, ReasoningItem):
             text = _reasoning_text(item)
             if text:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
+from slotserve.engine.errors import InvalidRequestError
 from slotserve.server.sampling_schema import sampled
 
 
@@ -40,7 +41,14 @@ class RefusalContent(_Strict):
     refusal: str
 
 
-Content = Annotated[TextContent | RefusalContent, Field(discriminator="type")]
+class ImageContent(_Strict):
+    type: Literal["input_image"]
+    image_url: str | None = None  # data:, or an http(s):// or file:// URL the server allows
+    file_id: str | None = None  # refused: this server keeps no files
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+Content = Annotated[TextContent | RefusalContent | ImageContent, Field(discriminator="type")]
 
 
 class MessageItem(_Strict):
@@ -53,6 +61,25 @@ class MessageItem(_Strict):
 
     def text(self) -> str:
         return _joined(self.content)
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: its text, or with images the parts in order."""
+        if isinstance(self.content, str) or not any(
+            isinstance(p, ImageContent) for p in self.content
+        ):
+            return self.text()
+        parts: list[dict[str, Any]] = []
+        for part in self.content:
+            if isinstance(part, ImageContent):
+                if part.image_url is None:
+                    raise InvalidRequestError(
+                        "an input_image needs an image_url: file_id is not supported",
+                        param="input",
+                    )
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            else:
+                parts.append({"type": "text", "text": _joined([part])})
+        return parts
 
 
 class FunctionCallItem(_Strict):
@@ -119,7 +146,11 @@ class ReasoningItem(_Strict):
 def _joined(content: str | list[Content]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(p.text if isinstance(p, TextContent) else p.refusal for p in content)
+    return "".join(
+        p.text if isinstance(p, TextContent) else p.refusal
+        for p in content
+        if not isinstance(p, ImageContent)
+    )
 
 
 def _item_kind(value: Any) -> str:

@@ -60,6 +60,8 @@ class ModelConfig:
     # Per layer: True for a sliding-window (local) layer.
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None  # the sliding layers' own rotary base
+    # M-RoPE (Qwen2.5-VL): the rotary dims' split among (time, height, width) positions.
+    mrope_section: tuple[int, ...] = ()
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -167,7 +169,7 @@ class ModelConfig:
 def rope_scaling(raw: Mapping[str, Any], name: str) -> RopeScaling:
     """HF's ``rope_scaling`` (or ``rope_parameters``) settings; refused when unknown."""
     kind = raw.get("rope_type") or raw.get("type") or "default"
-    if kind == "default":
+    if kind in ("default", "mrope"):  # M-RoPE is read as ``mrope_section`` (Qwen2.5-VL)
         return RopeScaling()
     if kind == "linear":
         return RopeScaling("linear", float(raw["factor"]))

@@ -11,6 +11,7 @@ computes the same dot products as separate projections with fewer passes over th
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -22,8 +23,22 @@ from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep
 from slotserve.runners.pytorch.model.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
 from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
-from slotserve.runners.pytorch.model.rotary import apply_rotary, rotary_tables, without_scaling
+from slotserve.runners.pytorch.model.rotary import (
+    apply_rotary,
+    mrope_rotary,
+    rotary_tables,
+    without_scaling,
+)
 from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
+
+
+class StepImages(NamedTuple):
+    """A vision-language model's step inputs: every token's M-RoPE positions ``[3, tokens]``,
+    and the rows whose embeddings are the images' (``embeds``, one per row)."""
+
+    rope_positions: torch.Tensor
+    rows: torch.Tensor | None
+    embeds: torch.Tensor | None
 
 
 class _Norms:
@@ -123,11 +138,14 @@ class DecoderLayer(nn.Module):
         c: ModelConfig,
         kernels: CpuKernels | None,
         lora: LayerLora | None = None,
+        rotary_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = _project(self.qkv, x, lora, "qkv")
         if kernels is not None and step.paged is not None:
-            out = self._kernel_attention(qkv, rotary, step.paged, kv, sliding, c, kernels)
+            out = self._kernel_attention(
+                qkv, rotary, step.paged, kv, sliding, c, kernels, rotary_rows
+            )
             return _project(self.o_proj, out, lora, "o_proj")
         gate = None
         if c.attn_output_gate:
@@ -161,13 +179,16 @@ class DecoderLayer(nn.Module):
         sliding: bool,
         c: ModelConfig,
         kernels: CpuKernels,
+        rotary_rows: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The same attention (before ``o_proj``) through the CPU kernels: ``rotary`` holds
-        the whole tables (the kernel reads each token's row), the pool is read in place."""
+        """The same attention (before ``o_proj``) through the CPU kernels: the kernel reads
+        each token's row of ``rotary`` (the whole tables, by position; ``rotary_rows`` where
+        the tables are per token), the pool is read in place."""
         q_norm = self.q_norm.weight if c.qk_norm else None
         k_norm = self.k_norm.weight if c.qk_norm else None
+        rows = paged.positions if rotary_rows is None else rotary_rows
         q = kernels.rotary_write(
-            qkv, rotary[0], rotary[1], paged.positions, paged.cache_rows, kv[0], kv[1],
+            qkv, rotary[0], rotary[1], rows, paged.cache_rows, kv[0], kv[1],
             c.num_heads, c.num_kv_heads, c.head_dim, c.attn_output_gate, q_norm, k_norm,
             c.rms_norm_eps, c.plus_one_norms,
         )  # fmt: skip
@@ -278,17 +299,25 @@ class Decoder(nn.Module):
         linear_step: LinearStep | None = None,
         linear_states: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         lora: StepLora | None = None,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         """Hidden states after the last layer (before the final norm), one row per token.
         ``linear_step`` and ``linear_states``: for models with Gated DeltaNet layers;
-        ``lora``: the rows' LoRA adapters."""
+        ``lora``: the rows' LoRA adapters; ``images``: a vision-language model's."""
         c, tp, kernels = self.config, self.tp, self.kernels
         if step.paged is None:
             kernels = None  # a step planned for the torch path (the GPU's) stays on it
         hidden = self.embed(token_ids) if tp is None else tp.embed(self.embed, token_ids)
         if c.scale_embeddings:
             hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
-        if kernels is not None:  # the kernels read each token's row of the whole tables
+        rotary_rows = None
+        if images is not None:
+            if images.rows is not None and images.embeds is not None:
+                hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+            rotary = mrope_rotary(self.cos, self.sin, images.rope_positions, c.mrope_section)
+            if kernels is not None:  # the kernels read the per-token tables row by row
+                rotary_rows = torch.arange(len(token_ids), dtype=torch.int32)
+        elif kernels is not None:  # the kernels read each token's row of the whole tables
             rotary = self.cos, self.sin
             if c.rope_local_theta is not None:
                 local_rotary = self.local_cos, self.local_sin
@@ -316,6 +345,7 @@ class Decoder(nn.Module):
                     c,
                     kernels,
                     None if lora is None else LayerLora(lora, index),
+                    rotary_rows,
                 )
             if tp is not None:  # each rank's o_proj gave a partial sum
                 x = tp.all_reduce(x)

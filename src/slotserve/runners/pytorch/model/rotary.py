@@ -53,6 +53,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((turned, kept), dim=-1)
 
 
+def mrope_rotary(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, section: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE's per-token cos and sin, ``[tokens, rotary dim]``, from the whole tables and
+    ``positions`` ``[3, tokens]``: each section of the rotary dims turns by its own axis's
+    position (time, height, width, in each half), as Qwen2.5-VL's."""
+    axes = torch.cat([torch.full((size,), k % 3) for k, size in enumerate(section)])
+    axes = torch.cat((axes, axes)).to(positions.device)
+    tokens = torch.arange(positions.shape[1], device=positions.device)
+    rows = positions[axes[None, :], tokens[:, None]]  # [tokens, dim]: each dim's position
+    dims = torch.arange(cos.shape[-1], device=positions.device)
+    return cos[rows, dims], sin[rows, dims]
+
+
 def without_scaling(config: ModelConfig) -> ModelConfig:
     from dataclasses import replace
 

@@ -1,0 +1,114 @@
+"""What a step of a vision-language model adds to the decoder's inputs: the embeddings of the
+image positions its chunks cover (encoded once per image, kept in an encoder cache keyed by
+the image's digest) and every token's M-RoPE positions.
+
+A chunk may cover part of an image's placeholder run (prompts are cut into chunks wherever
+the scheduler's budget ends): the image is encoded whole the first time and its rows are
+taken as the chunks reach them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slotserve.engine.images import ImageInput
+from slotserve.engine.runner_interface import ScheduledChunk
+from slotserve.runners.pytorch.model.decoder import StepImages
+from slotserve.runners.pytorch.vision.qwen_vl import QwenVlTower, mrope_positions, vision_config
+
+# Image embeddings the encoder cache keeps once no sequence is using them (vLLM sizes its
+# encoder cache in embeddings too).
+ENCODER_CACHE_EMBEDDINGS = 32768
+
+
+class _Slot:
+    def __init__(self, images: Sequence[ImageInput], positions: np.ndarray[Any, Any], delta: int):
+        self.images, self.positions, self.delta = images, positions, delta
+
+
+class VisionInputs:
+    def __init__(self, tower: QwenVlTower, device: torch.device) -> None:
+        self.tower, self.device = tower, device
+        self._pending: dict[int, Sequence[ImageInput]] = {}
+        self._slots: dict[int, _Slot] = {}
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cached_rows = 0
+
+    @classmethod
+    def load(
+        cls, path: Path, device: torch.device, dtype: torch.dtype, ranks: int
+    ) -> VisionInputs | None:
+        """For a vision-language checkpoint; None for a text model."""
+        raw = vision_config(path)
+        if raw is None:
+            return None
+        if ranks > 1:
+            raise ValueError("a vision-language model is not served under tensor parallelism")
+        return cls(QwenVlTower(path, raw, device, dtype), device)
+
+    def add_images(self, slot: int, images: Sequence[ImageInput]) -> None:
+        merge = self.tower.merge
+        for image in images:
+            if len(image.grid) != 3 or image.length * merge**2 != int(np.prod(image.grid)):
+                raise ValueError("an image's placeholder count does not match its patches")
+        self._pending[slot] = images
+
+    def start(self, slot: int, prompt_length: int) -> None:
+        """The sequence starting in ``slot`` (its images given just before, if any)."""
+        images = self._pending.pop(slot, ())
+        positions, delta = mrope_positions(prompt_length, images, self.tower.merge)
+        self._slots[slot] = _Slot(images, positions, delta)
+
+    def forget(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+        self._pending.pop(slot, None)
+
+    def step(self, ordered: Sequence[ScheduledChunk]) -> StepImages:
+        """The inputs of a step of ``ordered`` chunks (in the plan's row order)."""
+        positions: list[np.ndarray[Any, Any]] = []
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        row = 0
+        for chunk in ordered:
+            start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+            slot = self._slots[chunk.slot]
+            prompt = slot.positions.shape[1]
+            span = np.empty((3, end - start), dtype=np.int64)
+            inside = min(end, prompt) - start
+            if inside > 0:
+                span[:, :inside] = slot.positions[:, start : start + inside]
+            after = max(inside, 0)
+            span[:, after:] = np.arange(start + after, end) + slot.delta
+            positions.append(span)
+            for image in slot.images:
+                first, last = max(start, image.offset), min(end, image.end)
+                if first < last:
+                    encoded = self._encoded(image)
+                    embeds.append(encoded[first - image.offset : last - image.offset])
+                    rows.append(torch.arange(row + first - start, row + last - start))
+            row += end - start
+        rope = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device)
+        if not rows:
+            return StepImages(rope, None, None)
+        return StepImages(rope, torch.cat(rows).to(self.device), torch.cat(embeds))
+
+    def _encoded(self, image: ImageInput) -> torch.Tensor:
+        cached = self._cache.get(image.digest)
+        if cached is not None:
+            self._cache.move_to_end(image.digest)
+            return cached
+        encoded = self.tower.encode(image)
+        if encoded.shape[0] != image.length:
+            raise ValueError("the vision tower gave a different number of embeddings")
+        self._cache[image.digest] = encoded
+        self._cached_rows += image.length
+        while self._cached_rows > ENCODER_CACHE_EMBEDDINGS and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_rows -= dropped.shape[0]
+        return encoded

@@ -1,0 +1,296 @@
+"""Qwen2.5-VL on the PyTorch runner: images through the vision tower and M-RoPE give
+transformers' own greedy tokens; the prefix cache shares KV over the same image only; image
+and text requests batched give each its solo tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.images import ImageInput
+from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.runner import TorchRunner
+from tests.runner.engine_runs import generate, greedy
+from tests.runner.vision_checkpoint import picture, tiny_qwen_vl
+
+SIZES = [(64, 48, 1), (100, 60, 2), (40, 90, 3)]  # width, height, seed: three aspect ratios
+
+
+@pytest.fixture(scope="module")
+def vl_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen_vl(hf_checkpoint, tmp_path_factory.mktemp("qwen-vl"))
+
+
+def _runner(path: Path, dtype: str = "float32", **options: Any) -> TorchRunner:
+    load = TorchLoadConfig(path, num_slots=4, max_seq_len=512, dtype=dtype, **options)
+    return TorchRunner(load)
+
+
+def _image(runner: TorchRunner, width: int, height: int, seed: int) -> ImageInput:
+    from PIL import Image
+
+    preparer = runner.tokenizer.image_preparer
+    assert preparer is not None
+    return preparer.prepare(Image.open(io.BytesIO(picture(width, height, seed))).convert("RGB"))
+
+
+def _prompt(
+    runner: TorchRunner, texts: Sequence[str], images: Sequence[ImageInput]
+) -> tuple[list[int], list[ImageInput]]:
+    """``texts[0]``, image 0, ``texts[1]``, image 1, ... as ChatML token ids with each image's
+    placeholder run, and the images placed."""
+    tok = runner.tokenizer
+    pad = tok.image_preparer.image_token_id  # type: ignore[union-attr]
+    start, end = tok.encode("<|vision_start|>", False), tok.encode("<|vision_end|>", False)
+    tokens = tok.encode("<|im_start|>user\n", False)
+    placed = []
+    for i, text in enumerate(texts):
+        tokens += tok.encode(text, False)
+        if i < len(images):
+            tokens += start
+            placed.append(dataclasses.replace(images[i], offset=len(tokens)))
+            tokens += [pad] * images[i].length + end
+    tokens += tok.encode("<|im_end|>\n<|im_start|>assistant\n", False)
+    return tokens, placed
+
+
+def _transformers_greedy(
+    folder: Path, tokens: list[int], images: Sequence[ImageInput], n: int
+) -> list[int]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model: Any = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32
+    )
+    ids = torch.tensor([tokens])
+    pixels = torch.cat(
+        [torch.frombuffer(bytearray(i.pixels), dtype=torch.float32).view(i.shape) for i in images]
+    )
+    with torch.no_grad():
+        out = model.eval().generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels,
+            image_grid_thw=torch.tensor([i.grid for i in images]),
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(tokens) :]]
+
+
+@pytest.fixture(scope="module")
+def runner(vl_folder: Path) -> Iterator[TorchRunner]:
+    runner = _runner(vl_folder)
+    yield runner
+    runner.close()
+
+
+def test_greedy_tokens_match_transformers_generate_on_images(
+    runner: TorchRunner, vl_folder: Path
+) -> None:
+    assert runner.model_info.accepts_images
+    shots = [_image(runner, *size) for size in SIZES]
+    assert len({s.grid for s in shots}) == 3
+    cases = [
+        (["Describe this:"], [shots[0]]),
+        (["Compare", "with", "please."], [shots[1], shots[2]]),
+        (["A long text before the picture " * 4, "and after it."], [shots[2]]),
+    ]
+    core = EngineCore(runner, EngineConfig(num_slots=4, prefill_chunk=16))
+    for k, (texts, images) in enumerate(cases):
+        tokens, placed = _prompt(runner, texts, images)
+        ours = generate(core, {f"r{k}": (tokens, greedy(12))}, images={f"r{k}": placed})
+        assert ours[f"r{k}"] == _transformers_greedy(vl_folder, tokens, placed, 12), texts
+
+
+def test_the_same_image_hits_the_cache_and_another_image_does_not(runner: TorchRunner) -> None:
+    core = EngineCore(runner, EngineConfig(num_slots=4, prefill_chunk=16, prefix_cache=True))
+    first, other = _image(runner, 64, 48, 1), _image(runner, 64, 48, 9)
+    assert first.length == other.length and first.digest != other.digest
+    tokens, placed = _prompt(runner, ["What is it?"], [first])
+    _, placed_other = _prompt(runner, ["What is it?"], [other])
+    cached: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    for rid, images in (("a", placed), ("again", placed), ("b", placed_other)):
+        core.add_request(core.make_request(rid, tokens, greedy(8), images=images))
+        outputs[rid] = []
+        while core.scheduler.has_work:
+            for out in core.step():
+                outputs[rid].extend(t for d in out.deltas for t in d.token_ids)
+                if out.finished:
+                    cached[rid] = out.num_cached_tokens
+    assert outputs["again"] == outputs["a"]
+    assert cached["again"] > placed[0].end  # the image's KV came from the cache
+    assert cached["b"] <= placed[0].offset  # nothing past the first placeholder is shared
+    assert outputs["b"] != outputs["a"]
+
+
+def test_image_and_text_requests_batched_give_their_solo_tokens(vl_folder: Path) -> None:
+    runner = _runner(vl_folder, dtype="bfloat16")
+    try:
+        shots = [_image(runner, *size) for size in SIZES]
+        prompts = [
+            _prompt(runner, ["Look:"], [shots[0]]),
+            _prompt(runner, ["Just text, no picture at all."], []),
+            _prompt(runner, ["One", "two"], [shots[1], shots[2]]),
+        ]
+        core = EngineCore(runner, EngineConfig(num_slots=4, max_batch_tokens=48))
+        tokens = [p[0] for p in prompts]
+        images = {f"p{i}": p[1] for i, p in enumerate(prompts)}
+        alone: dict[str, list[int]] = {}
+        for i, prompt in enumerate(tokens):
+            alone.update(generate(core, {f"p{i}": (prompt, greedy(16))}, images=images))
+        together = generate(
+            core,
+            {f"p{i}": (p, greedy(16)) for i, p in enumerate(tokens)},
+            start_after={"p2": ("p0", 3)},
+            images=images,
+        )
+        assert together == alone
+    finally:
+        runner.close()
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.conftest import start_server, stop_server
+
+    media = tmp_path_factory.mktemp("media")
+    (media / "shot.png").write_bytes(picture(64, 48, 1))
+    server = start_server(
+        tmp_path_factory.mktemp("vl-server"),
+        str(vl_folder),
+        "--runner", "torch", "--dtype", "float32", "--slots", "4", "--ctx-size", "512",
+        "--served-model-name", "x",
+        "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media),
+    )  # fmt: skip
+    server.media = media  # type: ignore[attr-defined]
+    yield server
+    stop_server(server)
+
+
+def _data_url(png: bytes, kind: str = "png") -> str:
+    import base64
+
+    if kind == "jpeg":
+        from PIL import Image
+
+        out = io.BytesIO()
+        Image.open(io.BytesIO(png)).convert("RGB").save(out, format="JPEG")
+        png = out.getvalue()
+    return f"data:image/{kind};base64,{base64.b64encode(png).decode()}"
+
+
+def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> None:
+    import anthropic
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=vl_server.api_url, api_key="unused", max_retries=0)
+    png = picture(100, 60, 2)
+    content: Any = [
+        {"type": "text", "text": "What is in"},
+        {"type": "image_url", "image_url": {"url": _data_url(png)}},
+    ]
+    messages: Any = [{"role": "user", "content": content}]
+    first = client.chat.completions.create(
+        model="x", messages=messages, max_tokens=8, temperature=0
+    )
+    again = client.chat.completions.create(
+        model="x", messages=messages, max_tokens=8, temperature=0
+    )
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage is not None and again.usage is not None
+    details = again.usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) > 20  # the image's KV reused
+    counted = httpx.post(
+        f"{vl_server.base_url}/tokenize", json={"model": "x", "messages": messages}, timeout=30
+    ).json()["count"]
+    assert counted == first.usage.prompt_tokens > 20  # image tokens counted as they run
+
+    jpeg = client.chat.completions.create(
+        model="x",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    content[0],
+                    {"type": "image_url", "image_url": {"url": _data_url(png, "jpeg")}},
+                ],
+            }
+        ],
+        max_tokens=4,
+    )
+    assert jpeg.usage is not None and jpeg.usage.prompt_tokens == first.usage.prompt_tokens
+
+    claude = anthropic.Anthropic(base_url=vl_server.base_url, api_key="unused", max_retries=0)
+    block: Any = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": _data_url(png)[22:]},
+    }
+    reply = claude.messages.create(
+        model="x",
+        max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is in"}, block]}],
+        extra_body={"temperature": 0},
+    )
+    assert reply.content[0].text == first.choices[0].message.content  # type: ignore[union-attr]
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == counted
+
+    local = client.chat.completions.create(
+        model="x",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": f"file://{vl_server.media}/shot.png"},
+                    }
+                ],
+            }
+        ],
+        max_tokens=2,
+    )
+    assert local.usage is not None and local.usage.prompt_tokens > 10
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("data:image/png;base64,aGVsbG8gd29ybGQ=", "cannot be decoded"),
+        ("data:image/png;base64,@@@", "not valid base64"),
+        ("http://169.254.169.254/latest/meta-data", "not fetched"),
+        ("file:///etc/passwd", "no image file"),
+        ("TRUNCATED", "cannot be decoded"),
+        ("THREE", "at most 2"),
+    ],
+)
+def test_bad_images_are_400s_and_the_server_keeps_serving(
+    vl_server: Any, url: str, words: str
+) -> None:
+    import httpx
+
+    png = picture(64, 48, 4)
+    parts = [{"type": "image_url", "image_url": {"url": url}}]
+    if url == "TRUNCATED":
+        parts = [{"type": "image_url", "image_url": {"url": _data_url(png[: len(png) // 2])}}]
+    if url == "THREE":
+        parts = [{"type": "image_url", "image_url": {"url": _data_url(png)}}] * 3
+    body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    reply = httpx.post(f"{vl_server.api_url}/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert words in reply.json()["error"]["message"]
+    fine = {"model": "x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert httpx.post(f"{vl_server.api_url}/chat/completions", json=fine, timeout=30).is_success
