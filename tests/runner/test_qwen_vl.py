@@ -1,6 +1,7 @@
-"""Qwen2.5-VL on the PyTorch runner: images through the vision tower and M-RoPE give
-transformers' own greedy tokens; the prefix cache shares KV over the same image only; image
-and text requests batched give each its solo tokens."""
+"""Qwen2.5-VL and Qwen3-VL on the PyTorch runner: images through the vision tower, M-RoPE
+(and Qwen3-VL's deepstack features) give transformers' own greedy tokens; the prefix cache
+shares KV over the same image only; image and text requests batched give each its solo
+tokens; the openai and anthropic clients send images to a real server."""
 
 from __future__ import annotations
 
@@ -13,20 +14,45 @@ from typing import Any
 import pytest
 import torch
 
+from slotserve.bench.vision_model import (
+    FAMILIES,
+    TINY_QWEN3_TEXT,
+    TINY_QWEN3_VISION,
+    picture,
+    qwen_vl_folder,
+)
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.images import ImageInput
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.engine_runs import generate, greedy
-from tests.runner.vision_checkpoint import picture, tiny_qwen_vl
 
 SIZES = [(64, 48, 1), (100, 60, 2), (40, 90, 3)]  # width, height, seed: three aspect ratios
 
 
 @pytest.fixture(scope="module")
 def vl_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_qwen_vl(hf_checkpoint, tmp_path_factory.mktemp("qwen-vl"))
+    return qwen_vl_folder(hf_checkpoint, tmp_path_factory.mktemp("qwen-vl"))
+
+
+@pytest.fixture(scope="module")
+def vl3_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen_vl_folder(
+        hf_checkpoint,
+        tmp_path_factory.mktemp("qwen3-vl"),
+        TINY_QWEN3_TEXT,
+        TINY_QWEN3_VISION,
+        max_pixels=32 * 32 * 48,
+        family="qwen3_vl",
+    )
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def family_folder(request: pytest.FixtureRequest) -> Path:
+    name = "vl_folder" if request.param == "qwen2_5_vl" else "vl3_folder"
+    folder: Path = request.getfixturevalue(name)
+    return folder
 
 
 def _runner(path: Path, dtype: str = "float32", **options: Any) -> TorchRunner:
@@ -65,11 +91,13 @@ def _prompt(
 def _transformers_greedy(
     folder: Path, tokens: list[int], images: Sequence[ImageInput], n: int
 ) -> list[int]:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import json
 
-    model: Any = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(folder), dtype=torch.float32
-    )
+    import transformers
+
+    family = json.loads((folder / "config.json").read_text())["model_type"]
+    model_class = getattr(transformers, FAMILIES[family][1])
+    model: Any = model_class.from_pretrained(str(folder), dtype=torch.float32)
     ids = torch.tensor([tokens])
     pixels = torch.cat(
         [torch.frombuffer(bytearray(i.pixels), dtype=torch.float32).view(i.shape) for i in images]
@@ -96,9 +124,15 @@ def runner(vl_folder: Path) -> Iterator[TorchRunner]:
     runner.close()
 
 
-def test_greedy_tokens_match_transformers_generate_on_images(
-    runner: TorchRunner, vl_folder: Path
-) -> None:
+def test_greedy_tokens_match_transformers_generate_on_images(family_folder: Path) -> None:
+    runner = _runner(family_folder)
+    try:
+        _check_parity(runner, family_folder)
+    finally:
+        runner.close()
+
+
+def _check_parity(runner: TorchRunner, folder: Path) -> None:
     assert runner.model_info.accepts_images
     shots = [_image(runner, *size) for size in SIZES]
     assert len({s.grid for s in shots}) == 3
@@ -111,7 +145,7 @@ def test_greedy_tokens_match_transformers_generate_on_images(
     for k, (texts, images) in enumerate(cases):
         tokens, placed = _prompt(runner, texts, images)
         ours = generate(core, {f"r{k}": (tokens, greedy(12))}, images={f"r{k}": placed})
-        assert ours[f"r{k}"] == _transformers_greedy(vl_folder, tokens, placed, 12), texts
+        assert ours[f"r{k}"] == _transformers_greedy(folder, tokens, placed, 12), texts
 
 
 def test_the_same_image_hits_the_cache_and_another_image_does_not(runner: TorchRunner) -> None:
@@ -136,8 +170,8 @@ def test_the_same_image_hits_the_cache_and_another_image_does_not(runner: TorchR
     assert outputs["b"] != outputs["a"]
 
 
-def test_image_and_text_requests_batched_give_their_solo_tokens(vl_folder: Path) -> None:
-    runner = _runner(vl_folder, dtype="bfloat16")
+def test_image_and_text_requests_batched_give_their_solo_tokens(family_folder: Path) -> None:
+    runner = _runner(family_folder, dtype="bfloat16")
     try:
         shots = [_image(runner, *size) for size in SIZES]
         prompts = [

@@ -49,7 +49,7 @@ BAD_CHAT_BODIES: list[tuple[str, Any, str | None]] = [
     (
         "image part without a url",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "messages.0.content.0.image_url.image_url.url",
+        "messages.0.content.0.image_url.url",
     ),
     (
         "image to a text-only model",

@@ -66,6 +66,16 @@ class HfConfig:
             )
         return self.raw[key]
 
+    def mrope(self) -> dict[str, Any]:
+        """M-RoPE's fields (a vision-language model's text model), checked."""
+        section = tuple(int(s) for s in self.rope.get("mrope_section") or ())
+        if len(section) != 3 or 2 * sum(section) != self.head_dim:
+            raise UnsupportedModelError(
+                f"{self.name}: mrope_section {list(section)} must split half of head_dim "
+                f"{self.head_dim} in three"
+            )
+        return {"mrope_section": section}
+
     def flag(self, key: str, default: bool) -> bool:
         """A switch the family defaults one way when ``config.json`` does not say."""
         return bool(self.raw.get(key, default))

@@ -5,16 +5,11 @@ tower is the runner's ``vision/`` package's; the decoder skips its weights."""
 from __future__ import annotations
 
 from slotserve.runners.pytorch.families.base import Family, HfConfig
-from slotserve.runners.pytorch.model.config import ModelConfig, UnsupportedModelError
+from slotserve.runners.pytorch.model.config import ModelConfig
 
 
 def _config(hf: HfConfig) -> ModelConfig:
-    section = tuple(int(s) for s in hf.rope.get("mrope_section") or ())
-    if 2 * sum(section) != hf.head_dim:
-        raise UnsupportedModelError(
-            f"{hf.name}: mrope_section {list(section)} must split half of head_dim {hf.head_dim}"
-        )
-    return hf.decoder(attention_bias=True, mrope_section=section)
+    return hf.decoder(attention_bias=True, **hf.mrope())
 
 
 FAMILY = Family(

@@ -16,6 +16,7 @@ from slotserve.runners.pytorch.families import (
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_vl,
 )
 from slotserve.runners.pytorch.families.base import (
     EncoderFamily,
@@ -35,6 +36,7 @@ FAMILIES: tuple[Family | EncoderFamily, ...] = (
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
+    qwen3_vl.FAMILY,
     gemma3.FAMILY,
     bert.FAMILY,
 )

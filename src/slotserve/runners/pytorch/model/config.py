@@ -60,8 +60,10 @@ class ModelConfig:
     # Per layer: True for a sliding-window (local) layer.
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None  # the sliding layers' own rotary base
-    # M-RoPE (Qwen2.5-VL): the rotary dims' split among (time, height, width) positions.
+    # M-RoPE (Qwen2.5-VL, Qwen3-VL): the rotary dims' split among (time, height, width)
+    # positions, in sections or interleaved (Qwen3-VL: t, h, w, t, h, w, ...).
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -34,11 +34,13 @@ from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
 
 class StepImages(NamedTuple):
     """A vision-language model's step inputs: every token's M-RoPE positions ``[3, tokens]``,
-    and the rows whose embeddings are the images' (``embeds``, one per row)."""
+    the rows whose embeddings are the images' (``embeds``, one per row), and what is added to
+    those rows' residual stream after each of the first layers (Qwen3-VL's deepstack)."""
 
     rope_positions: torch.Tensor
     rows: torch.Tensor | None
     embeds: torch.Tensor | None
+    deepstack: tuple[torch.Tensor, ...] = ()
 
 
 class _Norms:
@@ -314,7 +316,9 @@ class Decoder(nn.Module):
         if images is not None:
             if images.rows is not None and images.embeds is not None:
                 hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
-            rotary = mrope_rotary(self.cos, self.sin, images.rope_positions, c.mrope_section)
+            rotary = mrope_rotary(
+                self.cos, self.sin, images.rope_positions, c.mrope_section, c.mrope_interleaved
+            )
             if kernels is not None:  # the kernels read the per-token tables row by row
                 rotary_rows = torch.arange(len(token_ids), dtype=torch.int32)
         elif kernels is not None:  # the kernels read each token's row of the whole tables
@@ -360,6 +364,12 @@ class Decoder(nn.Module):
             if c.sandwich_norms:
                 x = norm(x, layer.post_mlp_norm)
             hidden = x
+            if images is not None and index < len(images.deepstack):
+                # Added to the layer's whole output: the residual stream is made whole (the
+                # next norm adds a zero to it, exactly).
+                assert residual is not None and images.rows is not None
+                residual = (residual + hidden).index_add_(0, images.rows, images.deepstack[index])
+                hidden = torch.zeros_like(hidden)
         return hidden if residual is None else residual + hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((turned, kept), dim=-1)
 
 
+def mrope_axes(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position (0 time, 1 height, 2 width) turns each of the first half's rotary
+    frequencies: in sections (Qwen2.5-VL), or interleaved t, h, w, t, h, w... with the
+    height and width ones ending after ``3 × section[axis]`` (Qwen3-VL)."""
+    if not interleaved:
+        return torch.cat([torch.full((size,), k % 3) for k, size in enumerate(section)])
+    index = torch.arange(sum(section))
+    axes = torch.zeros_like(index)
+    for axis in (1, 2):
+        axes[(index % 3 == axis) & (index < 3 * section[axis])] = axis
+    return axes
+
+
 def mrope_rotary(
-    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, section: tuple[int, ...]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    section: tuple[int, ...],
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE's per-token cos and sin, ``[tokens, rotary dim]``, from the whole tables and
-    ``positions`` ``[3, tokens]``: each section of the rotary dims turns by its own axis's
-    position (time, height, width, in each half), as Qwen2.5-VL's."""
-    axes = torch.cat([torch.full((size,), k % 3) for k, size in enumerate(section)])
+    ``positions`` ``[3, tokens]``: each rotary frequency turns by its axis's position
+    (:func:`mrope_axes`), in both halves."""
+    axes = mrope_axes(section, interleaved)
     axes = torch.cat((axes, axes)).to(positions.device)
     tokens = torch.arange(positions.shape[1], device=positions.device)
     rows = positions[axes[None, :], tokens[:, None]]  # [tokens, dim]: each dim's position

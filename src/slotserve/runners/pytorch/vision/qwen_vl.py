@@ -1,12 +1,13 @@
-"""Qwen2.5-VL's images: the HF image processor's patches (run where requests are rendered),
-the vision tower (transformers' own module, its weights read from the checkpoint) and the
-decoder's M-RoPE positions.
+"""Qwen2.5-VL's and Qwen3-VL's images: the HF image processor's patches (run where requests
+are rendered), the vision tower (transformers' own module, its weights read from the
+checkpoint) and the decoder's M-RoPE positions.
 
 The tower turns an image of ``t × h × w`` patches into ``t·h·w / merge²`` embeddings, one per
-placeholder token. M-RoPE gives each token three positions (time, height, width): text tokens
-have all three equal; an image's tokens count time, row and column from where the image
-starts; text after an image continues from the image's largest position plus one, so a
-sequence's positions run behind its length by a fixed ``delta`` from then on.
+placeholder token (Qwen3-VL's also gives its "deepstack" features, as many per token, which
+the decoder adds after its first layers). M-RoPE gives each token three positions (time,
+height, width): text tokens have all three equal; an image's tokens count time, row and
+column from where the image starts; text after an image continues from the image's largest
+position plus one, so a sequence's positions run behind its length by a fixed ``delta``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ import torch
 from slotserve.engine.images import ImageInput, image_digest
 from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
 
-MODEL_TYPES = ("qwen2_5_vl",)
+# model_type → transformers' module, its configuration class and its tower's class.
+TOWERS = {
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLVisionModel"),
+}
 # Where the tower's weights stand: transformers 5's layout, then the hub's older one.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
 
@@ -33,7 +38,7 @@ def vision_config(folder: Path) -> dict[str, Any] | None:
     if not folder.is_dir() or not config_file.is_file():
         return None
     raw: dict[str, Any] = json.loads(config_file.read_text())
-    if raw.get("model_type") in MODEL_TYPES and "vision_config" in raw:
+    if raw.get("model_type") in TOWERS and "vision_config" in raw:
         return raw
     return None
 
@@ -89,14 +94,13 @@ class QwenVlTower:
     """The vision tower, in the decoder's device and dtype."""
 
     def __init__(self, folder: Path, raw: dict[str, Any], device: torch.device, dtype: torch.dtype):
-        from transformers import Qwen2_5_VLConfig
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
+        import importlib
 
-        config: Any = Qwen2_5_VLConfig.from_dict(raw).vision_config
+        module, config_class, tower_class = TOWERS[raw["model_type"]]
+        models = importlib.import_module(f"transformers.models.{module}")
+        config: Any = getattr(models, config_class).from_dict(raw).vision_config
         config._attn_implementation = "sdpa"
-        tower: Any = Qwen2_5_VisionTransformerPretrainedModel(config)
+        tower: Any = getattr(models, tower_class)(config)
         weights = {}
         for name, tensor in safetensors_tensors(folder):
             for prefix in _TOWER_PREFIXES:
@@ -107,11 +111,10 @@ class QwenVlTower:
         self.device, self.dtype = device, dtype
         self.merge = int(config.spatial_merge_size)
 
-    def encode(self, image: ImageInput) -> torch.Tensor:
-        """The image's embeddings, ``[image.length, hidden]``: one image per call, so that
-        they never depend on what else is encoded."""
+    def encode(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
+        """The image's embeddings, ``[image.length, hidden]``, then its deepstack features
+        (as many): one image per call, so that they never depend on what else is encoded."""
         pixels = torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)
         grid = torch.tensor([image.grid], dtype=torch.int64, device=self.device)
         out = self.tower(hidden_states=pixels.to(self.device, self.dtype), grid_thw=grid)
-        embeds: torch.Tensor = out.pooler_output
-        return embeds
+        return (out.pooler_output, *(getattr(out, "deepstack_features", None) or ()))

@@ -37,7 +37,8 @@ class VisionInputs:
         self.tower, self.device = tower, device
         self._pending: dict[int, Sequence[ImageInput]] = {}
         self._slots: dict[int, _Slot] = {}
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # By digest: the embeddings, then any deepstack features.
+        self._cache: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()
         self._cached_rows = 0
 
     @classmethod
@@ -73,7 +74,7 @@ class VisionInputs:
         """The inputs of a step of ``ordered`` chunks (in the plan's row order)."""
         positions: list[np.ndarray[Any, Any]] = []
         rows: list[torch.Tensor] = []
-        embeds: list[torch.Tensor] = []
+        encoded: list[tuple[torch.Tensor, ...]] = []  # the rows' embeddings and features
         row = 0
         for chunk in ordered:
             start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
@@ -89,26 +90,29 @@ class VisionInputs:
             for image in slot.images:
                 first, last = max(start, image.offset), min(end, image.end)
                 if first < last:
-                    encoded = self._encoded(image)
-                    embeds.append(encoded[first - image.offset : last - image.offset])
+                    whole = self._encoded(image)
+                    encoded.append(
+                        tuple(t[first - image.offset : last - image.offset] for t in whole)
+                    )
                     rows.append(torch.arange(row + first - start, row + last - start))
             row += end - start
         rope = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device)
         if not rows:
             return StepImages(rope, None, None)
-        return StepImages(rope, torch.cat(rows).to(self.device), torch.cat(embeds))
+        embeds, *deepstack = (torch.cat(parts) for parts in zip(*encoded, strict=True))
+        return StepImages(rope, torch.cat(rows).to(self.device), embeds, tuple(deepstack))
 
-    def _encoded(self, image: ImageInput) -> torch.Tensor:
+    def _encoded(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
         cached = self._cache.get(image.digest)
         if cached is not None:
             self._cache.move_to_end(image.digest)
             return cached
         encoded = self.tower.encode(image)
-        if encoded.shape[0] != image.length:
+        if any(t.shape[0] != image.length for t in encoded):
             raise ValueError("the vision tower gave a different number of embeddings")
         self._cache[image.digest] = encoded
         self._cached_rows += image.length
         while self._cached_rows > ENCODER_CACHE_EMBEDDINGS and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
-            self._cached_rows -= dropped.shape[0]
+            self._cached_rows -= dropped[0].shape[0]
         return encoded

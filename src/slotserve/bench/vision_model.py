@@ -1,0 +1,161 @@
+"""Random-weight Qwen2.5-VL and Qwen3-VL checkpoints saved by transformers itself, with
+SmolLM2's tokenizer given Qwen's vision tokens and a chat template that writes them: no
+vision checkpoint ships offline. The tests' tiny models (the references for parity), the
+benchmark's real-sized vision tower beside SmolLM2-135M's decoder, and images drawn with
+PIL."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Qwen2-VL's chat template, reduced to what the tests and benchmarks send: ChatML, images as
+# <|vision_start|><|image_pad|><|vision_end|> where they stand in a message.
+VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+TINY_TEXT: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    "initializer_range": 0.08,
+}
+TINY_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "fullatt_block_indexes": [1],
+    "window_size": 56,
+    "initializer_range": 0.08,
+}
+# Qwen3-VL's: Qwen3's decoder (its own head_dim), interleaved M-RoPE; a tower with learned
+# position embeddings and deepstack features from its first two blocks.
+TINY_QWEN3_TEXT: dict[str, Any] = TINY_TEXT | {
+    "head_dim": 32,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+}
+TINY_QWEN3_VISION: dict[str, Any] = {
+    "depth": 3,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "patch_size": 16,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
+    "initializer_range": 0.08,
+}
+# model_type → transformers' configuration and model classes, the image processor's patch.
+FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", 14),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", 16),
+}
+# SmolLM2-135M's decoder (``model_shapes.SMOLLM2_135M``) with M-RoPE over its 64-dim heads.
+SMOLLM2_TEXT: dict[str, Any] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 100000.0,
+        "mrope_section": [8, 12, 12],
+    },
+}
+# Qwen2.5-VL's vision tower as every size of it ships (3B to 72B: 32 blocks of 1280).
+QWEN2_5_VL_VISION: dict[str, Any] = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "window_size": 112,
+}
+
+
+def qwen_vl_folder(
+    tokenizer_source: Path,
+    out_dir: Path,
+    text: dict[str, Any] = TINY_TEXT,
+    vision: dict[str, Any] = TINY_VISION,
+    max_pixels: int = 28 * 28 * 48,
+    dtype: str = "float32",
+    family: str = "qwen2_5_vl",
+) -> Path:
+    """A random Qwen2.5-VL (or ``family`` qwen3_vl) folder: ``tokenizer_source`` an HF folder
+    or a GGUF file (its tokenizer); ``max_pixels`` the image processor's bound."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    source = tokenizer_source
+    tokenizer: Any = (
+        AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        if source.is_file()
+        else AutoTokenizer.from_pretrained(str(source))
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_TEMPLATE
+    start, end, pad = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    config_class, model_class, patch = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        text_config={
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+        | text,
+        vision_config={"out_hidden_size": text["hidden_size"]} | vision,
+        image_token_id=pad,
+        video_token_id=vocab - 1,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model: Any = getattr(transformers, model_class)(config)
+    model.to(getattr(torch, dtype)).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    normal: dict[str, Any] = (
+        {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {}
+    )
+    processor = Qwen2VLImageProcessorPil(
+        min_pixels=(2 * patch) ** 2 * 4, max_pixels=max_pixels, patch_size=patch, **normal
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def picture(width: int, height: int, seed: int, kind: str = "PNG") -> bytes:
+    """An image of random colour blocks (PIL), ``width`` × ``height``, encoded as ``kind``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (max(height // 8, 1), max(width // 8, 1), 3), dtype=np.uint8)
+    image = Image.fromarray(blocks).resize((width, height), Image.Resampling.NEAREST)
+    out = io.BytesIO()
+    image.save(out, format=kind)
+    return out.getvalue()
