@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from slotserve.bench.model_shapes import SMOLLM2_135M
+
 # Qwen2-VL's chat template, reduced to what the tests and benchmarks send: ChatML, images as
 # <|vision_start|><|image_pad|><|vision_end|> where they stand in a message.
 VL_TEMPLATE = (
@@ -69,20 +71,20 @@ FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", 14),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", 16),
 }
-# SmolLM2-135M's decoder (``model_shapes.SMOLLM2_135M``) with M-RoPE over its 64-dim heads.
+# SmolLM2-135M's decoder with M-RoPE over its 64-dim heads (the vocabulary is the tokenizer's,
+# the head untied as Qwen2.5-VL's).
 SMOLLM2_TEXT: dict[str, Any] = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
+    key: value
+    for key, value in SMOLLM2_135M.items()
+    if key not in ("vocab_size", "rope_theta", "tie_word_embeddings")
+} | {
     "rope_parameters": {
         "rope_type": "default",
-        "rope_theta": 100000.0,
+        "rope_theta": SMOLLM2_135M["rope_theta"],
         "mrope_section": [8, 12, 12],
     },
 }
+
 # Qwen2.5-VL's vision tower as every size of it ships (3B to 72B: 32 blocks of 1280).
 QWEN2_5_VL_VISION: dict[str, Any] = {
     "depth": 32,
