@@ -5,9 +5,10 @@ decoder, PyTorch runner:
 * **Repeated image:** time to first token (streamed chat) of a request with an image never
   seen, then of the same request again (prefix cache: the image's KV; encoder cache), then of
   the same image with another question after it. Ratios: cold ÷ repeat.
-* **Beside text streams:** ``--streams`` text streams' time per output token, alone and while
-  image requests (a fresh image each, one after another) run beside them. Ratio: with ÷
-  without (medians over the streams).
+* **Beside text streams:** ``--streams`` text streams' time per output token, alone, while
+  image requests (a fresh image each, one after another) run beside them, and while text
+  requests with as many prompt tokens run beside them instead (what any prompt of that length
+  costs the streams). Ratios: with ÷ without (medians over the streams).
 
     python benchmarks/image_serving.py --output benchmarks/latest/image-serving.json
 """
@@ -79,28 +80,50 @@ async def repeated_image(client: httpx.AsyncClient, args: argparse.Namespace) ->
     }
 
 
+async def same_length_text(client: httpx.AsyncClient, args: argparse.Namespace) -> str:
+    """A text prompt as long in tokens as an image request's."""
+
+    async def count(messages: list[dict[str, Any]]) -> int:
+        reply = await client.post("/tokenize", json={"messages": messages})
+        return int(reply.raise_for_status().json()["count"])
+
+    target = await count(image_message(1, args.image_size, "Describe it."))
+    words = target
+    while True:
+        text = "Describe it." + " apple" * words
+        got = await count([{"role": "user", "content": text}])
+        if abs(got - target) <= 2:
+            return text
+        words += target - got
+
+
 async def text_tpot(
-    client: httpx.AsyncClient, args: argparse.Namespace, with_images: bool
+    client: httpx.AsyncClient, args: argparse.Namespace, beside: str | None
 ) -> dict[str, Any]:
+    """The streams' TPOT while requests are sent one after another beside them: ``beside``
+    "image" (a fresh image each), else that text prompt; None: none."""
     messages = [{"role": "user", "content": STORY}]
     streams = [stream_times(client, messages, args.stream_tokens) for _ in range(args.streams)]
     done = asyncio.Event()
-    images_sent = 0
+    sent = 0
 
-    async def send_images() -> None:
-        nonlocal images_sent
+    async def send() -> None:
+        nonlocal sent
         while not done.is_set():
-            seed = 5000 + images_sent
-            await stream_times(client, image_message(seed, args.image_size, "Describe it."), 4)
-            images_sent += 1
+            if beside == "image":
+                other = image_message(5000 + sent, args.image_size, "Describe it.")
+            else:
+                other = [{"role": "user", "content": f"{sent} {beside}"}]
+            await stream_times(client, other, 4)
+            sent += 1
 
-    sender = asyncio.create_task(send_images()) if with_images else None
+    sender = asyncio.create_task(send()) if beside is not None else None
     results = await asyncio.gather(*streams)
     done.set()
     if sender is not None:
         await sender
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in results]
-    return {"tpot_s": tpots, "tpot_p50_s": statistics.median(tpots), "images": images_sent}
+    return {"tpot_s": tpots, "tpot_p50_s": statistics.median(tpots), "requests_beside": sent}
 
 
 async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -108,13 +131,24 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
         await stream_times(client, image_message(1, args.image_size, "Warm up."), 2)
         result: dict[str, Any] = {"repeated_image": await repeated_image(client, args)}
+        text = await same_length_text(client, args)
         rounds = []
         for _ in range(args.tpot_rounds):  # alternating, for the box's noise
-            alone = await text_tpot(client, args, with_images=False)
-            beside = await text_tpot(client, args, with_images=True)
-            rounds.append({"alone": alone, "beside_images": beside})
-        ratios = [r["beside_images"]["tpot_p50_s"] / r["alone"]["tpot_p50_s"] for r in rounds]
-        result["text_streams"] = {"rounds": rounds, "tpot_ratio_median": statistics.median(ratios)}
+            alone = await text_tpot(client, args, None)
+            images = await text_tpot(client, args, "image")
+            texts = await text_tpot(client, args, text)
+            rounds.append({"alone": alone, "beside_images": images, "beside_text": texts})
+
+        def ratio(kind: str) -> float:
+            return float(
+                statistics.median(r[kind]["tpot_p50_s"] / r["alone"]["tpot_p50_s"] for r in rounds)
+            )
+
+        result["text_streams"] = {
+            "rounds": rounds,
+            "tpot_ratio_median": ratio("beside_images"),
+            "tpot_ratio_same_length_text": ratio("beside_text"),
+        }
     return result
 
 
@@ -152,6 +186,7 @@ def main() -> None:
         "cold_over_new_question": figures["repeated_image"]["cold_over_new_question"],
         "ttft_p50_s": figures["repeated_image"]["ttft_p50_s"],
         "tpot_ratio_median": figures["text_streams"]["tpot_ratio_median"],
+        "tpot_ratio_same_length_text": figures["text_streams"]["tpot_ratio_same_length_text"],
     }
     print(json.dumps({"cpu": result["cpu"], **summary}, indent=2))
     if args.output:

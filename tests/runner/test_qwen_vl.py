@@ -328,3 +328,20 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
     assert words in reply.json()["error"]["message"]
     fine = {"model": "x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     assert httpx.post(f"{vl_server.api_url}/chat/completions", json=fine, timeout=30).is_success
+
+
+def test_a_stepped_encode_runs_a_block_a_call_and_equals_an_encode_at_once(
+    runner: TorchRunner,
+) -> None:
+    inputs = runner.image_inputs
+    assert inputs is not None
+    tower = inputs.encoder.tower
+    image = _image(runner, 100, 60, 7)
+    stepped = inputs.encoder._stepped  # its gates sit before the runner's tower's blocks
+    calls = 1
+    while (result := stepped.advance(image.digest, lambda: tower.encode(image), 1)) is None:
+        calls += 1
+    assert calls == len(tower.blocks)  # one block a call, the last one to the end
+    whole = stepped.advance("again", lambda: tower.encode(image), len(tower.blocks))
+    assert whole is not None
+    assert all(torch.equal(a, b) for a, b in zip(result, whole, strict=True))

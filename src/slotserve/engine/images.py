@@ -10,6 +10,7 @@ knows only where each run is and which image fills it: the pixels are the runner
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -18,6 +19,9 @@ from slotserve.engine.errors import InvalidRequestError
 
 # An image's cache keys are negative: token ids (and an adapter's keys) never are.
 _KEY_BITS = 62
+# The share of the time image encodes may take while sequences decode: their time per output
+# token grows by at most 1 / (1 - share), whatever the images.
+ENCODER_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,14 @@ def image_cache_keys(
     return folded
 
 
+def encoder_seconds(decoding: bool, last_step_seconds: float) -> float:
+    """What the queued encodes may take before this step: the share's worth of the last
+    step while sequences decode, else all they need (no stream waits on them)."""
+    if not decoding:
+        return math.inf
+    return ENCODER_SHARE / (1 - ENCODER_SHARE) * last_step_seconds
+
+
 def check_images(
     images: Sequence[ImageInput], prompt_token_ids: Sequence[int], accepts: bool
 ) -> None:
@@ -101,11 +113,30 @@ class ImageTokenizer(Protocol):
     image_preparer: ImagePreparer | None
 
 
-@runtime_checkable
-class ImageRunner(Protocol):
-    """A runner that reads images (``ModelInfo.accepts_images``)."""
+class ImageInputs(Protocol):
+    """What a runner that reads images keeps of them: each sequence's, and the encodes the
+    engine schedules between steps."""
 
     def add_images(self, slot: int, images: Sequence[ImageInput]) -> None:
         """The images of the sequence :meth:`Runner.add_sequence` starts next in ``slot``;
         held until its ``remove_sequence``."""
         ...
+
+    def images_ready(self, slot: int, start: int) -> int:
+        """How far the prompt of ``slot``'s sequence, computed up to ``start``, may be
+        computed now: the start of the first image it needs whose encode is not done (which
+        is then queued), or more than any prompt's length."""
+        ...
+
+    def encode_images(self, seconds: float) -> None:
+        """Runs the queued encodes, oldest first, for about ``seconds`` (all of them when
+        infinite)."""
+        ...
+
+
+@runtime_checkable
+class ImageRunner(Protocol):
+    """A runner that reads images (``ModelInfo.accepts_images``)."""
+
+    @property
+    def image_inputs(self) -> ImageInputs | None: ...

@@ -67,9 +67,16 @@ def waits_for_prefill_in_flight(
     cache: PrefixCache,
     policy: ChunkPolicy,
     min_tokens: int,
+    embed_reuses_prefix: bool = True,
 ) -> bool:
     """Invariant 7: True when ``request`` should wait for one of the ``prefilling`` slots
-    (oldest admission first) to compute what it shares with it, at least ``min_tokens``."""
+    (oldest admission first) to compute what it shares with it, at least ``min_tokens``;
+    never when it could take no cached prefix (prompt log-probabilities, an embedding
+    pooled over every position)."""
+    if not cache.enabled or not prefilling or request.params.prompt_logprobs:
+        return False
+    if request.params.embed and not embed_reuses_prefix:
+        return False
     prompt = request.cache_keys()
     cached = policy.reusable_length(cache.match(prompt).length, len(prompt))
     for slot in prefilling:

@@ -34,7 +34,7 @@ from slotserve.engine.core.stats import EngineCounters, EngineStats
 from slotserve.engine.decoding.speculative import build_speculator
 from slotserve.engine.decoding.structured_output import GrammarMasks
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
-from slotserve.engine.images import ImageInput, ImageRunner
+from slotserve.engine.images import ImageInput, ImageRunner, encoder_seconds
 from slotserve.engine.outputs import FailureKind, FinishReason, RequestOutput, SampledToken
 from slotserve.engine.prefix_cache import build_prefix_cache
 from slotserve.engine.request import Request, Sequence, add_sequences, new_request
@@ -64,6 +64,9 @@ class EngineCore:
         self.prefix_cache = build_prefix_cache(runner, config)
         self.speculator = build_speculator(config.speculative, info)
         self.grammars = GrammarMasks(runner.tokenizer, info)
+        runner_images = runner.image_inputs if isinstance(runner, ImageRunner) else None
+        self.image_inputs = runner_images if info.accepts_images else None
+        self._last_step_seconds = 0.0
         self.scheduler = Scheduler(
             config,
             runner,
@@ -73,6 +76,7 @@ class EngineCore:
             whole_prompts=info.bidirectional,
             embed_reuses_prefix=info.pooling == "last",
             context_cost=info.context_cost,
+            images=self.image_inputs,
         )
         self.counters = EngineCounters()
         self.unhealthy: str | None = None  # why the engine was poisoned
@@ -138,6 +142,10 @@ class EngineCore:
         self._expire_deadlines(outputs)
         self._release_drained()
         self._admit(outputs)
+        if self.image_inputs is not None:  # between steps, within the share streams allow
+            decoding = bool(self.scheduler.slots.in_state(SlotState.GENERATING))
+            self.image_inputs.encode_images(encoder_seconds(decoding, self._last_step_seconds))
+        own_start = time.perf_counter()  # the step's own time, encodes left out: their measure
         chunks = self.scheduler.schedule()
         if not chunks:
             return stamped(outputs)
@@ -164,6 +172,7 @@ class EngineCore:
         self._update_from_output(chunks, sampled, embeddings, outputs)
         self._release_drained()
         self.counters.steps += 1
+        self._last_step_seconds = time.perf_counter() - own_start
         elapsed = time.perf_counter() - started
         self.counters.step_seconds += elapsed
         if elapsed > self.config.slow_step_warn_s:
@@ -216,8 +225,8 @@ class EngineCore:
                 if params.structured_output is not None and seq.grammar is None:
                     seq.grammar = self.grammars.matcher(params.structured_output)
                 if request.images:
-                    assert isinstance(self.runner, ImageRunner), "validated: it reads images"
-                    self.runner.add_images(seq.slot, request.images)
+                    assert self.image_inputs is not None, "validated: the model reads images"
+                    self.image_inputs.add_images(seq.slot, request.images)
                 self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
             except Exception as exc:
                 logger.exception(

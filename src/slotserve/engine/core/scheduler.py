@@ -56,6 +56,8 @@ Batch-construction invariants:
     (mean and first-token pooling need every position's hidden state). On an encoder
     (``ModelInfo.bidirectional``) every prompt runs in one chunk: it waits until the whole of
     it fits the step's budget (requests were checked against ``max_batch_tokens``).
+11. A prompt chunk ends before the first image whose encode is not done (``images_ready``);
+    the encodes run between steps (``EngineCore``), so none lengthens a step beyond its share.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from slotserve.engine.core.admission import (
 )
 from slotserve.engine.core.slots import Slot, SlotPool, SlotState
 from slotserve.engine.decoding.speculative import Speculator
+from slotserve.engine.images import ImageInputs
 from slotserve.engine.prefix_cache.base import PrefixCache
 from slotserve.engine.request import Request, Sequence
 from slotserve.engine.runner_interface import ScheduledChunk
@@ -99,9 +102,10 @@ class Scheduler:
         whole_prompts: bool = False,
         embed_reuses_prefix: bool = True,
         context_cost: float = 0.0,
+        images: ImageInputs | None = None,
     ) -> None:
         """``whole_prompts`` and ``embed_reuses_prefix``: invariant 10 (an encoder; a
-        model that pools the last token). ``context_cost``: invariant 2."""
+        model that pools the last token). ``context_cost``: invariant 2; ``images``: 11."""
         self._max_chunk = policy.max_chunk(config.prefill_chunk)
         if config.max_batch_tokens < policy.min_batch_tokens(config.num_slots):
             # A prompt's last chunk may need up to two grains less one (invariant 8).
@@ -111,7 +115,7 @@ class Scheduler:
             )
         self.config, self.kv, self.policy = config, kv, policy
         self.prefix_cache, self.speculator = prefix_cache, speculator
-        self.whole_prompts = whole_prompts
+        self.whole_prompts, self.images = whole_prompts, images
         self.embed_reuses_prefix = embed_reuses_prefix
         # Invariant 2: where a chunk's attention outweighs its projections (0: nowhere).
         self._long_context = 1.0 / context_cost if context_cost > 0 else 0.0
@@ -204,20 +208,11 @@ class Scheduler:
         return seq.cache_keys(length)
 
     def _waits_for_prefill_in_flight(self, request: Request) -> bool:
-        """Invariant 7 (``admission.py``): True when ``request`` should wait for a running
-        prefill to share."""
-        prefilling = self._by_admission(SlotState.PREFILLING)
-        if not self.prefix_cache.enabled or not prefilling or request.params.prompt_logprobs:
-            return False
-        if request.params.embed and not self.embed_reuses_prefix:
-            return False
+        """Invariant 7 (``admission.py``)."""
         return waits_for_prefill_in_flight(
-            request,
-            prefilling,
-            self.prefix_cache,
-            self.policy,
-            self.config.prefix_wait_min_tokens,
-        )
+            request, self._by_admission(SlotState.PREFILLING), self.prefix_cache, self.policy,
+            self.config.prefix_wait_min_tokens, self.embed_reuses_prefix,
+        )  # fmt: skip
 
     def schedule(self) -> list[ScheduledChunk]:
         """Builds the next batch; an empty list means there is nothing to run."""
@@ -315,6 +310,9 @@ class Scheduler:
         for slot in prefill:
             seq = _sequence(slot)
             rest = seq.num_tokens - seq.num_computed_tokens
+            if self.images is not None and seq.request.images:  # invariant 11
+                start = seq.num_computed_tokens
+                rest = min(rest, self.images.images_ready(slot.index, start) - start)
             if self.whole_prompts:  # invariant 10: all of it or nothing
                 size = rest if rest <= budget else 0
             else:

@@ -20,7 +20,6 @@ import torch
 
 import slotserve
 from slotserve.engine.errors import RunnerFailure
-from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledChunk
@@ -108,7 +107,7 @@ class TorchRunner:
                 self.ranks.close()
             raise
         self.pool = self.shard.pool
-        self.vision = VisionInputs.load(path, self.device, self.dtype, ranks)
+        self.image_inputs = VisionInputs.load(path, self.device, self.dtype, ranks)
         kernels = self.shard.model.kernels
         self.lora = AdapterSet(
             config,
@@ -157,7 +156,7 @@ class TorchRunner:
             adapters=tuple(self.lora.adapters),
             can_generate=self.score_head is None,
             cross_encoder=self.score_head is not None,
-            accepts_images=self.vision is not None,
+            accepts_images=self.image_inputs is not None,
             **rules,
         )
         logger.info(
@@ -230,16 +229,12 @@ class TorchRunner:
 
     # ---- Runner protocol (continued) ----------------------------------------------------------
 
-    def add_images(self, slot: int, images: Sequence[ImageInput]) -> None:
-        assert self.vision is not None, "validated: the model reads images"
-        self.vision.add_images(slot, images)
-
     def add_sequence(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int | None
     ) -> None:
         self._planner.start(slot, len(prompt_token_ids))
-        if self.vision is not None:
-            self.vision.start(slot, len(prompt_token_ids))
+        if self.image_inputs is not None:
+            self.image_inputs.start(slot, len(prompt_token_ids))
         if params.embed:  # pooled, never sampled
             self._samplers.pop(slot, None)
             return
@@ -251,8 +246,8 @@ class TorchRunner:
         self._samplers.pop(slot, None)
         self._planner.forget(slot)
         self._pools.forget(slot)
-        if self.vision is not None:
-            self.vision.forget(slot)
+        if self.image_inputs is not None:
+            self.image_inputs.forget(slot)
 
     def copy_kv(self, src_slot: int, dst_slot: int, num_tokens: int) -> None:
         if self.shard.linear_states is not None:
@@ -341,7 +336,7 @@ class TorchRunner:
         lora: StepLora | None,
     ) -> torch.Tensor | None:
         """The step run op by op: pooled and scored rows taken; the sampled rows' logits."""
-        images = self.vision.step(ordered) if self.vision is not None else None
+        images = self.image_inputs.step(ordered) if self.image_inputs is not None else None
         hidden = self.shard.forward(plan, lora, images)
         if any(chunk.embed for chunk in ordered):
             self._pool(ordered, hidden)

@@ -110,6 +110,7 @@ class QwenVlTower:
         self.tower = tower.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.device, self.dtype = device, dtype
         self.merge = int(config.spatial_merge_size)
+        self.blocks = list(self.tower.blocks)
 
     def encode(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
         """The image's embeddings, ``[image.length, hidden]``, then its deepstack features

@@ -1,15 +1,16 @@
 """What a step of a vision-language model adds to the decoder's inputs: the embeddings of the
-image positions its chunks cover (encoded once per image, kept in an encoder cache keyed by
-the image's digest) and every token's M-RoPE positions.
+image positions its chunks cover (``image_encoder.py``: encoded once per image, between
+steps as the engine allows, kept by the image's digest) and every token's M-RoPE positions.
 
 A chunk may cover part of an image's placeholder run (prompts are cut into chunks wherever
-the scheduler's budget ends): the image is encoded whole the first time and its rows are
-taken as the chunks reach them.
+the scheduler's budget ends): the image's rows are taken as the chunks reach them. The
+engine asks :meth:`VisionInputs.images_ready` how far a sequence's prompt may run: up to the
+first image not yet encoded.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,8 @@ import torch
 from slotserve.engine.images import ImageInput
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.runners.pytorch.model.decoder import StepImages
+from slotserve.runners.pytorch.vision.image_encoder import ImageEncoder
 from slotserve.runners.pytorch.vision.qwen_vl import QwenVlTower, mrope_positions, vision_config
-
-# Image embeddings the encoder cache keeps once no sequence is using them (vLLM sizes its
-# encoder cache in embeddings too).
-ENCODER_CACHE_EMBEDDINGS = 32768
 
 
 class _Slot:
@@ -37,9 +35,7 @@ class VisionInputs:
         self.tower, self.device = tower, device
         self._pending: dict[int, Sequence[ImageInput]] = {}
         self._slots: dict[int, _Slot] = {}
-        # By digest: the embeddings, then any deepstack features.
-        self._cache: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()
-        self._cached_rows = 0
+        self.encoder = ImageEncoder(tower)
 
     @classmethod
     def load(
@@ -69,6 +65,21 @@ class VisionInputs:
     def forget(self, slot: int) -> None:
         self._slots.pop(slot, None)
         self._pending.pop(slot, None)
+        self.encoder.keep_only({i.digest for s in self._slots.values() for i in s.images})
+
+    def images_ready(self, slot: int, start: int) -> int:
+        """How far the prompt of ``slot``'s sequence, computed up to ``start``, may run now:
+        up to the first image it still needs whose encode is not done (queued here)."""
+        entry = self._slots.get(slot)
+        for image in entry.images if entry is not None else ():
+            if image.end > start and not self.encoder.ready(image):
+                self.encoder.want(image)
+                return max(image.offset, start)
+        return sys.maxsize
+
+    def encode_images(self, seconds: float) -> None:
+        """Runs queued encodes for about ``seconds`` (see ``ImageEncoder.run``)."""
+        self.encoder.run(seconds)
 
     def step(self, ordered: Sequence[ScheduledChunk]) -> StepImages:
         """The inputs of a step of ``ordered`` chunks (in the plan's row order)."""
@@ -90,7 +101,7 @@ class VisionInputs:
             for image in slot.images:
                 first, last = max(start, image.offset), min(end, image.end)
                 if first < last:
-                    whole = self._encoded(image)
+                    whole = self.encoder.get(image)
                     encoded.append(
                         tuple(t[first - image.offset : last - image.offset] for t in whole)
                     )
@@ -101,18 +112,3 @@ class VisionInputs:
             return StepImages(rope, None, None)
         embeds, *deepstack = (torch.cat(parts) for parts in zip(*encoded, strict=True))
         return StepImages(rope, torch.cat(rows).to(self.device), embeds, tuple(deepstack))
-
-    def _encoded(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
-        cached = self._cache.get(image.digest)
-        if cached is not None:
-            self._cache.move_to_end(image.digest)
-            return cached
-        encoded = self.tower.encode(image)
-        if any(t.shape[0] != image.length for t in encoded):
-            raise ValueError("the vision tower gave a different number of embeddings")
-        self._cache[image.digest] = encoded
-        self._cached_rows += image.length
-        while self._cached_rows > ENCODER_CACHE_EMBEDDINGS and len(self._cache) > 1:
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_rows -= dropped[0].shape[0]
-        return encoded
