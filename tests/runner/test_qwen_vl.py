@@ -282,6 +282,23 @@ def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> 
     assert reply.content[0].text == first.choices[0].message.content  # type: ignore[union-attr]
     assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == counted
 
+    response = client.responses.create(
+        model="x",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is in"},
+                    {"type": "input_image", "image_url": _data_url(png), "detail": "auto"},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert response.output_text == first.choices[0].message.content
+    assert response.usage is not None and response.usage.input_tokens == counted
+
     local = client.chat.completions.create(
         model="x",
         messages=[

@@ -23,7 +23,7 @@ def image_urls(body: ChatCompletionRequest) -> list[tuple[str, str]]:
         if message.role == "user" and isinstance(message.content, list):
             for p, part in enumerate(message.content):
                 if isinstance(part, ImagePart):
-                    found.append((part.image_url.url, f"messages[{m}].content[{p}].image_url"))
+                    found.append((part.image_url.url, f"messages.{m}.content.{p}.image_url"))
     return found
 
 
