@@ -252,6 +252,8 @@ def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> 
         f"{vl_server.base_url}/tokenize", json={"model": "x", "messages": messages}, timeout=30
     ).json()["count"]
     assert counted == first.usage.prompt_tokens > 20  # image tokens counted as they run
+    model_info = httpx.get(f"{vl_server.base_url}/model_info", timeout=30).json()
+    assert model_info["has_image_understanding"] is True  # what SGLang's gateway reads
 
     jpeg = client.chat.completions.create(
         model="x",

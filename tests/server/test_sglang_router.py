@@ -199,6 +199,7 @@ def test_model_info_under_both_names(workers: list[ServerProcess], model_path: P
     info = _get(workers[1], "/model_info")
     assert _get(workers[1], "/get_model_info") == info
     assert info["is_generation"] is True
+    assert info["has_image_understanding"] is False  # a text model
     assert info["model_path"] == str(model_path)
     assert info["served_model_name"] == MODEL
     assert info["architectures"] is None or isinstance(info["architectures"], list)

@@ -82,7 +82,7 @@ def model_info(host: ModelHost) -> dict[str, Any]:
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
-        "has_image_understanding": False,
+        "has_image_understanding": info.accepts_images if info is not None else False,
         "has_audio_understanding": False,
         # The gateway reads these into its model card; not known here (the runner does not
         # report the architecture), so left out of its labels.
