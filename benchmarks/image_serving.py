@@ -8,7 +8,8 @@ decoder, PyTorch runner:
 * **Beside text streams:** ``--streams`` text streams' time per output token, alone, while
   image requests (a fresh image each, one after another) run beside them, and while text
   requests with as many prompt tokens run beside them instead (what any prompt of that length
-  costs the streams). Ratios: with ÷ without (medians over the streams).
+  costs the streams). Ratios: with ÷ without (medians over the streams); and the time to
+  first token of the requests beside them (an image's: its encode within --encoder-share).
 
     python benchmarks/image_serving.py --output benchmarks/latest/image-serving.json
 """
@@ -18,10 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,23 +101,25 @@ async def same_length_text(client: httpx.AsyncClient, args: argparse.Namespace) 
 
 
 async def text_tpot(
-    client: httpx.AsyncClient, args: argparse.Namespace, beside: str | None
+    client: httpx.AsyncClient, args: argparse.Namespace, beside: str | None, fresh: Iterator[int]
 ) -> dict[str, Any]:
     """The streams' TPOT while requests are sent one after another beside them: ``beside``
-    "image" (a fresh image each), else that text prompt; None: none."""
+    "image" (a fresh image each), else that text prompt (after a fresh number: no cached
+    prefix); None: none."""
     messages = [{"role": "user", "content": STORY}]
     streams = [stream_times(client, messages, args.stream_tokens) for _ in range(args.streams)]
     done = asyncio.Event()
     sent = 0
+    ttfts: list[float] = []
 
     async def send() -> None:
         nonlocal sent
         while not done.is_set():
             if beside == "image":
-                other = image_message(5000 + sent, args.image_size, "Describe it.")
+                other = image_message(next(fresh), args.image_size, "Describe it.")
             else:
-                other = [{"role": "user", "content": f"{sent} {beside}"}]
-            await stream_times(client, other, 4)
+                other = [{"role": "user", "content": f"{next(fresh)} {beside}"}]
+            ttfts.append((await stream_times(client, other, 4))[0])
             sent += 1
 
     sender = asyncio.create_task(send()) if beside is not None else None
@@ -123,7 +128,12 @@ async def text_tpot(
     if sender is not None:
         await sender
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in results]
-    return {"tpot_s": tpots, "tpot_p50_s": statistics.median(tpots), "requests_beside": sent}
+    return {
+        "tpot_s": tpots,
+        "tpot_p50_s": statistics.median(tpots),
+        "requests_beside": sent,
+        "ttft_beside_s": ttfts,
+    }
 
 
 async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -133,10 +143,11 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {"repeated_image": await repeated_image(client, args)}
         text = await same_length_text(client, args)
         rounds = []
+        fresh = itertools.count(5000)  # images and prompts never seen before
         for _ in range(args.tpot_rounds):  # alternating, for the box's noise
-            alone = await text_tpot(client, args, None)
-            images = await text_tpot(client, args, "image")
-            texts = await text_tpot(client, args, text)
+            alone = await text_tpot(client, args, None, fresh)
+            images = await text_tpot(client, args, "image", fresh)
+            texts = await text_tpot(client, args, text, fresh)
             rounds.append({"alone": alone, "beside_images": images, "beside_text": texts})
 
         def ratio(kind: str) -> float:
@@ -148,6 +159,9 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "rounds": rounds,
             "tpot_ratio_median": ratio("beside_images"),
             "tpot_ratio_same_length_text": ratio("beside_text"),
+            "image_ttft_beside_p50_s": statistics.median(
+                t for r in rounds for t in r["beside_images"]["ttft_beside_s"]
+            ),
         }
     return result
 
@@ -161,6 +175,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tpot-rounds", type=int, default=2)
     parser.add_argument("--vision-depth", type=int, default=32)
+    parser.add_argument("--encoder-share", type=float, help="the server's; default its own")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     vision = QWEN2_5_VL_VISION | {"depth": args.vision_depth}
@@ -173,7 +188,8 @@ def main() -> None:
             max_pixels=args.image_size**2,
             dtype="bfloat16",
         )
-        spec = slotserve_spec(folder, args.slots, 0, 1024, ["--runner", "torch"])
+        share = [] if args.encoder_share is None else ["--encoder-share", str(args.encoder_share)]
+        spec = slotserve_spec(folder, args.slots, 0, 1024, ["--runner", "torch", *share])
         with running(spec, Path(scratch)) as server:
             figures = asyncio.run(measure(server.spec.base_url, args))
     result = {
@@ -187,6 +203,7 @@ def main() -> None:
         "ttft_p50_s": figures["repeated_image"]["ttft_p50_s"],
         "tpot_ratio_median": figures["text_streams"]["tpot_ratio_median"],
         "tpot_ratio_same_length_text": figures["text_streams"]["tpot_ratio_same_length_text"],
+        "image_ttft_beside_p50_s": figures["text_streams"]["image_ttft_beside_p50_s"],
     }
     print(json.dumps({"cpu": result["cpu"], **summary}, indent=2))
     if args.output:

@@ -91,6 +91,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ),
     ("prefix_cache_snapshots", ("--prefix-cache-snapshots",), "PREFIX_CACHE_SNAPSHOTS", None),
     ("prefix_wait_min_tokens", ("--prefix-wait-min-tokens",), "PREFIX_WAIT_MIN_TOKENS", 256),
+    ("encoder_share", ("--encoder-share",), "ENCODER_SHARE", 0.1),
     ("schedule_policy", ("--schedule-policy",), "SCHEDULE_POLICY", "fcfs"),
     ("ray_address", ("--ray-address",), "RAY_ADDRESS", None),
     ("reasoning_parser", ("--reasoning-parser",), "REASONING_PARSER", None),

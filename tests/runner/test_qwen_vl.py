@@ -349,18 +349,19 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
     assert httpx.post(f"{vl_server.api_url}/chat/completions", json=fine, timeout=30).is_success
 
 
-def test_a_stepped_encode_runs_a_block_a_call_and_equals_an_encode_at_once(
+def test_a_stepped_encode_runs_a_piece_a_call_and_equals_an_encode_at_once(
     runner: TorchRunner,
 ) -> None:
     inputs = runner.image_inputs
     assert inputs is not None
     tower = inputs.encoder.tower
     image = _image(runner, 100, 60, 7)
-    stepped = inputs.encoder._stepped  # its gates sit before the runner's tower's blocks
+    stepped = inputs.encoder._stepped  # its gates sit before the tower's linear layers
+    assert stepped.pieces >= 4 * len(tower.blocks)  # attention's two, the MLP's two or three
     calls = 1
     while (result := stepped.advance(image.digest, lambda: tower.encode(image), 1)) is None:
         calls += 1
-    assert calls == len(tower.blocks)  # one block a call, the last one to the end
-    whole = stepped.advance("again", lambda: tower.encode(image), len(tower.blocks))
+    assert calls == stepped.pieces  # one piece a call, the last one to the end
+    whole = stepped.advance("again", lambda: tower.encode(image), stepped.pieces)
     assert whole is not None
     assert all(torch.equal(a, b) for a, b in zip(result, whole, strict=True))

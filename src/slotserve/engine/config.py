@@ -100,6 +100,9 @@ class EngineConfig:
     (queued time included; None: no limit). A step slower than ``slow_step_warn_s`` and a
     queue wait longer than ``slow_queue_warn_s`` are logged as warnings.
 
+    ``encoder_share``: the most of the engine's time image encodes take while sequences decode
+    (``engine/images.py``).
+
     ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
@@ -167,6 +170,13 @@ class EngineConfig:
         help="a request sharing at least this many prompt tokens with a prompt still being "
         "prefilled waits for them to be computed and reuses their KV (default 256)",
     )
+    encoder_share: float = option(
+        0.1,
+        ge=0,
+        help="vision models: the most of the engine's time that encoding images (a block of "
+        "the vision tower at a time, between steps) may take while sequences decode; smaller "
+        "keeps streams' time per token lower, larger serves new images sooner (default 0.1)",
+    )
     request_timeout_s: float | None = option(
         600.0,
         flag="--request-timeout",
@@ -233,6 +243,8 @@ class EngineConfig:
             raise ValueError("prefix_cache_dir must be a folder's path")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}")
+        if not 0 < self.encoder_share < 1:
+            raise ValueError("encoder_share must be > 0 and < 1")
         if self.prefix_wait_min_tokens < 1:
             raise ValueError("prefix_wait_min_tokens must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

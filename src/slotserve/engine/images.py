@@ -19,9 +19,6 @@ from slotserve.engine.errors import InvalidRequestError
 
 # An image's cache keys are negative: token ids (and an adapter's keys) never are.
 _KEY_BITS = 62
-# The share of the time image encodes may take while sequences decode: their time per output
-# token grows by at most 1 / (1 - share), whatever the images.
-ENCODER_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -68,12 +65,13 @@ def image_cache_keys(
     return folded
 
 
-def encoder_seconds(decoding: bool, last_step_seconds: float) -> float:
-    """What the queued encodes may take before this step: the share's worth of the last
-    step while sequences decode, else all they need (no stream waits on them)."""
+def encoder_seconds(share: float, decoding: bool, last_step_seconds: float) -> float:
+    """What the queued encodes may take before this step: while sequences decode, what keeps
+    encodes to ``share`` of the engine's time beside steps like the last, else all they need
+    (no stream waits on them)."""
     if not decoding:
         return math.inf
-    return ENCODER_SHARE / (1 - ENCODER_SHARE) * last_step_seconds
+    return share / (1 - share) * last_step_seconds
 
 
 def check_images(

@@ -144,7 +144,9 @@ class EngineCore:
         self._admit(outputs)
         if self.image_inputs is not None:  # between steps, within the share streams allow
             decoding = bool(self.scheduler.slots.in_state(SlotState.GENERATING))
-            self.image_inputs.encode_images(encoder_seconds(decoding, self._last_step_seconds))
+            self.image_inputs.encode_images(
+                encoder_seconds(self.config.encoder_share, decoding, self._last_step_seconds)
+            )
         own_start = time.perf_counter()  # the step's own time, encodes left out: their measure
         chunks = self.scheduler.schedule()
         if not chunks:

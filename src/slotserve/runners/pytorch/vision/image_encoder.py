@@ -1,5 +1,5 @@
 """The encoder cache (image embeddings by the image's digest) and the encodes the engine asked
-for, run a block at a time within the time it allows each step (``SteppedEncoder``), oldest
+for, run a piece at a time within the time it allows each step (``SteppedEncoder``), oldest
 request first."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class ImageEncoder:
         self._cached_rows = 0
         self._queue: OrderedDict[str, ImageInput] = OrderedDict()  # asked for, oldest first
         self._stepped = SteppedEncoder(tower.blocks)
-        self._allowance = 0.0
-        self._block_seconds = 0.0  # what a block of the encode in progress takes
+        self._allowance = 0.0  # seconds the encodes may still take (negative: overspent)
+        self._piece_seconds = 0.0  # what the last piece took
 
     def ready(self, image: ImageInput) -> bool:
         return image.digest in self._cache
@@ -46,23 +46,28 @@ class ImageEncoder:
 
     def run(self, seconds: float) -> None:
         """Encodes queued images for about ``seconds`` (all of them when infinite): whole
-        blocks, one more only while the allowance covers what the last one took."""
+        pieces, one more only while the allowance covers what the last one took. Time not
+        spent is not saved up beyond a piece, and not at all while nothing is queued: a new
+        image starts at the share's pace, not with a burst."""
         unbounded = math.isinf(seconds)
-        self._allowance = min(self._allowance + seconds, 2 * self._block_seconds + seconds)
+        if unbounded or not self._queue:
+            self._allowance = min(self._allowance, 0.0)
+        else:
+            self._allowance = min(self._allowance + seconds, self._piece_seconds + seconds)
         while self._queue:
             digest, image = next(iter(self._queue.items()))
             if digest in self._cache:
                 del self._queue[digest]
                 continue
-            if not unbounded and self._allowance < self._block_seconds:
+            if not unbounded and self._allowance < self._piece_seconds:
                 return
             started = time.perf_counter()
-            blocks = len(self.tower.blocks) if unbounded else 1
-            result = self._stepped.advance(digest, partial(self.tower.encode, image), blocks)
+            pieces = self._stepped.pieces if unbounded else 1
+            result = self._stepped.advance(digest, partial(self.tower.encode, image), pieces)
             took = time.perf_counter() - started
             if not unbounded:
                 self._allowance -= took
-                self._block_seconds = took
+                self._piece_seconds = took
             if result is not None:
                 self._store(image, result)
                 del self._queue[digest]
@@ -81,8 +86,8 @@ class ImageEncoder:
 
     def _whole(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
         encode = partial(self.tower.encode, image)
-        result = self._stepped.advance(image.digest, encode, len(self.tower.blocks))
-        assert result is not None, "every block was allowed"
+        result = self._stepped.advance(image.digest, encode, self._stepped.pieces)
+        assert result is not None, "every piece was allowed"
         return self._store(image, result)
 
     def _store(
