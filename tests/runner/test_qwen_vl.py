@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL on the PyTorch runner: images through the vision tower, M-RoPE
-(and Qwen3-VL's deepstack features) give transformers' own greedy tokens; the prefix cache
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL MoE on the PyTorch runner: images through the vision
+tower, M-RoPE (and Qwen3-VL's deepstack features) give transformers' own greedy tokens; the prefix cache
 shares KV over the same image only; image and text requests batched give each its solo
 tokens; the openai and anthropic clients send images to a real server."""
 
@@ -16,6 +16,7 @@ import torch
 
 from slotserve.bench.vision_model import (
     FAMILIES,
+    TINY_QWEN3_MOE_TEXT,
     TINY_QWEN3_TEXT,
     TINY_QWEN3_VISION,
     picture,
@@ -48,10 +49,24 @@ def vl3_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module")
+def vl3_moe_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen_vl_folder(
+        hf_checkpoint,
+        tmp_path_factory.mktemp("qwen3-vl-moe"),
+        TINY_QWEN3_MOE_TEXT,
+        TINY_QWEN3_VISION,
+        max_pixels=32 * 32 * 48,
+        family="qwen3_vl_moe",
+    )
+
+
+FOLDERS = {"qwen2_5_vl": "vl_folder", "qwen3_vl": "vl3_folder", "qwen3_vl_moe": "vl3_moe_folder"}
+
+
+@pytest.fixture(scope="module", params=list(FOLDERS))
 def family_folder(request: pytest.FixtureRequest) -> Path:
-    name = "vl_folder" if request.param == "qwen2_5_vl" else "vl3_folder"
-    folder: Path = request.getfixturevalue(name)
+    folder: Path = request.getfixturevalue(FOLDERS[request.param])
     return folder
 
 
@@ -130,6 +145,33 @@ def test_greedy_tokens_match_transformers_generate_on_images(family_folder: Path
         _check_parity(runner, family_folder)
     finally:
         runner.close()
+
+
+def test_stacked_experts_stored_in_out_load_as_transformers_layout(
+    vl3_moe_folder: Path, tmp_path: Path
+) -> None:
+    """The hub's Qwen3-VL MoE checkpoints store each expert [in, out]; transformers saves
+    [out, in]. Both load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hub = tmp_path / "hub-layout"
+    shutil.copytree(vl3_moe_folder, hub)
+    weights = load_file(str(hub / "model.safetensors"))
+    turned = {k: v.transpose(1, 2).contiguous() for k, v in weights.items() if ".experts." in k}
+    assert turned
+    save_file(weights | turned, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    outputs = []
+    for folder in (vl3_moe_folder, hub):
+        runner = _runner(folder)
+        try:
+            tokens = runner.tokenizer.encode("The experts read this the same way", False)
+            core = EngineCore(runner, EngineConfig(num_slots=4))
+            outputs.append(generate(core, {"r": (tokens, greedy(12))}))
+        finally:
+            runner.close()
+    assert outputs[0] == outputs[1]
 
 
 def _check_parity(runner: TorchRunner, folder: Path) -> None:

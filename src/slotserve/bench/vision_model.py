@@ -66,10 +66,19 @@ TINY_QWEN3_VISION: dict[str, Any] = {
     "deepstack_visual_indexes": [0, 1],
     "initializer_range": 0.08,
 }
+# Qwen3-VL MoE's: Qwen3-MoE's decoder (4 experts, 2 per token, every layer sparse) with Qwen3-VL's
+# M-RoPE; its tower is Qwen3-VL's.
+TINY_QWEN3_MOE_TEXT: dict[str, Any] = TINY_QWEN3_TEXT | {
+    "moe_intermediate_size": 48,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+}
 # model_type → transformers' configuration and model classes, the image processor's patch.
 FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", 14),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", 16),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", 16),
 }
 # SmolLM2-135M's decoder with M-RoPE over its 64-dim heads (the vocabulary is the tokenizer's,
 # the head untied as Qwen2.5-VL's).
@@ -105,8 +114,8 @@ def qwen_vl_folder(
     dtype: str = "float32",
     family: str = "qwen2_5_vl",
 ) -> Path:
-    """A random Qwen2.5-VL (or ``family`` qwen3_vl) folder: ``tokenizer_source`` an HF folder
-    or a GGUF file (its tokenizer); ``max_pixels`` the image processor's bound."""
+    """A random Qwen2.5-VL (or ``family`` qwen3_vl, qwen3_vl_moe) folder: ``tokenizer_source``
+    an HF folder or a GGUF file (its tokenizer); ``max_pixels`` the image processor's bound."""
     import torch
     import transformers
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
@@ -142,7 +151,7 @@ def qwen_vl_folder(
     model.to(getattr(torch, dtype)).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     normal: dict[str, Any] = (
-        {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {}
+        {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family != "qwen2_5_vl" else {}
     )
     processor = Qwen2VLImageProcessorPil(
         min_pixels=(2 * patch) ** 2 * 4, max_pixels=max_pixels, patch_size=patch, **normal

@@ -17,6 +17,7 @@ from slotserve.runners.pytorch.families import (
     qwen3_5,
     qwen3_moe,
     qwen3_vl,
+    qwen3_vl_moe,
 )
 from slotserve.runners.pytorch.families.base import (
     EncoderFamily,
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family | EncoderFamily, ...] = (
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
     qwen3_vl.FAMILY,
+    qwen3_vl_moe.FAMILY,
     gemma3.FAMILY,
     bert.FAMILY,
 )

@@ -39,7 +39,7 @@ def load_into(
     family = family_of(c)
     expected = _expected_names(c)
     seen: set[str] = set()
-    for raw_name, tensor in _per_expert(tensors):
+    for raw_name, tensor in _per_expert(tensors, c.hidden_size):
         name = family.weight_name(raw_name)  # a multimodal checkpoint's text model
         if name is None or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -211,17 +211,21 @@ _STACKED = re.compile(
 
 
 def _per_expert(
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, torch.Tensor]], hidden: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Cuts stacked expert tensors ([experts, rows, columns]) into one tensor per expert under
     HF's per-expert names; a fused ``gate_up_proj`` holds each expert's gate rows then its up
-    rows."""
+    rows. Each expert's matrix is turned to a linear layer's [out, in] (``hidden`` in or out)
+    where it is stored [in, out], as the hub's Qwen3-VL MoE checkpoints store theirs."""
     for name, tensor in tensors:
         stacked = _STACKED.match(name)
         if stacked is None or tensor.dim() != 3:
             yield name, tensor
             continue
         prefix, kind = stacked.group(1), stacked.group(2)
+        hidden_axis = 0 if kind == "down_proj" else 1
+        if tensor.shape[1 + hidden_axis] != hidden and tensor.shape[2 - hidden_axis] == hidden:
+            tensor = tensor.transpose(1, 2)
         for expert, rows in enumerate(tensor):
             if kind == "gate_up_proj":
                 gate, up = rows.chunk(2, dim=0)

@@ -27,6 +27,7 @@ from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
 TOWERS = {
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
     "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLVisionModel"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeVisionModel"),
 }
 # Where the tower's weights stand: transformers 5's layout, then the hub's older one.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
