@@ -1,7 +1,7 @@
 """Qwen2.5-VL, Qwen3-VL and Qwen3-VL MoE on the PyTorch runner: images through the vision
-tower, M-RoPE (and Qwen3-VL's deepstack features) give transformers' own greedy tokens; the prefix cache
-shares KV over the same image only; image and text requests batched give each its solo
-tokens; the openai and anthropic clients send images to a real server."""
+tower, M-RoPE (and Qwen3-VL's deepstack features) give transformers' own greedy tokens; the
+prefix cache shares KV over the same image only; image and text requests batched give each
+its solo tokens; the openai and anthropic clients send images to a real server."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Random-weight Qwen2.5-VL and Qwen3-VL checkpoints saved by transformers itself, with
-SmolLM2's tokenizer given Qwen's vision tokens and a chat template that writes them: no
-vision checkpoint ships offline. The tests' tiny models (the references for parity), the
+"""Random-weight Qwen2.5-VL, Qwen3-VL and Gemma 3 checkpoints saved by transformers itself,
+with SmolLM2's tokenizer given the models' image tokens and a chat template that writes them:
+no vision checkpoint ships offline. The tests' tiny models (the references for parity), the
 benchmark's real-sized vision tower beside SmolLM2-135M's decoder, and images drawn with
 PIL."""
 
@@ -157,6 +157,78 @@ def qwen_vl_folder(
         min_pixels=(2 * patch) ** 2 * 4, max_pixels=max_pixels, patch_size=patch, **normal
     )
     processor.save_pretrained(out_dir)
+    return out_dir
+
+
+# Gemma 3's: a sliding layer (window 16) then a global one; SigLIP on 64×64 images in 8×8
+# patches, pooled into 16 image tokens.
+TINY_GEMMA3_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.08,
+}
+TINY_SIGLIP: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 64,
+    "patch_size": 8,
+    "vision_use_head": False,
+}
+GEMMA3_IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_TEMPLATE = VL_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>"
+)
+
+
+def gemma3_vl_folder(tokenizer_source: Path, out_dir: Path, tokens_per_image: int = 16) -> Path:
+    """A random Gemma 3 with SigLIP (``Gemma3ForConditionalGeneration``): ``tokenizer_source``
+    an HF folder (its tokenizer, given Gemma 3's image tokens and a template writing
+    ``<start_of_image>``). The projector and the norms, which transformers starts at zero,
+    are drawn at random too, so that images and norms matter."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+    )
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_IMAGE_TOKENS})
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    boi, eoi, soft = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_IMAGE_TOKENS)
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    config = Gemma3Config(
+        text_config=TINY_GEMMA3_TEXT
+        | {"vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        vision_config=TINY_SIGLIP,
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=soft,
+    )
+    torch.manual_seed(0)
+    model: Any = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "mm_input_projection_weight" in name:
+                weight.normal_(0, 0.5)
+            elif "norm" in name and "layernorm" not in name and weight.dim() == 1:
+                weight.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    side = TINY_SIGLIP["image_size"]
+    Gemma3ImageProcessorPil(size={"height": side, "width": side}).save_pretrained(out_dir)
     return out_dir
 
 

@@ -75,10 +75,14 @@ def encoder_seconds(share: float, decoding: bool, last_step_seconds: float) -> f
 
 
 def check_images(
-    images: Sequence[ImageInput], prompt_token_ids: Sequence[int], accepts: bool
+    images: Sequence[ImageInput],
+    prompt_token_ids: Sequence[int],
+    accepts: bool,
+    whole_limit: int | None = None,
 ) -> None:
     """``InvalidRequestError`` unless every run lies in the prompt, in order, without overlap,
-    on a model that reads images."""
+    on a model that reads images; ``whole_limit``: the most tokens an image computed within
+    one chunk may have (where its tokens see the whole image)."""
     if not images:
         return
     if not accepts:
@@ -89,18 +93,30 @@ def check_images(
     for image in images:
         if image.offset < end or image.length <= 0 or image.end > len(prompt_token_ids):
             raise InvalidRequestError("an image's placeholder tokens fall outside the prompt")
+        if whole_limit is not None and image.length > whole_limit:
+            raise InvalidRequestError(
+                f"an image takes {image.length} tokens, computed in one prompt chunk; this "
+                f"server's chunks hold at most {whole_limit} (--prefill-chunk, "
+                "--max-batch-tokens less --slots)",
+                param="messages",
+            )
         end = image.end
 
 
 class ImagePreparer(Protocol):
     """A vision-language model's image processing, run where requests are rendered: the
-    chat template writes ``image_token_id`` once per image, which the server repeats to the
-    image's ``length``."""
+    rendered prompt's text is expanded (``expand_text``), then wherever its tokens hold
+    ``image_token_id`` once per image the server repeats it to the image's ``length``
+    (runs already that long stay)."""
 
     image_token_id: int
 
     def prepare(self, image: Any) -> ImageInput:
         """An RGB ``PIL.Image`` as the model reads it (``offset`` 0)."""
+        ...
+
+    def expand_text(self, text: str) -> str:
+        """The rendered prompt with each image's marker written out as the model reads it."""
         ...
 
 
@@ -124,6 +140,11 @@ class ImageInputs(Protocol):
         """How far the prompt of ``slot``'s sequence, computed up to ``start``, may be
         computed now: the start of the first image it needs whose encode is not done (which
         is then queued), or more than any prompt's length."""
+        ...
+
+    def chunk_end(self, slot: int, start: int, end: int) -> int:
+        """Where a chunk of ``slot``'s prompt from ``start`` may end, at most ``end``: never
+        inside an image whose tokens see the whole image."""
         ...
 
     def encode_images(self, seconds: float) -> None:

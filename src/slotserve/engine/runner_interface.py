@@ -149,6 +149,8 @@ class ModelInfo:
     adapters: tuple[AdapterInfo, ...] = ()
     # Images in prompts (``engine/images.py``): the runner is an ``ImageRunner``.
     accepts_images: bool = False
+    # An image's tokens see the whole image (Gemma 3): each is computed within one chunk.
+    whole_images: bool = False
 
     @property
     def can_embed(self) -> bool:
@@ -284,6 +286,14 @@ class StateSnapshots(Protocol):
         runs, before any save of the same step; with per-slot streams, read at once, so the
         stream can then be trimmed to the snapshot's position)."""
         ...
+
+
+class KvAllocator(Protocol):
+    """The runner's KV memory as the scheduler sees it (see ``Runner``)."""
+
+    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
+
+    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
 
 
 class Runner(Protocol):

@@ -106,7 +106,11 @@ def validate_request(
         )
     if adapter and checker.model_info.lora_unsupported:
         raise InvalidRequestError(checker.model_info.lora_unsupported, param="model")
-    check_images(images, prompt_token_ids, checker.model_info.accepts_images)
+    info = checker.model_info
+    whole = min(config.prefill_chunk, config.max_batch_tokens - config.num_slots)
+    check_images(
+        images, prompt_token_ids, info.accepts_images, whole if info.whole_images else None
+    )
     check_request(checker.model_info, config, prompt_token_ids, params)
     if params.structured_output is not None:
         check_structured_output(params.structured_output)

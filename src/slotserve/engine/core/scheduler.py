@@ -43,10 +43,9 @@ Batch-construction invariants:
 9. Before a chunk joins the batch its KV is reserved (``reserve_kv``). When the runner's KV
    pool is exhausted, unused cached prefixes are evicted first (LRU); if that is not enough,
    the youngest running sequence (under the priority policy: of the lowest priority) is
-   preempted: its KV is given back (kept as
-   evictable cache when the prefix cache is on), its chunk leaves the batch, and it waits in
-   its slot, sampler state and output kept. Preempted sequences resume oldest first (highest
-   priority first under the priority policy), before
+   preempted: its KV is given back (kept as evictable cache when the prefix cache is on), its
+   chunk leaves the batch, and it waits in its slot, sampler state and output kept. Preempted
+   sequences resume oldest first (highest priority first under the priority policy), before
    any new request is admitted, as soon as their first chunk's KV can be reserved; they
    recompute their tokens (prompt and output so far) from the longest cached prefix. The
    oldest sequence always fits (``max_seq_len`` is at most the pool), so work never stalls.
@@ -58,13 +57,14 @@ Batch-construction invariants:
     it fits the step's budget (requests were checked against ``max_batch_tokens``).
 11. A prompt chunk ends before the first image whose encode is not done (``images_ready``);
     the encodes run between steps (``EngineCore``), so none lengthens a step beyond its share.
+    Where an image's tokens see the whole image (Gemma 3), no chunk ends inside one
+    (``chunk_end``): it ends before the image, or waits until the rest of the image fits.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as SequenceOf
-from typing import Protocol
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
@@ -78,17 +78,9 @@ from slotserve.engine.decoding.speculative import Speculator
 from slotserve.engine.images import ImageInputs
 from slotserve.engine.prefix_cache.base import PrefixCache
 from slotserve.engine.request import Request, Sequence
-from slotserve.engine.runner_interface import ScheduledChunk
+from slotserve.engine.runner_interface import KvAllocator, ScheduledChunk
 
 _HOLDS_KV = (SlotState.PREFILLING, SlotState.GENERATING, SlotState.DRAINING)
-
-
-class KvAllocator(Protocol):
-    """The runner's KV memory as the scheduler sees it (see ``Runner``)."""
-
-    def reserve_kv(self, slot: int, num_tokens: int) -> bool: ...
-
-    def trim_kv(self, slot: int, num_tokens: int) -> None: ...
 
 
 class Scheduler:
@@ -323,7 +315,13 @@ class Scheduler:
             budget -= size
             if size and self._long_context and seq.num_computed_tokens >= self._long_context:
                 budget = 0  # invariant 2: a chunk over a long context is the step's last
-        return self.policy.equalize(sizes, rests, truncated)
+        sizes = self.policy.equalize(sizes, rests, truncated)
+        for i, slot in enumerate(prefill):  # invariant 11: never inside a whole image
+            seq = _sequence(slot)
+            if sizes[i] and self.images is not None and seq.request.images:
+                start = seq.num_computed_tokens
+                sizes[i] = self.images.chunk_end(slot.index, start, start + sizes[i]) - start
+        return sizes
 
     def on_chunk_computed(self, chunk: ScheduledChunk) -> Sequence:
         """Advances the sequence's counter after the forward pass; returns the sequence."""

@@ -157,6 +157,7 @@ class TorchRunner:
             can_generate=self.score_head is None,
             cross_encoder=self.score_head is not None,
             accepts_images=self.image_inputs is not None,
+            whole_images=self.image_inputs is not None and self.image_inputs.tower.whole_images,
             **rules,
         )
         logger.info(

@@ -173,6 +173,8 @@ class ModelShard:
         else:
             write_rows = torch.tensor(plan.write_rows, dtype=torch.int64, device=device)
             step = StepAttention(write_rows, self._groups(plan))
+        if images is not None and images.runs:
+            step.image_groups = self._image_groups(plan, images.runs)
         linear_step = None
         if self.linear_states is not None:
             self.linear_states.reset(plan.linear_resets)
@@ -243,6 +245,24 @@ class ModelShard:
             )
             for group in plan.groups
         ]
+
+    def _image_groups(
+        self, plan: StepPlan, runs: tuple[tuple[int, int], ...]
+    ) -> list[AttentionGroup]:
+        """A bidirectional group per image run (``StepImages.runs``), in its chunk's group."""
+        pool, c = self.pool, self.model.config
+        window = c.sliding_window if any(c.sliding_layers) else None
+        groups = []
+        for row, count in runs:
+            group = next(g for g in plan.groups if 0 <= row - g.first_row < g.q_len * len(g.tables))
+            sequence, offset = divmod(row - group.first_row, group.q_len)
+            table, start = group.tables[sequence], group.starts[sequence] + offset
+            image = build_group(
+                row, [table], [start], count, pool.block_size, pool.zero_block, c.num_kv_heads,
+                window, self.device, bidirectional=True,
+            )  # fmt: skip
+            groups.append(image)
+        return groups
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])

@@ -60,12 +60,12 @@ class HfTokenizer:
     def from_folder(cls, folder: Path) -> HfTokenizer:
         from transformers import AutoTokenizer
 
-        from slotserve.runners.pytorch.vision.qwen_vl import QwenVlImages, vision_config
+        from slotserve.runners.pytorch.vision.towers import image_preparer, vision_config
 
         tokenizer = cls(AutoTokenizer.from_pretrained(str(folder)))
         raw = vision_config(folder)
         if raw is not None:
-            tokenizer.image_preparer = QwenVlImages(folder, raw)
+            tokenizer.image_preparer = image_preparer(folder, raw)
         return tokenizer
 
     @classmethod

@@ -55,24 +55,39 @@ def read_images(
 def place_images(
     model: LoadedModel, tokens: list[int], images: list[ImageInput]
 ) -> tuple[list[int], list[ImageInput]]:
-    """``tokens`` with each image's placeholder repeated to its length, and the images with
-    their offsets; refused when the template did not write one placeholder per image."""
+    """``tokens`` with each image's placeholder repeated to its length (a run of its length
+    stays), and the images with their offsets; refused when the template did not write one
+    placeholder per image."""
     if not images:
         return tokens, images
     placeholder = _preparer(model).image_token_id
-    found = [i for i, token in enumerate(tokens) if token == placeholder]
-    if len(found) != len(images):
+    runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholders
+    for i, token in enumerate(tokens):
+        if token != placeholder:
+            continue
+        if runs and sum(runs[-1]) == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    if len(runs) != len(images) or any(
+        n not in (1, image.length) for (_, n), image in zip(runs, images, strict=False)
+    ):
         raise InvalidRequestError(
-            f"the chat template wrote {len(found)} image placeholders for {len(images)} "
+            f"the chat template wrote {len(runs)} image placeholders for {len(images)} "
             "images (is it the model's own template?)",
             param="messages",
         )
     expanded: list[int] = []
     placed: list[ImageInput] = []
     done = 0
-    for at, image in zip(found, images, strict=True):
+    for (at, n), image in zip(runs, images, strict=True):
         expanded += tokens[done:at]
         placed.append(dataclasses.replace(image, offset=len(expanded)))
         expanded += [placeholder] * image.length
-        done = at + 1
+        done = at + n
     return expanded + tokens[done:], placed
+
+
+def expand_image_text(model: LoadedModel, text: str, images: list[ImageInput]) -> str:
+    """The rendered prompt with each image's marker written out as the model reads it."""
+    return _preparer(model).expand_text(text) if images else text

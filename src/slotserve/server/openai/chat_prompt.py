@@ -12,7 +12,7 @@ from slotserve.engine.images import ImageInput
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
-from slotserve.server.openai.chat_images import place_images, read_images
+from slotserve.server.openai.chat_images import expand_image_text, place_images, read_images
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages
@@ -69,6 +69,7 @@ def render_chat(
         add_bos = add_special_tokens
     if check_length:
         check_prompt_chars(model, prompt_text, "messages")
+    prompt_text = expand_image_text(model, prompt_text, images)
     tokens = model.tokenizer.encode(prompt_text, add_special_tokens=add_bos)
     tokens, images = place_images(model, tokens, images)
     return tokens, plan, images

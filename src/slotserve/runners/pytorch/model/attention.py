@@ -25,7 +25,7 @@ measurements: docs/design/batch-invariance.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,9 @@ class StepAttention:
     # with its row tiles, the Triton kernel's (``gpu_kernels.py``).
     paged: PagedStep | None = None
     tiles: RowTiles | None = None
+    # Image tokens that see their whole image (Gemma 3): each run's rows, attended again
+    # with ``bidirectional`` groups over the rows the other paths gave (``attend_images``).
+    image_groups: list[AttentionGroup] = field(default_factory=list)
 
 
 def build_group(
@@ -90,9 +93,11 @@ def build_group(
     num_kv_heads: int,
     sliding_window: int | None,
     device: torch.device,
+    bidirectional: bool = False,
 ) -> AttentionGroup:
     """Metadata for sequences with block ``tables`` whose ``q_len`` new tokens start at
-    positions ``starts`` (all decode tokens: q_len 1; a prefill chunk: batch 1)."""
+    positions ``starts`` (all decode tokens: q_len 1; a prefill chunk: batch 1);
+    ``bidirectional``: every new token also sees those after it (an image's tokens)."""
     batch = len(tables)
     lengths = [s + q_len for s in starts]
     # Whole blocks: the reduced dimension of ``probs @ values`` must not depend on the
@@ -111,7 +116,8 @@ def build_group(
     heads = torch.arange(num_kv_heads, dtype=torch.int64)
     gather = (rows[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
     query_pos = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [batch, q_len]
-    causal = positions[None, None, :] <= query_pos[:, :, None]  # [batch, q_len, kv_len]
+    last = torch.tensor(lengths)[:, None] - 1 if bidirectional else query_pos
+    causal = positions[None, None, :] <= last[:, :, None]  # [batch, q_len, kv_len]
     sliding = None
     if sliding_window:
         sliding = causal & (positions[None, None, :] > query_pos[:, :, None] - sliding_window)
@@ -142,30 +148,61 @@ def attend(
             q, key_cache, value_cache, paged.block_tables, step.tiles, paged.positions,
             paged.block_size, window, config.attention_scale,
         )  # fmt: skip
-    kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim
-    key_rows = key_cache.view(-1, dim)
-    value_rows = value_cache.view(-1, dim)
+    key_rows = key_cache.view(-1, config.head_dim)
+    value_rows = value_cache.view(-1, config.head_dim)
     outputs = []
-    fused = q.device.type == "cuda"  # no batch-invariance claim on GPUs: take SDPA's kernels
     for group in step.groups:
-        b, qn, kv_len = group.batch, group.q_len, group.kv_len
         mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
-        if fused:
-            outputs.append(_sdpa(q, key_rows, value_rows, group, mask, config))
-            continue
-        query = q[group.start : group.start + b * qn]
-        # [b*qn, heads, dim] → [b * kv_heads, groups * qn, dim]; head h reads kv head h // groups.
-        query = query.view(b, qn, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-        query = query.reshape(b * kv_heads, groups * qn, dim)
-        keys = key_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
-        values = value_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
-        scores = torch.bmm(query, keys.transpose(1, 2)) * config.attention_scale
-        scores = scores.float().view(b, kv_heads, groups, qn, kv_len)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * kv_heads, groups * qn, kv_len)
-        out = torch.bmm(probs, values).view(b, kv_heads, groups, qn, dim)
-        outputs.append(out.permute(0, 3, 1, 2, 4).reshape(b * qn, kv_heads * groups * dim))
+        outputs.append(_group_attention(q, key_rows, value_rows, group, mask, config))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def attend_images(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    step: StepAttention,
+    sliding: bool,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """``out`` with the rows of ``step.image_groups`` attended again, each image token over
+    its whole image (their K/V are in the caches already). Those rows always take this path,
+    whatever else is in the step, so their bits never depend on the batch."""
+    key_rows = key_cache.view(-1, config.head_dim)
+    value_rows = value_cache.view(-1, config.head_dim)
+    for group in step.image_groups:
+        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
+        rows = _group_attention(q, key_rows, value_rows, group, mask, config)
+        out[group.start : group.start + group.q_len] = rows.to(out.dtype)
+    return out
+
+
+def _group_attention(
+    q: torch.Tensor,
+    key_rows: torch.Tensor,
+    value_rows: torch.Tensor,
+    group: AttentionGroup,
+    mask: torch.Tensor,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """One group's attention, ``[batch * q_len, heads * head_dim]``."""
+    if q.device.type == "cuda":  # no batch-invariance claim on GPUs: take SDPA's kernels
+        return _sdpa(q, key_rows, value_rows, group, mask, config)
+    kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim
+    b, qn, kv_len = group.batch, group.q_len, group.kv_len
+    query = q[group.start : group.start + b * qn]
+    # [b*qn, heads, dim] → [b * kv_heads, groups * qn, dim]; head h reads kv head h // groups.
+    query = query.view(b, qn, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+    query = query.reshape(b * kv_heads, groups * qn, dim)
+    keys = key_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
+    values = value_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
+    scores = torch.bmm(query, keys.transpose(1, 2)) * config.attention_scale
+    scores = scores.float().view(b, kv_heads, groups, qn, kv_len)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * kv_heads, groups * qn, kv_len)
+    out = torch.bmm(probs, values).view(b, kv_heads, groups, qn, dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(b * qn, kv_heads * groups * dim)
 
 
 def _sdpa(

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.model.attention import PagedStep, StepAttention, attend
+from slotserve.runners.pytorch.model.attention import (
+    PagedStep,
+    StepAttention,
+    attend,
+    attend_images,
+)
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
 from slotserve.runners.pytorch.model.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
@@ -33,14 +38,17 @@ from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
 
 
 class StepImages(NamedTuple):
-    """A vision-language model's step inputs: every token's M-RoPE positions ``[3, tokens]``,
-    the rows whose embeddings are the images' (``embeds``, one per row), and what is added to
-    those rows' residual stream after each of the first layers (Qwen3-VL's deepstack)."""
+    """A vision-language model's step inputs: every token's M-RoPE positions ``[3, tokens]``
+    (None: the model's own positions), the rows whose embeddings are the images' (``embeds``,
+    one per row), and what is added to those rows' residual stream after each of the first
+    layers (Qwen3-VL's deepstack); ``runs``: (first row, count) of each image's tokens that
+    see the whole image (Gemma 3), every one with the rest of its image in the step."""
 
-    rope_positions: torch.Tensor
+    rope_positions: torch.Tensor | None
     rows: torch.Tensor | None
     embeds: torch.Tensor | None
     deepstack: tuple[torch.Tensor, ...] = ()
+    runs: tuple[tuple[int, int], ...] = ()
 
 
 class _Norms:
@@ -145,9 +153,13 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = _project(self.qkv, x, lora, "qkv")
         if kernels is not None and step.paged is not None:
-            out = self._kernel_attention(
+            q, out = self._kernel_attention(
                 qkv, rotary, step.paged, kv, sliding, c, kernels, rotary_rows
             )
+            if step.image_groups:
+                out = attend_images(q, kv[0], kv[1], out, step, sliding, c)
+            if c.attn_output_gate:
+                out = out * torch.sigmoid(_query_and_gate(qkv, c)[1].reshape(out.shape))
             return _project(self.o_proj, out, lora, "o_proj")
         gate = None
         if c.attn_output_gate:
@@ -168,6 +180,8 @@ class DecoderLayer(nn.Module):
             qk = apply_rotary(qk, *rotary)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         out = attend(q, k, value, kv[0], kv[1], step, sliding, c)
+        if step.image_groups:
+            out = attend_images(q, kv[0], kv[1], out, step, sliding, c)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(out.shape))
         return _project(self.o_proj, out, lora, "o_proj")
@@ -182,10 +196,11 @@ class DecoderLayer(nn.Module):
         c: ModelConfig,
         kernels: CpuKernels,
         rotary_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The same attention (before ``o_proj``) through the CPU kernels: the kernel reads
-        each token's row of ``rotary`` (the whole tables, by position; ``rotary_rows`` where
-        the tables are per token), the pool is read in place."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same attention through the CPU kernels (the rotated queries, and the output
+        before any gate and ``o_proj``): the kernel reads each token's row of ``rotary`` (the
+        whole tables, by position; ``rotary_rows`` where the tables are per token), the pool
+        is read in place."""
         q_norm = self.q_norm.weight if c.qk_norm else None
         k_norm = self.k_norm.weight if c.qk_norm else None
         rows = paged.positions if rotary_rows is None else rotary_rows
@@ -199,9 +214,7 @@ class DecoderLayer(nn.Module):
             q, kv[0], kv[1], paged.block_tables, paged.token_seq, paged.positions,
             paged.block_size, window, c.attention_scale,
         )  # fmt: skip
-        if c.attn_output_gate:
-            out = out * torch.sigmoid(_query_and_gate(qkv, c)[1].reshape(out.shape))
-        return out
+        return q, out
 
     def mlp(
         self,
@@ -313,9 +326,9 @@ class Decoder(nn.Module):
         if c.scale_embeddings:
             hidden = hidden * torch.tensor(self._embed_scale, dtype=hidden.dtype)
         rotary_rows = None
-        if images is not None:
-            if images.rows is not None and images.embeds is not None:
-                hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+        if images is not None and images.rows is not None and images.embeds is not None:
+            hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+        if images is not None and images.rope_positions is not None:
             rotary = mrope_rotary(
                 self.cos, self.sin, images.rope_positions, c.mrope_section, c.mrope_interleaved
             )

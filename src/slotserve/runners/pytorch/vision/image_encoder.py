@@ -12,8 +12,8 @@ from functools import partial
 import torch
 
 from slotserve.engine.images import ImageInput
-from slotserve.runners.pytorch.vision.qwen_vl import QwenVlTower
 from slotserve.runners.pytorch.vision.stepped_encoder import SteppedEncoder
+from slotserve.runners.pytorch.vision.towers import VisionTower
 
 # Image embeddings the encoder cache keeps once no sequence is using them (vLLM sizes its
 # encoder cache in embeddings too).
@@ -21,7 +21,7 @@ ENCODER_CACHE_EMBEDDINGS = 32768
 
 
 class ImageEncoder:
-    def __init__(self, tower: QwenVlTower) -> None:
+    def __init__(self, tower: VisionTower) -> None:
         self.tower = tower
         # By digest: the embeddings, then any deepstack features.
         self._cache: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()

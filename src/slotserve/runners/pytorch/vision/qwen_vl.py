@@ -12,7 +12,6 @@ position plus one, so a sequence's positions run behind its length by a fixed ``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,17 +30,6 @@ TOWERS = {
 }
 # Where the tower's weights stand: transformers 5's layout, then the hub's older one.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
-
-
-def vision_config(folder: Path) -> dict[str, Any] | None:
-    """A vision-language checkpoint's ``config.json``; None for a text model or a file."""
-    config_file = folder / "config.json"
-    if not folder.is_dir() or not config_file.is_file():
-        return None
-    raw: dict[str, Any] = json.loads(config_file.read_text())
-    if raw.get("model_type") in TOWERS and "vision_config" in raw:
-        return raw
-    return None
 
 
 class QwenVlImages:
@@ -69,6 +57,9 @@ class QwenVlImages:
             image_digest(data, pixels.shape, grid), 0, length, data, pixels.shape, grid
         )
 
+    def expand_text(self, text: str) -> str:
+        return text  # the template writes one placeholder per image; the server repeats it
+
 
 def mrope_positions(
     prompt_length: int, images: Sequence[ImageInput], merge: int
@@ -94,6 +85,8 @@ def mrope_positions(
 class QwenVlTower:
     """The vision tower, in the decoder's device and dtype."""
 
+    whole_images = False  # an image's tokens attend causally, as text
+
     def __init__(self, folder: Path, raw: dict[str, Any], device: torch.device, dtype: torch.dtype):
         import importlib
 
@@ -112,6 +105,15 @@ class QwenVlTower:
         self.device, self.dtype = device, dtype
         self.merge = int(config.spatial_merge_size)
         self.blocks = list(self.tower.blocks)
+
+    def check(self, image: ImageInput) -> None:
+        if len(image.grid) != 3 or image.length * self.merge**2 != int(np.prod(image.grid)):
+            raise ValueError("an image's placeholder count does not match its patches")
+
+    def positions(
+        self, prompt_length: int, images: Sequence[ImageInput]
+    ) -> tuple[np.ndarray[Any, Any] | None, int]:
+        return mrope_positions(prompt_length, images, self.merge)
 
     def encode(self, image: ImageInput) -> tuple[torch.Tensor, ...]:
         """The image's embeddings, ``[image.length, hidden]``, then its deepstack features
