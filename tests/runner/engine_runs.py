@@ -57,15 +57,16 @@ def alone_then_together(
     prompts: Sequence[list[int]],
     params: SamplingParams,
     start_after: dict[str, tuple[str, int]] | None = None,
+    images: Mapping[str, Sequence[ImageInput]] | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Each prompt run by itself, one after another, then all of them at once in the same
-    core (``start_after`` staggers them, as :func:`generate` does); requests ``p0``, ``p1``,
-    ... Returns (alone, together)."""
+    core (``start_after`` staggers them, as :func:`generate` does; ``images`` as there);
+    requests ``p0``, ``p1``, ... Returns (alone, together)."""
     alone: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
-        alone.update(generate(core, {f"p{i}": (prompt, params)}))
+        alone.update(generate(core, {f"p{i}": (prompt, params)}, images=images))
     jobs = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
-    return alone, generate(core, jobs, start_after=start_after)
+    return alone, generate(core, jobs, start_after=start_after, images=images)
 
 
 def through_host_and_disk(num_slots: int, folder: Path) -> EngineConfig:

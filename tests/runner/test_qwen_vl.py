@@ -27,7 +27,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.images import ImageInput
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
-from tests.runner.engine_runs import generate, greedy
+from tests.runner.engine_runs import alone_then_together, generate, greedy
 
 SIZES = [(64, 48, 1), (100, 60, 2), (40, 90, 3)]  # width, height, seed: three aspect ratios
 
@@ -222,16 +222,12 @@ def test_image_and_text_requests_batched_give_their_solo_tokens(family_folder: P
             _prompt(runner, ["One", "two"], [shots[1], shots[2]]),
         ]
         core = EngineCore(runner, EngineConfig(num_slots=4, max_batch_tokens=48))
-        tokens = [p[0] for p in prompts]
-        images = {f"p{i}": p[1] for i, p in enumerate(prompts)}
-        alone: dict[str, list[int]] = {}
-        for i, prompt in enumerate(tokens):
-            alone.update(generate(core, {f"p{i}": (prompt, greedy(16))}, images=images))
-        together = generate(
+        alone, together = alone_then_together(
             core,
-            {f"p{i}": (p, greedy(16)) for i, p in enumerate(tokens)},
+            [p[0] for p in prompts],
+            greedy(16),
             start_after={"p2": ("p0", 3)},
-            images=images,
+            images={f"p{i}": p[1] for i, p in enumerate(prompts)},
         )
         assert together == alone
     finally:
