@@ -173,7 +173,7 @@ class EngineConfig:
     encoder_share: float = option(
         0.1,
         ge=0,
-        help="vision models: the most of the engine's time that encoding images (a block of "
+        help="vision models: the most of the engine's time that encoding images (a piece of "
         "the vision tower at a time, between steps) may take while sequences decode; smaller "
         "keeps streams' time per token lower, larger serves new images sooner (default 0.1)",
     )

@@ -38,7 +38,7 @@ class Gemma3Images:
         )
         processor.do_pan_and_scan = False  # as transformers' Gemma3Processor sets it
         self.processor = processor
-        self.image_token_id = int(raw.get("image_token_index", raw.get("image_token_id", 0)))
+        self.image_token_id = int(raw["image_token_index"])  # the hub's and transformers' key
         self.length = int(raw.get("mm_tokens_per_image", 256))
 
     def prepare(self, image: Any) -> ImageInput:
