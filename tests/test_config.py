@@ -25,6 +25,7 @@ from slotserve.serve_config import ServeConfig
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.serving import ServingContext
+from tests.conftest import local_client
 from tests.fake_runner import FakeRunner
 
 DOCS = Path(__file__).parent.parent / "docs" / "configuration.md"
@@ -39,6 +40,17 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
         None,
     ),
     ("allowed_media_domains", ("--allowed-media-domains",), None, None),
+    (
+        "allow_credentials",
+        ("--allow-credentials", "--no-allow-credentials"),
+        "ALLOW_CREDENTIALS",
+        False,
+    ),
+    ("allowed_headers", ("--allowed-headers",), None, None),
+    ("allowed_hosts", ("--allowed-hosts",), None, None),
+    ("allowed_methods", ("--allowed-methods",), None, None),
+    ("allowed_origins", ("--allowed-origins",), None, None),
+    ("media_fetch_timeout", ("--media-fetch-timeout",), "MEDIA_FETCH_TIMEOUT", 10.0),
     ("admin_routes", ("--admin-routes",), "ADMIN_ROUTES", "auto"),
     ("api_key", ("--api-key",), "API_KEY", None),
     ("attention_backend", ("--attention-backend",), "ATTENTION_BACKEND", "auto"),
@@ -311,7 +323,7 @@ def test_load_options_are_read_as_the_flags_are() -> None:
 def _app(make: Any = None) -> TestClient:
     metrics = ServerMetrics()
     registry = ModelRegistry(make, on_outputs=metrics.observe)
-    return TestClient(create_app(ServingContext(registry, metrics)), raise_server_exceptions=False)
+    return local_client(create_app(ServingContext(registry, metrics)))
 
 
 def test_the_load_body_is_documented_in_the_openapi_schema() -> None:

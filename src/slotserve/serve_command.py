@@ -37,13 +37,14 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     from slotserve.hosting.registry import ModelRegistry
     from slotserve.hosting.source import ModelUnavailableError
-    from slotserve.server.admin_access import admin_access
+    from slotserve.server.access import access_policy
     from slotserve.server.app import create_app
     from slotserve.server.connections import KEEP_ALIVE_S, HttpProtocol, raise_open_file_limit
     from slotserve.server.lifecycle import GracefulServer
     from slotserve.server.log_context import configure_logging
     from slotserve.server.metrics import ServerMetrics
-    from slotserve.server.serving import ServingContext
+    from slotserve.server.route_guards import admin_paths
+    from slotserve.server.serving import CorsRules, ServingContext
     from slotserve.server.tracing import observe_both, request_tracer
 
     server, models = config.server, config.models
@@ -52,6 +53,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         if server.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        access = access_policy(server)
         models_dir = Path(models.models_dir) if models.models_dir else None
         if models_dir is not None and not models_dir.is_dir():
             raise ValueError(f"--models-dir {models_dir} is not a folder")
@@ -73,15 +75,16 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (ModelUnavailableError, ValueError, FileNotFoundError) as exc:
         print(f"slotserve: {exc}", file=sys.stderr)
         return 2
+    cors = CorsRules(server.allowed_methods, server.allowed_headers, server.allow_credentials)
     ctx = ServingContext(
         registry,
         metrics,
-        api_key=server.api_key or None,
-        admin=admin_access(server.host, server.api_key, server.admin_api_key, server.admin_routes),
+        access=access,
+        cors=cors if access.allowed_origins else None,
         max_request_bytes=server.max_request_bytes,
         tracer=tracer,
     )
-    logger.info("%s", ctx.admin.describe())
+    logger.info("%s", access.describe(admin_paths()))
     raise_open_file_limit()  # one descriptor per client connection
     uvicorn_config = uvicorn.Config(
         create_app(ctx),
@@ -91,6 +94,9 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         timeout_keep_alive=KEEP_ALIVE_S,
         log_level=server.log_level,
         log_config=None,  # keep ours: every line names its request
+        # The peer is who connected: a forwarding header is the access rules' to read, never
+        # taken as the caller's address (uvicorn trusts one from 127.0.0.1 by default).
+        proxy_headers=False,
         access_log=False,
         timeout_graceful_shutdown=5,
     )

@@ -23,11 +23,7 @@ if TYPE_CHECKING:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTING_POLICIES = ("prefix", "round-robin", "pow2")
-ADMIN_ROUTES = (
-    "auto",
-    "open",
-    "off",
-)  # server/admin_access.py applies them  # replicas/routing.py builds each
+ADMIN_ROUTES = ("auto", "open", "off")  # server/access.py applies them
 # Not an option: it configures nothing, and vLLM command lines carry it.
 AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is always on"
@@ -41,9 +37,10 @@ class ServerConfig:
     port: int = option(8000, help="port to listen on")
     api_key: str | None = option(
         None,
-        help="require 'Authorization: Bearer KEY' on /v1 and /admin routes (health, readiness "
-        "and metrics stay open); prefer the SLOTSERVE_API_KEY environment variable, which "
-        "process listings do not show",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but "
+        "the probes' and scrapers' (health, readiness, metrics, the SGLang gateway's "
+        "read-only info: docs/operations.md#who-may-call-what); prefer the SLOTSERVE_API_KEY "
+        "environment variable, which process listings do not show",
     )
     admin_api_key: str | None = option(
         None,
@@ -54,8 +51,44 @@ class ServerConfig:
     admin_routes: str = option(
         "auto",
         choices=ADMIN_ROUTES,
-        help="the admin routes when no key guards them: auto: open on a loopback bind, 403 on "
-        "any other; open: open to anyone who reaches the port; off: 403 whatever the keys",
+        help="the admin routes when no key guards them: auto: callers on this machine only (a "
+        "loopback peer, no proxy's forwarding header, a loopback Host, no other page's "
+        "Origin); open: anyone who reaches the port; off: 403 whatever the keys",
+    )
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        many=True,
+        env=None,
+        metavar="HOST",
+        help="Host names this server answers besides loopback names and addresses (checked on "
+        "a loopback bind, or on any bind once given; '*': any); others get a 403, which stops "
+        "DNS rebinding",
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        many=True,
+        env=None,
+        metavar="ORIGIN",
+        help="browser origins (scheme://host:port, or '*') whose pages may call the API, "
+        "with CORS headers (vLLM's flag; a JSON list is read too); requests from other "
+        "pages' origins get a 403 (default none but the server's own)",
+    )
+    allowed_methods: tuple[str, ...] = option(
+        (),
+        many=True,
+        env=None,
+        metavar="METHOD",
+        help="with --allowed-origins: the methods CORS allows (default all)",
+    )
+    allowed_headers: tuple[str, ...] = option(
+        (),
+        many=True,
+        env=None,
+        metavar="HEADER",
+        help="with --allowed-origins: the request headers CORS allows (default all)",
+    )
+    allow_credentials: bool = option(
+        False, help="with --allowed-origins: let pages send cookies and authorization (CORS)"
     )
     otlp_traces_endpoint: str | None = option(
         None,

@@ -245,7 +245,8 @@ def vl_server(vl_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         str(vl_folder),
         "--runner", "torch", "--dtype", "float32", "--slots", "4", "--ctx-size", "512",
         "--served-model-name", "x",
-        "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media),
+        "--limit-mm-per-prompt", '{"image": 3}', "--allowed-local-media-path", str(media),
+        "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "1",
     )  # fmt: skip
     server.media = media  # type: ignore[attr-defined]
     yield server
@@ -365,7 +366,7 @@ def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> 
         ("http://169.254.169.254/latest/meta-data", "not fetched"),
         ("file:///etc/passwd", "no image file"),
         ("TRUNCATED", "cannot be decoded"),
-        ("THREE", "at most 2"),
+        ("FOUR", "at most 3"),
     ],
 )
 def test_bad_images_are_400s_and_the_server_keeps_serving(
@@ -377,14 +378,58 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
     parts = [{"type": "image_url", "image_url": {"url": url}}]
     if url == "TRUNCATED":
         parts = [{"type": "image_url", "image_url": {"url": _data_url(png[: len(png) // 2])}}]
-    if url == "THREE":
-        parts = [{"type": "image_url", "image_url": {"url": _data_url(png)}}] * 3
+    if url == "FOUR":
+        parts = [{"type": "image_url", "image_url": {"url": _data_url(png)}}] * 4
     body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
     reply = httpx.post(f"{vl_server.api_url}/chat/completions", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert words in reply.json()["error"]["message"]
     fine = {"model": "x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     assert httpx.post(f"{vl_server.api_url}/chat/completions", json=fine, timeout=30).is_success
+
+
+def test_image_urls_are_fetched_and_a_trickling_one_is_cut_off_while_the_server_answers(
+    vl_server: Any,
+) -> None:
+    """Two requests, each naming three allowed URLs that trickle a byte at a time: both are
+    refused within the fetch deadline (1 s) plus 2 s, while health checks and tokenization
+    keep answering at once (the fetches wait on the event loop, not on the rendering threads)."""
+    import concurrent.futures
+    import time
+
+    import httpx
+
+    from tests.media_server import media_server
+
+    def chat(urls: list[str]) -> httpx.Response:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+        return httpx.post(f"{vl_server.api_url}/chat/completions", json=body, timeout=30)
+
+    tokenize = {"model": "x", "prompt": "hello there"}
+    probe = httpx.Client(base_url=vl_server.base_url, timeout=30)  # one client: no set-up timed
+    with probe, media_server(picture(64, 48, 5)) as media:
+        assert chat([f"{media.base_url}/picture.png"]).status_code == 200
+        trickles = [f"{media.base_url}/trickle.png?{i}" for i in range(3)]
+        probes: list[float] = []
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            pending = [pool.submit(chat, trickles), pool.submit(chat, trickles)]
+            while not all(p.done() for p in pending):
+                for method, path, body in (
+                    ("GET", "/health", None),
+                    ("POST", "/tokenize", tokenize),
+                ):
+                    began = time.monotonic()
+                    answer = probe.request(method, path, json=body)
+                    probes.append(time.monotonic() - began)
+                    assert answer.status_code == 200
+            answers = [p.result() for p in pending]
+            took = time.monotonic() - started
+    assert all(a.status_code == 400 for a in answers), [a.text for a in answers]
+    assert all("--media-fetch-timeout" in a.json()["error"]["message"] for a in answers)
+    assert took < 1 + 2
+    assert len(probes) >= 4 and max(probes) < 0.1, probes
 
 
 def test_a_stepped_encode_runs_a_piece_a_call_and_equals_an_encode_at_once(

@@ -17,7 +17,7 @@ from slotserve.hosting.served import ModelLaunch, RestartPolicy
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.serving import ServingContext
-from tests.conftest import wait_until
+from tests.conftest import local_client, wait_until
 from tests.fake_runner import FakeRunner
 
 
@@ -32,7 +32,7 @@ def make_client(build_runner: object) -> TestClient:
         restart=RestartPolicy(enabled=False),
     )
     models.add(launch)
-    return TestClient(create_app(ServingContext(models, metrics)), raise_server_exceptions=False)
+    return local_client(create_app(ServingContext(models, metrics)))
 
 
 def ready(http: TestClient) -> bool:

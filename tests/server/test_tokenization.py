@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from slotserve.server.middleware import ApiKeyMiddleware
+from slotserve.server.access import AccessPolicy
+from slotserve.server.access_middleware import AccessMiddleware
 from tests.conftest import ServerProcess
 
 MESSAGES = [
@@ -166,7 +167,7 @@ def test_the_api_key_guards_tokenization_as_it_guards_v1() -> None:
     async def receive() -> Any:
         return {"type": "http.request"}
 
-    guard = ApiKeyMiddleware(app, api_key="secret")
+    guard = AccessMiddleware(app, AccessPolicy(api_key="secret"))
     for path in ("/tokenize", "/detokenize"):
         sent.clear()
         asyncio.run(guard({"type": "http", "path": path, "headers": []}, receive, send))

@@ -269,12 +269,20 @@ class ModelOptions:
         many=True,
         env=None,
         metavar="HOST",
-        help="hosts whose http(s) image URLs are fetched; repeat for several (default none: "
-        "only data: URLs are read, so a request cannot make the server fetch an address)",
+        help="hosts whose http(s) image URLs are fetched, by name, address or CIDR range; "
+        "repeat for several (default none: only data: URLs are read). A name's addresses must "
+        "be public (no loopback, private, link-local, CGNAT or metadata address) unless an "
+        "address or range listed here names them",
     )
     allowed_local_media_path: str | None = option(
         None,
         help="a folder whose files requests may name as file:// image URLs (default none)",
+    )
+    media_fetch_timeout: float = option(
+        10.0,
+        ge=0.1,
+        help="seconds an image URL may take to fetch, all of it (name lookup, connection, "
+        "body); a request's images are fetched together within it too (default 10)",
     )
     # llama-server's flag names; each is the default of a request that leaves the field out.
     temperature: float | None = _sampling_default("temperature")
@@ -310,7 +318,10 @@ class ModelOptions:
     @property
     def media_policy(self) -> MediaPolicy:
         return MediaPolicy.of(
-            self.limit_mm_per_prompt, self.allowed_media_domains, self.allowed_local_media_path
+            self.limit_mm_per_prompt,
+            self.allowed_media_domains,
+            self.allowed_local_media_path,
+            self.media_fetch_timeout,
         )
 
     @property

@@ -24,6 +24,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from slotserve.replicas.replica import ForwardedRequest, ReplicaInfo, ResponseHead
+from slotserve.server.access import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ async def _body(chunks: Any, streaming: bool) -> AsyncIterator[bytes]:
     finally:
         if not finished:
             chunks.cancel()
+
+
+def caller_headers(request: Request) -> list[tuple[str, str]]:
+    """The request's headers for a replica, which sees the ingress as a loopback peer: a caller
+    from elsewhere is named in ``X-Forwarded-For``, so the replica's admin rule (callers on
+    this machine only, without a key) refuses it as it refuses any proxied caller."""
+    headers = list(request.headers.items())
+    client = request.client.host if request.client is not None else "unknown"
+    if not is_loopback(client):
+        headers.append(("x-forwarded-for", client))
+    return headers
 
 
 def prompt_text(body: bytes) -> str:
@@ -147,14 +159,14 @@ class Ingress:
             {"status": "ok" if infos else "no replica", "replicas": len(infos)}, status
         )
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         forwarded = ForwardedRequest(
             request.method,
             "/" + path,
             request.url.query,
-            list(request.headers.items()),
+            caller_headers(request),
             body,
             prompt_text(body) if request.method == "POST" else "",
         )

@@ -54,8 +54,9 @@ def serve_replicas(config: ServeConfig, argv: list[str]) -> int:
 
     from slotserve.replicas.ingress import Ingress
     from slotserve.replicas.replica import EngineReplica
-    from slotserve.server.admin_access import admin_access
+    from slotserve.server.access import access_policy
     from slotserve.server.log_context import configure_logging
+    from slotserve.server.route_guards import admin_paths
 
     replicas, server, limits = config.replicas, config.server, config.launch.engine
     configure_logging(server.log_level)
@@ -86,13 +87,12 @@ def serve_replicas(config: ServeConfig, argv: list[str]) -> int:
     ingress = cast(Deployment, serve.deployment(Ingress)).options(
         name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
-    # The replicas listen on loopback, where no key leaves the admin routes open: the rule the
-    # ingress's bind sets is theirs.
-    access = admin_access(server.host, server.api_key, server.admin_api_key, server.admin_routes)
-    logger.info("%s", access.describe())
-    serve_argv = replica_argv(argv) + (
-        ["--admin-routes", "off"] if access.rule == "refused" else []
-    )
+    # The replicas listen on loopback and apply the access rules to what the ingress forwards
+    # (the client's Host, and X-Forwarded-For for a caller from elsewhere); the Host rule is
+    # the ingress's bind's: any name where it listens beyond loopback.
+    access = access_policy(server)
+    logger.info("%s", access.describe(admin_paths()))
+    serve_argv = replica_argv(argv) + ([] if access.checks_host else ["--allowed-hosts", "*"])
     stop = threading.Event()
     try:
         serve.start(http_options={"host": server.host, "port": server.port})

@@ -25,8 +25,10 @@ from slotserve import parent_death
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # loading a large model
-# Hop-by-hop headers and what the proxy in front sets itself.
-_DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+# Hop-by-hop headers and what the proxy in front sets itself. A request keeps its Host: the
+# server's access rules read the name the client used (server/access.py).
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+_DROPPED_HEADERS = _HOP_BY_HOP | {"host"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class EngineReplica:
         """The response: its head, then its body as it arrives (SSE events one by one).
         Cancelled with the caller's stream, which closes the connection to the server: a
         client that went away frees its slot there within one step."""
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _DROPPED_HEADERS]
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
         async with self.client.stream(
             request.method,
             request.path,

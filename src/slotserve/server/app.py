@@ -10,12 +10,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.engine.prefix_cache.stats import PrefixCacheStats
 from slotserve.hosting.served import ModelState
-from slotserve.server.admin_access import ADMIN_PREFIXES, AdminAccessMiddleware
+from slotserve.server.access_middleware import AccessMiddleware
 from slotserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from slotserve.server.anthropic.serving import count_tokens, create_message
 from slotserve.server.embeddings import EmbeddingRequest, create_embeddings
@@ -26,11 +27,7 @@ from slotserve.server.errors import (
     request_id_of,
 )
 from slotserve.server.lora_routes import lora_routes
-from slotserve.server.middleware import (
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    RequestIdMiddleware,
-)
+from slotserve.server.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from slotserve.server.model_routes import model_routes, prefix_stats
 from slotserve.server.openai.chat import create_chat_completion
 from slotserve.server.openai.completions import create_completion
@@ -97,15 +94,20 @@ def create_app(ctx: ServingContext) -> FastAPI:
             await models.stop()
 
     app = FastAPI(title="slotserve", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(AdminAccessMiddleware, access=ctx.admin)
-    if ctx.api_key:
+    app.add_middleware(
+        AccessMiddleware,
+        policy=ctx.access,
+        on_refused_key=lambda: ctx.count_error(401, "invalid_request_error"),
+    )
+    if ctx.cors is not None:  # outside the access rules: a preflight carries no key
         app.add_middleware(
-            ApiKeyMiddleware,
-            api_key=ctx.api_key,
-            on_refused=lambda: ctx.count_error(401, "invalid_request_error"),
-            exempt=ADMIN_PREFIXES if ctx.admin.decides_alone else (),
+            CORSMiddleware,
+            allow_origins=list(ctx.access.allowed_origins),
+            allow_methods=list(ctx.cors.methods or ("*",)),
+            allow_headers=list(ctx.cors.headers or ("*",)),
+            allow_credentials=ctx.cors.credentials,
         )
-    # Before the API key: a huge body is refused without reading it, authorized or not.
+    # Before the access rules: a huge body is refused without reading it, authorized or not.
     app.add_middleware(
         BodyLimitMiddleware,
         limit=ctx.request_bytes_limit,

@@ -1,5 +1,5 @@
 """LoRA adapters at run time, with vLLM's routes and bodies: ``POST /v1/load_lora_adapter``
-and ``POST /v1/unload_lora_adapter`` (admin routes: ``admin_access.py`` decides who may call
+and ``POST /v1/unload_lora_adapter`` (admin routes: ``access.py`` decides who may call
 them), and each adapter's card in ``/v1/models``."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""ASGI middleware: the request id, the optional API key and the request size limit.
+"""ASGI middleware: the request id and the request size limit, and the pieces the access rules'
+refusals share (``access_middleware.py``).
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``: nothing is buffered, so streamed
 responses and client disconnects pass straight through.
@@ -93,42 +94,6 @@ async def refuse_key(send: Send, path: str, presented: list[bytes], what: str) -
     await send_refusal(
         send, path, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
     )
-
-
-class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>`` on the API
-    (``/v1/...``), model management (``/models``, ``/models/load``, ``/models/unload``) and
-    admin routes but those ``exempt`` (guarded by the admin key instead); health, readiness
-    and metrics stay open for probes and scrapers. A refusal is a 401 in OpenAI's shape, or
-    Anthropic's on the Messages API."""
-
-    PROTECTED = ("/v1/", "/admin/", "/models", "/tokenize", "/detokenize")
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str,
-        on_refused: Callable[[], None] | None = None,
-        exempt: tuple[str, ...] = (),
-    ) -> None:
-        self.app = app
-        self._key = api_key.encode()
-        self._on_refused = on_refused
-        self._exempt = exempt
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        guarded = path.startswith(self.PROTECTED) and not path.startswith(self._exempt)
-        if scope["type"] != "http" or not guarded:
-            await self.app(scope, receive, send)
-            return
-        presented = presented_keys(scope)
-        if holds_key(presented, self._key):
-            await self.app(scope, receive, send)
-            return
-        if self._on_refused is not None:
-            self._on_refused()
-        await refuse_key(send, path, presented, "API key")
 
 
 class BodyLimitMiddleware:

@@ -15,7 +15,7 @@ from slotserve.hosting.host import ModelHost
 from slotserve.hosting.registry import ModelRegistry
 from slotserve.hosting.served import LoadedModel
 from slotserve.protocol.chat_template import ChatTemplate
-from slotserve.server.admin_access import LOOPBACK_OPEN, AdminAccess
+from slotserve.server.access import LOCAL, AccessPolicy
 from slotserve.server.metrics import ServerMetrics
 from slotserve.server.tracing import RequestTracer
 
@@ -25,12 +25,21 @@ REQUEST_BYTES_PER_TOKEN = 32
 MIN_REQUEST_BYTES = 8 * 2**20
 
 
+@dataclass(frozen=True)
+class CorsRules:
+    """What CORS allows the pages of ``--allowed-origins`` (vLLM's flags); empty: all."""
+
+    methods: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
+    credentials: bool = False
+
+
 @dataclass
 class ServingContext:
     models: ModelRegistry
     metrics: ServerMetrics
-    api_key: str | None = None
-    admin: AdminAccess = LOOPBACK_OPEN  # who may call the admin routes
+    access: AccessPolicy = LOCAL  # who may call what (keys, the admin rule, Host, Origin)
+    cors: CorsRules | None = None  # None: no CORS headers (no --allowed-origins)
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     max_request_bytes: int | None = None  # None: derived from the loaded models' contexts
     created: int = field(default_factory=lambda: int(time.time()))

@@ -28,7 +28,7 @@ from slotserve.server.errors import (
     failure_error,
 )
 from slotserve.server.events import fold
-from slotserve.server.openai.chat_prompt import render_chat, start_chat
+from slotserve.server.openai.chat_prompt import render_chat_off_loop, start_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.pipeline import ChatGeneration
 from slotserve.server.serving import ServingContext, served_name
@@ -79,9 +79,7 @@ async def count_tokens(ctx: ServingContext, body: CountTokensRequest, raw: Reque
     host, model = await ctx.acquire(body.model, raw)
     chat = _chat_request(model, body)
     try:
-        prompt, _, _ = await host.off_loop(
-            model, render_chat, host, model, chat, check_length=False
-        )
+        prompt, _, _ = await render_chat_off_loop(host, model, chat, check_length=False)
     except InvalidRequestError as exc:
         exc.param = anthropic_param(exc.param)
         raise

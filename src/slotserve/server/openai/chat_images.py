@@ -6,6 +6,7 @@ once per image, repeated to the image's length in the token ids. Runs off the ev
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.images import ImageInput, ImagePreparer, ImageTokenizer
@@ -35,21 +36,37 @@ def _preparer(model: LoadedModel) -> ImagePreparer:
     return preparer
 
 
-def read_images(
+def accepted_image_urls(
     model: LoadedModel, policy: MediaPolicy, body: ChatCompletionRequest
-) -> list[ImageInput]:
-    """Every image of the request as the model reads it (offsets not yet set)."""
+) -> list[tuple[str, str]]:
+    """The request's image URLs with their fields, refused before anything is read where the
+    model reads no images or the request carries more than the policy takes."""
     urls = image_urls(body)
     if not urls:
         return []
-    preparer = _preparer(model)
+    _preparer(model)
     if len(urls) > policy.max_images:
         raise InvalidRequestError(
             f"the request carries {len(urls)} images; this server takes at most "
             f"{policy.max_images} (--limit-mm-per-prompt)",
             param="messages",
         )
-    return [preparer.prepare(read_image(url, policy, param)) for url, param in urls]
+    return urls
+
+
+def read_images(
+    model: LoadedModel,
+    policy: MediaPolicy,
+    body: ChatCompletionRequest,
+    fetched: Mapping[str, bytes],
+) -> list[ImageInput]:
+    """Every image of the request as the model reads it (offsets not yet set); ``fetched``:
+    its http(s) images' bodies (``media_fetch.fetch_images``)."""
+    urls = accepted_image_urls(model, policy, body)
+    if not urls:
+        return []
+    preparer = _preparer(model)
+    return [preparer.prepare(read_image(url, policy, param, fetched)) for url, param in urls]
 
 
 def place_images(

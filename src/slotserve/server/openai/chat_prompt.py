@@ -5,6 +5,8 @@ Messages APIs translate their requests into a chat completion request and start 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
@@ -12,7 +14,13 @@ from slotserve.engine.images import ImageInput
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
-from slotserve.server.openai.chat_images import expand_image_text, place_images, read_images
+from slotserve.protocol.media_fetch import fetch_images
+from slotserve.server.openai.chat_images import (
+    accepted_image_urls,
+    expand_image_text,
+    place_images,
+    read_images,
+)
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages
@@ -33,30 +41,49 @@ async def start_chat(
     ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
     loop; the model is checked again after it, and nothing awaits from there to the
     submission, so the model cannot be unloaded in between."""
-    prompt, plan, images = await host.off_loop(model, render_chat, host, model, body)
+    prompt, plan, images = await render_chat_off_loop(host, model, body)
     model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
     return submit_chat(host, model, raw, request_id, prompt, plan, params, body.priority, images)
 
 
-def render_chat(
+async def render_chat_off_loop(
     host: ModelHost,
     model: LoadedModel,
     body: ChatCompletionRequest,
     add_special_tokens: bool | None = None,
     check_length: bool = True,
 ) -> tuple[list[int], ToolPlan, list[ImageInput]]:
+    """:func:`render_chat` on the preparation threads, once the request's http(s) images are
+    fetched here, on the event loop, within the media policy's deadline."""
+    policy = host.launch.media
+    fetched = await fetch_images(accepted_image_urls(model, policy, body), policy)
+    model = host.require_same(model)  # nothing awaits from here until off_loop leases it
+    return await host.off_loop(
+        model, render_chat, host, model, body, fetched, add_special_tokens, check_length
+    )
+
+
+def render_chat(
+    host: ModelHost,
+    model: LoadedModel,
+    body: ChatCompletionRequest,
+    fetched: Mapping[str, bytes],
+    add_special_tokens: bool | None = None,
+    check_length: bool = True,
+) -> tuple[list[int], ToolPlan, list[ImageInput]]:
     """The prompt's token ids as :func:`start_chat` submits them, the tool plan and the
-    images (read and placed: ``chat_images.py``); also
-    what counting a request's tokens reads, so a count and a run cannot disagree.
-    ``add_special_tokens`` None: the BOS token unless the template writes it itself (a second
-    one would change the prompt). ``check_length``: refuse a prompt whose characters alone
-    cannot fit the context before tokenizing it (counting routes count it anyway). Slow for
-    a long conversation: call it off the event loop (``ModelHost.off_loop``)."""
+    images (read and placed: ``chat_images.py``; ``fetched``: the bodies of its http(s)
+    images); also what counting a request's tokens reads, so a count and a run cannot
+    disagree. ``add_special_tokens`` None: the BOS token unless the template writes it itself
+    (a second one would change the prompt). ``check_length``: refuse a prompt whose
+    characters alone cannot fit the context before tokenizing it (counting routes count it
+    anyway). Slow for a long conversation: :func:`render_chat_off_loop` runs it off the
+    event loop."""
     template = require_chat_template(model)
     plan = plan_tools(body, template, host.launch.tool_call_parser)
-    images = read_images(model, host.launch.media, body)
+    images = read_images(model, host.launch.media, body, fetched)
     prompt_text = template.render(
         template_messages(body, plan),
         add_generation_prompt=body.add_generation_prompt,

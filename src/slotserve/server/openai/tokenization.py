@@ -1,8 +1,9 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes: a text or a chat turned into
 the token ids the model would read, and token ids back into text.
 
-The chat form renders its messages with the chat pipeline's own code (``chat_prompt.render_chat``),
-so its ``count`` is the ``prompt_tokens`` a chat completion with the same messages reports.
+The chat form renders its messages with the chat pipeline's own code
+(``chat_prompt.render_chat_off_loop``), so its ``count`` is the ``prompt_tokens`` a chat
+completion with the same messages reports.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from starlette.requests import Request
 
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.runner_interface import Tokenizer
-from slotserve.server.openai.chat_prompt import render_chat
+from slotserve.server.openai.chat_prompt import render_chat_off_loop
 from slotserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from slotserve.server.serving import ServingContext
 
@@ -80,8 +81,8 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest, raw: Request) -> 
             chat_template_kwargs=body.chat_template_kwargs,
         )
         chat.reject_unsupported()  # the chat route's checks of the template controls
-        tokens, _, _ = await host.off_loop(
-            model, render_chat, host, model, chat, body.add_special_tokens, check_length=False
+        tokens, _, _ = await render_chat_off_loop(
+            host, model, chat, body.add_special_tokens, check_length=False
         )
     else:
         tokens = await host.off_loop(
