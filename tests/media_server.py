@@ -1,6 +1,7 @@
 """A real HTTP server on loopback that serves images the way servers on the internet may: an
 ordinary picture, a slow one, one trickled a byte at a time, an oversized body, a redirect and
-a decompression bomb. Tests of image fetching point URLs at it."""
+a decompression bomb; and HTML pages a test puts there. Tests of image fetching point URLs at
+it, and the browser test serves its pages from it (a local origin of its own)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class MediaServer:
     host: str = "127.0.0.1"
     port: int = 0
     hits: list[str] = field(default_factory=list)  # paths asked for, in order
+    pages: dict[str, bytes] = field(default_factory=dict)  # HTML pages by path
 
     @property
     def base_url(self) -> str:
@@ -65,7 +67,13 @@ def _handler(media: MediaServer) -> type[BaseHTTPRequestHandler]:
             media.hits.append(self.path)
             path = self.path.split("?")[0]
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                if path == "/picture.png":
+                if path in media.pages:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/html")
+                    self.send_header("Content-Length", str(len(media.pages[path])))
+                    self.end_headers()
+                    self.wfile.write(media.pages[path])
+                elif path == "/picture.png":
                     self._head(200, len(media.picture))
                     self.wfile.write(media.picture)
                 elif path == "/slow.png":
