@@ -156,6 +156,21 @@ def _edited(folder: Path, tmp: Path, **changes: object) -> Path:
     return out
 
 
+def _with_vision_keys(folder: Path, tmp: Path) -> Path:
+    """The adapter plus a vision tower's LoRA on its layer 0 attention, shaped exactly like the
+    decoder's layer 0 q_proj: only the key's prefix tells them apart."""
+    from safetensors.torch import load_file, save_file
+
+    out = _edited(folder, tmp)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    tower = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    decoder = "base_model.model.model.layers.0.self_attn.q_proj"
+    for half in ("A", "B"):
+        tensors[f"{tower}.lora_{half}.weight"] = tensors[f"{decoder}.lora_{half}.weight"].clone()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -163,8 +178,9 @@ def _edited(folder: Path, tmp: Path, **changes: object) -> Path:
         (_corrupt, "cannot be read"),
         (lambda folder, tmp: _edited(folder, tmp, use_dora=True), "use_dora"),
         (lambda folder, tmp: _edited(folder, tmp, peft_type="IA3"), "only LoRA"),
+        (_with_vision_keys, "2 of its .* tensors adapt modules .*vision_tower"),
     ],
-    ids=["missing", "truncated", "dora", "not-lora"],
+    ids=["missing", "truncated", "dora", "not-lora", "vision-tower"],
 )
 def test_adapters_it_cannot_serve_are_refused_with_the_reason(
     lora_runner: TorchRunner, adapters: list[Path], tmp_path: Path, make: object, message: str
@@ -190,3 +206,21 @@ def test_a_rank_over_the_limit_and_another_base_model_are_refused(
             (other / name).write_text((hf_checkpoint / name).read_text())
     with pytest.raises(ValueError, match="trained for another base model"):
         _runner(other, adapters[:1], load_format="dummy")
+
+
+def test_adapters_past_max_loras_are_refused_until_one_is_unloaded(
+    hf_checkpoint: Path, adapters: list[Path]
+) -> None:
+    runner = _runner(hf_checkpoint, adapters[:1], max_loras=1, load_format="dummy")
+    try:
+        with pytest.raises(ValueError, match="the --max-loras limit: unload one before loading a1"):
+            runner.load_adapter("a1", adapters[1])
+        assert [a.name for a in runner.adapters] == ["a0"]
+        runner.load_adapter("again", adapters[0])  # the same files: no second copy held
+        runner.unload_adapter("a0")
+        runner.unload_adapter("again")
+        assert runner.load_adapter("a1", adapters[1]).name == "a1"
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match=r"max.loras"):
+        _runner(hf_checkpoint, adapters, max_loras=1, load_format="dummy")

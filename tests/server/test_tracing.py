@@ -137,3 +137,40 @@ def test_a_receiver_that_is_down_never_fails_a_request(tmp_path: Path) -> None:
         assert httpx.get(f"{proc.base_url}/health", timeout=5).status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_an_engine_request_that_never_finishes_leaves_nothing_behind() -> None:
+    """Its engine died under it (no final output ever comes): when the HTTP request is over
+    the tracer forgets it, while a sibling that finished was recorded as a span."""
+    import asyncio
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from slotserve.engine.outputs import RequestOutput
+    from slotserve.server.tracing import RequestTracer, TracingMiddleware, note_submitted
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer = RequestTracer(provider.get_tracer("test"))
+    now = time.monotonic()
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        note_submitted("dies-with-its-engine")
+        note_submitted("finishes")
+        tracer.observe("m", [RequestOutput("finishes", finished=True, arrival_time=now, time=now)])
+        assert tracer.live == 1
+
+    async def nothing() -> dict[str, object]:
+        return {"type": "http.disconnect"}
+
+    async def ignore(message: object) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "headers": [], "state": {"request_id": "r"}}
+    asyncio.run(TracingMiddleware(app, tracer)(scope, nothing, ignore))  # type: ignore[arg-type]
+    assert tracer.live == 0
+    assert [span.name for span in exported.get_finished_spans()] == ["llm_request"]

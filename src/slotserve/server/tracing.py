@@ -36,6 +36,7 @@ class RequestTrace:
     tracer: RequestTracer
     parent: Context | None
     http_request_id: str
+    engine_request_ids: list[str] = field(default_factory=list)  # what it submitted
 
 
 _current_trace: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
@@ -73,6 +74,20 @@ class RequestTracer:
 
     def expect(self, engine_request_id: str, trace: RequestTrace) -> None:
         self._live[engine_request_id] = _Live(trace)
+        trace.engine_request_ids.append(engine_request_id)
+
+    def end(self, trace: RequestTrace) -> None:
+        """The HTTP request is over: an engine request of it that never finished (its engine
+        died under it, a span would have no times to record) is forgotten, not kept for
+        ever. The finished ones were recorded already: outputs reach :meth:`observe` before
+        the request's own stream."""
+        for engine_request_id in trace.engine_request_ids:
+            self._live.pop(engine_request_id, None)
+
+    @property
+    def live(self) -> int:
+        """Engine requests whose spans are still to be recorded."""
+        return len(self._live)
 
     def observe(self, model: str, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -170,8 +185,10 @@ class TracingMiddleware:
             if name in (b"traceparent", b"tracestate")
         }
         request_id = scope.get("state", {}).get("request_id", "")
-        token = _current_trace.set(self._tracer.begin(headers, request_id))
+        trace = self._tracer.begin(headers, request_id)
+        token = _current_trace.set(trace)
         try:
             await self.app(scope, receive, send)
         finally:
             _current_trace.reset(token)
+            self._tracer.end(trace)

@@ -28,7 +28,12 @@ _PARTS = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
+# A decoder layer's projection, under the prefixes PEFT and transformers put before the
+# decoder (``base_model.model.model.layers.3...``; a vision-language model's
+# ``...model.language_model.layers.3...``): anchored, so that a vision tower's
+# ``...encoder.layers.3.self_attn.q_proj`` is never read as decoder layer 3.
 _KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?"
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$"
 )
 
@@ -58,10 +63,18 @@ def read_adapter(
     settings = _read_settings(folder)
     tensors = _read_tensors(folder)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    unknown = [key for key in tensors if (m := _KEY.match(key)) is None or m[2] not in _PARTS]
+    if unknown:
+        shown = ", ".join(unknown[:3]) + (
+            f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        )
+        raise ValueError(
+            f"adapter {name}: {len(unknown)} of its {len(tensors)} tensors adapt modules this "
+            f"runner does not (only the decoder layers' {', '.join(_PARTS)}): {shown}"
+        )
     for key, tensor in tensors.items():
-        found = _KEY.search(key)
-        if found is None or found[2] not in _PARTS:
-            raise ValueError(f"adapter {name}: {key} targets a module this runner cannot adapt")
+        found = _KEY.match(key)
+        assert found is not None
         layer, module, half = int(found[1]), found[2], found[3]
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"adapter {name}: {key} names a layer the base model lacks")
