@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
+from collections.abc import Iterator
 
 import pytest
 from PIL import Image
@@ -47,9 +48,9 @@ def _refusal(urls: list[str], policy: MediaPolicy, resolve: object = None) -> st
 
 
 @pytest.fixture(scope="module")
-def media() -> MediaServer:
+def media() -> Iterator[MediaServer]:
     with media_server(PICTURE) as served:
-        yield served  # type: ignore[misc]
+        yield served
 
 
 def test_an_allowed_address_is_fetched(media: MediaServer) -> None:

@@ -171,6 +171,6 @@ def test_an_engine_request_that_never_finishes_leaves_nothing_behind() -> None:
         pass
 
     scope = {"type": "http", "method": "POST", "headers": [], "state": {"request_id": "r"}}
-    asyncio.run(TracingMiddleware(app, tracer)(scope, nothing, ignore))  # type: ignore[arg-type]
+    asyncio.run(TracingMiddleware(app, tracer)(scope, nothing, ignore))
     assert tracer.live == 0
     assert [span.name for span in exported.get_finished_spans()] == ["llm_request"]
