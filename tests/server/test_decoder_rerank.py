@@ -107,3 +107,28 @@ def test_generation_is_refused_naming_the_routes_served(reranker_server: ServerP
     assert "/v1/rerank and /v1/score" in reply.json()["error"]["message"]
     reply = httpx.post(f"{url}/embeddings", json={"model": "reranker", "input": "x"}, timeout=60)
     assert reply.status_code == 400
+
+
+def test_a_decoder_reranker_without_a_pair_template_is_warned_about(
+    reranker_server: ServerProcess, folder: Path, tmp_path: Path
+) -> None:
+    """Started as above it is silent; with a chat template that drops the query and document
+    roles (as Qwen3's own does, the one a Qwen3-Reranker folder carries) it scores the plain
+    concatenation of each pair, and the start-up log says so."""
+    assert "decoder reranker" not in reranker_server.log_path.read_text()
+    qwen3_like = tmp_path / "drops_other_roles.jinja"
+    qwen3_like.write_text(
+        "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    )
+    bare = start_server(
+        tmp_path,
+        str(folder),
+        "--runner", "torch", "--dtype", "float32", "--slots", "2", "--max-model-len", "256",
+        "--classifier-from-token", "no", "yes", "--chat-template", str(qwen3_like),
+    )  # fmt: skip
+    try:
+        log = bare.log_path.read_text()
+    finally:
+        stop_server(bare)
+    assert "is a decoder reranker" in log and "--chat-template" in log

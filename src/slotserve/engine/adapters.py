@@ -105,7 +105,7 @@ def load_adapter(runner: Runner, name: str, path: str) -> AdapterInfo:
     """``runner.load_adapter``, its refusals as ``InvalidRequestError``."""
     try:
         return _serving(runner, runner.model_info).load_adapter(name, Path(path))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a path the system refuses to read
         raise InvalidRequestError(str(exc), param="lora_path") from None
 
 

@@ -6,6 +6,7 @@ told when it cannot serve. ``host.py`` moves one model through those states."""
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,14 @@ from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.media import MediaPolicy
 from slotserve.protocol.reasoning import ReasoningParser
+from slotserve.protocol.score_pairs import carries_pair_roles
 
 RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
 RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
 RESTART_BACKOFF_MAX_S = 30.0
 LOADING_RETRY_AFTER_S = 5  # the Retry-After of a request refused while the model loads
+
+logger = logging.getLogger(__name__)
 
 
 class ModelState(enum.Enum):
@@ -133,6 +137,14 @@ async def build_model(
     except BaseException:
         await engine.shutdown()
         raise
+    if info.cross_encoder and not info.bidirectional and not carries_pair_roles(template):
+        logger.warning(
+            "model %s is a decoder reranker and its chat template writes no query and "
+            "document messages: each pair is scored as its two texts one after the other, "
+            "not in the prompt it was trained on (Qwen3-Reranker's instruction); give that "
+            "prompt with --chat-template (docs/api.md#rerank-and-score)",
+            launch.name,
+        )
     defaults = launch.sampling.over(info.sampling_defaults)
     adapters = {adapter.name: adapter for adapter in info.adapters}
     return LoadedModel(engine, engine.tokenizer, info, template, defaults, adapters)

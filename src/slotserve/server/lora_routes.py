@@ -75,7 +75,7 @@ def lora_routes(ctx: ServingContext) -> APIRouter:
             raise InvalidRequestError(f"the name {name} is taken already", param="lora_name")
         host = ctx.models.host(body.model)
         model = host.require_ready()
-        path = str(Path(body.lora_path).expanduser().resolve())
+        path = _folder(body.lora_path)
         with host.refusing_a_dead_engine():
             info = await model.engine.call_adapter(name, path)
         model.adapters[name] = info
@@ -92,6 +92,17 @@ def lora_routes(ctx: ServingContext) -> APIRouter:
         return JSONResponse({"success": True, "model": body.lora_name})
 
     return router
+
+
+def _folder(text: str) -> str:
+    """The adapter folder a request names, as an absolute path; a 400 for what is no path (a
+    NUL byte, an unknown ~user, a name the system refuses)."""
+    try:
+        return str(Path(text).expanduser().resolve())
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise InvalidRequestError(
+            f"lora_path is not a usable path: {exc}", param="lora_path"
+        ) from None
 
 
 def _host_of(ctx: ServingContext, name: str) -> ModelHost:
