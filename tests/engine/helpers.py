@@ -5,6 +5,7 @@ from typing import Any
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.request import Request
 from slotserve.engine.sampling_params import SamplingParams
@@ -18,13 +19,13 @@ def make_core(runner: FakeRunner | None = None, **config: Any) -> tuple[EngineCo
 
 
 def submit(core: EngineCore, request_id: str, prompt: str, **params: object) -> Request:
-    request = core.make_request(
+    request = EngineCoreRequest(
         request_id,
         list(prompt.encode("utf-8")),
         SamplingParams(**params),  # type: ignore[arg-type]
     )
-    core.add_request(request)
-    return request
+    core.validate(request)
+    return core.add_request(request)
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:

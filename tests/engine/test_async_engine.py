@@ -12,6 +12,7 @@ import pytest
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.sampling_params import SamplingParams
@@ -32,7 +33,9 @@ def test_generate_streams_outputs_of_concurrent_requests() -> None:
 
         async def run(prompt: str) -> str:
             text = ""
-            async for out in engine.generate(prompt, list(prompt.encode()), SamplingParams()):
+            async for out in engine.generate(
+                EngineCoreRequest(prompt, list(prompt.encode()), SamplingParams())
+            ):
                 text += "".join(d.text for d in out.deltas)
             return text
 
@@ -58,7 +61,9 @@ def test_leaving_a_stream_early_aborts_the_request() -> None:
 
         engine = await launch(runner, EngineConfig(num_slots=1, max_queue=0), watch)
         try:
-            stream = engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=200))
+            stream = engine.generate(
+                EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=200))
+            )
             async with contextlib.aclosing(stream):
                 async for _ in stream:
                     break  # the client went away after the first output
@@ -67,7 +72,12 @@ def test_leaving_a_stream_early_aborts_the_request() -> None:
             await asyncio.wait_for(ended.wait(), timeout=30)
             slot_state = engine.stats.slots[0].state
             # With no queue at all, a new request is admitted only because the slot is free.
-            done = [o async for o in engine.generate("s", [4], SamplingParams(max_tokens=2))]
+            done = [
+                o
+                async for o in engine.generate(
+                    EngineCoreRequest("s", [4], SamplingParams(max_tokens=2))
+                )
+            ]
         finally:
             await engine.shutdown()
         return engine.stats.requests_aborted, [o.num_output_tokens for o in done], slot_state
@@ -82,10 +92,10 @@ def test_full_queue_is_refused_at_submission() -> None:
         engine = await launch(FakeRunner(num_slots=1), EngineConfig(num_slots=1, max_queue=0))
         try:
             with (
-                engine.submit("a", [1], SamplingParams(max_tokens=200)),
+                engine.submit(EngineCoreRequest("a", [1], SamplingParams(max_tokens=200))),
                 pytest.raises(QueueFullError),
             ):
-                engine.submit("b", [1], SamplingParams(max_tokens=1))
+                engine.submit(EngineCoreRequest("b", [1], SamplingParams(max_tokens=1)))
         finally:
             await engine.shutdown()
 
@@ -101,7 +111,8 @@ def test_a_crash_of_the_engine_loop_mid_step_ends_every_request_with_an_error() 
         engine = await launch(runner, EngineConfig(num_slots=2))
         try:
             streams = [
-                engine.submit(rid, [1, 2], SamplingParams(max_tokens=200)) for rid in ("a", "b")
+                engine.submit(EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=200)))
+                for rid in ("a", "b")
             ]
             first = [await anext(stream) for stream in streams]  # both are running
             assert all(not o.finished for o in first)
@@ -113,7 +124,7 @@ def test_a_crash_of_the_engine_loop_mid_step_ends_every_request_with_an_error() 
                         last = output
                     finals.append(last)
             with pytest.raises(EngineDeadError, match="engine loop crashed"):
-                engine.submit("c", [1], SamplingParams(max_tokens=1))
+                engine.submit(EngineCoreRequest("c", [1], SamplingParams(max_tokens=1)))
             return finals, engine.unhealthy
         finally:
             await asyncio.wait_for(engine.shutdown(), timeout=30)

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from slotserve.engine.client.async_engine import AsyncEngine, OutputListener
-from slotserve.engine.client.mp_client import EngineProcessError, MPClient
+from slotserve.engine.client.engine_process import EngineProcessError
+from slotserve.engine.client.mp_client import MPClient
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
@@ -42,7 +44,9 @@ def engine_pid(engine: AsyncEngine) -> int:
 async def collect(engine: AsyncEngine, request_id: str, prompt: str, **params: Any) -> list[Any]:
     """(text, token ids, finish reasons) of one request."""
     text, tokens, reasons = "", [], []
-    async for out in engine.generate(request_id, list(prompt.encode()), SamplingParams(**params)):
+    async for out in engine.generate(
+        EngineCoreRequest(request_id, list(prompt.encode()), SamplingParams(**params))
+    ):
         for delta in out.deltas:
             text += delta.text
             tokens += delta.token_ids
@@ -87,10 +91,12 @@ def test_validation_happens_in_the_api_process() -> None:
         engine = await launch_process(FakeSpec(), EngineConfig(num_slots=2))
         try:
             with pytest.raises(InvalidRequestError, match="maximum context length"):
-                engine.submit("a", [1] * 300, SamplingParams())
+                engine.submit(EngineCoreRequest("a", [1] * 300, SamplingParams()))
             grammar = StructuredOutput("regex", "a(b")
             with pytest.raises(InvalidRequestError, match="unclosed group"):
-                engine.submit("b", [1], SamplingParams(structured_output=grammar))
+                engine.submit(
+                    EngineCoreRequest("b", [1], SamplingParams(structured_output=grammar))
+                )
             assert engine.model_info.name == "fake" and engine.tokenizer.encode("hi") == [104, 105]
         finally:
             await engine.shutdown()
@@ -110,11 +116,18 @@ def test_leaving_a_stream_early_frees_the_slot() -> None:
 
         engine = await launch_process(spec, EngineConfig(num_slots=1, max_queue=0), watch)
         try:
-            with engine.submit("r", [1, 2, 3], SamplingParams(max_tokens=200)) as stream:
+            with engine.submit(
+                EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=200))
+            ) as stream:
                 await anext(stream)  # the client goes away after the first output
             await asyncio.wait_for(ended.wait(), timeout=30)
             stats = engine.stats  # published with the abort's final output
-            done = [o async for o in engine.generate("s", [4], SamplingParams(max_tokens=2))]
+            done = [
+                o
+                async for o in engine.generate(
+                    EngineCoreRequest("s", [4], SamplingParams(max_tokens=2))
+                )
+            ]
             return stats.requests_aborted, stats.slots[0].state, [o.num_output_tokens for o in done]
         finally:
             await engine.shutdown()
@@ -132,11 +145,11 @@ def test_requests_in_transit_count_towards_the_queue_limit() -> None:
             # Sent back to back, before the engine process has seen any: one runs, one
             # waits, the third is refused without waiting for the engine to say so.
             with (
-                engine.submit("a", [1], SamplingParams(max_tokens=100)),
-                engine.submit("b", [1], SamplingParams(max_tokens=100)),
+                engine.submit(EngineCoreRequest("a", [1], SamplingParams(max_tokens=100))),
+                engine.submit(EngineCoreRequest("b", [1], SamplingParams(max_tokens=100))),
                 pytest.raises(QueueFullError),
             ):
-                engine.submit("c", [1], SamplingParams(max_tokens=1))
+                engine.submit(EngineCoreRequest("c", [1], SamplingParams(max_tokens=1)))
         finally:
             await engine.shutdown()
 
@@ -168,7 +181,8 @@ def test_a_killed_engine_process_ends_every_request_with_an_error() -> None:
         engine = await launch_process(spec, EngineConfig(num_slots=2))
         try:
             streams = [
-                engine.submit(rid, [1, 2], SamplingParams(max_tokens=10_000)) for rid in "ab"
+                engine.submit(EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=10_000)))
+                for rid in "ab"
             ]
             first = [await anext(stream) for stream in streams]
             assert not any(output.finished for output in first)
@@ -178,7 +192,7 @@ def test_a_killed_engine_process_ends_every_request_with_an_error() -> None:
             finals = await asyncio.wait_for(finals_of(streams), timeout=10)
             took = loop.time() - killed
             with pytest.raises(EngineDeadError, match="died"):
-                engine.submit("c", [1], SamplingParams(max_tokens=1))
+                engine.submit(EngineCoreRequest("c", [1], SamplingParams(max_tokens=1)))
             return finals, engine.unhealthy, took
         finally:
             await asyncio.wait_for(engine.shutdown(), timeout=30)
@@ -198,7 +212,10 @@ def test_a_crash_of_the_loop_in_the_engine_process_ends_every_request() -> None:
     async def main() -> tuple[list[RequestOutput], str | None]:
         engine = await launch_process(spec, EngineConfig(num_slots=2))
         try:
-            streams = [engine.submit(rid, [1, 2], SamplingParams(max_tokens=200)) for rid in "ab"]
+            streams = [
+                engine.submit(EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=200)))
+                for rid in "ab"
+            ]
             finals = await asyncio.wait_for(finals_of(streams), timeout=30)
             return finals, engine.unhealthy
         finally:
@@ -217,9 +234,14 @@ def test_a_runner_failure_poisons_the_engine_across_the_process_boundary() -> No
     async def main() -> tuple[RequestOutput, str | None]:
         engine = await launch_process(spec, EngineConfig(num_slots=1))
         try:
-            outputs = [o async for o in engine.generate("a", [1], SamplingParams(max_tokens=3))]
+            outputs = [
+                o
+                async for o in engine.generate(
+                    EngineCoreRequest("a", [1], SamplingParams(max_tokens=3))
+                )
+            ]
             with pytest.raises(EngineDeadError, match="simulated device failure"):
-                engine.submit("b", [1], SamplingParams(max_tokens=1))
+                engine.submit(EngineCoreRequest("b", [1], SamplingParams(max_tokens=1)))
             return outputs[-1], engine.unhealthy
         finally:
             await engine.shutdown()
@@ -234,7 +256,7 @@ def test_shutdown_ends_requests_still_running() -> None:
 
     async def main() -> tuple[RequestOutput, bool]:
         engine = await launch_process(spec, EngineConfig(num_slots=1))
-        stream = engine.submit("a", [1], SamplingParams(max_tokens=10_000))
+        stream = engine.submit(EngineCoreRequest("a", [1], SamplingParams(max_tokens=10_000)))
         await anext(stream)
         pid = engine_pid(engine)
         await asyncio.wait_for(engine.shutdown(), timeout=30)
@@ -272,5 +294,5 @@ def test_messages_round_trip_the_engines_own_types() -> None:
         logit_bias=((1, 2.0),),
         structured_output=StructuredOutput("grammar", 'root ::= "a"'),
     )
-    request = wire.AddRequest("r", [1, 2], params, 12.5, None)
+    request = EngineCoreRequest("r", [1, 2], params, arrival_time=12.5)
     assert wire.decode_to_engine(wire.encode(request)) == request

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from slotserve.engine.prefix_cache import state_file
-from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
+from slotserve.engine.prefix_cache.disk_tier import DiskTier
+from slotserve.engine.prefix_cache.state_directory import DiskEntry
 from tests.engine.disk_tier_helpers import (
     FINGERPRINT,
     LOGGER,

@@ -7,6 +7,7 @@ import pytest
 from slotserve.engine.client.inproc_client import InprocClient
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -79,7 +80,7 @@ def test_full_queue_rejects_at_once() -> None:
     client = InprocClient(core, deliver=lambda outputs: None)  # no thread: driven by hand
 
     def send(request_id: str) -> None:
-        client.add_request(core.make_request(request_id, [1], SamplingParams(max_tokens=3)))
+        client.add_request(EngineCoreRequest(request_id, [1], SamplingParams(max_tokens=3)))
 
     for request_id in ("a", "b", "c"):  # "a" will take the free slot
         send(request_id)
@@ -172,10 +173,10 @@ def test_non_finite_logits_poison_the_engine() -> None:
 def test_prompt_longer_than_the_context_is_refused() -> None:
     core, _ = make_core(FakeRunner(max_seq_len=32))
     with pytest.raises(InvalidRequestError) as err:
-        core.make_request("r", [1] * 32, SamplingParams())
+        core.validate(EngineCoreRequest("r", [1] * 32, SamplingParams()))
     assert "32" in err.value.message
     with pytest.raises(InvalidRequestError) as err:
-        core.make_request("r", [1] * 10, SamplingParams(max_tokens=30))
+        core.validate(EngineCoreRequest("r", [1] * 10, SamplingParams(max_tokens=30)))
     assert err.value.param == "max_tokens"
 
 

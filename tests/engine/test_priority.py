@@ -10,6 +10,7 @@ import pytest
 
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.request import Request
 from slotserve.engine.sampling_params import SamplingParams
@@ -22,11 +23,11 @@ from tests.fake_runner import FakeRunner
 def submit(
     core: EngineCore, request_id: str, prompt: str, priority: int = 0, **params: Any
 ) -> Request:
-    request = core.make_request(
+    request = EngineCoreRequest(
         request_id, list(prompt.encode("utf-8")), SamplingParams(**params), priority
     )
-    core.add_request(request)
-    return request
+    core.validate(request)
+    return core.add_request(request)
 
 
 def test_a_later_request_of_higher_priority_takes_the_next_free_slot() -> None:

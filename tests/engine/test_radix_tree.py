@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode, common_prefix_length
+from slotserve.engine.prefix_cache.radix_tree import RadixTree
+from slotserve.engine.prefix_cache.tree_node import TreeNode, common_prefix_length
 
 
 def _split_list(value: list[int], k: int) -> tuple[list[int], list[int]]:

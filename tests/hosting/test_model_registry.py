@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.catalog import scan_models_dir
@@ -125,7 +126,7 @@ def test_models_max_unloads_the_least_recently_used_idle_model(tmp_path: Path) -
         stream = (
             models.hosts["a"]
             .require_ready()
-            .engine.submit("busy", [1, 2, 3], SamplingParams(max_tokens=4))
+            .engine.submit(EngineCoreRequest("busy", [1, 2, 3], SamplingParams(max_tokens=4)))
         )
         await models.acquire("c")
         await models.acquire("d")  # a is older but busy: c goes
@@ -134,7 +135,7 @@ def test_models_max_unloads_the_least_recently_used_idle_model(tmp_path: Path) -
         other = (
             models.hosts["d"]
             .require_ready()
-            .engine.submit("busy-too", [1, 2, 3], SamplingParams(max_tokens=4))
+            .engine.submit(EngineCoreRequest("busy-too", [1, 2, 3], SamplingParams(max_tokens=4)))
         )
         with pytest.raises(ModelUnavailableError, match="every one is serving"):
             await models.acquire("b")

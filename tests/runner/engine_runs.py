@@ -7,6 +7,7 @@ from pathlib import Path
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
@@ -38,7 +39,7 @@ def generate(
                 prompt, params = pending.pop(rid)
                 adapter = (adapters or {}).get(rid, 0)
                 shown = (images or {}).get(rid, ())
-                core.add_request(core.make_request(rid, prompt, params, 0, adapter, shown))
+                core.add_request(EngineCoreRequest(rid, prompt, params, 0, adapter, tuple(shown)))
 
     submit_ready()
     while len(done) < len(jobs):
@@ -107,7 +108,7 @@ def run_logprobs(
     rounding difference shows there); returns each one's output (token, logprob) pairs and
     cached prompt tokens, after the engine's integrity check."""
     for rid, prompt in jobs.items():
-        core.add_request(core.make_request(rid, prompt, greedy(n, logprobs=0)))
+        core.add_request(EngineCoreRequest(rid, prompt, greedy(n, logprobs=0)))
     tokens: dict[str, list[tuple[int, float | None]]] = {rid: [] for rid in jobs}
     cached: dict[str, int] = {}
     while len(cached) < len(jobs):
@@ -125,7 +126,7 @@ def run_logprobs(
 def scores(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, float]:
     """A cross-encoder's score of each prompt (a one-value pooled output), by request id."""
     for rid, prompt in prompts.items():
-        core.add_request(core.make_request(rid, prompt, SamplingParams(embed=True)))
+        core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(embed=True)))
     done: dict[str, float] = {}
     while len(done) < len(prompts):
         for out in core.step():

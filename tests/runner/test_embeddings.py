@@ -12,6 +12,7 @@ import pytest
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import Runner
@@ -28,7 +29,7 @@ LONG = " ".join(f"Paragraph {i}: " + PROMPTS[i % 8] for i in range(12))
 def embed(core: EngineCore, texts: dict[str, list[int]]) -> dict[str, RequestOutput]:
     """Runs embedding requests to the end, all submitted at once; their final outputs."""
     for rid, prompt in texts.items():
-        core.add_request(core.make_request(rid, prompt, EMBED))
+        core.add_request(EngineCoreRequest(rid, prompt, EMBED))
     done: dict[str, RequestOutput] = {}
     while len(done) < len(texts):
         for out in core.step():
@@ -55,7 +56,7 @@ def test_embedding_beside_generation_changes_neither(any_runner: Runner) -> None
     alone = generate(core, {"gen": (short, greedy(32))})["gen"]
     vector_alone = vector(embed(core, {"e": long})["e"])
 
-    core.add_request(core.make_request("gen", short, greedy(32)))
+    core.add_request(EngineCoreRequest("gen", short, greedy(32)))
     tokens: list[int] = []
     embedded: RequestOutput | None = None
     finished = 0
@@ -64,7 +65,7 @@ def test_embedding_beside_generation_changes_neither(any_runner: Runner) -> None
             if out.request_id == "gen":
                 tokens += [t for d in out.deltas for t in d.token_ids]
                 if len(tokens) == 4 and embedded is None and "e" not in core.live_request_ids:
-                    core.add_request(core.make_request("e", long, EMBED))
+                    core.add_request(EngineCoreRequest("e", long, EMBED))
             elif out.finished:
                 embedded = out
             finished += out.finished
@@ -161,9 +162,9 @@ def test_bert_is_embedding_only_and_runs_whole_prompts(encoder: EncoderRunner) -
     core = EngineCore(encoder, EngineConfig(num_slots=4, prefill_chunk=16))
     assert not core.prefix_cache.enabled
     with pytest.raises(InvalidRequestError, match="embedding model"):
-        core.make_request("g", encoder.tokenizer.encode("hi"), greedy(4))
+        core.validate(EngineCoreRequest("g", encoder.tokenizer.encode("hi"), greedy(4)))
     with pytest.raises(InvalidRequestError, match="maximum context length is 512"):
-        core.make_request("long", [100] * 513, EMBED)
+        core.validate(EngineCoreRequest("long", [100] * 513, EMBED))
     prompt = encoder.tokenizer.encode(LONG)
     assert 16 < len(prompt) <= 512
     assert vector(embed(core, {"x": prompt})["x"]).shape == (384,)  # one chunk despite the cap

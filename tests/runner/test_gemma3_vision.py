@@ -17,6 +17,7 @@ import torch
 from slotserve.bench.vision_model import gemma3_vl_folder, picture
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.images import ImageInput
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
@@ -114,7 +115,7 @@ def test_an_image_longer_than_a_chunk_is_refused(runner: TorchRunner) -> None:
     tokens, placed = _prompt(runner, ["Look:"], [_image(runner, 64, 48, 1)])
     core = EngineCore(runner, EngineConfig(num_slots=4, prefill_chunk=8))
     with pytest.raises(InvalidRequestError, match="computed in one prompt chunk"):
-        core.make_request("r", tokens, greedy(4), images=placed)
+        core.validate(EngineCoreRequest("r", tokens, greedy(4), images=tuple(placed)))
 
 
 def test_image_and_text_requests_batched_give_their_solo_tokens(folder: Path) -> None:

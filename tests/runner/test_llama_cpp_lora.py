@@ -14,6 +14,7 @@ import pytest
 from slotserve.bench.lora_adapters import random_gguf_adapter
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from tests.prompts import PROMPTS
 from tests.runner.conftest import FLASH_ATTN, llama_cpp_greedy, llama_cpp_reference
@@ -101,7 +102,7 @@ def test_an_adapter_loads_and_unloads_at_run_time(
     extra = random_gguf_adapter(model_path, tmp_path / "extra.gguf", seed=3, rank=2)
     info = core.call_adapter("extra", str(extra))
     assert info.rank == 2 and info.adapter_id not in adapter_ids(lora_runner)
-    core.add_request(core.make_request("r", prompt, greedy(TOKENS), adapter=info.adapter_id))
+    core.add_request(EngineCoreRequest("r", prompt, greedy(TOKENS), adapter=info.adapter_id))
     core.step()
     core.call_adapter("extra", None)
     (out,) = [o for o in core.step() if o.request_id == "r"]

@@ -15,6 +15,7 @@ import torch
 from slotserve.bench.lora_adapters import peft_model, random_adapter
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -127,13 +128,13 @@ def test_an_unloaded_adapter_is_refused_and_its_requests_end(
         "solo", str(_edited(adapters[1], tmp_path, lora_alpha=3))
     ).adapter_id
     assert solo_id not in adapter_ids(lora_runner)
-    core.add_request(core.make_request("r", prompt, greedy(TOKENS), adapter=solo_id))
+    core.add_request(EngineCoreRequest("r", prompt, greedy(TOKENS), adapter=solo_id))
     core.step()
     core.call_adapter("solo", None)
     (out,) = [o for o in core.step() if o.request_id == "r"]
     assert out.finished and "unloaded" in (out.error or "")
     with pytest.raises(InvalidRequestError, match="not loaded"):
-        core.add_request(core.make_request("s", prompt, greedy(TOKENS), adapter=solo_id))
+        core.add_request(EngineCoreRequest("s", prompt, greedy(TOKENS), adapter=solo_id))
 
 
 def _corrupt(folder: Path, tmp: Path) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
@@ -109,7 +110,7 @@ def test_tiny_budget_evicts_yet_outputs_stay_right(runner: LlamaCppRunner) -> No
 def test_cancel_mid_prefill_leaves_a_reusable_consistent_cache(runner: LlamaCppRunner) -> None:
     core = EngineCore(runner, EngineConfig(num_slots=8, max_batch_tokens=160, prefill_chunk=64))
     prompt = runner.tokenizer.encode(SYSTEM + "Tell me a story.")
-    core.add_request(core.make_request("a", prompt, greedy(8, logprobs=0)))
+    core.add_request(EngineCoreRequest("a", prompt, greedy(8, logprobs=0)))
     core.step()
     core.step()
     core.abort("a")

@@ -17,6 +17,7 @@ import torch
 
 from slotserve.engine.config import EngineConfig, SpeculativeConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
@@ -70,7 +71,7 @@ def _run_one(
     core: EngineCore, prompt: list[int], params: SamplingParams
 ) -> tuple[list[int], list[dict[int, float]], list[dict[int, float]]]:
     """Tokens, their top log-probabilities, and the prompt's (from position 1)."""
-    core.add_request(core.make_request("r", prompt, params))
+    core.add_request(EngineCoreRequest("r", prompt, params))
     tokens: list[int] = []
     tops: list[dict[int, float]] = []
     prompt_tops: list[dict[int, float]] = []

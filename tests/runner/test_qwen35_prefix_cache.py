@@ -20,6 +20,7 @@ import pytest
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
@@ -88,7 +89,7 @@ def _run(core: EngineCore, jobs: dict[str, list[int]], max_tokens: int = 6) -> d
     """Runs ``jobs`` together to completion, checking the cache's books after every step."""
     replies: dict[str, Reply] = {rid: [] for rid in jobs}
     for rid, prompt in jobs.items():
-        core.add_request(core.make_request(rid, prompt, _params(max_tokens)))
+        core.add_request(EngineCoreRequest(rid, prompt, _params(max_tokens)))
     while core.scheduler.has_work:
         for out in core.step():
             assert out.error is None, out.error

@@ -24,6 +24,7 @@ from slotserve.bench.vision_model import (
 )
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.images import ImageInput
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -199,7 +200,7 @@ def test_the_same_image_hits_the_cache_and_another_image_does_not(runner: TorchR
     cached: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
     for rid, images in (("a", placed), ("again", placed), ("b", placed_other)):
-        core.add_request(core.make_request(rid, tokens, greedy(8), images=images))
+        core.add_request(EngineCoreRequest(rid, tokens, greedy(8), images=tuple(images)))
         outputs[rid] = []
         while core.scheduler.has_work:
             for out in core.step():

@@ -9,6 +9,7 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.slots import SlotState
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from tests.prompts import PROMPTS
@@ -66,7 +67,7 @@ def test_long_context_decoding_alone_matches_decoding_beside_others(any_runner: 
 
     def logprobs(jobs: dict[str, list[int]]) -> dict[str, list[float | None]]:
         for rid, prompt in jobs.items():
-            core.add_request(core.make_request(rid, prompt, params))
+            core.add_request(EngineCoreRequest(rid, prompt, params))
         seen: dict[str, list[float | None]] = {rid: [] for rid in jobs}
         finished: set[str] = set()
         while len(finished) < len(jobs):
@@ -118,8 +119,8 @@ def test_abort_mid_generation_frees_the_slot_and_its_kv_in_one_step(any_runner: 
         EngineConfig(num_slots=8, prefix_cache=False),
     )
     prompt = any_runner.tokenizer.encode(PROMPTS[2])
-    core.add_request(core.make_request("gone", prompt, greedy(200)))
-    core.add_request(core.make_request("stays", prompt, greedy(12)))
+    core.add_request(EngineCoreRequest("gone", prompt, greedy(200)))
+    core.add_request(EngineCoreRequest("stays", prompt, greedy(12)))
     produced = 0
     while produced < 5:
         for out in core.step():
@@ -147,7 +148,7 @@ def test_stop_strings_and_stop_token_ids_end_the_sequence(any_runner: Runner) ->
     texts: list[str] = []
     reasons: list[object] = []
     core.add_request(
-        core.make_request(
+        EngineCoreRequest(
             "stopped", prompt, SamplingParams(max_tokens=24, temperature=0.0, stop=(word,))
         )
     )
@@ -168,7 +169,7 @@ def test_stop_strings_and_stop_token_ids_end_the_sequence(any_runner: Runner) ->
 def test_streamed_deltas_add_up_to_the_whole_text(any_runner: Runner) -> None:
     core = EngineCore(any_runner, EngineConfig(num_slots=8))
     prompt = any_runner.tokenizer.encode("Le président de la République française")
-    core.add_request(core.make_request("r", prompt, greedy(30)))
+    core.add_request(EngineCoreRequest("r", prompt, greedy(30)))
     deltas: list[str] = []
     tokens: list[int] = []
     while core.scheduler.has_work or not tokens:

@@ -8,6 +8,7 @@ import pytest
 
 from slotserve.engine.config import EngineConfig, SpeculativeConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.engine.verify_cost import VerifyCost
@@ -40,7 +41,7 @@ def run(
         speculator.verify_cost = VerifyCost(first=0.0, per_draft=0.0)
     results: dict[str, Result] = {rid: ([], [], None) for rid in jobs}
     for rid, (prompt, params) in jobs.items():
-        core.add_request(core.make_request(rid, runner.tokenizer.encode(prompt), params))
+        core.add_request(EngineCoreRequest(rid, runner.tokenizer.encode(prompt), params))
     while core.has_work:
         for out in core.step():
             tokens, logprobs, _ = results[out.request_id]

@@ -17,6 +17,7 @@ from openai import OpenAI
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -132,7 +133,7 @@ def test_a_dead_rank_fails_the_step_with_a_clear_error(tiny_folders: dict[str, P
         worker.kill()
         worker.wait()
         core = EngineCore(runner, EngineConfig(num_slots=2))
-        core.add_request(core.make_request("r", runner.tokenizer.encode("Hello"), greedy(4)))
+        core.add_request(EngineCoreRequest("r", runner.tokenizer.encode("Hello"), greedy(4)))
         errors = [out.error for out in core.step() if out.finished]
         assert errors and "tensor-parallel rank 1 exited" in str(errors[0])
     finally:

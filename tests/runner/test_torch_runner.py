@@ -15,6 +15,7 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.families.registry import config_from_gguf
@@ -85,7 +86,7 @@ def _our_top_logprobs(
 ) -> tuple[list[int], list[list[tuple[int, float]]]]:
     core = EngineCore(runner, EngineConfig(num_slots=runner.model_info.num_slots))
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=k)
-    core.add_request(core.make_request("r", prompt, params))
+    core.add_request(EngineCoreRequest("r", prompt, params))
     tokens: list[int] = []
     tops: list[list[tuple[int, float]]] = []
     while core.scheduler.has_work or not tokens:
@@ -272,7 +273,7 @@ def test_blocks_are_freed_on_finish_and_on_cancel(torch_runner: TorchRunner) -> 
     prompt = torch_runner.tokenizer.encode(PROMPTS[0] * 3)
     generate(core, {"done": (prompt, greedy(20))})
     assert tables.num_free == tables.num_blocks, "a finished sequence gave its blocks back"
-    core.add_request(core.make_request("gone", prompt, greedy(200)))
+    core.add_request(EngineCoreRequest("gone", prompt, greedy(200)))
     while core.snapshot().generated_tokens < 25:
         core.step()
     assert tables.num_free < tables.num_blocks
@@ -355,7 +356,7 @@ def test_cached_prefixes_outlive_the_slots_in_the_pool_and_give_way_under_pressu
     }
 
     def run(core: EngineCore, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-        core.add_request(core.make_request(request_id, prompt, greedy(12)))
+        core.add_request(EngineCoreRequest(request_id, prompt, greedy(12)))
         tokens, cached = [], -1
         while core.has_work:
             for out in core.step():

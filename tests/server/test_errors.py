@@ -272,7 +272,7 @@ def test_non_streaming_disconnect_frees_the_slot(tiny_server: ServerProcess) -> 
     host, port = tiny_server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: "
             + str(len(body)).encode()
             + b"\r\n\r\n"

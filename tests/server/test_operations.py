@@ -125,6 +125,23 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     stop_server(proc)
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://127.0.0.1:9999"},  # a page on another local port
+        {"Host": "rebound.example:8000"},  # a name rebound to loopback
+        {"X-Forwarded-For": "203.0.113.9"},  # a proxy on this machine relaying a caller
+    ],
+    ids=["origin", "host", "forwarded"],
+)
+def test_without_a_key_only_local_callers_reach_the_admin_routes(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    refused = httpx.post(f"{server.base_url}/flush_cache", headers=headers)
+    assert refused.status_code == 403, refused.text
+    assert httpx.post(f"{server.base_url}/flush_cache").status_code == 200
+
+
 def test_api_key_is_required_on_the_api_but_not_on_probes(keyed_server: ServerProcess) -> None:
     url = keyed_server.api_url
     missing = httpx.post(f"{url}/completions", json={"prompt": "hi", "max_tokens": 2})
@@ -142,6 +159,7 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(keyed_server: ServerPr
     assert reply.choices[0].finish_reason in ("stop", "length")
     admin = httpx.post(f"{keyed_server.base_url}/admin/reload")
     assert admin.status_code == 401, "admin routes need the key too"
+    assert httpx.post(f"{keyed_server.base_url}/flush_cache").status_code == 401
     for open_path in ("/health", "/ready", "/metrics"):
         assert httpx.get(keyed_server.base_url + open_path).status_code == 200, open_path
     assert (
@@ -151,8 +169,8 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(keyed_server: ServerPr
     log = keyed_server.log_path.read_text()
     assert "sk-test-secret-4242" not in log, "the key never reaches the log"
     assert (
-        "admin routes (/admin/*, /models/load, /models/unload, /flush_cache, "
-        "/v1/load_lora_adapter, /v1/unload_lora_adapter): callers " in log
+        "admin routes (/admin/reload, /models/load, /models/unload, /flush_cache, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter): callers with the API key" in log
     )
 
 

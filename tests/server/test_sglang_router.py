@@ -26,6 +26,7 @@ from slotserve.engine.client.async_engine import AsyncEngine
 from slotserve.engine.client.mp_client import MPClient
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.sampling_params import SamplingParams
 from tests.conftest import ServerProcess, _free_port, start_server, stop_server, wait_until
@@ -149,7 +150,9 @@ def test_a_flush_reaches_the_core_and_is_refused_once_it_stops(
             )
         try:
             prompt = list(b"a prompt long enough to be worth caching")
-            async for _ in engine.generate("a", prompt, SamplingParams(max_tokens=3)):
+            async for _ in engine.generate(
+                EngineCoreRequest("a", prompt, SamplingParams(max_tokens=3))
+            ):
                 pass
             cached = engine.stats.prefix_cache.cached_tokens
             freed = await engine.flush_prefix_cache()

@@ -130,7 +130,7 @@ def test_bodies_sent_a_byte_a_second_block_no_one(server: ServerProcess) -> None
         idle_chat = statistics.median(chat for _, chat in idle)
         body = chat_body("Tell me about slow clients.")
         head = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
@@ -166,7 +166,7 @@ def test_a_thousand_idle_connections_and_a_thousand_silent_ones(server: ServerPr
         fds_before, rss_before = server_fds(server), server_rss_mb(server)
         idle = [connect(server) for _ in range(IDLE)]
         for sock in idle:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         for sock in idle:
             assert read_response(sock).startswith(b"HTTP/1.1 200")
         silent = [connect(server) for _ in range(IDLE)]
@@ -197,7 +197,7 @@ def test_a_client_that_waits_as_told_finds_its_connection_open(server: ServerPro
     # At uvicorn's default keep-alive (5 s, the Retry-After of a loading model) the server
     # closed the connection just as such a client sent its next request on it.
     sock = connect(server)
-    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     sock.sendall(request)
     assert read_response(sock).startswith(b"HTTP/1.1 200")
     time.sleep(LOADING_RETRY_AFTER_S + 0.5)  # the client waiting as a Retry-After told it
