@@ -1,7 +1,8 @@
-"""The projections' own GEMMs (csrc/gemm_avx512.h, csrc/gemm_amx.h): every row the same bits in
-any batch and on any thread count, within bfloat16 rounding of a float32 matmul. The AMX
-kernel's structure (tiles, padding, blocking, threads) runs on every CPU over emulated tiles; on
-a CPU with AMX-BF16 the unit itself must give the emulation's bits."""
+"""The projections' own GEMMs (csrc/gemm_avx512.h, csrc/gemm_vec.h, csrc/gemm_amx.h): every
+row the same bits in any batch and on any thread count, within bfloat16 rounding of a float32
+matmul; all but AMX's give vdpbf16ps' bits in input order, so every x86 host without AMX
+computes alike. The AMX kernel's structure (tiles, padding, blocking, threads) runs on every CPU
+over emulated tiles; on a CPU with AMX-BF16 the unit itself must give the emulation's bits."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from slotserve.runners.pytorch.model.layers import Projection
 
 @pytest.fixture
 def gemm(kernels: CpuKernels) -> CpuKernels:
-    if not kernels.has_gemm:
-        pytest.skip("no AVX512-BF16 here: oneDNN serves the projections")
+    assert kernels.has_gemm, "the kernels serve a GEMM on every CPU they run on"
     return kernels
 
 
@@ -48,6 +48,34 @@ def test_the_gemm_gives_every_row_the_same_bits_in_any_batch(
             for i in torch.randperm(rows, generator=gen)[:7].tolist():
                 alone = gemm.linear(x[i : i + 1], packed, b, outputs)
                 assert torch.equal(alone[0], together[i]), (rows, i)
+
+
+def _dot_pair_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """vdpbf16ps' arithmetic in torch: each output one float32 sum over the input pairs from
+    k = 0 up, the odd element's product added before the even one's, each product exact (two
+    bfloat16 fit float32) and each addition rounded once; then the bias, then one rounding."""
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    xs, ws = x.float(), weight.float()
+    for kp in range(0, x.shape[1], 2):
+        for k in (kp + 1, kp):
+            acc = acc + xs[:, k : k + 1] * ws[:, k][None, :]
+    return (acc + bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("isa_gemm", ["avx2", "avx512", "avx512bf16"])
+def test_the_gemms_but_amx_give_the_bits_of_vdpbf16ps_in_input_order(
+    gemm: CpuKernels, threads: int, isa_gemm: str
+) -> None:
+    """Every GEMM of ours but AMX's computes each output exactly as the reference above: an
+    AVX2 host's projections give an AVX512-BF16 host's bits."""
+    if not gemm._m.runs_gemm(isa_gemm):
+        pytest.skip(f"this CPU does not run the {isa_gemm} GEMM")
+    gen = torch.Generator().manual_seed(40)
+    weight = torch.randn(40, 96, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    served = gemm.linear_on(isa_gemm, x, gemm.pack_weight(weight), bias, 40)
+    assert torch.equal(served, _dot_pair_reference(x, weight, bias))
 
 
 def test_a_projection_serves_through_the_gemm_once_packed(gemm: CpuKernels) -> None:
@@ -99,7 +127,7 @@ def test_amx_serves_exactly_where_the_unit_gives_its_documented_bits(gemm: CpuKe
     load-time check must have passed (the unit computes what the SDM says TDPBF16PS computes),
     so AMX serves; the tests below then hold it to the emulation on every shape."""
     if not _has_amx(gemm):
-        assert gemm.gemm == "avx512bf16"
+        assert gemm.gemm == ("avx512bf16" if gemm._m.runs_gemm("avx512bf16") else gemm.isa)
         with pytest.raises(RuntimeError, match="does not run the amx GEMM"):
             gemm.select_gemm("amx")
         return

@@ -1,7 +1,7 @@
 """The PyTorch runner's C++ CPU kernels as loaded and served: the runner serves through them
-unless told not to, oneDNN serves the projections beside them without AVX512-BF16, a failed
-build warns once and leaves the torch path, and a build lock left by a killed build does not
-hang the next load."""
+unless told not to, their GEMM serves the projections on every CPU they run on (oneDNN beside
+them where they serve none), a failed build warns once and leaves the torch path, and a build
+lock left by a killed build does not hang the next load."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def test_the_runner_serves_through_the_kernels_unless_told_not_to(
     assert isinstance(torch_reference_runner, TorchRunner)
     assert torch_runner.shard.model.kernels is not None
     assert torch_reference_runner.shard.model.kernels is None
-    # The projections: the kernels' GEMM where the CPU has AVX512-BF16, else oneDNN.
-    assert (torch_runner.shard.model.lm_head.kernel_weight is not None) == kernels.has_gemm
+    # The projections: the kernels' GEMM, on every CPU they run on.
+    assert kernels.has_gemm and torch_runner.shard.model.lm_head.kernel_weight is not None
     assert torch_reference_runner.shard.model.lm_head.kernel_weight is None
     # What /v1/models says of each: the kernel path is always batch-invariant; the plain-torch
     # one states none where oneDNN has AMX kernels to choose by shape.
@@ -47,20 +47,22 @@ def test_the_runner_serves_through_the_kernels_unless_told_not_to(
     assert reference.batch_invariant == ("AMX_BF16" not in cpu_features())
 
 
-def test_without_avx512_bf16_onednn_serves_the_projections_beside_the_kernels(
+def test_without_a_gemm_of_ours_onednn_serves_the_projections_beside_the_kernels(
     kernels: CpuKernels, model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A CPU with the kernels' instruction sets but no AVX512-BF16 (simulated): oneDNN's
-    prepacked, split-K projections serve beside the attention and per-row kernels, and every
-    sequence keeps its tokens in a batch."""
+    """Kernels that serve no GEMM (simulated): oneDNN's prepacked, split-K projections serve
+    beside the attention and per-row kernels where oneDNN has bfloat16 kernels for this CPU
+    (torch's own matmul elsewhere), and every sequence keeps its tokens in a batch."""
     from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.model.layers import onednn_bf16
 
     monkeypatch.setattr(kernels, "has_gemm", False)
     runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_seq_len=512))
     try:
         model = runner.shard.model
         assert model.kernels is kernels
-        assert model.lm_head.kernel_weight is None and model.lm_head.packed is not None
+        assert model.lm_head.kernel_weight is None
+        assert (model.lm_head.packed is not None) == onednn_bf16()
         core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
         prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
         alone, together = alone_then_together(core, prompts, greedy(12))

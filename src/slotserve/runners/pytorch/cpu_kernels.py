@@ -5,11 +5,12 @@ by default), loaded on first use, and typed here.
 What they replace and why (docs/design/pytorch-runner.md): attention reads the paged KV pool
 in place instead of gathering every sequence's K/V into a padded tensor per layer, and the
 small operators around the projections (residual add + RMSNorm, q/k norm + rotary + the K/V
-write, SiLU·mul) run as one pass per row. On CPUs with AVX512-BF16 a GEMM of ours serves the
-projections instead of oneDNN. Every kernel computes a row from that row's inputs in an order
-fixed by the row's own length and position: batch-invariant by construction, whatever the
-thread count. The plain-torch path (``layers.py``, ``attention.py``, ``rotary.py``) is the
-fallback and the reference the kernel tests compare against.
+write, SiLU·mul) run as one pass per row, and a GEMM of ours serves the projections (AMX tiles,
+AVX512-BF16 dot products, or the same dot products in two fused steps on AVX-512 and AVX2).
+Every kernel computes a row from that row's inputs in an order fixed by the row's own length and
+position: batch-invariant by construction, whatever the thread count. The plain-torch path
+(``layers.py``, ``attention.py``, ``rotary.py``) is the fallback and the reference the kernel
+tests compare against.
 
 The instruction set is chosen at load from the CPU (AVX512-BF16, AVX-512, else AVX2 with FMA;
 the same bits on each); a machine without a compiler, an x86 CPU or any of them gets a one-line
@@ -51,10 +52,11 @@ class CpuKernels:
     def __init__(self, module: Any) -> None:
         self._m = module
         self.isa: str = module.isa()
-        # The projections' own GEMM needs AVX512-BF16; without it oneDNN's serves them.
-        self.has_gemm: bool = module.has_bf16_gemm()
+        # The projections' own GEMM: on every CPU the kernels run on.
+        self.has_gemm: bool = module.has_gemm()
         # Which of ours: "amx" (tiles, on CPUs with AMX-BF16 that give their documented bits),
-        # else "avx512bf16" (csrc/gemm_amx.h, csrc/gemm_avx512.h).
+        # "avx512bf16" (csrc/gemm_amx.h, csrc/gemm_avx512.h), else "avx512" or "avx2"
+        # (csrc/gemm_vec.h: avx512bf16's bits, its dot products in two fused steps).
         self.gemm: str = module.gemm() if self.has_gemm else "none"
 
     def select_isa(self, isa: str) -> None:
@@ -127,13 +129,14 @@ class CpuKernels:
         bias: torch.Tensor | None,
         out_features: int,
     ) -> torch.Tensor:
-        """:meth:`linear` on a named GEMM: ``avx512bf16``, ``amx``, or ``amx-emulated`` (the
-        AMX kernel over tiles emulated in scalar code, on any CPU; tests only)."""
+        """:meth:`linear` on a named GEMM: ``avx512bf16``, ``avx512``, ``avx2``, ``amx``, or
+        ``amx-emulated`` (the AMX kernel over tiles emulated in scalar code, on any CPU; tests
+        only)."""
         return self._m.linear_on(x, packed, bias, out_features, gemm)  # type: ignore[no-any-return]
 
     def select_gemm(self, gemm: str) -> None:
-        """The projections run on ``gemm`` (``avx512bf16`` or ``amx``) from now on, if this CPU
-        runs it (the tests' way to the other path on an AMX host)."""
+        """The projections run on ``gemm`` (``amx``, ``avx512bf16``, ``avx512``, ``avx2``) from
+        now on, if this CPU runs it (the tests' way to the other paths on one host)."""
         self.gemm = self._m.select_gemm(gemm)
 
     def paged_attention(

@@ -78,6 +78,19 @@ struct Tile {
     float* acc;         // [rows * group][head_dim]
 };
 
+// The projections' GEMM operands (gemm_vec.h, gemm_avx512.h, gemm_amx.h): x [rows, k] bfloat16
+// rows `x_stride` apart, the weight packed as [N/16][K/2][16 outputs][2 inputs] (pack_weight),
+// an optional float32 bias padded to whole blocks, and the bfloat16 output [rows, n].
+struct GemmOperands {
+    const uint16_t* x;
+    int64_t x_stride, k;
+    const uint16_t* w;
+    int64_t block_stride;  // elements from one packed block to the next
+    const float* bias;     // padded to whole blocks, or null
+    uint16_t* out;
+    int64_t n;
+};
+
 // Denormals flushed to zero, inputs and results, while it lives (restored after): the rule of
 // AVX512-BF16's dot product, which the emulated one matches only so; attention runs under it on
 // every instruction set, so all of them give the same bits.
@@ -96,6 +109,7 @@ namespace avx512bf16 {
 #define SLOTSERVE_BF16 1
 #include "vec.h"
 #include "kernels.h"
+#include "gemm_vec.h"
 }  // namespace avx512bf16
 #pragma GCC pop_options
 
@@ -106,6 +120,7 @@ namespace avx512 {
 #define SLOTSERVE_BF16 0
 #include "vec.h"
 #include "kernels.h"
+#include "gemm_vec.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -116,6 +131,7 @@ namespace avx2 {
 #define SLOTSERVE_AVX512 0
 #include "vec.h"
 #include "kernels.h"
+#include "gemm_vec.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -138,12 +154,13 @@ struct Kernels {
     decltype(&avx512::rotary_token) rotary_token;
     decltype(&avx512::attend_tile) attend_tile;
     decltype(&avx512::merge_partitions) merge_partitions;
+    decltype(&avx512::gemmv::blocks) gemm_blocks;
 };
 
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::merge_partitions                                     \
+            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks                 \
     }
 
 bool runs_avx512() {
@@ -165,7 +182,7 @@ Kernels select_kernels() {
     if (runs_avx512_bf16()) return SLOTSERVE_KERNELS(avx512bf16);
     if (runs_avx512()) return SLOTSERVE_KERNELS(avx512);
     if (runs_avx2()) return SLOTSERVE_KERNELS(avx2);
-    return Kernels{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    return Kernels{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
 Kernels& kernels() {
@@ -855,9 +872,9 @@ void pack_rows(const uint16_t* src, int64_t n, int64_t k, uint16_t* dst) {
     });
 }
 
-// [N, K] bfloat16 → the packed layout of gemm512 and the AMX GEMM, zero-padded to whole blocks.
+// [N, K] bfloat16 → the packed layout every GEMM reads, zero-padded to whole blocks.
 at::Tensor pack_weight(const at::Tensor& weight) {
-    TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
+    usable();
     TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                     weight.device().is_cpu(),
                 "weight must be a bfloat16 CPU matrix");
@@ -922,16 +939,25 @@ bool amx_verified() {
     return ok;
 }
 
-// The GEMM every projection runs on: "amx" where the unit is verified, else "avx512bf16"; a
-// test may narrow it (call before serving, never during a call).
+// The GEMM every projection runs on: "amx" where the unit is verified, else "avx512bf16" where
+// the CPU has it, else gemm_vec.h on the widest set it runs ("avx512", "avx2"), with the same
+// bits; a test may narrow it (call before serving, never during a call).
 std::string& gemm_name() {
-    static std::string name = amx_verified() ? "amx" : "avx512bf16";
+    static std::string name = amx_verified()     ? "amx"
+                              : runs_bf16_gemm() ? "avx512bf16"
+                                                 : std::string(kernels().name);
     return name;
 }
 
+bool runs_gemm(const std::string& name) {
+    if (name == "amx") return amx_verified();
+    if (name == "avx512bf16") return runs_bf16_gemm();
+    if (name == "avx512") return runs_avx512();
+    return name == "avx2" && runs_avx2();
+}
+
 std::string select_gemm(const std::string& name) {
-    TORCH_CHECK(name == "avx512bf16" || (name == "amx" && amx_verified()),
-                "this CPU does not run the ", name, " GEMM");
+    TORCH_CHECK(runs_gemm(name), "this CPU does not run the ", name, " GEMM");
     gemm_name() = name;
     return name;
 }
@@ -964,13 +990,17 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     if (chosen == "amx-emulated") {
         TORCH_CHECK(k % 32 == 0, "the AMX GEMM takes K a multiple of 32");
         spread(op, rows, blocks, &amx::blocks<amx::EmulatedTiles>);
-    } else if (chosen == "amx" && k % 32 == 0) {
-        TORCH_CHECK(amx_verified(), "this CPU does not run the amx GEMM");
-        spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
-    } else {
-        TORCH_CHECK(runs_bf16_gemm(), "this CPU has no AVX512-BF16");
-        spread(op, rows, blocks, &gemm512::blocks);
+        return out;
     }
+    TORCH_CHECK(runs_gemm(chosen), "this CPU does not run the ", chosen, " GEMM");
+    if (chosen == "amx" && k % 32 == 0)
+        spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
+    else if (chosen == "amx" || chosen == "avx512bf16")
+        spread(op, rows, blocks, &gemm512::blocks);
+    else if (chosen == "avx512")
+        spread(op, rows, blocks, &avx512::gemmv::blocks);
+    else
+        spread(op, rows, blocks, &avx2::gemmv::blocks);
     return out;
 }
 
@@ -993,11 +1023,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &silu_mul);
     m.def("rotary_write", &rotary_write);
     m.def("paged_attention", &paged_attention);
-    m.def("has_bf16_gemm", &runs_bf16_gemm);
+    m.def("has_gemm", [] { return kernels().gemm_blocks != nullptr; }, "a GEMM of ours serves");
     m.def("pack_weight", &pack_weight);
     m.def("linear", &linear);
     m.def("linear_on", &linear_on);
-    m.def("gemm", [] { return gemm_name(); }, "the GEMM the projections run on: amx or avx512bf16");
+    m.def("gemm", [] { return gemm_name(); }, "the GEMM the projections run on");
     m.def("select_gemm", &select_gemm);
+    m.def("runs_gemm", &runs_gemm, "whether this CPU runs the named GEMM");
     m.def("runs_amx", &amx::runs_amx);
 }

@@ -19,15 +19,7 @@ constexpr int kBlocksPerTile = 4;    // 16-output blocks per tile
 constexpr int kRowsPerPass = 96;     // rows whose inputs stay in L2 while a panel is reused
 constexpr int64_t kPairsPerPanel = 1024;  // input pairs per panel: 4 blocks x 1024 x 64 B, in L2
 
-struct Operands {
-    const uint16_t* x;
-    int64_t x_stride, k;
-    const uint16_t* w;
-    int64_t block_stride;  // elements from one packed block to the next
-    const float* bias;     // padded to whole blocks, or null
-    uint16_t* out;
-    int64_t n;
-};
+using Operands = GemmOperands;
 
 static inline __m512bh pair_of(const uint16_t* row, int64_t kp, int64_t k) {
     int32_t pair;

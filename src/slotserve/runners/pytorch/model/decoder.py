@@ -25,7 +25,13 @@ from slotserve.runners.pytorch.model.attention import (
 )
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
-from slotserve.runners.pytorch.model.layers import INVARIANT_MAX_K, Projection, RmsNorm, activation
+from slotserve.runners.pytorch.model.layers import (
+    INVARIANT_MAX_K,
+    Projection,
+    RmsNorm,
+    activation,
+    onednn_bf16,
+)
 from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
 from slotserve.runners.pytorch.model.rotary import (
@@ -296,7 +302,11 @@ class Decoder(nn.Module):
     def prepack(self, kernels: CpuKernels | None = None) -> None:
         """Every projection's weights packed once (CPU, bfloat16): for the CPU kernels' GEMM,
         which is invariant for any input size, or without ``kernels`` in oneDNN's blocked layout
-        (after :meth:`make_batch_invariant`). A tied head keeps the embedding's weight."""
+        (after :meth:`make_batch_invariant`), where oneDNN has bfloat16 kernels for this CPU
+        (AVX-512 or AVX-NE-CONVERT; elsewhere torch's own matmul serves, unpacked). A tied head
+        keeps the embedding's weight."""
+        if kernels is None and not onednn_bf16():
+            return
         for module in self.modules():
             if isinstance(module, Projection):
                 tied = module is self.lm_head and self.lm_head.weight is self.embed.weight

@@ -16,6 +16,11 @@ from slotserve.runners.pytorch.gpu_matmul import invariant_linear
 INVARIANT_MAX_K = 1024
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN has bfloat16 matmuls for this CPU (its prepacked layout needs them)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
