@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.runner_interface import ComputePath
+from slotserve.runners.pytorch.quant.formats import QuantFormat
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,22 @@ class CpuKernels:
         """The projections run on ``gemm`` (``amx``, ``avx512bf16``, ``avx512``, ``avx2``) from
         now on, if this CPU runs it (the tests' way to the other paths on one host)."""
         self.gemm = self._m.select_gemm(gemm)
+
+    def quant_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        format: QuantFormat,
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` in bfloat16 for a weight kept quantized (``packed`` by
+        ``quant/packing.py`` in ``format``), summed as csrc/quant_gemm.h states: a row's bits
+        depend on neither the other rows, the thread count, nor the instruction set."""
+        f = format
+        return self._m.quant_linear(  # type: ignore[no-any-return]
+            x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias
+        )
 
     def paged_attention(
         self,

@@ -91,6 +91,8 @@ struct GemmOperands {
     int64_t n;
 };
 
+#include "quant_format.h"
+
 // Denormals flushed to zero, inputs and results, while it lives (restored after): the rule of
 // AVX512-BF16's dot product, which the emulated one matches only so; attention runs under it on
 // every instruction set, so all of them give the same bits.
@@ -110,6 +112,7 @@ namespace avx512bf16 {
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_gemm.h"
 }  // namespace avx512bf16
 #pragma GCC pop_options
 
@@ -121,17 +124,19 @@ namespace avx512 {
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_gemm.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #undef SLOTSERVE_AVX512
 #define SLOTSERVE_AVX512 0
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_gemm.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -155,12 +160,15 @@ struct Kernels {
     decltype(&avx512::attend_tile) attend_tile;
     decltype(&avx512::merge_partitions) merge_partitions;
     decltype(&avx512::gemmv::blocks) gemm_blocks;
+    decltype(&avx512::quant::groups) quant_groups;
+    decltype(&avx512::quant::quantize_row) quantize_row;
 };
 
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks                 \
+            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
+            &ns::quant::groups, &ns::quant::quantize_row                                \
     }
 
 bool runs_avx512() {
@@ -182,7 +190,8 @@ Kernels select_kernels() {
     if (runs_avx512_bf16()) return SLOTSERVE_KERNELS(avx512bf16);
     if (runs_avx512()) return SLOTSERVE_KERNELS(avx512);
     if (runs_avx2()) return SLOTSERVE_KERNELS(avx2);
-    return Kernels{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    return Kernels{"none",  nullptr, nullptr, nullptr, nullptr,
+                   nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
 Kernels& kernels() {
@@ -1009,6 +1018,56 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     return linear_on(x, packed, bias, n, "");
 }
 
+// x [M, K] bfloat16 times a quantized weight of N outputs packed by quant/packing.py in the
+// format described by the integers (quant_gemm.h's Format), plus an optional bias added in
+// float32 before the one rounding to bfloat16. On every instruction set the same bits.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
+                        int64_t offset, bool has_min, int64_t sub, int64_t super,
+                        const c10::optional<at::Tensor>& bias) {
+    const Kernels& k = usable();
+    check_rows(x, "x");
+    const int64_t rows = x.size(0), inputs = x.size(1), groups = (n + 15) / 16;
+    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
+    TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "codes of 4, 5, 6 or 8 bits");
+    TORCH_CHECK((sub == 16 || sub == 32) && super % sub == 0 && inputs % super == 0,
+                "the inputs must be whole super-blocks of whole sub-blocks");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == groups * (inputs / super) * f.record_bytes(),
+                "packed weight: uint8 records of quant/packing.py for this shape and format");
+    at::Tensor out = at::empty({rows, n}, x.options());
+    if (rows == 0) return out;
+    TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
+    const at::Tensor xq = at::empty({rows, inputs}, x.options().dtype(at::kShort));
+    const at::Tensor xstep = at::empty({rows, inputs / 32}, x.options().dtype(at::kFloat));
+    const at::Tensor xsum = at::empty({rows, inputs / 32}, x.options().dtype(at::kInt));
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+            k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq.data_ptr<int16_t>() + r * inputs,
+                           xstep.data_ptr<float>() + r * (inputs / 32),
+                           xsum.data_ptr<int32_t>() + r * (inputs / 32));
+    });
+    at::Tensor bias32;
+    if (bias) {
+        bias32 = bias->to(at::kFloat).contiguous();
+        TORCH_CHECK(bias32.numel() == n, "one bias per output");
+        if (groups * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, groups * 16 - n});
+    }
+    const QuantOperands op{xq.data_ptr<int16_t>(),
+                           xstep.data_ptr<float>(),
+                           xsum.data_ptr<int32_t>(),
+                           inputs,
+                           packed.data_ptr<uint8_t>(),
+                           f,
+                           bias ? bias32.data_ptr<float>() : nullptr,
+                           bf16_mut(out),
+                           n};
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * inputs));
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+        k.quant_groups(op, rows, begin, end);
+    });
+    return out;
+}
+
 std::string isa() {
     return kernels().name;
 }
@@ -1030,5 +1089,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm", [] { return gemm_name(); }, "the GEMM the projections run on");
     m.def("select_gemm", &select_gemm);
     m.def("runs_gemm", &runs_gemm, "whether this CPU runs the named GEMM");
+    m.def("quant_linear", &quant_linear);
     m.def("runs_amx", &amx::runs_amx);
 }

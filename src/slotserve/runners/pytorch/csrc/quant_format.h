@@ -1,0 +1,35 @@
+// What quant_gemm.h reads (included once, by cpu_kernels.cpp, before the per-ISA builds): a
+// quantized weight's format and the operands of one projection. quant_gemm.h describes the
+// arithmetic and the packed layout.
+#pragma once
+
+struct QuantFormat {
+    int bits;         // 4, 5, 6 or 8
+    int offset;       // subtracted from a code: v = code − offset
+    bool has_min;     // weights scale · v − dmin · m
+    int sub;          // inputs per sub-block (one sc, m): 16 or 32
+    int super;        // inputs per super-block (one d, dmin): 32 or 256
+
+    int sub_blocks() const { return super / sub; }
+    int64_t header_bytes() const {
+        return 32 * (has_min ? 2 : 1) + int64_t(16) * sub_blocks() * (has_min ? 2 : 1);
+    }
+    int64_t code_bytes() const {
+        const int64_t pairs = super / 2;
+        if (bits == 8) return pairs * 32;
+        return pairs * 16 + (bits == 5 ? pairs / 4 * 16 : bits == 6 ? pairs / 2 * 16 : 0);
+    }
+    int64_t record_bytes() const { return header_bytes() + code_bytes(); }
+};
+
+struct QuantOperands {
+    const int16_t* xq;    // [rows][k] the inputs as int16, per block of 32 (quant_gemm.h)
+    const float* xstep;   // [rows][k / 32] each block's step
+    const int32_t* xsum;  // [rows][k / 32] each block's Σ q
+    int64_t k;
+    const uint8_t* w;     // [groups][k / super] records
+    QuantFormat f;
+    const float* bias;    // padded to whole groups, or null
+    uint16_t* out;        // [rows][n] bfloat16
+    int64_t n;
+};

@@ -1,0 +1,86 @@
+"""Decoded rows (formats.py) packed into the records csrc/quant_gemm.h streams: outputs in
+groups of 16, one record per group and super-block (the layout is stated there), written one
+chunk of rows at a time so a large tensor never exists unpacked in full."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from slotserve.runners.pytorch.quant.formats import FORMATS, Decoded, QuantFormat, decode_rows
+
+GROUP = 16  # outputs a record holds
+
+
+def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
+    """Whole groups of rows (``rows`` a multiple of 16) as records, [groups, supers, bytes]."""
+    rows, k = decoded.codes.shape
+    g, b, pairs, subs = rows // GROUP, k // f.super, f.super // 2, f.super // f.sub
+
+    def per_output(values: np.ndarray, per_super: int) -> np.ndarray:
+        # [rows, supers · per_super] → [groups, supers, per_super · 16 outputs] bytes
+        grouped = values.reshape(g, GROUP, b, per_super).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(grouped).view(np.uint8).reshape(g, b, -1)
+
+    parts = [per_output(decoded.d, 1)]
+    if f.has_min:
+        assert decoded.dmin is not None
+        parts.append(per_output(decoded.dmin, 1))
+    parts.append(per_output(decoded.sc, subs))
+    if f.has_min:
+        assert decoded.m is not None
+        parts.append(per_output(decoded.m, subs))
+    # [groups, supers, pairs, 16 outputs, (even, odd)]
+    codes = decoded.codes.reshape(g, GROUP, b, pairs, 2).transpose(0, 2, 3, 1, 4)
+    if f.bits == 8:
+        parts.append(np.ascontiguousarray(codes.transpose(0, 1, 2, 4, 3)).reshape(g, b, -1))
+    else:
+        low = (codes[..., 0] & 0x0F) | ((codes[..., 1] & 0x0F) << 4)
+        parts.append(low.reshape(g, b, -1))
+    if f.bits == 5:  # per 4 pairs: bit 2j the even code's fifth bit, 2j + 1 the odd one's
+        high = ((codes >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP, 2)
+        byte = sum(
+            (high[:, :, :, j, :, 0] << (2 * j)) | (high[:, :, :, j, :, 1] << (2 * j + 1))
+            for j in range(4)
+        )
+        parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
+    elif f.bits == 6:  # per 2 pairs: bits 4j, 4j + 1 the even code's top two; 4j + 2, + 3 odd
+        high = ((codes >> 4) & 3).reshape(g, b, pairs // 2, 2, GROUP, 2)
+        byte = sum(
+            (high[:, :, :, j, :, 0] << (4 * j)) | (high[:, :, :, j, :, 1] << (4 * j + 2))
+            for j in range(2)
+        )
+        parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
+    records = np.concatenate([p.astype(np.uint8, copy=False) for p in parts], axis=2)
+    assert records.shape[2] == f.record_bytes
+    return records
+
+
+def pack_tensor(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> torch.Tensor:
+    """A GGUF tensor of ``kind`` ([n, k / block · type size] uint8 rows) as the kernels' records
+    (a flat uint8 tensor); the last group's missing outputs are zeros."""
+    f = FORMATS[kind]
+    n = raw.shape[0]
+    groups = -(-n // GROUP)
+    out = np.empty((groups, k // f.super, f.record_bytes), dtype=np.uint8)
+    step = GROUP * 16  # rows per chunk
+    for start in range(0, n, step):
+        rows = raw[start : start + step]
+        decoded = decode_rows(kind, rows, k)
+        missing = -len(rows) % GROUP
+        if missing:
+            decoded = Decoded(
+                _padded(decoded.codes, missing),
+                _padded(decoded.d, missing),
+                _padded(decoded.sc, missing),
+                None if decoded.dmin is None else _padded(decoded.dmin, missing),
+                None if decoded.m is None else _padded(decoded.m, missing),
+            )
+        first = start // GROUP
+        out[first : first + (len(rows) + missing) // GROUP] = pack_rows(decoded, f)
+    return torch.from_numpy(out.reshape(-1))
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([values, np.zeros((rows, values.shape[1]), dtype=values.dtype)])
