@@ -131,6 +131,21 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
             assert torch.equal(alone[0], served[i]), (rows, i)
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_rows_looked_up_are_the_dequantized_paths_values(
+    kernels: CpuKernels, kind: GGMLQuantizationType
+) -> None:
+    n, k = 40, 512
+    raw = random_tensor(kind, n, k, seed=5)
+    packed = pack_tensor(kind, raw, k)
+    rows = torch.tensor([39, 0, 17, 17, 5])
+    looked_up = kernels.quant_rows(packed, rows, FORMATS[kind], n, k)
+    dequantized = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).bfloat16()
+    assert torch.equal(looked_up, dequantized[rows])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.quant_rows(packed, torch.tensor([40]), FORMATS[kind], n, k)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused(kernels: CpuKernels) -> None:
     kind = GGMLQuantizationType.Q4_K
     packed = pack_tensor(kind, random_tensor(kind, 16, 256, seed=4), 256)

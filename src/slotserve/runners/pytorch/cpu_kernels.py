@@ -156,6 +156,16 @@ class CpuKernels:
             x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias
         )
 
+    def quant_rows(
+        self, packed: torch.Tensor, rows: torch.Tensor, format: QuantFormat, n: int, k: int
+    ) -> torch.Tensor:
+        """Rows ``rows`` of a weight kept quantized, as bfloat16 (an embedding's lookups): the
+        values the dequantized path holds."""
+        f = format
+        return self._m.quant_rows(  # type: ignore[no-any-return]
+            packed, rows, n, k, f.bits, f.offset, f.has_min, f.sub, f.super
+        )
+
     def paged_attention(
         self,
         q: torch.Tensor,

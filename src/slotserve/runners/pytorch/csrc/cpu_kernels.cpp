@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -105,7 +106,7 @@ struct FlushDenormals {
 };
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 namespace avx512bf16 {
 #define SLOTSERVE_AVX512 1
 #define SLOTSERVE_BF16 1
@@ -117,7 +118,7 @@ namespace avx512bf16 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace avx512 {
 #undef SLOTSERVE_BF16
 #define SLOTSERVE_BF16 0
@@ -162,13 +163,14 @@ struct Kernels {
     decltype(&avx512::gemmv::blocks) gemm_blocks;
     decltype(&avx512::quant::groups) quant_groups;
     decltype(&avx512::quant::quantize_row) quantize_row;
+    decltype(&avx512::quant::rows_of) quant_rows;
 };
 
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
             &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
-            &ns::quant::groups, &ns::quant::quantize_row                                \
+            &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of           \
     }
 
 bool runs_avx512() {
@@ -190,7 +192,7 @@ Kernels select_kernels() {
     if (runs_avx512_bf16()) return SLOTSERVE_KERNELS(avx512bf16);
     if (runs_avx512()) return SLOTSERVE_KERNELS(avx512);
     if (runs_avx2()) return SLOTSERVE_KERNELS(avx2);
-    return Kernels{"none",  nullptr, nullptr, nullptr, nullptr,
+    return Kernels{"none",  nullptr, nullptr, nullptr, nullptr, nullptr,
                    nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
@@ -1068,6 +1070,29 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     return out;
 }
 
+// Rows (outputs) `rows` of a packed quantized weight of `k` inputs as bfloat16 [len, k]: an
+// embedding table's lookups, the dequantized path's values.
+at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
+                      int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super) {
+    const Kernels& kern = usable();
+    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == (n + 15) / 16 * (k / super) * f.record_bytes(),
+                "packed weight: uint8 records of quant/packing.py for this shape and format");
+    const at::Tensor ids = rows.to(at::kLong).contiguous();
+    TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
+                                                        ids.max().item<int64_t>() < n)),
+                "row ids out of range");
+    at::Tensor out = at::empty({ids.numel(), k}, packed.options().dtype(at::kBFloat16));
+    const QuantOperands op{nullptr, nullptr, nullptr, k, packed.data_ptr<uint8_t>(), f,
+                           nullptr, nullptr,           n};
+    at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
+        kern.quant_rows(op, ids.data_ptr<int64_t>() + begin, end - begin,
+                        bf16_mut(out) + begin * k);
+    });
+    return out;
+}
+
 std::string isa() {
     return kernels().name;
 }
@@ -1090,5 +1115,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("select_gemm", &select_gemm);
     m.def("runs_gemm", &runs_gemm, "whether this CPU runs the named GEMM");
     m.def("quant_linear", &quant_linear);
+    m.def("quant_rows", &quant_rows);
     m.def("runs_amx", &amx::runs_amx);
 }

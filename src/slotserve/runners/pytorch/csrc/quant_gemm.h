@@ -255,6 +255,36 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
         }
 }
 
+// Weight row `row` (an output) as bfloat16: scale · v − min per input, rounded once (gguf-py's
+// dequantized float32 value, so the embedding rows a model looks up are the dequantized path's).
+template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER>
+static void row_values(const Operands& op, int64_t row, uint16_t* out) {
+    constexpr int kSubBlocks = SUPER / SUB;
+    const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
+    const int lane = int(row % kLanes);
+    const uint8_t* record = op.w + row / kLanes * (op.k / SUPER) * record_bytes;
+    for (int64_t b = 0; b < op.k / SUPER; ++b, record += record_bytes) {
+        uint16_t half[2];
+        std::memcpy(half, record + 2 * lane, 2);
+        const float d = _cvtsh_ss(half[0]);
+        const float dmin = MIN ? (std::memcpy(half, record + 32 + 2 * lane, 2), _cvtsh_ss(half[0]))
+                               : 0.0f;
+        const uint8_t* sc = record + 32 * (MIN ? 2 : 1);
+        const uint8_t* codes = record + header_bytes;
+        for (int64_t p = 0; p < SUPER / 2; ++p) {
+            const PairValues v = pair_values<BITS, OFFSET, SUPER>(codes, p);
+            alignas(16) int8_t even[16], odd[16];
+            _mm_store_si128((__m128i*)even, v.even);
+            _mm_store_si128((__m128i*)odd, v.odd);
+            const int s = int(2 * p / SUB);
+            const float scale = d * float(int8_t(sc[16 * s + lane]));
+            const float min = MIN ? dmin * float(sc[16 * (kSubBlocks + s) + lane]) : 0.0f;
+            out[b * SUPER + 2 * p] = f32_to_bf16(scale * float(even[lane]) - min);
+            out[b * SUPER + 2 * p + 1] = f32_to_bf16(scale * float(odd[lane]) - min);
+        }
+    }
+}
+
 // A row's inputs as int16 per block of 32 (the module's comment): q, the block's step and Σ q.
 static void quantize_row(const uint16_t* x, int64_t k, int16_t* q, float* step, int32_t* sum) {
     for (int64_t b = 0; b < k / kInputBlock; ++b) {
@@ -273,22 +303,54 @@ static void quantize_row(const uint16_t* x, int64_t k, int16_t* q, float* step, 
     }
 }
 
-// Output groups [g0, g1) for every row, in the format the operands name (the GGUF formats'
-// combinations; anything else is refused before a call).
-static void groups(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
-    const Format& f = op.f;
+// `run` instantiated for the format the operands name: the GGUF formats' combinations (anything
+// else is refused before a call).
+template <class Run>
+static void in_format(const Format& f, Run&& run) {
     const auto is = [&f](int bits, int offset, bool min, int sub, int super) {
         return f.bits == bits && f.offset == offset && f.has_min == min && f.sub == sub &&
                f.super == super;
     };
-    if (is(4, 8, false, 32, 32)) return groups_of<4, 8, false, 32, 32>(op, rows, g0, g1);    // Q4_0
-    if (is(4, 0, true, 32, 32)) return groups_of<4, 0, true, 32, 32>(op, rows, g0, g1);      // Q4_1
-    if (is(5, 16, false, 32, 32)) return groups_of<5, 16, false, 32, 32>(op, rows, g0, g1);  // Q5_0
-    if (is(5, 0, true, 32, 32)) return groups_of<5, 0, true, 32, 32>(op, rows, g0, g1);      // Q5_1
-    if (is(8, 0, false, 32, 32)) return groups_of<8, 0, false, 32, 32>(op, rows, g0, g1);    // Q8_0
-    if (is(4, 0, true, 32, 256)) return groups_of<4, 0, true, 32, 256>(op, rows, g0, g1);    // Q4_K
-    if (is(5, 0, true, 32, 256)) return groups_of<5, 0, true, 32, 256>(op, rows, g0, g1);    // Q5_K
-    if (is(6, 32, false, 16, 256)) return groups_of<6, 32, false, 16, 256>(op, rows, g0, g1);// Q6_K
+    using std::integral_constant;
+    if (is(4, 8, false, 32, 32))  // Q4_0
+        run(integral_constant<int, 4>{}, integral_constant<int, 8>{}, std::false_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(4, 0, true, 32, 32))  // Q4_1
+        run(integral_constant<int, 4>{}, integral_constant<int, 0>{}, std::true_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(5, 16, false, 32, 32))  // Q5_0
+        run(integral_constant<int, 5>{}, integral_constant<int, 16>{}, std::false_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(5, 0, true, 32, 32))  // Q5_1
+        run(integral_constant<int, 5>{}, integral_constant<int, 0>{}, std::true_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(8, 0, false, 32, 32))  // Q8_0
+        run(integral_constant<int, 8>{}, integral_constant<int, 0>{}, std::false_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(4, 0, true, 32, 256))  // Q4_K
+        run(integral_constant<int, 4>{}, integral_constant<int, 0>{}, std::true_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 256>{});
+    else if (is(5, 0, true, 32, 256))  // Q5_K
+        run(integral_constant<int, 5>{}, integral_constant<int, 0>{}, std::true_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 256>{});
+    else if (is(6, 32, false, 16, 256))  // Q6_K
+        run(integral_constant<int, 6>{}, integral_constant<int, 32>{}, std::false_type{},
+            integral_constant<int, 16>{}, integral_constant<int, 256>{});
+}
+
+// Output groups [g0, g1) for every row.
+static void groups(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
+    in_format(op.f, [&](auto bits, auto offset, auto min, auto sub, auto super) {
+        groups_of<bits(), offset(), min(), sub(), super()>(op, rows, g0, g1);
+    });
+}
+
+// Weight rows `rows` (outputs) as bfloat16 rows of k values.
+static void rows_of(const Operands& op, const int64_t* rows, int64_t count, uint16_t* out) {
+    in_format(op.f, [&](auto bits, auto offset, auto min, auto sub, auto super) {
+        for (int64_t i = 0; i < count; ++i)
+            row_values<bits(), offset(), min(), sub(), super()>(op, rows[i], out + i * op.k);
+    });
 }
 
 }  // namespace quant
