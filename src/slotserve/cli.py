@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark an OpenAI-compatible server ('bench sweep': slot sweep + peers; "
         "'bench prefix-cache': shared system prompt, cache on vs off; 'bench runners': "
-        "PyTorch vs llama.cpp runner vs transformers; 'bench speculative': drafts on vs off)",
+        "PyTorch vs llama.cpp runner vs transformers; 'bench speculative': drafts on vs off; "
+        "'bench model-file': a GGUF of a real model's shapes, quantized by llama.cpp)",
     )
     from slotserve.bench.cli import add_bench_arguments
 
@@ -93,6 +94,14 @@ def build_spec_ab_parser() -> argparse.ArgumentParser:
     return _bench_subcommand_parser("speculative", spec_ab.__doc__, spec_ab.add_spec_ab_arguments)
 
 
+def build_model_file_parser() -> argparse.ArgumentParser:
+    from slotserve.bench import model_files
+
+    return _bench_subcommand_parser(
+        "model-file", model_files.__doc__, model_files.add_model_file_arguments
+    )
+
+
 def reload(args: argparse.Namespace) -> int:
     import httpx
 
@@ -127,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slotserve.bench.spec_ab import main_spec_ab
 
         return main_spec_ab(build_spec_ab_parser().parse_args(argv[2:]))
+    if argv[:2] == ["bench", "model-file"]:
+        from slotserve.bench.model_files import main_model_file
+
+        return main_model_file(build_model_file_parser().parse_args(argv[2:]))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from slotserve.serve_command import serve

@@ -78,7 +78,7 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
         writer.add_expert_used_count(hp["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
         writer.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
-    _copy_vocabulary(gguf.GGUFReader(str(tokenizer_gguf)), writer)
+    copy_vocabulary(gguf.GGUFReader(str(tokenizer_gguf)), writer)
 
     def tiled(rows: torch.Tensor, block: int) -> torch.Tensor:
         grouped = rows.reshape(nk, nv // nk, block, *rows.shape[1:])
@@ -178,7 +178,7 @@ def _write(writer: Any, tensors: dict[str, torch.Tensor], out_path: Path) -> Pat
     return out_path
 
 
-def _copy_vocabulary(reader: Any, writer: Any) -> None:
+def copy_vocabulary(reader: Any, writer: Any) -> None:
     fields = reader.fields
     writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
     if "tokenizer.ggml.pre" in fields:
