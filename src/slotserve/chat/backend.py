@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineError
 from slotserve.engine.runner_interface import RunnerSpec
 from slotserve.engine.sampling_defaults import SamplingDefaults
@@ -120,7 +121,9 @@ class EngineBackend:
             params = SamplingParams(
                 max_tokens=options.max_tokens, **given.params(model.sampling_defaults)
             )
-            stream = model.engine.submit(f"chat-{next(self._ids)}", prompt, params)
+            stream = model.engine.submit(
+                EngineCoreRequest(f"chat-{next(self._ids)}", prompt, params)
+            )
         except (EngineError, ModelUnavailableError) as exc:
             raise ChatBackendError(str(exc)) from exc
         with stream:  # leaving early (cancelled) aborts the request

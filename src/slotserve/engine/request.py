@@ -8,41 +8,41 @@ one token it is prefilling; when the last token is computed the runner samples t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import Any
 
 from slotserve.engine.adapters import cache_keys
-from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.detokenizer import IncrementalDetokenizer
-from slotserve.engine.images import ImageInput, image_cache_keys
+from slotserve.engine.images import image_cache_keys
 from slotserve.engine.outputs import FinishReason, SampledToken
 from slotserve.engine.runner_interface import ModelInfo, Tokenizer
-from slotserve.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class Request:
-    """One API call as the engine sees it; immutable after submission but for its sequences."""
+    """One request as the engine core keeps it: what it brought (``submitted``, never changed),
+    its sequences, and the core's bookkeeping of it."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    submitted: EngineCoreRequest
+    deadline: float | None = None  # monotonic time after which the engine ends the request
     sequences: list[Sequence] = field(default_factory=list)
     admitted_time: float | None = None
-    deadline: float | None = None  # monotonic time after which the engine ends the request
     overtaken: int = 0  # later requests admitted first (schedule policy lpm)
-    priority: int = 0  # schedule policy priority: lower runs first (vLLM's meaning)
-    adapter: int = 0  # the LoRA adapter's id (``engine/adapters.py``); 0: the base model
-    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order (``engine/images.py``)
+
+    @property
+    def request_id(self) -> str:
+        """The key the core, its outputs and its log lines know the request by."""
+        return self.submitted.request_id
 
     def cache_keys(self, tokens: Sequence_[int] | None = None) -> Sequence_[int]:
         """``tokens`` (the prompt by default: a sequence's start with it) as the prefix cache
         keys them: by adapter, and by image over the images' placeholder runs."""
-        tokens = self.prompt_token_ids if tokens is None else tokens
-        return image_cache_keys(cache_keys(tokens, self.adapter), self.images, self.adapter)
+        submitted = self.submitted
+        tokens = submitted.prompt_token_ids if tokens is None else tokens
+        adapter = submitted.adapter
+        return image_cache_keys(cache_keys(tokens, adapter), submitted.images, adapter)
 
     @property
     def finished(self) -> bool:
@@ -71,7 +71,7 @@ class Sequence:
     # Since the last emitted delta; the step loop drains these into a SequenceDelta.
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[SampledToken] = field(default_factory=list)
-    # Speculative decoding (engine/speculative.py): this sequence's drafts and acceptances.
+    # Speculative decoding (engine/decoding/speculative.py): this sequence's drafts and acceptances.
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     # The estimated chance that the next draft is accepted (None: no evidence yet), and a
@@ -79,8 +79,8 @@ class Sequence:
     # produces that position: (position, token).
     draft_acceptance: float | None = None
     shadow_draft: tuple[int, int] | None = None
-    # Structured output (engine/structured_output.py): llguidance's matcher, fed every output
-    # token; None when unconstrained.
+    # Structured output (engine/decoding/structured_output.py): llguidance's matcher, fed
+    # every output token; None when unconstrained.
     grammar: Any = None
     # Prompt log-probabilities computed so far (``SamplingParams.prompt_logprobs``, choice 0),
     # and whether they went out with a delta.
@@ -89,7 +89,7 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.index == 0 and self.request.params.prompt_logprobs is not None
+        return self.index == 0 and self.request.submitted.params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:
@@ -109,33 +109,15 @@ class Sequence:
 
 
 def new_request(
-    config: EngineConfig,
-    request_id: str,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-    priority: int = 0,
-    adapter: int = 0,
-    images: Sequence_[ImageInput] = (),
+    submitted: EngineCoreRequest, timeout_s: float | None, info: ModelInfo, tokenizer: Tokenizer
 ) -> Request:
-    """A request arriving now, its deadline set, its sequences not yet built."""
-    request = Request(
-        request_id,
-        list(prompt_token_ids),
-        params,
-        priority=priority,
-        adapter=adapter,
-        images=tuple(images),
-    )
-    if config.request_timeout_s is not None:
-        request.deadline = request.arrival_time + config.request_timeout_s
-    return request
-
-
-def add_sequences(request: Request, info: ModelInfo, tokenizer: Tokenizer) -> Request:
-    """Gives a validated request one sequence (and detokenizer) per choice."""
-    prompt = request.prompt_token_ids
+    """The core's state of a validated request: its deadline (``timeout_s`` after it arrived,
+    None: none) and one sequence (and detokenizer) per choice."""
+    deadline = None if timeout_s is None else submitted.arrival_time + timeout_s
+    request = Request(submitted, deadline)
+    prompt = submitted.prompt_token_ids
     room = info.max_seq_len - len(prompt)
-    params = request.params
+    params = submitted.params
     for index in range(params.n):
         request.sequences.append(
             Sequence(

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ from slotserve.server.generation import (
     abort_on_disconnect,
     merge_outputs,
     submit_prompts,
+    with_engine_ids,
 )
 from slotserve.server.openai.completions import prompt_items
 from slotserve.server.prompt_bound import check_prompt_chars
@@ -139,10 +141,12 @@ async def pool_prompts(
     model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, prefix, http_request_id, len(prompts))
     with host.refusing_a_dead_engine():
-        params = SamplingParams(embed=True)
-        streams = submit_prompts(
-            model.engine, request_id, prompts, params, priority, request_adapter(raw)
-        )
+        params, adapter = SamplingParams(embed=True), request_adapter(raw)
+        requests = [
+            EngineCoreRequest(rid, prompt, params, priority, adapter)
+            for rid, prompt in with_engine_ids(request_id, prompts)
+        ]
+        streams = submit_prompts(model.engine, requests)
     finals: dict[int, RequestOutput] = {}
     async with (
         abort_on_disconnect(raw, abort_all(streams)) as gone,

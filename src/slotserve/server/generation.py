@@ -6,37 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from slotserve.engine.client.async_engine import AsyncEngine, RequestStream
-from slotserve.engine.images import ImageInput
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.outputs import RequestOutput, SampledToken, SequenceDelta
-from slotserve.engine.sampling_params import SamplingParams
 from slotserve.server.errors import GenerationFailed
 from slotserve.server.events import Usage
 from slotserve.server.tracing import note_submitted
 
 
-def submit_prompts(
-    engine: AsyncEngine,
-    request_id: str,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    priority: int = 0,
-    adapter: int = 0,
-    images: Sequence[ImageInput] = (),
-) -> list[RequestStream]:
-    """Submits one engine request per prompt (on LoRA ``adapter``, 0: none); raises (4xx
-    errors) before anything is queued for a prompt that fails validation, and withdraws the
-    ones already queued."""
-    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+def with_engine_ids(request_id: str, prompts: list[list[int]]) -> list[tuple[str, list[int]]]:
+    """Each prompt of one HTTP request with its engine request id: ``request_id`` for a lone
+    prompt, else ``<request_id>-0``, ``<request_id>-1``, ..."""
+    if len(prompts) == 1:
+        return [(request_id, prompts[0])]
+    return [(f"{request_id}-{k}", prompt) for k, prompt in enumerate(prompts)]
+
+
+def submit_prompts(engine: AsyncEngine, requests: list[EngineCoreRequest]) -> list[RequestStream]:
+    """Submits the engine requests of one HTTP request (one per prompt); raises (4xx errors)
+    before anything is queued for a request that fails validation, and withdraws the ones
+    already queued."""
     streams: list[RequestStream] = []
     try:
-        for rid, prompt in zip(ids, prompts, strict=True):
-            streams.append(engine.submit(rid, prompt, params, priority, adapter, images))
+        for request in requests:
+            streams.append(engine.submit(request))
             note_submitted(streams[-1].request_id)
     except BaseException:
         for stream in streams:

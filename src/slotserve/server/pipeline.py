@@ -1,31 +1,29 @@
 """A chat prompt through the engine, as typed events.
 
-:func:`submit_chat` submits a rendered prompt with its tool plan (``tool_plan.py``) and
-sampling; :class:`ChatGeneration` then turns what the engine makes into events
-(``events.py``): the reply split into thinking, text and tool calls (``reply_parser.py``), each
-choice's finish, the usage. Every chat API runs here and differs only in how it renders the
-events. The pipeline knows no API's request: a chat request becomes a prompt, a plan and
-sampling parameters in ``openai/chat_prompt.py``, which the Responses and Messages APIs reach
-by translating their requests into a chat completion request.
+:func:`submit_chat` submits a rendered prompt (the engine's request: prompt, sampling and the
+rest) with its tool plan (``tool_plan.py``); :class:`ChatGeneration` then turns what the engine
+makes into events (``events.py``): the reply split into thinking, text and tool calls
+(``reply_parser.py``), each choice's finish, the usage. Every chat API runs here and differs
+only in how it renders the events. The pipeline knows no API's request: a chat request becomes
+an engine request and a plan in ``openai/chat_prompt.py``, which the Responses and Messages
+APIs reach by translating their requests into a chat completion request.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.images import ImageInput
-from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.host import ModelHost
 from slotserve.hosting.served import LoadedModel
 from slotserve.protocol.reasoning import ReasoningParser
 from slotserve.server.events import ChoiceFinished, Event, PromptLogprobs, TokenLogprobs
 from slotserve.server.generation import EngineRun, accumulate, submit_prompts
 from slotserve.server.reply_parser import ReplyParser, parse_reply
-from slotserve.server.serving import request_adapter
 from slotserve.server.tool_plan import ToolPlan
 
 
@@ -114,28 +112,18 @@ class ChatGeneration:
 
 
 def submit_chat(
-    host: ModelHost,
-    model: LoadedModel,
-    raw: Request,
-    request_id: str,
-    prompt: list[int],
-    plan: ToolPlan,
-    params: SamplingParams,
-    priority: int = 0,
-    images: Sequence[ImageInput] = (),
+    host: ModelHost, model: LoadedModel, raw: Request, request: EngineCoreRequest, plan: ToolPlan
 ) -> ChatGeneration:
-    """Submits ``prompt`` on ``model`` (taken again by the caller since it was rendered, with
-    nothing awaited since: it cannot be unloaded in between); ``InvalidRequestError`` naming
-    the chat field at fault."""
+    """Submits ``request`` (a rendered chat prompt) on ``model`` (taken again by the caller
+    since it was rendered, with nothing awaited since: it cannot be unloaded in between);
+    ``InvalidRequestError`` naming the chat field at fault."""
     try:
         with host.refusing_a_dead_engine():
-            adapter = request_adapter(raw)
-            streams = submit_prompts(
-                model.engine, request_id, [prompt], params, priority, adapter, images
-            )
+            streams = submit_prompts(model.engine, [request])
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the chat request's prompt is its messages
             exc.param = "messages"
         raise
-    run = EngineRun(model.engine, raw, streams, params.n)
-    return ChatGeneration(run, request_id, plan, host.launch.reasoning_parser, len(prompt))
+    run = EngineRun(model.engine, raw, streams, request.params.n)
+    parser = host.launch.reasoning_parser
+    return ChatGeneration(run, request.request_id, plan, parser, len(request.prompt_token_ids))

@@ -4,7 +4,8 @@
 talks to the core through an :class:`~slotserve.engine.client.base.EngineCoreClient`, chosen
 by :func:`make_client`: :class:`~slotserve.engine.client.inproc_client.InprocClient` runs the
 core on a thread of this process, :class:`~slotserve.engine.client.mp_client.MPClient` in a
-process of its own (``core_proc`` is that process's loop, ``wire`` their messages).
+process of its own (``core_proc`` is that process's loop, ``engine_process`` its start and end,
+``wire`` their messages: a request travels as the engine's own ``EngineCoreRequest``).
 """
 
 from __future__ import annotations

@@ -17,18 +17,19 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import msgspec
 
 from slotserve.engine.client.base import Deliver, EngineCoreClient
 from slotserve.engine.client.inproc_client import InprocClient
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError
-from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
-from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +112,7 @@ class AsyncEngine:
         output saying ``reason`` (their streams close), so no caller waits forever."""
         await self.client.shutdown(reason)
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        adapter: int = 0,
-        images: Sequence[ImageInput] = (),
-    ) -> RequestStream:
+    def submit(self, request: EngineCoreRequest) -> RequestStream:
         """Validates and queues a request; returns the stream of its outputs.
 
         Raises ``InvalidRequestError``, ``QueueFullError`` or ``EngineDeadError`` at once. An
@@ -130,22 +123,20 @@ class AsyncEngine:
         unhealthy = self.unhealthy
         if unhealthy is not None:
             raise EngineDeadError(unhealthy)
+        request_id = request.request_id
         while request_id in self._busy:
             request_id = f"{request_id.split('~')[0]}~{uuid.uuid4().hex[:8]}"
-        request = self.client.make_request(
-            request_id, prompt_token_ids, params, priority, adapter, images
-        )
+        if request_id != request.request_id:
+            request = msgspec.structs.replace(request, request_id=request_id)
         self.client.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         self._busy.add(request_id)
         return RequestStream(self, request_id, queue)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submits a request and yields its outputs until it finishes (aborts if left early)."""
-        with self.submit(request_id, prompt_token_ids, params) as stream:
+        with self.submit(request) as stream:
             async for output in stream:
                 yield output
 

@@ -1,6 +1,7 @@
 """What the serving side calls, wherever the engine core runs (:class:`EngineCoreClient`), and
-what both clients share (:class:`ClientState`): the published snapshot, the answer a caller
-awaits from another thread, and the two refusals (queue full, engine not serving).
+what both clients share (:class:`ClientState`): the published snapshot, a request's validation
+on the caller's thread, the answer a caller awaits from another thread, and the two refusals
+(queue full, engine not serving).
 
 The 429 decision reads what the core published with what is still in transit to it, under the
 client's lock: ``waiting = not yet counted by the core + published waiting``; one step stale at
@@ -12,17 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.limits import validate_request
 from slotserve.engine.core.stats import EngineStats
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError, QueueFullError
-from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, RequestOutput
-from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, Tokenizer
-from slotserve.engine.sampling_params import SamplingParams
 
 Deliver = Callable[[list[RequestOutput]], None]  # called on the engine (or receiving) thread
 # Answers one awaiting caller from any thread: a result, or the exception to raise.
@@ -81,6 +81,11 @@ class ClientState:
         """Why the engine stopped serving (runner failure, crash); None while healthy."""
         return self._published.unhealthy or self._dead
 
+    def _validate(self, request: EngineCoreRequest) -> None:
+        """On the caller's thread, so that a request the model cannot serve is the caller's
+        400 before anything is queued (``InvalidRequestError``)."""
+        validate_request(self, self.config, request)
+
     def _refuse_unless_serving(self) -> None:
         """Under the lock: new work (a request, a cache flush) is refused once the engine
         failed or is stopping."""
@@ -117,20 +122,9 @@ class EngineCoreClient(Protocol):
     @property
     def forward_seconds(self) -> float: ...
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        adapter: int = 0,
-        images: Sequence[ImageInput] = (),
-    ) -> Request:
-        """Validates a request against the model (``InvalidRequestError``)."""
-        ...
-
-    def add_request(self, request: Request) -> None:
-        """Queues a request: ``QueueFullError`` (429) or ``EngineDeadError`` at once."""
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validates a request against the model (``InvalidRequestError``) and queues it
+        (``QueueFullError``, 429, or ``EngineDeadError``), all at once."""
         ...
 
     def abort(self, request_id: str) -> None: ...

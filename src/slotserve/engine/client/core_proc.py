@@ -17,9 +17,9 @@ from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client import wire
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import FailureKind, RequestOutput
-from slotserve.engine.request import Request, add_sequences
 from slotserve.engine.runner_interface import RunnerSpec
 
 logger = logging.getLogger(__name__)
@@ -113,26 +113,16 @@ def _serve(
             _publish(core, outbox, [], received)
 
 
-def _add(core: EngineCore, message: wire.AddRequest) -> RequestOutput | None:
+def _add(core: EngineCore, request: EngineCoreRequest) -> RequestOutput | None:
     """Adds a request the API process validated; one the core refuses gets an error output
     instead of ending the loop."""
     try:
-        request = Request(
-            message.request_id,
-            message.prompt_token_ids,
-            message.params,
-            arrival_time=message.arrival_time,
-            deadline=message.deadline,
-            priority=message.priority,
-            adapter=message.adapter,
-            images=tuple(message.images),
-        )
-        core.add_request(add_sequences(request, core.model_info, core.runner.tokenizer))
+        core.add_request(request)
         return None
     except Exception as exc:
-        logger.exception("request %s refused by the engine core", message.request_id)
+        logger.exception("request %s refused by the engine core", request.request_id)
         kind = FailureKind.MODEL_UNHEALTHY if core.unhealthy else FailureKind.REQUEST_FAILED
-        return RequestOutput(message.request_id, finished=True, error=str(exc), failure=kind)
+        return RequestOutput(request.request_id, finished=True, error=str(exc), failure=kind)
 
 
 def _call_adapter(core: EngineCore, call: wire.AdapterCall) -> wire.AdapterAnswer:

@@ -12,17 +12,15 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
-from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
-from slotserve.engine.request import Request
 from slotserve.engine.runner_interface import AdapterInfo
-from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ class InprocClient(ClientState):
         )
         self.core = core
         self._work_ready = threading.Condition(self._lock)
-        self._inbox: list[Request] = []
+        self._inbox: list[EngineCoreRequest] = []
         self._aborts: list[str] = []
         self._flushes: list[Settle] = []  # flush_prefix_cache calls waiting for the thread
         self._flushed: list[tuple[Settle, int]] = []  # done; answered once published
@@ -84,22 +82,11 @@ class InprocClient(ClientState):
     def forward_seconds(self) -> float:
         return float(self.core.runner.forward_seconds)
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        adapter: int = 0,
-        images: Sequence[ImageInput] = (),
-    ) -> Request:
-        return self.core.make_request(
-            request_id, prompt_token_ids, params, priority, adapter, images
-        )
-
-    def add_request(self, request: Request) -> None:
-        """Queues a request; raises ``QueueFullError`` at once when the queue is full and
-        ``EngineDeadError`` when the engine no longer serves."""
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validates a request here and queues it for the engine thread; raises
+        ``InvalidRequestError``, then ``QueueFullError`` when the queue is full and
+        ``EngineDeadError`` when the engine no longer serves, all at once."""
+        self._validate(request)
         with self._lock:
             self._refuse_unless_serving()
             self._refuse_when_full(len(self._inbox) + self._in_transit)

@@ -24,35 +24,25 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Sequence
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable
 
 import zmq
 
 from slotserve.engine.adapters import AdapterNotFoundError
 from slotserve.engine.client import wire
 from slotserve.engine.client.base import ClientState, Deliver, Settle, answer
-from slotserve.engine.client.core_proc import POLL_MS, run_engine_core
+from slotserve.engine.client.core_proc import POLL_MS
+from slotserve.engine.client.engine_process import EngineProcess
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.limits import validate_request
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
-from slotserve.engine.images import ImageInput
 from slotserve.engine.outputs import STOPPED_REASON, FailureKind, RequestOutput
-from slotserve.engine.request import Request, new_request
 from slotserve.engine.runner_interface import AdapterInfo, RunnerFrontend, RunnerSpec
-from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a stopping engine closes its runner; then it is killed
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process failed to start (its load error, or how it died)."""
 
 
 class MPClient(ClientState):
@@ -60,9 +50,7 @@ class MPClient(ClientState):
 
     def __init__(
         self,
-        process: BaseProcess,
-        sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
-        workdir: str,
+        engine: EngineProcess,
         ready: wire.Ready,
         frontend: RunnerFrontend,
         config: EngineConfig,
@@ -70,11 +58,11 @@ class MPClient(ClientState):
     ) -> None:
         super().__init__(config, ready.model_info, frontend.tokenizer, ready.stats, deliver)
         self._frontend = frontend
-        self._process = process
-        self._to_engine, self._from_engine = sockets
-        self._workdir = workdir
+        self._engine = engine
+        self._process = engine.process
+        self._to_engine, self._from_engine = engine.to_engine, engine.from_engine
         self._forward_seconds = 0.0
-        self._sent = 0  # AddRequest messages sent; the engine says how many it has taken
+        self._sent = 0  # requests sent; the engine says how many it has taken
         self._received = 0
         self._live: set[str] = set()
         self._awaiting: dict[int, Settle] = {}  # flushes and adapter calls, by id
@@ -92,37 +80,10 @@ class MPClient(ClientState):
         setup: Callable[[], None] | None = None,
     ) -> MPClient:
         """Starts the engine process (which loads the model) and the API side's tokenizer
-        beside it; returns when both are ready, or raises why the engine could not start.
-        ``setup`` runs first in the new process (logging)."""
-        workdir = tempfile.mkdtemp(prefix="slotserve-engine-")
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        to_engine = context.socket(zmq.PUSH)
-        from_engine = context.socket(zmq.PULL)
-        addresses = (f"ipc://{workdir}/in", f"ipc://{workdir}/out")
-        for sock, address in zip((to_engine, from_engine), addresses, strict=True):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(address)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(spec, config, addresses, os.getpid(), setup),
-            name="slotserve-engine-core",
-            daemon=True,
-        )
-        frontend_task = asyncio.create_task(asyncio.to_thread(spec.frontend))
-        try:
-            process.start()
-            ready = await asyncio.to_thread(_await_ready, from_engine, process)
-            frontend = await frontend_task
-        except BaseException:
-            frontend_task.add_done_callback(_close_frontend)
-            _kill(process)
-            to_engine.close()
-            from_engine.close()
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        logger.info("engine process %d ready", process.pid)
-        sockets = (to_engine, from_engine)
-        return cls(process, sockets, workdir, ready, frontend, config, deliver)
+        beside it; returns when both are ready, or raises why the engine could not start
+        (``EngineProcessError``). ``setup`` runs first in the new process (logging)."""
+        engine, ready, frontend = await EngineProcess.start(spec, config, setup)
+        return cls(engine, ready, frontend, config, deliver)
 
     # ---- the serving side (event loop) -----------------------------------------------------
 
@@ -134,37 +95,15 @@ class MPClient(ClientState):
     def pid(self) -> int | None:
         return self._process.pid
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        adapter: int = 0,
-        images: Sequence[ImageInput] = (),
-    ) -> Request:
-        """Validates here; the engine process builds the sequences (and detokenizers)."""
-        validate_request(self, self.config, prompt_token_ids, params, priority, adapter, images)
-        return new_request(
-            self.config, request_id, prompt_token_ids, params, priority, adapter, images
-        )
-
-    def add_request(self, request: Request) -> None:
-        message = wire.AddRequest(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            request.arrival_time,
-            request.deadline,
-            request.priority,
-            request.adapter,
-            list(request.images),
-        )
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validates here and sends the request whole; the engine process builds its
+        sequences (and detokenizers)."""
+        self._validate(request)
         try:
             with self._lock:
                 self._refuse_unless_serving()
                 self._refuse_when_full(self._sent - self._received)
-                self._send_or_refuse(message)
+                self._send_or_refuse(request)
                 self._sent += 1
                 self._live.add(request.request_id)
         except EngineDeadError as refused:
@@ -240,13 +179,11 @@ class MPClient(ClientState):
         self.stop(reason)
         await asyncio.to_thread(self._receiver.join, STOP_TIMEOUT_S)
         await asyncio.to_thread(self._process.join, 5.0)
-        _kill(self._process)
+        self._engine.kill()
         await asyncio.to_thread(self._receiver.join)
         self._fail_live(reason, FailureKind.ENGINE_STOPPED)
-        self._to_engine.close()
-        self._from_engine.close()
+        self._engine.close()
         self._frontend.close()
-        shutil.rmtree(self._workdir, ignore_errors=True)
 
     # ---- the receiving thread --------------------------------------------------------------
 
@@ -331,26 +268,3 @@ class MPClient(ClientState):
             outputs = [RequestOutput(i, finished=True, error=message, failure=kind) for i in live]
             with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
                 self._deliver(outputs)
-
-
-def _await_ready(sock: zmq.Socket[bytes], process: BaseProcess) -> wire.Ready:
-    while not sock.poll(POLL_MS):
-        if not process.is_alive():
-            raise EngineProcessError(f"the engine process exited ({process.exitcode}) loading")
-    message = wire.decode_from_engine(sock.recv())
-    if isinstance(message, wire.LoadFailed):
-        raise EngineProcessError(message.error)
-    assert isinstance(message, wire.Ready), message
-    return message
-
-
-def _close_frontend(task: asyncio.Task[RunnerFrontend]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        task.result().close()
-
-
-def _kill(process: BaseProcess) -> None:
-    if process.is_alive():
-        process.kill()
-    if process.pid is not None:
-        process.join(5.0)

@@ -2,10 +2,11 @@
 (``core_proc.py``).
 
 Each message is a tagged ``msgspec`` struct, sent as one MessagePack frame over a ZMQ PUSH/PULL
-pair. The engine's own plain dataclasses (``SamplingParams``, ``RequestOutput``,
-``EngineStats``, ``ModelInfo``) ride inside them as they are: msgspec encodes dataclasses,
-enums, tuples and frozensets natively and rebuilds them typed on decode, so nothing is pickled
-on the hot path and no mirror types have to be kept in step with the engine's.
+pair; a request is the engine's own :class:`EngineCoreRequest`, sent whole. The engine's plain
+dataclasses (``SamplingParams``, ``RequestOutput``, ``EngineStats``, ``ModelInfo``) ride inside
+them as they are: msgspec encodes dataclasses, enums, tuples and frozensets natively and
+rebuilds them typed on decode, so nothing is pickled on the hot path and no mirror types have
+to be kept in step with the engine's.
 """
 
 from __future__ import annotations
@@ -15,25 +16,11 @@ from typing import cast
 import msgspec
 
 from slotserve.engine.core.stats import EngineStats
-from slotserve.engine.images import ImageInput
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo
-from slotserve.engine.sampling_params import SamplingParams
 
 # ---- API process → engine process ---------------------------------------------------------
-
-
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    """A request the API process validated; the engine process builds its sequences."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float  # time.monotonic(): one clock for every process on the machine
-    deadline: float | None
-    priority: int = 0
-    adapter: int = 0
-    images: list[ImageInput] = []
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -63,7 +50,7 @@ class AdapterCall(msgspec.Struct, tag=True, array_like=True):
     path: str | None
 
 
-ToEngine = AddRequest | Abort | Stop | FlushPrefixCache | AdapterCall
+ToEngine = EngineCoreRequest | Abort | Stop | FlushPrefixCache | AdapterCall
 
 # ---- engine process → API process ---------------------------------------------------------
 
@@ -82,8 +69,9 @@ class LoadFailed(msgspec.Struct, tag=True, array_like=True):
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     """One step's outputs and the state the core published after it.
 
-    ``received`` counts the :class:`AddRequest` messages the core had taken when ``stats`` was
-    built: requests sent but not yet received are still queued for the 429 decision.
+    ``received`` counts the requests (:class:`EngineCoreRequest`) the core had taken when
+    ``stats`` was built: requests sent but not yet received are still queued for the 429
+    decision.
     """
 
     outputs: list[RequestOutput]

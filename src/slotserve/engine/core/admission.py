@@ -1,17 +1,37 @@
-"""Which waiting requests the scheduler admits first (``scheduler.py``'s invariants 4 and 7):
-the ``lpm`` schedule policy's order, the longest reusable cached prefix first; the
-``priority`` policy's, the request's priority first; and the wait of a request for a prefill
-in flight that will leave it a longer prefix to share."""
+"""Which waiting requests go into free slots, and in which order: invariants 4 and 7 of the
+scheduler (``scheduler.py`` lists them all).
+
+4. A request with ``n`` sequences is admitted only when ``n`` slots are free, in the order of
+   the schedule policy, never overtaken while it does not fit (so a large request cannot
+   starve): ``fcfs``, arrival order; ``lpm`` (SGLang's longest prefix match), the longest
+   reusable cached prefix first, arrival order among equals, except that a request overtaken
+   by ``num_slots`` later ones goes first. With more than ``LPM_MAX_WAITING`` waiting, lpm
+   keeps arrival order (matching every waiting prompt would cost more than it saves);
+   ``priority`` (vLLM's), the request's priority first (lower values first), arrival order
+   among equals; a request waits at most until its ``--request-timeout`` ends it.
+7. A sequence starts at the longest reusable cached prefix of its prompt
+   (``num_computed_tokens`` = cached tokens, at most the prompt length minus one). A waiting
+   request whose prompt shares at least ``prefix_wait_min_tokens`` tokens with a prompt still
+   prefilling is passed over until that prefill has computed the shared part (a short common
+   preamble, such as a chat template's, is not worth a wait); requests behind it may go
+   first. The wait is bounded by that prefill, which runs every step (invariant 2), so a
+   burst of requests with one new long system prompt computes it once, not once per request.
+
+Preempted sequences resume before any new request is admitted (invariant 9,
+``preemption.py``).
+"""
 
 from __future__ import annotations
 
 from collections import deque
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.core.slots import Slot
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.prefix_use import PrefixUse
+from slotserve.engine.core.slots import Slot, SlotPool, SlotState
 from slotserve.engine.prefix_cache.base import PrefixCache
-from slotserve.engine.prefix_cache.radix_tree import common_prefix_length
-from slotserve.engine.request import Request
+from slotserve.engine.prefix_cache.tree_node import common_prefix_length
+from slotserve.engine.request import Request, Sequence
 
 LPM_MAX_WAITING = 128  # SGLang's bound
 
@@ -48,17 +68,12 @@ def admission_order(
     if schedule_policy == "lpm":
         return order_by_cached_prefix(waiting, cache, policy, num_slots)
     if schedule_policy == "priority":
-        return deque(sorted(waiting, key=lambda r: (r.priority, r.arrival_time)))
+        return deque(sorted(waiting, key=_priority_then_arrival))
     return None
 
 
-def preemption_rank(slot: Slot, by_priority: bool) -> tuple[int, int]:
-    """Invariant 9's order: preempted slots resume lowest rank first, and the victim of a
-    short pool is the highest rank: by admission, or under the priority policy by the
-    request's priority first (a larger value is a lower priority), then admission."""
-    sequence = slot.sequence
-    assert sequence is not None, f"slot {slot.index} holds no sequence"
-    return (sequence.request.priority if by_priority else 0, slot.admission)
+def _priority_then_arrival(request: Request) -> tuple[int, float]:
+    return request.submitted.priority, request.submitted.arrival_time
 
 
 def waits_for_prefill_in_flight(
@@ -73,9 +88,10 @@ def waits_for_prefill_in_flight(
     (oldest admission first) to compute what it shares with it, at least ``min_tokens``;
     never when it could take no cached prefix (prompt log-probabilities, an embedding
     pooled over every position)."""
-    if not cache.enabled or not prefilling or request.params.prompt_logprobs:
+    params = request.submitted.params
+    if not cache.enabled or not prefilling or params.prompt_logprobs:
         return False
-    if request.params.embed and not embed_reuses_prefix:
+    if params.embed and not embed_reuses_prefix:
         return False
     prompt = request.cache_keys()
     cached = policy.reusable_length(cache.match(prompt).length, len(prompt))
@@ -91,3 +107,62 @@ def waits_for_prefill_in_flight(
             cache.keep_state_at(slot.index, shared, seq.num_computed_tokens)
             return True
     return False
+
+
+class Admission:
+    """Places waiting requests into free slots (engine thread only)."""
+
+    def __init__(self, config: EngineConfig, slots: SlotPool, prefix: PrefixUse) -> None:
+        self.config, self.slots, self.prefix = config, slots, prefix
+
+    def admit(self, waiting: deque[Request]) -> tuple[list[Sequence], deque[Request]]:
+        """Moves waiting requests into free slots (invariants 4 and 7); returns the placed
+        sequences and the requests still waiting.
+
+        With the prefix cache, each placed sequence's slot already holds its cached prefix
+        (``num_computed_tokens`` and ``num_cached_tokens`` say how long it is).
+        """
+        config, prefix = self.config, self.prefix
+        ordered = admission_order(  # invariant 4; None: arrival order
+            config.schedule_policy, waiting, prefix.cache, prefix.policy, config.num_slots
+        )
+        lpm = ordered is not None and config.schedule_policy == "lpm"
+        waiting = waiting if ordered is None else ordered
+        placed: list[Sequence] = []
+        passed_over: list[Request] = []
+        admitted: list[Request] = []
+        while waiting and len(waiting[0].sequences) <= self.slots.num_free:
+            request = waiting.popleft()
+            if self._waits_for_prefill_in_flight(request):
+                passed_over.append(request)
+                continue
+            for sequence in request.sequences:
+                self._place(sequence)
+                placed.append(sequence)
+            admitted.append(request)
+        waiting.extendleft(reversed(passed_over))
+        if lpm:
+            for request in waiting:
+                arrived = request.submitted.arrival_time
+                request.overtaken += sum(a.submitted.arrival_time > arrived for a in admitted)
+            waiting = deque(sorted(waiting, key=lambda r: r.submitted.arrival_time))
+        return placed, waiting
+
+    def _place(self, sequence: Sequence) -> Slot:
+        cache = self.prefix.cache
+        # Match, choose and attach one sequence at a time: attaching can drop cached content
+        # of the chosen slot that an earlier match would have pointed at.
+        match = cache.match(self.prefix.reusable(sequence))
+        free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
+        slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
+        cached = cache.attach(slot.index, sequence.cache_keys(), match)
+        sequence.num_computed_tokens = sequence.num_cached_tokens = cached
+        return slot
+
+    def _waits_for_prefill_in_flight(self, request: Request) -> bool:
+        """Invariant 7."""
+        prefix = self.prefix
+        return waits_for_prefill_in_flight(
+            request, self.slots.by_admission(SlotState.PREFILLING), prefix.cache, prefix.policy,
+            self.config.prefix_wait_min_tokens, prefix.embed_reuses_prefix,
+        )  # fmt: skip

@@ -1,6 +1,12 @@
-"""The engine core: ``schedule → runner.execute → update_from_output``. Its owner (an engine
-client, ``engine/client/``) calls :meth:`EngineCore.add_request`, :meth:`~.abort`, :meth:`~.step`
-and :meth:`~.snapshot` from one thread; the core has no lock, condition or thread.
+"""The engine core: each step is ``schedule → runner.execute → update_from_output``. Its owner
+(an engine client, ``engine/client/``) calls :meth:`EngineCore.add_request`, :meth:`~.abort`,
+:meth:`~.step` and :meth:`~.snapshot` from one thread; the core has no lock, condition or
+thread.
+
+Before the batch is scheduled, a step runs its named stages: requests past their deadline end,
+finished slots are released, waiting requests are admitted and their sequences started in the
+runner, and queued image encodes run. The scheduler (``scheduler.py``) builds the batch, the
+runner computes it, and ``update.py`` applies what came back.
 
 A failure of ``runner.execute`` (an exception, or ``RunnerFailure`` for non-finite logits)
 poisons the engine: every request still in it ends with an error of kind
@@ -12,34 +18,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 
 from slotserve.engine.adapters import adapter_ids, load_adapter, unload_adapter
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.encoder_work import EncoderWork
 from slotserve.engine.core.limits import validate_request
-from slotserve.engine.core.output_processor import (
-    Outputs,
-    append_token,
-    log_admitted,
-    log_end,
-    output_for,
-    stamped,
-    take_delta,
-    warn_slow_step,
-)
+from slotserve.engine.core.live_requests import LiveRequests
+from slotserve.engine.core.output_processor import Outputs, stamped
 from slotserve.engine.core.scheduler import Scheduler
+from slotserve.engine.core.sequence_start import SequenceStarter
 from slotserve.engine.core.slots import SlotState
 from slotserve.engine.core.stats import EngineCounters, EngineStats
+from slotserve.engine.core.step_timing import StepTimer, prompt_tokens_in
+from slotserve.engine.core.update import ExecutedBatch, update_from_output
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.decoding.speculative import build_speculator
 from slotserve.engine.decoding.structured_output import GrammarMasks
 from slotserve.engine.errors import EngineDeadError, InvalidRequestError
-from slotserve.engine.images import ImageInput, ImageRunner, encoder_seconds
-from slotserve.engine.outputs import FailureKind, FinishReason, RequestOutput, SampledToken
+from slotserve.engine.images import ImageRunner
+from slotserve.engine.outputs import FailureKind, RequestOutput
 from slotserve.engine.prefix_cache import build_prefix_cache
-from slotserve.engine.request import Request, Sequence, add_sequences, new_request
+from slotserve.engine.request import Request, new_request
 from slotserve.engine.runner_interface import AdapterInfo, Runner, ScheduledChunk
-from slotserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ class EngineCore:
         self.prefix_cache = build_prefix_cache(runner, config)
         self.speculator = build_speculator(config.speculative, info)
         self.grammars = GrammarMasks(runner.tokenizer, info)
-        runner_images = runner.image_inputs if isinstance(runner, ImageRunner) else None
-        self.image_inputs = runner_images if info.accepts_images else None
-        self._last_step_seconds = 0.0
+        images = runner.image_inputs if isinstance(runner, ImageRunner) else None
+        self.encoder: EncoderWork | None = None
+        if images is not None and info.accepts_images:
+            self.encoder = EncoderWork(images, config.encoder_share)
         self.scheduler = Scheduler(
             config,
             runner,
@@ -76,236 +78,120 @@ class EngineCore:
             whole_prompts=info.bidirectional,
             embed_reuses_prefix=info.pooling == "last",
             context_cost=info.context_cost,
-            images=self.image_inputs,
+            images=self.encoder,
         )
         self.counters = EngineCounters()
+        self.timer = StepTimer(self.counters, config.slow_step_warn_s)
         self.unhealthy: str | None = None  # why the engine was poisoned
-        self._live: dict[str, Request] = {}
-        self._pending: Outputs = {}  # outputs of aborts, delivered by the next step
-
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        adapter: int = 0,
-        images: SequenceOf[ImageInput] = (),
-    ) -> Request:
-        """Validates a request against the model's limits; raises ``InvalidRequestError``.
-        Safe from any thread (reads only what is fixed at load time)."""
-        validate_request(
-            self.runner, self.config, prompt_token_ids, params, priority, adapter, images
+        self.requests = LiveRequests(self.scheduler, self.counters, config.request_timeout_s)
+        self.starter = SequenceStarter(
+            runner, self.grammars, self.encoder, self.requests, config.slow_queue_warn_s
         )
-        request = new_request(
-            self.config, request_id, prompt_token_ids, params, priority, adapter, images
-        )
-        return add_sequences(request, self.runner.model_info, self.runner.tokenizer)
 
-    def add_request(self, request: Request) -> None:
-        """Queues a request for admission; ``EngineDeadError`` once the engine is poisoned."""
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def validate(self, request: EngineCoreRequest) -> None:
+        """Raises ``InvalidRequestError`` when the model cannot serve ``request``; any thread
+        (reads only what is fixed at load time). The clients validate on the caller's side,
+        so :meth:`add_request` trusts what it gets."""
+        validate_request(self.runner, self.config, request)
+
+    def add_request(self, submitted: EngineCoreRequest) -> Request:
+        """Queues a validated request for admission and returns the core's state of it;
+        ``EngineDeadError`` once the engine is poisoned."""
         if self.unhealthy is not None:
             raise EngineDeadError(self.unhealthy)
-        if request.request_id in self._live:
-            raise ValueError(f"request id {request.request_id} is already in the engine")
-        if request.adapter and request.adapter not in adapter_ids(self.runner):
+        if submitted.request_id in self.requests.by_id:
+            raise ValueError(f"request id {submitted.request_id} is already in the engine")
+        if submitted.adapter and submitted.adapter not in adapter_ids(self.runner):
             raise InvalidRequestError(
                 "the request's LoRA adapter is not loaded (any more)", param="model"
             )
-        self._live[request.request_id] = request
-        self.scheduler.waiting.append(request)
-        self.counters.requests_submitted += 1
+        timeout_s = self.config.request_timeout_s
+        request = new_request(submitted, timeout_s, self.model_info, self.runner.tokenizer)
+        self.requests.add(request)
+        return request
 
     def abort(self, request_id: str) -> None:
         """Ends a request (its final output comes with the next step); unknown ids are ignored
         (the request may have finished meanwhile)."""
-        request = self._live.get(request_id)
-        if request is not None:
-            self.counters.requests_aborted += 1
-            self._end_request(request, "abort", self._pending)
+        self.requests.abort(request_id)
 
     @property
     def live_request_ids(self) -> list[str]:
-        return list(self._live)
+        return list(self.requests.by_id)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work
+        return self.requests.has_pending or self.scheduler.has_work
+
+    def fail_all(self, message: str, kind: FailureKind) -> list[RequestOutput]:
+        """Ends every live request with an error (the engine is stopped or its loop broke)."""
+        outputs = self.requests.take_pending()
+        self._fail_live(message, kind, outputs)
+        return stamped(outputs)
+
+    def _fail_live(self, message: str, kind: FailureKind, outputs: Outputs) -> None:
+        self.requests.fail_all(message, kind, outputs)
+        self._release_drained(quietly=True)
+
+    # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step and returns what each touched request produced."""
-        outputs, self._pending = self._pending, {}
+        """Runs one engine step, the stages that prepare it and then schedule → execute →
+        update; returns what each touched request produced."""
+        outputs = self.requests.take_pending()
         if self.unhealthy is not None:
             self._fail_live(self.unhealthy, FailureKind.MODEL_UNHEALTHY, outputs)
             return stamped(outputs)
-        started = time.perf_counter()
-        self._expire_deadlines(outputs)
+        self.timer.start()
+        self._prepare(outputs)
+        self.timer.own_work_starts()  # image encodes are measured apart
+        chunks = self._schedule()
+        batch = self._execute(chunks, outputs) if chunks else None
+        if batch is not None:
+            self._update_from_output(batch, outputs)
+            self.timer.step_done(self.scheduler.slots.slots, chunks)
+        return stamped(outputs)
+
+    def _prepare(self, outputs: Outputs) -> None:
+        """The stages before a batch is scheduled: deadlines, finished slots, admission (the
+        new sequences started in the runner), and image encodes between steps."""
+        self.requests.expire(outputs)
         self._release_drained()
-        self._admit(outputs)
-        if self.image_inputs is not None:  # between steps, within the share streams allow
+        self.starter.start(self.scheduler.admit(), outputs)
+        if self.encoder is not None:  # within the share the decoding streams allow
             decoding = bool(self.scheduler.slots.in_state(SlotState.GENERATING))
-            self.image_inputs.encode_images(
-                encoder_seconds(self.config.encoder_share, decoding, self._last_step_seconds)
-            )
-        own_start = time.perf_counter()  # the step's own time, encodes left out: their measure
+            self.encoder.run_between_steps(decoding, self.timer.last_step_seconds)
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        """The scheduler's batch, with the grammar masks of constrained sequences."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return stamped(outputs)
-        chunks = self.grammars.attach(chunks, self.scheduler.slots.sequence_in)
-        prompt_tokens = self._prompt_tokens_in(chunks)
-        execute_started = time.perf_counter()
+            return chunks
+        return self.grammars.attach(chunks, self.scheduler.slots.sequence_in)
+
+    def _execute(self, chunks: list[ScheduledChunk], outputs: Outputs) -> ExecutedBatch | None:
+        """The runner's forward pass over ``chunks``, timed, and what it hands over. None when
+        it failed: the engine is poisoned, and every request has its error in ``outputs``."""
+        prompt_tokens = prompt_tokens_in(chunks, self.scheduler.slots)
+        started = time.perf_counter()
         try:
             sampled = self.runner.execute(chunks)
         except Exception as exc:
             logger.exception("runner.execute failed: the model is now unhealthy")
             self.unhealthy = f"runner failure: {type(exc).__name__}: {exc}"
             self._fail_live(self.unhealthy, FailureKind.MODEL_UNHEALTHY, outputs)
-            return stamped(outputs)
-        execute_seconds = time.perf_counter() - execute_started
-        self.counters.execute_seconds += execute_seconds
-        if prompt_tokens:
-            step_tokens = sum(len(chunk.token_ids) for chunk in chunks)
-            self.counters.prompt_computed_tokens += prompt_tokens
-            self.counters.prompt_compute_seconds += execute_seconds * prompt_tokens / step_tokens
-        for slot, scored in self.runner.take_prompt_logprobs().items():
-            if (seq := self.scheduler.slots.slots[slot].sequence) is not None:
-                seq.prompt_logprobs.extend(scored)
+            return None
+        self.timer.executed(chunks, time.perf_counter() - started, prompt_tokens)
+        prompt_logprobs = self.runner.take_prompt_logprobs()
         embeddings = self.runner.take_embeddings() if any(c.embed_last for c in chunks) else {}
-        self._update_from_output(chunks, sampled, embeddings, outputs)
-        self._release_drained()
-        self.counters.steps += 1
-        self._last_step_seconds = time.perf_counter() - own_start
-        elapsed = time.perf_counter() - started
-        self.counters.step_seconds += elapsed
-        if elapsed > self.config.slow_step_warn_s:
-            warn_slow_step(self.scheduler.slots.slots, chunks, elapsed)
-        return stamped(outputs)
+        return ExecutedBatch(chunks, sampled, prompt_logprobs, embeddings)
 
-    def _prompt_tokens_in(self, chunks: SequenceOf[ScheduledChunk]) -> int:
-        """How many of the chunks' tokens are prompt positions (a resumed sequence's
-        recomputed output counts as decode work)."""
-        count = 0
-        for chunk in chunks:
-            if (seq := self.scheduler.slots.sequence_in(chunk.slot)) is not None:
-                end = min(chunk.start_pos + len(chunk.token_ids), seq.num_prompt_tokens)
-                count += max(0, end - chunk.start_pos)
-        return count
-
-    def fail_all(self, message: str, kind: FailureKind) -> list[RequestOutput]:
-        """Ends every live request with an error (the engine is stopped or its loop broke)."""
-        outputs, self._pending = self._pending, {}
-        self._fail_live(message, kind, outputs)
-        return stamped(outputs)
-
-    def _fail_live(self, message: str, kind: FailureKind, outputs: Outputs) -> None:
-        for request in list(self._live.values()):
-            self._end_request(request, "error", outputs, error=message, failure=kind)
-        self._release_drained(quietly=True)
-
-    def _expire_deadlines(self, outputs: Outputs) -> None:
-        if self.config.request_timeout_s is None:
-            return
-        now = time.monotonic()
-        expired = [r for r in self._live.values() if r.deadline is not None and r.deadline < now]
-        for request in expired:
-            self.counters.requests_timed_out += 1
-            self._end_request(request, "abort", outputs, failure=FailureKind.TIMED_OUT)
-
-    def _admit(self, outputs: Outputs) -> None:
-        now = time.monotonic()
-        for seq in self.scheduler.admit():
-            request = seq.request
-            if request.admitted_time is None:
-                request.admitted_time = now
-                log_admitted(request, self.config.slow_queue_warn_s)
-            if seq.finish_reason is not None:
-                continue  # a sibling failed to start
-            assert seq.slot is not None
-            params = request.params
-            seed = None if params.seed is None else params.seed + seq.index
-            try:
-                if params.structured_output is not None and seq.grammar is None:
-                    seq.grammar = self.grammars.matcher(params.structured_output)
-                if request.images:
-                    assert self.image_inputs is not None, "validated: the model reads images"
-                    self.image_inputs.add_images(seq.slot, request.images)
-                self.runner.add_sequence(seq.slot, params, seq.token_ids, seed)
-            except Exception as exc:
-                logger.exception(
-                    "request %s: runner.add_sequence failed",
-                    request.request_id,
-                    extra={"request_id": request.request_id},
-                )
-                failure = FailureKind.REQUEST_FAILED
-                self._end_request(request, "error", outputs, error=str(exc), failure=failure)
-
-    def _update_from_output(
-        self,
-        chunks: SequenceOf[ScheduledChunk],
-        sampled: dict[int, list[SampledToken]],
-        embeddings: dict[int, list[float]],
-        outputs: Outputs,
-    ) -> None:
+    def _update_from_output(self, batch: ExecutedBatch, outputs: Outputs) -> None:
         eog = self.model_info.eog_token_ids
-        for chunk in chunks:
-            seq = self.scheduler.on_chunk_computed(chunk)
-            if chunk.embed_last:  # an embedding ends with its prompt (scheduler invariant 10)
-                output_for(seq.request, outputs).embedding = embeddings[chunk.slot]
-                seq.finish_reason = "stop"
-                self.scheduler.finish(seq)
-                self._emit(seq, outputs)
-                continue
-            if not chunk.sample:
-                continue
-            tokens = sampled[chunk.slot]
-            for token in tokens:  # a verification chunk's accepted drafts, then one more
-                append_token(seq, token, eog)
-                self.counters.generated_tokens += 1
-                if seq.finish_reason is not None:
-                    break  # a stop inside an accepted run: the rest is not output
-            if chunk.num_drafts:
-                self.scheduler.settle_drafts(seq, chunk, len(tokens) - 1)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            self._emit(seq, outputs)
-
-    def _emit(self, seq: Sequence, outputs: Outputs) -> None:
-        request = seq.request
-        out = output_for(request, outputs)
-        out.deltas.append(take_delta(seq))
-        out.num_output_tokens = request.num_output_tokens
-        if request.finished:
-            out.finished = True
-            self._live.pop(request.request_id, None)
-            self.counters.requests_finished += 1
-            log_end(request, "finished")
-
-    def _end_request(
-        self,
-        request: Request,
-        reason: FinishReason,
-        outputs: Outputs,
-        error: str | None = None,
-        failure: FailureKind | None = None,
-    ) -> None:
-        """Finishes every unfinished sequence of ``request`` (abort or error) and emits it,
-        one delta per sequence ended here carrying the finish reason."""
-        self.scheduler.remove_waiting(request)
-        self._live.pop(request.request_id, None)
-        out = output_for(request, outputs)
-        for seq in request.sequences:
-            if seq.finish_reason is not None:
-                continue
-            seq.finish_reason = reason
-            if seq.slot is not None:
-                self.scheduler.finish(seq)
-            out.deltas.append(take_delta(seq))
-        out.finished = True
-        out.error, out.failure = error, failure
-        out.num_output_tokens = request.num_output_tokens
-        if error is not None:
-            self.counters.requests_failed += 1
-        log_end(request, "failed" if error is not None else "aborted", error)
+        update_from_output(batch, self.scheduler, self.requests, eog, outputs)
+        self._release_drained()
 
     def _release_drained(self, quietly: bool = False) -> None:
         """Releases DRAINING slots. ``quietly``: after a runner failure the runner may fail
@@ -319,6 +205,8 @@ class EngineCore:
                         raise
                     logger.warning("could not free slot %d after the runner failed", slot.index)
 
+    # ---- between steps ------------------------------------------------------------------------
+
     def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
         """Between steps, loads the LoRA adapter at ``path`` as ``name`` or, with no path,
         unloads ``name``; the requests using an unloaded adapter end with an error."""
@@ -327,10 +215,7 @@ class EngineCore:
         info = unload_adapter(self.runner, name)
         if info.adapter_id not in adapter_ids(self.runner):
             message = f"the LoRA adapter {name} was unloaded"
-            for request in [r for r in self._live.values() if r.adapter == info.adapter_id]:
-                self._end_request(
-                    request, "error", self._pending, message, FailureKind.REQUEST_FAILED
-                )
+            self.requests.fail_using_adapter(info.adapter_id, message)
         return info
 
     def flush_prefix_cache(self) -> int:

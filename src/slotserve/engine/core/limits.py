@@ -7,12 +7,11 @@ trim a chat history, say) keep working.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.decoding.structured_output import check_structured_output
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.engine.images import ImageInput, check_images
+from slotserve.engine.images import check_images
 from slotserve.engine.runner_interface import ModelInfo, RequestChecker
 from slotserve.engine.sampling_params import SamplingParams
 
@@ -87,30 +86,24 @@ def _check_embedding(info: ModelInfo, config: EngineConfig, num_prompt: int) -> 
 
 
 def validate_request(
-    checker: RequestChecker,
-    config: EngineConfig,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-    priority: int = 0,
-    adapter: int = 0,
-    images: Sequence[ImageInput] = (),
+    checker: RequestChecker, config: EngineConfig, request: EngineCoreRequest
 ) -> None:
     """Raises ``InvalidRequestError`` when the request cannot be served, structured-output
     spec included. Any thread: it only reads what the runner (or the API process's frontend)
     fixed at load time."""
+    priority, params = request.priority, request.params
     if priority != 0 and config.schedule_policy != "priority":
         raise InvalidRequestError(
             f"'priority' is {priority}, but this server schedules {config.schedule_policy}: "
             "start it with --schedule-policy priority to order requests by it.",
             param="priority",
         )
-    if adapter and checker.model_info.lora_unsupported:
+    if request.adapter and checker.model_info.lora_unsupported:
         raise InvalidRequestError(checker.model_info.lora_unsupported, param="model")
     info = checker.model_info
+    prompt = request.prompt_token_ids
     whole = min(config.prefill_chunk, config.max_batch_tokens - config.num_slots)
-    check_images(
-        images, prompt_token_ids, info.accepts_images, whole if info.whole_images else None
-    )
-    check_request(checker.model_info, config, prompt_token_ids, params)
+    check_images(request.images, prompt, info.accepts_images, whole if info.whole_images else None)
+    check_request(checker.model_info, config, prompt, params)
     if params.structured_output is not None:
         check_structured_output(params.structured_output)

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence as SequenceOf
 from collections.abc import Set
 
-from slotserve.engine.core.slots import Slot
 from slotserve.engine.decoding.structured_output import advance_grammar
 from slotserve.engine.outputs import FinishReason, RequestOutput, SampledToken, SequenceDelta
 from slotserve.engine.request import Request, Sequence
-from slotserve.engine.runner_interface import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +24,7 @@ def append_token(seq: Sequence, sampled: SampledToken, eog_token_ids: Set[int]) 
     (structured output), then the length limit. Stop and end-of-generation tokens are counted
     as output tokens but contribute no text.
     """
-    params = seq.request.params
+    params = seq.request.submitted.params
     token_id = sampled.token_id
     seq.token_ids.append(token_id)
     seq.pending_tokens.append(token_id)
@@ -54,11 +51,12 @@ def take_delta(seq: Sequence) -> SequenceDelta:
     """Drains what ``seq`` produced since the last delta; text held back for stop strings stays."""
     final = seq.finish_reason is not None
     text = "" if seq.finish_reason in ("abort", "error") else seq.detokenizer.take_delta(final)
+    wants_logprobs = seq.request.submitted.params.logprobs is not None
     delta = SequenceDelta(
         index=seq.index,
         text=text,
         token_ids=seq.pending_tokens,
-        logprobs=seq.pending_logprobs if seq.request.params.logprobs is not None else None,
+        logprobs=seq.pending_logprobs if wants_logprobs else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
@@ -73,13 +71,13 @@ def output_for(request: Request, outputs: Outputs) -> RequestOutput:
     """The step's output of ``request``, created on first use."""
     out = outputs.get(request.request_id)
     if out is None:
-        admitted = request.admitted_time
+        admitted, arrived = request.admitted_time, request.submitted.arrival_time
         out = outputs[request.request_id] = RequestOutput(
             request.request_id,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            num_prompt_tokens=len(request.submitted.prompt_token_ids),
             num_cached_tokens=request.sequences[0].num_cached_tokens,
-            arrival_time=request.arrival_time,
-            queue_seconds=None if admitted is None else admitted - request.arrival_time,
+            arrival_time=arrived,
+            queue_seconds=None if admitted is None else admitted - arrived,
         )
     return out
 
@@ -93,7 +91,7 @@ def stamped(outputs: Outputs) -> list[RequestOutput]:
 
 
 def log_admitted(request: Request, slow_queue_warn_s: float) -> None:
-    wait = (request.admitted_time or time.monotonic()) - request.arrival_time
+    wait = (request.admitted_time or time.monotonic()) - request.submitted.arrival_time
     log = logger.warning if wait > slow_queue_warn_s else logger.debug
     log(
         "request %s admitted after %.1f ms queued",
@@ -105,32 +103,17 @@ def log_admitted(request: Request, slow_queue_warn_s: float) -> None:
 
 def log_end(request: Request, how: str, error: str | None = None) -> None:
     now = time.monotonic()
-    queued = (request.admitted_time or now) - request.arrival_time
+    arrived = request.submitted.arrival_time
+    queued = (request.admitted_time or now) - arrived
     logger.info(
         "request %s %s: %d prompt (%d cached) + %d output tokens, %.0f ms queued, %.0f ms in all%s",
         request.request_id,
         how,
-        len(request.prompt_token_ids),
+        len(request.submitted.prompt_token_ids),
         request.sequences[0].num_cached_tokens if request.sequences else 0,
         request.num_output_tokens,
         queued * 1000,
-        (now - request.arrival_time) * 1000,
+        (now - arrived) * 1000,
         f" ({error})" if error else "",
         extra={"request_id": request.request_id},
-    )
-
-
-def warn_slow_step(
-    slots: SequenceOf[Slot], chunks: SequenceOf[ScheduledChunk], elapsed: float
-) -> None:
-    request_ids = ",".join(
-        sorted({s.request.request_id for c in chunks if (s := slots[c.slot].sequence)})
-    )
-    logger.warning(
-        "slow step: %.2f s for %d chunks, %d tokens (requests %s)",
-        elapsed,
-        len(chunks),
-        sum(len(c.token_ids) for c in chunks),
-        request_ids,
-        extra={"request_id": request_ids},
     )

@@ -65,6 +65,11 @@ class Slot:
     # When the sequence was placed (a pool-wide counter): the youngest is preempted first.
     admission: int = 0
 
+    def held_sequence(self) -> Sequence:
+        """The sequence a placed slot holds (asserted: a free slot holds none)."""
+        assert self.sequence is not None, f"slot {self.index} holds no sequence"
+        return self.sequence
+
     def move_to(self, state: SlotState) -> None:
         if state not in _ALLOWED[self.state]:
             raise RuntimeError(f"slot {self.index}: illegal move {self.state} -> {state}")
@@ -88,6 +93,14 @@ class SlotPool:
 
     def in_state(self, state: SlotState) -> list[Slot]:
         return [s for s in self.slots if s.state is state]
+
+    def by_admission(self, state: SlotState) -> list[Slot]:
+        """Slots in ``state``, oldest admission first (prefill order)."""
+        return sorted(self.in_state(state), key=lambda slot: slot.admission)
+
+    def running(self) -> list[Slot]:
+        """Slots whose sequence is prefilling or generating."""
+        return [s for s in self.slots if s.state in (SlotState.PREFILLING, SlotState.GENERATING)]
 
     def acquire(self, sequence: Sequence, index: int | None = None) -> Slot:
         """Places ``sequence`` in free slot ``index``, or in the lowest free one."""

@@ -1,9 +1,12 @@
 """The prefix cache: its interface and statistics (``base``), the radix tree it keeps
-(``radix_tree``), one implementation per way a runner keeps KV (``slot_cache`` for per-slot
-streams; ``paged_cache`` for a paged pool whose block tables are ``block_table``, with
-recurrent-state snapshots for models that need them (``state_snapshots``)), the saved states
-behind either in host RAM (``host_tier``) and on disk (``disk_tier``), and the one choice
-between them, made once at start-up (:func:`build_prefix_cache`)."""
+(``radix_tree``, its nodes ``tree_node``), one implementation per way a runner keeps KV
+(``slot_cache`` for per-slot streams, recorded in ``slot_streams``; ``paged_cache`` for a
+paged pool whose block tables are ``block_table`` and whose nodes' blocks are ``block_span``,
+with recurrent-state snapshots for models that need them (``state_snapshots``)), the saved
+states behind either (``saved_state``) in host RAM (``host_tier``, its figures
+``tier_figures``) and on disk (``disk_tier``, its directory ``state_directory``, its files
+``state_file``), and the one choice between them, made once at start-up
+(:func:`build_prefix_cache`)."""
 
 from __future__ import annotations
 

@@ -32,9 +32,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.host_tier import HostTier
-from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
+from slotserve.engine.prefix_cache.radix_tree import RadixTree
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
 from slotserve.engine.prefix_cache.stats import PrefixCacheStats
+from slotserve.engine.prefix_cache.tree_node import Match, TreeNode
 from slotserve.engine.runner_interface import Runner
 
 H = TypeVar("H")  # what a tree node holds: the runner's handle to the node's KV

@@ -15,15 +15,14 @@ and every read checks the file against its header and checksum, so a file delete
 damaged at any time costs a miss, never a wrong state or an exception.
 
 Recency is a file's modification time: a write and every read set it, so the order survives a
-restart and is shared between servers; the least recently used files go first.
+restart and is shared between servers; the least recently used files go first. The files'
+names and the scan: ``state_directory.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import secrets
 import time
 from collections import OrderedDict
@@ -32,34 +31,16 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotserve.engine.prefix_cache.state_directory import DiskEntry, StateNames, scan_states
 from slotserve.engine.prefix_cache.state_file import (
     CorruptFile,
     OtherVersion,
     encode,
-    read_header,
     read_payload,
     same_file,
 )
 
 logger = logging.getLogger(__name__)
-
-# A temporary file this old belongs to a writer that died: a live one renames it in seconds.
-_STALE_TEMP_SECONDS = 3600.0
-
-_SUFFIX = ".kvstate"
-_STATE_NAME = re.compile(r"(?P<fp>[0-9a-f]{16})-[0-9a-f]{32}\.kvstate")
-_TEMP_NAME = re.compile(r"\.(?P<fp>[0-9a-f]{16})-[0-9a-f]{32}\.kvstate\.\d+\.[0-9a-f]{8}\.tmp")
-
-
-@dataclass(eq=False)
-class DiskEntry:
-    """One state file in the index; entries are identified by their ``tokens``."""
-
-    tokens: tuple[int, ...]
-    payload_bytes: int  # the state's bytes, as ``read`` returns them
-    file_bytes: int  # what the file takes, header included; the budget counts these
-    path: Path
-    last_used: float  # seconds since the epoch, as ``time.time()``
 
 
 @dataclass
@@ -98,8 +79,7 @@ class DiskTier:
         self.bytes = 0  # the indexed files' sizes
         self.counters = DiskTierCounters()
         self._on_drop = on_drop
-        self._fingerprint_bytes = fingerprint.encode()
-        self._name_prefix = hashlib.blake2b(self._fingerprint_bytes, digest_size=8).hexdigest()
+        self._names = StateNames(fingerprint)
         # Least recently used first.
         self._entries: OrderedDict[tuple[int, ...], DiskEntry] = OrderedDict()
         self._last_stamp_ns = 0
@@ -108,7 +88,11 @@ class DiskTier:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             logger.warning("disk prefix cache: cannot create %s (%s)", self.directory, exc)
-        self._scan()
+        found, bad_files = scan_states(self.directory, self._names)
+        for entry in found:  # least recently used first
+            self._entries[entry.tokens] = entry
+            self.bytes += entry.file_bytes
+        self.counters.bad_files += bad_files
         self._evict_to(self.budget_bytes)
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -182,7 +166,7 @@ class DiskTier:
             self._evict_to(self.budget_bytes - file_bytes + old.file_bytes, keep=key)
         else:
             self._evict_to(self.budget_bytes - file_bytes)
-        name = self._file_name(key)
+        name = self._names.file_name(key)
         path = self.directory / name
         temp = self.directory / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         stamp = self._stamp_ns()
@@ -241,87 +225,17 @@ class DiskTier:
         self.bytes = 0
         with suppress(OSError), os.scandir(self.directory) as listing:
             for item in listing:
-                found = _STATE_NAME.fullmatch(item.name)
-                if found is not None and found["fp"] == self._name_prefix:
+                if self._names.is_state(item.name):
                     paths.add(Path(item.path))
         return sum(self._unlink(path) for path in paths)
 
     # ---- internals ----------------------------------------------------------------------------
-
-    def _file_name(self, tokens: Sequence[int]) -> str:
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(self._fingerprint_bytes)
-        digest.update(b"\0")
-        digest.update(",".join(map(str, tokens)).encode())
-        return f"{self._name_prefix}-{digest.hexdigest()}{_SUFFIX}"
 
     def _stamp_ns(self) -> int:
         """Now, as a modification time; strictly increasing within this process, so that the
         order of states used within one clock tick survives a restart."""
         self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
         return self._last_stamp_ns
-
-    def _scan(self) -> None:
-        """Indexes this fingerprint's valid files, least recently used first."""
-        try:
-            with os.scandir(self.directory) as listing:
-                items = list(listing)
-        except OSError as exc:
-            logger.warning("disk prefix cache: cannot list %s (%s)", self.directory, exc)
-            return
-        found: list[tuple[int, DiskEntry]] = []
-        for item in items:
-            state = _STATE_NAME.fullmatch(item.name)
-            if state is not None:
-                if state["fp"] == self._name_prefix:
-                    loaded = self._load(Path(item.path))
-                    if loaded is not None:
-                        found.append(loaded)
-                continue  # another model's state
-            temp = _TEMP_NAME.fullmatch(item.name)
-            if temp is not None:
-                if temp["fp"] == self._name_prefix:
-                    self._remove_if_stale(Path(item.path))
-                continue  # being written by another server, or another model's
-            self.counters.bad_files += 1
-            logger.warning("disk prefix cache: ignoring %s: not a saved state's file", item.path)
-        for _, entry in sorted(found, key=lambda pair: pair[0]):
-            self._entries[entry.tokens] = entry
-            self.bytes += entry.file_bytes
-
-    def _load(self, path: Path) -> tuple[int, DiskEntry] | None:
-        """The entry for the state file at ``path`` and its modification time in ns, or None
-        (with a warning, and the file deleted when it is damaged)."""
-        try:
-            with open(path, "rb", buffering=0) as f:
-                stat = os.fstat(f.fileno())
-                try:
-                    header = read_header(f, stat.st_size)
-                    tokens = tuple(header.tokens)
-                    if header.fingerprint != self.fingerprint:
-                        raise CorruptFile("another fingerprint under this one's name")
-                    if path.name != self._file_name(tokens):
-                        raise CorruptFile("its tokens do not match its name")
-                except CorruptFile as exc:
-                    if same_file(path, f):
-                        with suppress(OSError):
-                            path.unlink()
-                    self._ignore(path, f"{exc}; deleted")
-                    return None
-        except (OSError, OtherVersion) as exc:
-            self._ignore(path, str(exc))
-            return None
-        entry = DiskEntry(tokens, header.payload_bytes, stat.st_size, path, stat.st_mtime)
-        return stat.st_mtime_ns, entry
-
-    def _remove_if_stale(self, temp: Path) -> None:
-        with suppress(OSError):
-            if time.time() - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
-                temp.unlink()
-
-    def _ignore(self, path: Path, reason: str) -> None:
-        self.counters.bad_files += 1
-        logger.warning("disk prefix cache: ignoring %s: %s", path, reason)
 
     def _drop_unreadable(self, entry: DiskEntry, reason: str) -> None:
         self.counters.bad_files += 1

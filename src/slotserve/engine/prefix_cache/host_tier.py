@@ -10,7 +10,8 @@ the shorter); saving a path another state already covers keeps nothing new.
 The tier serves both ways a runner keeps KV: states saved out of llama.cpp's slots
 (``slot_cache.py``) and the positions of cached prefixes leaving the PyTorch runner's paged pool
 (``paged_cache.py``). A prompt that a state covers further than the cache's own tree gets a
-:class:`TieredMatch`, and the cache restores the state instead of computing.
+:class:`~.saved_state.TieredMatch`, and the cache restores the state instead of computing
+(what a saved state is, what matches one, and when one is worth saving: ``saved_state.py``).
 
 States live in host RAM (a budget in bytes, least recently used out first) and, with a
 directory, on disk beneath it (``disk_tier.py``): a state leaving RAM is written there and
@@ -23,76 +24,22 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.disk_tier import DiskEntry, DiskTier
-from slotserve.engine.prefix_cache.radix_tree import Match, RadixTree, TreeNode
-
-# Content about to be lost is saved only when at least this many tokens go, and at least one
-# in this many of the path's (a state is the whole path: a short tail of a long path is cheaper
-# to compute again than to copy).
-MIN_SAVED_TOKENS = 16
-MAX_PATH_PER_LOST_TOKEN = 64
+from slotserve.engine.prefix_cache.disk_tier import DiskTier
+from slotserve.engine.prefix_cache.radix_tree import RadixTree
+from slotserve.engine.prefix_cache.saved_state import HostMatch, HostNode, SavedState, TieredMatch
+from slotserve.engine.prefix_cache.state_directory import DiskEntry
+from slotserve.engine.prefix_cache.tier_figures import HostTierCounters, tier_figures
+from slotserve.engine.prefix_cache.tree_node import Match
 
 R = TypeVar("R")  # what a cache's restore returns on success
 
 
-@dataclass(eq=False)
-class SavedState:
-    """One sequence state: the runner's bytes for the positions of its node's path, in RAM
-    (``data``), in a file (``on_disk``) or both."""
-
-    data: bytearray | None
-    on_disk: DiskEntry | None = None
-
-
-HostNode = TreeNode[SavedState | None]
-
-
-@dataclass(frozen=True)
-class HostMatch:
-    """The longest prefix of a prompt some saved state covers: ``length`` tokens, restorable
-    from the state at ``leaf`` (the smallest one covering them)."""
-
-    leaf: HostNode
-    length: int
-
-
-@dataclass(frozen=True)
-class TieredMatch(Match[Any]):
-    """A match that a saved state covers further than the cache's tree does: ``length``
-    tokens from ``saved``, of which ``in_tree`` (ending at ``node``) are in the tree."""
-
-    in_tree: int = 0
-    saved: HostMatch | None = None
-
-
-def worth_saving(lost_tokens: int, path_tokens: int) -> bool:
-    """Whether a path of ``path_tokens`` whose last ``lost_tokens`` would otherwise be gone is
-    worth saving as a whole."""
-    return lost_tokens >= max(MIN_SAVED_TOKENS, path_tokens // MAX_PATH_PER_LOST_TOKEN)
-
-
 def _state_ends_below(value: SavedState | None, k: int) -> tuple[None, SavedState | None]:
     return None, value
-
-
-@dataclass
-class HostTierCounters:
-    """Totals since start, for the prefix cache's statistics."""
-
-    hits: int = 0  # sequences whose cached prefix was restored from host memory
-    hit_tokens: int = 0
-    disk_hits: int = 0  # ... of which the state was read from disk
-    disk_hit_tokens: int = 0
-    saves: int = 0
-    saved_tokens: int = 0
-    evictions: int = 0
-    restore_seconds: float = 0.0
-    save_seconds: float = 0.0
 
 
 class HostTier:
@@ -221,33 +168,7 @@ class HostTier:
 
     def stat_fields(self) -> dict[str, Any]:
         """This tier's figures, named as :class:`PrefixCacheStats` names them."""
-        c = self.counters
-        fields: dict[str, Any] = {
-            "host_budget_bytes": self.budget_bytes,
-            "host_bytes": self.bytes,
-            "host_states": self.entries,
-            "host_hits": c.hits,
-            "host_hit_tokens": c.hit_tokens,
-            "host_saves": c.saves,
-            "host_saved_tokens": c.saved_tokens,
-            "host_evictions": c.evictions,
-            "host_restore_seconds": c.restore_seconds,
-            "host_save_seconds": c.save_seconds,
-        }
-        disk = self.disk
-        if disk is not None:
-            fields |= {
-                "disk_budget_bytes": disk.budget_bytes,
-                "disk_bytes": disk.bytes,
-                "disk_states": len(disk),
-                "disk_hits": c.disk_hits,
-                "disk_hit_tokens": c.disk_hit_tokens,
-                "disk_writes": disk.counters.writes,
-                "disk_write_seconds": disk.counters.write_seconds,
-                "disk_read_seconds": disk.counters.read_seconds,
-                "disk_bad_files": disk.counters.bad_files,
-            }
-        return fields
+        return tier_figures(self.counters, self.budget_bytes, self.bytes, self.entries, self.disk)
 
     def clear(self) -> int:
         """Drops every saved state, files included; returns the tokens they covered."""

@@ -6,17 +6,9 @@ positions, which the tree *holds* (a reference of its own in the block tables). 
 therefore outlives the sequence that computed it without a copy, and cache capacity follows
 free KV memory, not the number of slots: a free slot holds no KV at all.
 
-Nodes end at any token, not only at block boundaries, so a node's first block may also be its
-parent's last (both hold it)::
-
-    positions   0 ........ 15 | 16 ...... 31 | 32 ... 47
-    node A  [0, 20)   blocks  b4             b9
-    node B  [20, 40)  blocks                 b9'          b2      (B's writer copied b9
-                                                                   before writing at 20)
-
-A match assembles a slot's table from the deepest node covering each block (its copy holds the
-positions before it too: whoever wrote the node's first token had them in that block). The
-slot shares those blocks; the runner copies a shared block before writing into it.
+Nodes end at any token, not only at block boundaries (``block_span.py``: which blocks hold a
+node's positions, and how a match assembles a slot's table from them). The slot shares those
+blocks; the runner copies a shared block before writing into it.
 
 * **Attach**: share the matched path's blocks into the slot (no KV copied), lock its end.
 * **Extend** (after each prefill chunk): insert the computed prompt up to a block boundary, so
@@ -45,26 +37,23 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
-from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
-from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from slotserve.engine.prefix_cache.block_span import (
+    BlockSpan,
+    check_span,
+    node_span,
+    path_blocks,
+    split_span,
+)
+from slotserve.engine.prefix_cache.host_tier import HostTier
+from slotserve.engine.prefix_cache.radix_tree import RadixTree
 from slotserve.engine.prefix_cache.runner_kv import SavablePagedKv, SlotKv
+from slotserve.engine.prefix_cache.saved_state import TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
+from slotserve.engine.prefix_cache.tree_node import TreeNode
 from slotserve.engine.runner_interface import PagedKv
-
-
-@dataclass
-class BlockSpan:
-    """The blocks holding a node's positions ``start ..`` (up to the node's end)."""
-
-    start: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:  # a leaf without blocks holds no KV
-        return bool(self.blocks)
 
 
 class PagedPrefixCache(TreePrefixCache[BlockSpan]):
@@ -126,7 +115,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             # path never claims positions it has not computed.
             node = self.tree.insert(tokens[:length])
         if length:
-            self.paged.share(slot, self._path_blocks(node, length), length)
+            self.paged.share(slot, path_blocks(node, length, self.block_size), length)
         self._attached(slot, node, len(tokens), length, count)
         if book is not None:
             if length:
@@ -158,7 +147,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
 
         def write(data: bytearray) -> TreeNode[BlockSpan] | None:
             if shared:
-                self.paged.share(slot, self._path_blocks(match.node, shared), shared)
+                self.paged.share(slot, path_blocks(match.node, shared, self.block_size), shared)
             # The slot's references keep the shared blocks whatever is evicted to make room.
             while not kv.reserve_kv(slot, length):
                 if self.evict_unused() == 0:
@@ -170,24 +159,6 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             return self._place(slot, tokens[:length])
 
         return host.restore(match.saved, length, write)
-
-    def _path_blocks(self, node: TreeNode[BlockSpan], length: int) -> list[int]:
-        """The blocks holding positions ``0 .. length - 1`` along the path to ``node``."""
-        size = self.block_size
-        blocks = [-1] * -(-length // size)
-        path = []
-        walk: TreeNode[BlockSpan] | None = node
-        while walk is not None and walk.parent is not None:
-            path.append(walk)
-            walk = walk.parent
-        for step in reversed(path):  # deeper nodes overwrite a shared boundary block
-            span = step.value
-            first = span.start // size
-            for offset, block in enumerate(span.blocks):
-                if first + offset < len(blocks):
-                    blocks[first + offset] = block
-        assert -1 not in blocks, "the path does not cover the match"
-        return blocks
 
     # ---- progress and end -------------------------------------------------------------------
 
@@ -237,9 +208,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         slot's blocks for its positions."""
         node = self.tree.insert(tokens)
         if node.parent is not None and not node.value:
-            size = self.block_size
-            table = self.paged.table(slot)
-            span = BlockSpan(node.start, list(table[node.start // size : -(-node.end // size)]))
+            span = node_span(node, self.paged.table(slot), self.block_size)
             self.paged.hold(span.blocks)
             node.value = span
         return node
@@ -247,11 +216,8 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     def _split_span(self, span: BlockSpan, k: int) -> tuple[BlockSpan, BlockSpan]:
         """Divides a node's blocks at its ``k``-th token; a block holding both sides' positions
         goes to both (held once more)."""
-        size = self.block_size
-        first, cut = span.start // size, span.start + k
-        upper = BlockSpan(span.start, span.blocks[: -(-cut // size) - first])
-        lower = BlockSpan(cut, span.blocks[cut // size - first :])
-        if cut % size:
+        upper, lower = split_span(span, k, self.block_size)
+        if lower.start % self.block_size:  # the cut falls inside a block: both sides hold it
             self.paged.hold([lower.blocks[0]])
         return upper, lower
 
@@ -268,7 +234,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         """Saves the positions of the path to ``node`` to the host tier (unless covered)."""
         kv, host = self.kv, self.host
         assert host is not None and isinstance(kv, SavablePagedKv)
-        blocks = self._path_blocks(node, node.end)
+        blocks = path_blocks(node, node.end, self.block_size)
         host.save(self.tree.path_tokens(node), lambda: kv.save_kv_blocks(blocks, node.end))
 
     def _save_leaf(self, node: TreeNode[BlockSpan]) -> None:
@@ -291,16 +257,12 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
             f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._end)}"
         )
         assert self.tree.root.lock_ref == len(self._end), "root lock_ref != running slots"
-        size = self.block_size
         held: Counter[int] = Counter()
         for node in self.tree.subtree(self.tree.root):
             if node.parent is None:
                 continue
-            span = node.value
-            assert span.start == node.start, f"span starts {span.start}, node {node.start}"
-            expected_blocks = -(-node.end // size) - node.start // size
-            assert len(span.blocks) == expected_blocks, f"node ending at {node.end}: blocks"
-            held.update(span.blocks)
+            check_span(node, self.block_size)
+            held.update(node.value.blocks)
         self.paged.check_integrity(held)
         if self.snapshots is not None:
             nodes = list(self.tree.subtree(self.tree.root))

@@ -5,11 +5,9 @@ The runner keeps KV per sequence id (a slot index): positions ``0 .. n-1`` of on
 It can copy the first ``n`` positions of one sequence into another and trim a sequence to its
 first ``n`` positions (``runner_kv.KvStore``), as llama.cpp does on its per-sequence KV streams.
 
-On that model the cache keeps a :class:`~.radix_tree.RadixTree` whose node
-handles are the sets of sequence ids whose content *ends* at that node. A sequence id holds the
-whole path from the root to its node, so every holder of a node is found in its subtree, and
-a node nobody holds is pruned. A slot keeps its KV after its sequence ends: free slots are the
-cache's storage, running slots lock their own path.
+On that model the cache keeps a radix tree of the slots' streams, each slot ending at a node
+(``slot_streams.py``). A slot keeps its KV after its sequence ends: free slots are the cache's
+storage, running slots lock their own path.
 
 * **Admission**: the longest cached prefix of the prompt is matched (never the whole prompt:
   the last token is always computed, so the sequence gets logits; with a prefill grain, see
@@ -38,54 +36,18 @@ cache's storage, running slots lock their own path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
-from slotserve.engine.prefix_cache.host_tier import HostTier, TieredMatch, worth_saving
-from slotserve.engine.prefix_cache.radix_tree import RadixTree, TreeNode
-from slotserve.engine.prefix_cache.runner_kv import KvStore, SavableKvStore
-from slotserve.engine.prefix_cache.state_snapshots import SnapshotBook
-
-Holders = set[int]  # sequence ids whose cached content ends at a node
-CacheNode = TreeNode[Holders]
+from slotserve.engine.prefix_cache.base import PrefixMatch
+from slotserve.engine.prefix_cache.runner_kv import SavableKvStore
+from slotserve.engine.prefix_cache.saved_state import TieredMatch, worth_saving
+from slotserve.engine.prefix_cache.slot_streams import CacheNode, SlotStreams
 
 
-def _split_holders(holders: Holders, k: int) -> tuple[Holders, Holders]:
-    # Sequences that ended at the split node hold all of it: they end at the lower half.
-    return set(), holders
-
-
-class SlotPrefixCache(TreePrefixCache[Holders]):
+class SlotPrefixCache(SlotStreams):
     """Engine-thread only. Slots are the runner's sequence ids ``0 .. num_slots - 1``."""
 
-    def __init__(
-        self,
-        kv: KvStore,
-        num_slots: int,
-        policy: ChunkPolicy,
-        budget_tokens: int,
-        kv_bytes_per_token: int,
-        host: HostTier | None = None,
-        snapshots: SnapshotBook | None = None,
-    ) -> None:
-        super().__init__(RadixTree(set, _split_holders), policy, budget_tokens, kv_bytes_per_token)
-        self.kv = kv
-        # Only a runner that can save and restore a sequence's state gets the host tier.
-        self.host = host if isinstance(kv, SavableKvStore) else None
-        # A saved state has no recurrent state beside it: the tier is for attention-only KV.
-        assert self.host is None or snapshots is None, "a host tier for a recurrent model"
-        self.snapshots = snapshots
-        self._end: dict[int, CacheNode] = {s: self.tree.root for s in range(num_slots)}
-        self.tree.root.value.update(self._end)
-        self._running: set[int] = set()
-        self._unsettled: set[int] = set()  # free slots an eviction moved up (recurrent state)
-
     # ---- admission --------------------------------------------------------------------------
-
-    def holders(self, match: PrefixMatch) -> set[int]:
-        """Slots whose KV starts with the matched prefix."""
-        return self._holders_of(match.node) if match.length else set()
 
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         """The free slot a sequence with this match should take (see the module docstring)."""
@@ -105,9 +67,6 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             return match.node, length
         kept = book.deepest(match.node, length)
         return (kept, kept.end) if kept is not None else (self.tree.root, 0)
-
-    def _holders_of(self, node: CacheNode) -> set[int]:
-        return {slot for walk in self.tree.subtree(node) for slot in walk.value}
 
     def attach(
         self,
@@ -253,10 +212,6 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
         self.kv.trim_kv(slot, kept.end)
         self._set_end(slot, kept)
 
-    def is_running(self, slot: int) -> bool:
-        """True between ``attach`` and ``release`` / ``drop``."""
-        return slot in self._running
-
     def drop(self, slot: int) -> None:
         """Forgets and frees the slot's KV (its content is unknown after a runner failure)."""
         if slot in self._running:
@@ -272,26 +227,6 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             self.snapshots.plan_one(slot, position, computed)
 
     # ---- bookkeeping ------------------------------------------------------------------------
-
-    def _set_end(self, slot: int, node: CacheNode) -> None:
-        old = self._end[slot]
-        if old is node:
-            return
-        old.value.discard(slot)
-        node.value.add(slot)
-        self._end[slot] = node
-        if slot in self._running:
-            self.tree.lock(node)
-            self.tree.unlock(old)
-        # Nodes no slot holds any more lost their KV: that is an eviction too.
-        nodes_before = self.tree.num_nodes
-        book = self.snapshots
-        self.evicted_tokens += self.tree.prune(old, None if book is None else book.release_node)
-        self.evictions += nodes_before - self.tree.num_nodes
-
-    def _forget(self, slot: int) -> None:
-        """Stops tracking a free slot's content (the caller overwrites or frees its KV)."""
-        self._set_end(slot, self.tree.root)
 
     def _give_back(self, node: CacheNode) -> None:
         assert node.parent is not None
@@ -316,59 +251,7 @@ class SlotPrefixCache(TreePrefixCache[Holders]):
             self._settle(self._unsettled.pop())
         return evicted
 
-    def _exclusive_tokens(self, slot: int) -> int:
-        """Cached tokens only this slot holds: what reusing the slot for other work loses."""
-        exclusive = 0
-        node = self._end[slot]
-        while node.parent is not None:
-            others = {s for n in self.tree.subtree(node) for s in n.value}
-            if others != {slot}:
-                break
-            exclusive += len(node.key)
-            node = node.parent
-        return exclusive
-
     def _save_leaf(self, node: CacheNode) -> None:
         free = node.value - self._running  # a running slot's KV holds more than the path
         if free:
             self._save_path(min(free), node.end, node.end)
-
-    # ---- inspection -------------------------------------------------------------------------
-
-    def held_tokens(self, slot: int) -> list[int]:
-        """The token prefix the cache records for ``slot``'s KV."""
-        return self.tree.path_tokens(self._end[slot])
-
-    def check_integrity(self, running_tokens: Mapping[int, int]) -> None:
-        """Raises ``AssertionError`` when the tree, the locks or the runner's KV disagree.
-
-        ``running_tokens`` maps each running slot to the tokens its KV must hold. Every other
-        slot must hold exactly the prefix the tree records for it, so free + cached + in-use
-        KV account for every slot's stream.
-        """
-        self.tree.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
-        if self.snapshots is not None:
-            nodes = list(self.tree.subtree(self.tree.root))
-            self.snapshots.check_integrity(nodes, running_tokens)
-        assert set(running_tokens) == self._running, (
-            f"running slots {sorted(running_tokens)}, cache thinks {sorted(self._running)}"
-        )
-        seen: dict[int, CacheNode] = {}
-        for node in self.tree.subtree(self.tree.root):
-            for slot in node.value:
-                assert slot not in seen, f"slot {slot} ends at two nodes"
-                seen[slot] = node
-        assert seen == self._end, "holder sets and slot ends disagree"
-        assert self.tree.root.lock_ref == len(self._running), (
-            f"root lock_ref {self.tree.root.lock_ref} != {len(self._running)} running slots"
-        )
-        for slot, node in self._end.items():
-            held = self.kv.kv_tokens(slot)
-            if slot in self._running:
-                expected = running_tokens[slot]
-                assert node.end <= expected, f"slot {slot} claims {node.end} > {expected} tokens"
-            else:
-                expected = node.end
-            assert held == expected, f"slot {slot} KV holds {held} tokens, expected {expected}"

@@ -4,7 +4,7 @@ Mamba...), on either runner's KV.
 Such a model's KV blocks are not enough to resume a prompt: its recurrent layers carry one
 state through every position, which no prefix of positions can be cut from. The runner
 therefore copies the state, when a prompt's chunk reaches chosen positions, into numbered
-places (:class:`~slotserve.engine.runner_interface.StateSnapshots`), and the cache ties each
+places (:class:`~slotserve.engine.kv_layouts.StateSnapshots`), and the cache ties each
 copy to the tree node ending at that position. A hit resumes from the deepest node of the
 matched path that has one; the KV blocks before it are shared as for any model.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from slotserve.engine.prefix_cache.radix_tree import TreeNode
+from slotserve.engine.prefix_cache.tree_node import TreeNode
 from slotserve.engine.runner_interface import StateSnapshots
 
 Node = TreeNode[Any]

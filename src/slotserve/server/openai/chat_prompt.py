@@ -1,7 +1,8 @@
 """A chat completion request made into what the pipeline runs: the prompt rendered with the chat
 template (``protocol/chat_template.py``), the tool plan (``tool_calling.py``) and the sampling
-parameters (``params.py``), then submitted (``pipeline.submit_chat``). The Responses and
-Messages APIs translate their requests into a chat completion request and start here too."""
+parameters (``params.py``), made into the engine's request and submitted
+(``pipeline.submit_chat``). The Responses and Messages APIs translate their requests into a
+chat completion request and start here too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 
 from starlette.requests import Request
 
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.images import ImageInput
 from slotserve.engine.sampling_params import SamplingParams
@@ -26,7 +28,7 @@ from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages
 from slotserve.server.pipeline import ChatGeneration, submit_chat
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import engine_request_id, require_chat_template
+from slotserve.server.serving import engine_request_id, request_adapter, require_chat_template
 from slotserve.server.tool_plan import ToolPlan
 
 
@@ -45,7 +47,9 @@ async def start_chat(
     model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
-    return submit_chat(host, model, raw, request_id, prompt, plan, params, body.priority, images)
+    adapter = request_adapter(raw)
+    request = EngineCoreRequest(request_id, prompt, params, body.priority, adapter, tuple(images))
+    return submit_chat(host, model, raw, request, plan)
 
 
 async def render_chat_off_loop(

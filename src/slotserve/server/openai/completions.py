@@ -10,10 +10,11 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import SampledToken, SequenceDelta
 from slotserve.hosting.served import LoadedModel
-from slotserve.server.generation import EngineRun, accumulate, submit_prompts
+from slotserve.server.generation import EngineRun, accumulate, submit_prompts, with_engine_ids
 from slotserve.server.openai.params import sampling_params_of, structured_output_of
 from slotserve.server.openai.protocol import CompletionRequest
 from slotserve.server.openai.shapes import (
@@ -83,9 +84,12 @@ async def create_completion(
         defaults=model.sampling_defaults,
     )
     with host.refusing_a_dead_engine():
-        streams = submit_prompts(
-            model.engine, request_id, prompts, params, body.priority, request_adapter(raw)
-        )
+        adapter = request_adapter(raw)
+        requests = [
+            EngineCoreRequest(rid, prompt, params, body.priority, adapter)
+            for rid, prompt in with_engine_ids(request_id, prompts)
+        ]
+        streams = submit_prompts(model.engine, requests)
     envelope = Envelope(
         request_id, "text_completion", int(time.time()), served_name(host, raw), body.include_usage
     )
