@@ -163,3 +163,21 @@ def test_requests_during_an_explicit_load_wait_or_get_a_503(tmp_path: Path) -> N
         await models.stop()
 
     asyncio.run(main())
+
+
+def test_the_restart_backoff_grows_only_with_deaths_soon_after_a_start() -> None:
+    """An engine killed after serving a while restarts after the first delay again, however
+    many deaths the window holds; deaths in a row, each soon after the engine's start (or
+    before it became ready), double it up to the cap."""
+    from slotserve.hosting.served import RESTART_STABLE_S, RestartPolicy
+
+    policy = RestartPolicy()
+    quick = policy.quick_deaths_after(0, 3600.0)
+    assert (quick, policy.backoff_s(quick)) == (1, 0.25)
+    quick = policy.quick_deaths_after(quick, RESTART_STABLE_S + 1)  # served a while again
+    assert (quick, policy.backoff_s(quick)) == (1, 0.25)
+    for expected in (0.5, 1.0, 2.0):
+        quick = policy.quick_deaths_after(quick, 2.0)
+        assert policy.backoff_s(quick) == expected
+    assert policy.backoff_s(policy.quick_deaths_after(quick, 0.0)) == 4.0  # a failed rebuild
+    assert policy.backoff_s(20) == 30.0

@@ -96,6 +96,8 @@ class ModelHost:
     _load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The engine's recent deaths (monotonic times), and why a restart is under way.
     _deaths: deque[float] = field(default_factory=deque)
+    _started_at: float = 0.0  # when the engine serving now became ready (monotonic)
+    _quick_deaths: int = 0  # deaths in a row, each soon after the engine's start
     _restarting: str | None = None
     _crash_loop: bool = False  # load_error then says why the restarts stopped
     _watcher: asyncio.Task[None] | None = None
@@ -225,6 +227,8 @@ class ModelHost:
                 self._crash_loop = False
                 if not restart:
                     self._deaths.clear()
+                    self._quick_deaths = 0
+                self._started_at = time.monotonic()
                 self.loads += 1
                 self._watch()
                 logger.info(
@@ -271,7 +275,9 @@ class ModelHost:
             if deaths >= policy.limit:
                 await self._give_up(dead, cause, deaths)
                 return False
-            delay = policy.backoff_s(deaths)
+            served_s = now - self._started_at if dead is not None else 0.0
+            self._quick_deaths = policy.quick_deaths_after(self._quick_deaths, served_s)
+            delay = policy.backoff_s(self._quick_deaths)
             logger.error(
                 "model %s: %s; restarting its engine in %.1f s (death %d within %g s; "
                 "death %d leaves the model failed)",

@@ -29,8 +29,11 @@ from slotserve.protocol.reasoning import ReasoningParser
 from slotserve.protocol.score_pairs import carries_pair_roles
 
 RELOAD_HINT = "POST /admin/reload (or run `slotserve reload`) to recover"
-RESTART_BACKOFF_S = 0.5  # the first restart's delay; each death in the window doubles it
+RESTART_BACKOFF_S = 0.25  # the first restart's delay; each quick death doubles it
 RESTART_BACKOFF_MAX_S = 30.0
+# An engine that served this long before it died was not crashing at start: its restart waits
+# the first delay again (deaths still count towards a crash loop within the window).
+RESTART_STABLE_S = 30.0
 LOADING_RETRY_AFTER_S = 5  # the Retry-After of a request refused while the model loads
 
 logger = logging.getLogger(__name__)
@@ -78,15 +81,23 @@ class LoadedModel:
 @dataclass(frozen=True)
 class RestartPolicy:
     """What happens when the engine dies: restarted (``enabled``) after a backoff that doubles
-    with each death in the window, until the ``limit``-th death within ``window_s`` seconds
-    (a crash loop) leaves the model failed."""
+    with each death that follows the last (re)start within ``RESTART_STABLE_S``, until the
+    ``limit``-th death within ``window_s`` seconds (a crash loop) leaves the model failed."""
 
     enabled: bool = True
     limit: int = 5
     window_s: float = 300.0
 
-    def backoff_s(self, deaths: int) -> float:
-        return min(RESTART_BACKOFF_S * 2.0 ** max(deaths - 1, 0), RESTART_BACKOFF_MAX_S)
+    @staticmethod
+    def quick_deaths_after(quick_deaths: int, served_s: float) -> int:
+        """The deaths in a row once the engine died after serving ``served_s`` seconds (0: it
+        never became ready), ``quick_deaths`` before."""
+        return 1 if served_s >= RESTART_STABLE_S else quick_deaths + 1
+
+    def backoff_s(self, quick_deaths: int) -> float:
+        """The delay before a restart, after ``quick_deaths`` deaths in a row, each within
+        ``RESTART_STABLE_S`` of the engine's start (the first counts as one)."""
+        return min(RESTART_BACKOFF_S * 2.0 ** max(quick_deaths - 1, 0), RESTART_BACKOFF_MAX_S)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ in a busy loop while it has work. Messages are ``wire.py``'s msgspec structs ove
 PUSH/PULL sockets on IPC paths; a thread in the API process receives outputs and hands them to
 the event loop, as the in-thread client does.
 
-Failure handling: the receiving thread watches the process; if it dies (killed, segfault, out
-of memory), every request still in it ends with a ``MODEL_UNHEALTHY`` error within a second and
+Failure handling: the receiving thread watches the process (its sentinel wakes the thread); if
+it dies (killed, segfault, out of memory), every request still in it ends at once with a
+``MODEL_UNHEALTHY`` error and
 :attr:`MPClient.unhealthy` says why, so health and readiness turn 503 and a reload starts a
 new process. The engine process asks the kernel to kill it when its parent dies
 (``PR_SET_PDEATHSIG``) and also polls its parent while idle, so no orphan outlives the server.
@@ -159,8 +160,8 @@ class MPClient(ClientState):
 
     def _notice_death(self, refused: EngineDeadError) -> EngineDeadError:
         """Not under the lock, after new work was ``refused``; returns the error to raise. The
-        receiving thread looks at the process only every ``POLL_MS``: if it has exited, this
-        ends it now (and its requests), so that :attr:`unhealthy` says so at once and the
+        receiving thread may not have woken yet: if the process has exited, this ends it now
+        (and its requests), so that :attr:`unhealthy` says so at once and the
         requests after this one are refused as a dead engine's (the host says it restarts),
         not offered one by one to a peer that is gone."""
         if self._dead is None and multiprocessing.connection.wait([self._process.sentinel], 0):
@@ -196,8 +197,13 @@ class MPClient(ClientState):
 
     def _receive_until_stopped(self) -> None:
         sock = self._from_engine
+        # The process's sentinel wakes the thread the moment the process ends (its last
+        # outputs, still in the socket, are read first); the timeout is only a safety net.
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._process.sentinel, zmq.POLLIN)
         while True:
-            if not sock.poll(POLL_MS):
+            if sock not in dict(poller.poll(POLL_MS)):
                 if not self._process.is_alive():
                     self._on_death(None)
                     return
