@@ -137,3 +137,12 @@ def test_the_llama_cpp_runner_serves_gguf_adapters(
     finally:
         unload = {"lora_name": "gguf"}
         assert httpx.post(f"{server.api_url}/unload_lora_adapter", json=unload).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["a\u0000b", "~no-such-user/adapter", "x" * 5000])
+def test_a_path_the_system_refuses_is_a_400_naming_it(server: ServerProcess, path: str) -> None:
+    """What the fuzzer sent: a path with a NUL byte, an unknown ~user, a name too long."""
+    body = {"lora_name": "bad", "lora_path": path}
+    answer = httpx.post(f"{server.api_url}/load_lora_adapter", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "lora_path"
