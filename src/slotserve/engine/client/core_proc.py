@@ -131,7 +131,7 @@ def _call_adapter(core: EngineCore, call: wire.AdapterCall) -> wire.AdapterAnswe
     except AdapterNotFoundError as exc:
         return wire.AdapterAnswer(call.call_id, None, str(exc), not_found=True)
     except InvalidRequestError as exc:
-        return wire.AdapterAnswer(call.call_id, None, exc.message)
+        return wire.AdapterAnswer(call.call_id, None, exc.message, param=exc.param)
     except Exception as exc:  # a failed load must not end the loop
         logger.exception("the adapter call for %s failed", call.name)
         return wire.AdapterAnswer(call.call_id, None, f"{type(exc).__name__}: {exc}")

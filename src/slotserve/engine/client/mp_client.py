@@ -245,7 +245,7 @@ class MPClient(ClientState):
         elif message.not_found:
             settle(AdapterNotFoundError(message.error))
         else:
-            settle(InvalidRequestError(message.error or "", param="lora_name"))
+            settle(InvalidRequestError(message.error or "", param=message.param or "lora_name"))
 
     def _on_death(self, error: str | None) -> None:
         """The process died or its loop crashed: refuse new work, end every request."""

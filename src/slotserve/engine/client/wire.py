@@ -92,6 +92,7 @@ class AdapterAnswer(msgspec.Struct, tag=True, array_like=True):
     info: AdapterInfo | None
     error: str | None = None
     not_found: bool = False
+    param: str | None = None  # the request field at fault
 
 
 class Stopped(msgspec.Struct, tag=True, array_like=True):
