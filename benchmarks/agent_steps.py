@@ -19,6 +19,7 @@ import time
 from engine_steps import all_decoding, build, timed_calls
 
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.model.layers import Projection
@@ -54,7 +55,7 @@ def main() -> None:
 
     def add(request_id: str, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        core.add_request(core.make_request(request_id, prompt, params))
+        core.add_request(EngineCoreRequest(request_id, prompt, params))
 
     def drain() -> None:
         while core.has_work:

@@ -24,9 +24,10 @@ from typing import Any
 from slotserve.bench.ab import alternate
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.source import embedded_model_path
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 LAYERS = 8
@@ -76,7 +77,7 @@ def costs(
     """(prefill seconds per prompt token, decode seconds per output token), one sequence."""
     runner = TorchRunner(
         TorchLoadConfig(
-            folder, num_slots=1, max_seq_len=context + max_tokens + 16, load_format="dummy"
+            folder, num_slots=1, max_model_len=context + max_tokens + 16, load_format="dummy"
         )
     )
     config = EngineConfig(num_slots=1, max_batch_tokens=prefill_chunk, prefill_chunk=prefill_chunk)
@@ -84,7 +85,7 @@ def costs(
     rng = random.Random(seed)
     prompt = [rng.randrange(100, 49000) for _ in range(context)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    core.add_request(core.make_request("r", prompt, params))
+    core.add_request(EngineCoreRequest("r", prompt, params))
     prefill = decode = 0.0
     produced = 0
     while core.has_work:

@@ -24,6 +24,7 @@ from typing import Any
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.source import embedded_model_path
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
@@ -35,19 +36,21 @@ def build(
     """An engine on the embedded model; ``max_seq_len`` applies to the PyTorch runner."""
     path = embedded_model_path()
     if runner == "torch":
-        from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+        from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 
         spec: TorchSpec | LlamaCppSpec = TorchSpec(
             TorchLoadConfig(
                 path,
                 num_slots=slots,
-                max_seq_len=max_seq_len,
+                max_model_len=max_seq_len,
                 threads=threads,
                 cpu_kernels=cpu_kernels,
             )
         )
     else:
-        spec = LlamaCppSpec(path, slots, slots * 512, 512, threads)
+        spec = LlamaCppSpec(
+            path, num_slots=slots, ctx_size=slots * 512, max_batch_tokens=512, threads=threads
+        )
     config = EngineConfig(num_slots=slots, max_batch_tokens=max(512, slots + 64))
     return EngineCore(spec(), config)
 
@@ -59,7 +62,7 @@ def admit(core: EngineCore, batch: int, max_tokens: int, seed: int) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
-        core.add_request(core.make_request(f"r{seed}-{i}", prompt, params))
+        core.add_request(EngineCoreRequest(f"r{seed}-{i}", prompt, params))
 
 
 def all_decoding(core: EngineCore, batch: int) -> bool:

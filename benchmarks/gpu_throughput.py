@@ -54,8 +54,9 @@ from torch.profiler import DeviceType
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 Jobs = dict[str, tuple[list[int], SamplingParams]]
@@ -116,8 +117,8 @@ def build(
         dtype=args.dtype,
         device=args.device,
         load_format="dummy",
-        max_seq_len=max_seq_len,
-        kv_memory_bytes=args.kv_memory,
+        max_model_len=max_seq_len,
+        kv_memory=args.kv_memory,
         attention_backend=args.attention_backend,
         batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager,
@@ -143,7 +144,7 @@ def run_jobs(core: EngineCore, jobs: Jobs, device: str) -> Run:
     sync(device)
     started = time.perf_counter()
     for rid, (prompt, params) in jobs.items():
-        core.add_request(core.make_request(rid, prompt, params))
+        core.add_request(EngineCoreRequest(rid, prompt, params))
     tokens = steps = 0
     decode_steps: list[float] = []
     batch = min(len(jobs), core.config.num_slots)  # sequences a full decode step carries

@@ -27,6 +27,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.decoding.structured_output import GrammarMasks, grammar_of
 from slotserve.engine.sampling_params import SamplingParams, StructuredOutput
 from slotserve.hosting.source import embedded_model_path
@@ -123,7 +124,7 @@ def engine_steps(core: EngineCore, batch: int, max_tokens: int, constrained: boo
         prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
         request_id = f"{constrained}-{i}-{time.time()}"
         produced[request_id] = 0
-        core.add_request(core.make_request(request_id, prompt, params))
+        core.add_request(EngineCoreRequest(request_id, prompt, params))
     steps = []
     while core.has_work:
         decoding = all(produced.values())  # every stream past its prompt

@@ -27,9 +27,10 @@ from slotserve.bench.hf_reference import convert_gguf_to_hf
 from slotserve.bench.lora_adapters import ALL_TARGETS, random_adapter
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.source import resolve_model_path
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 
@@ -39,7 +40,7 @@ def throughput(runner: TorchRunner, prompts: list[list[int]], ids: list[int], ou
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         adapter = ids[index % len(ids)] if ids else 0
-        core.add_request(core.make_request(f"r{index}", prompt, params, adapter=adapter))
+        core.add_request(EngineCoreRequest(f"r{index}", prompt, params, adapter=adapter))
     tokens = 0
     while core.has_work:
         tokens += sum(len(d.token_ids) for o in core.step() for d in o.deltas)
@@ -67,7 +68,9 @@ def main() -> None:
             for i in range(args.adapters)
         ]
         modules = tuple((f"a{i}", str(folder)) for i, folder in enumerate(folders))
-        load = TorchLoadConfig(base, num_slots=args.requests, max_seq_len=512, lora_modules=modules)
+        load = TorchLoadConfig(
+            base, num_slots=args.requests, max_model_len=512, lora_modules=modules
+        )
         runner = TorchRunner(load)
         ids = [adapter.adapter_id for adapter in runner.model_info.adapters]
         rng = random.Random(0)

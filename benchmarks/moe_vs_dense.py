@@ -22,9 +22,10 @@ from typing import Any
 from slotserve.bench.ab import alternate
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.hosting.source import embedded_model_path
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 COMMON: dict[str, Any] = {
@@ -72,14 +73,14 @@ def make_folders(root: Path, experts: int, top_k: int, width: int) -> dict[str, 
 
 def decode_tok_s(folder: Path, streams: int, max_tokens: int, seed: int) -> float:
     runner = TorchRunner(
-        TorchLoadConfig(folder, num_slots=streams, max_seq_len=512, load_format="dummy")
+        TorchLoadConfig(folder, num_slots=streams, max_model_len=512, load_format="dummy")
     )
     core = EngineCore(runner, EngineConfig(num_slots=streams, max_batch_tokens=512))
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(streams):
         prompt = [rng.randrange(100, 49000) for _ in range(64)]
-        core.add_request(core.make_request(f"r{i}", prompt, params))
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
     tokens, seconds = 0, 0.0
     while core.has_work:
         started = time.perf_counter()

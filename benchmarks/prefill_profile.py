@@ -20,15 +20,16 @@ import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 
 
 def prefill_steps(core: EngineCore, prompt: list[int], name: str, device: str) -> list[float]:
     """Seconds of each step until the prompt's first token."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    core.add_request(core.make_request(name, prompt, params))
+    core.add_request(EngineCoreRequest(name, prompt, params))
     steps = []
     while core.scheduler.has_work:
         started = time.perf_counter()
@@ -49,10 +50,10 @@ def main() -> None:
     load = TorchLoadConfig(
         args.model,
         num_slots=2,
-        max_seq_len=max(args.prompt_len, 600) + 64,
+        max_model_len=max(args.prompt_len, 600) + 64,
         load_format="dummy",
         device=args.device,
-        kv_memory_bytes=4 * 2**30,
+        kv_memory=4 * 2**30,
     )
     runner = TorchRunner(load)
     core = EngineCore(runner, EngineConfig(num_slots=2, prefix_cache=False))

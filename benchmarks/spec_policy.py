@@ -25,6 +25,7 @@ import slotserve.engine.decoding.speculative as speculative
 from slotserve.bench.datasets import edit_dataset, open_dataset
 from slotserve.engine.config import EngineConfig, SpeculativeConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.protocol.chat_template import ChatTemplate
@@ -42,7 +43,7 @@ def decode_seconds(
     total = 0.0
     for index, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=128, temperature=0.0)
-        core.add_request(core.make_request(f"r{index}", prompt, params))
+        core.add_request(EngineCoreRequest(f"r{index}", prompt, params))
         first: float | None = None
         while core.has_work:
             outputs = core.step()

@@ -30,10 +30,10 @@ def load(name: str, threads: int) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
         return LlamaCppRunner(model, 2, 4096, 512, n_threads=threads)
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.settings import TorchLoadConfig
     from slotserve.runners.pytorch.runner import TorchRunner
 
-    return TorchRunner(TorchLoadConfig(model, num_slots=2, max_seq_len=2048, threads=threads))
+    return TorchRunner(TorchLoadConfig(model, num_slots=2, max_model_len=2048, threads=threads))
 
 
 def step_ms(runner: Runner, context: int, drafts: int, reps: int) -> float:

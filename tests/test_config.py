@@ -17,10 +17,11 @@ from slotserve.chat.command import local_configs
 from slotserve.cli import build_parser
 from slotserve.config_docs import COMMAND, render
 from slotserve.engine.config import SpeculativeConfig
-from slotserve.hosting.config import LaunchConfig, LlamaCppConfig, RunnerConfig, TorchConfig
+from slotserve.hosting.config import LaunchConfig, RunnerConfig
 from slotserve.hosting.registry import ModelRegistry
 from slotserve.hosting.served import ModelLaunch
 from slotserve.options import ENV_PREFIX, CacheBudget, options
+from slotserve.runners.options import LlamaCppConfig, TorchConfig
 from slotserve.serve_config import ServeConfig
 from slotserve.server.app import create_app
 from slotserve.server.metrics import ServerMetrics

@@ -3,9 +3,10 @@
 A field of a configuration dataclass made with :func:`option` is declared once, and what the
 user meets is derived from it: the flags of ``slotserve serve`` and ``slotserve chat``
 (:func:`add_arguments`), the environment defaults (``--ctx-size`` ↔ ``SLOTSERVE_CTX_SIZE``; a
-flag given on the command line wins), the body of ``POST /models/load`` and
-``docs/configuration.md``. The engine's configuration is declared with it, so this module
-imports nothing of slotserve's.
+flag given on the command line wins), the body of ``POST /models/load``,
+``docs/configuration.md``, and the runners' recipes, which take their options' defaults and
+bounds from here (:func:`option_values`, :func:`declared_as`, :func:`check_declared`). The
+engine's configuration is declared with it, so this module imports nothing of slotserve's.
 """
 
 from __future__ import annotations
@@ -154,13 +155,13 @@ class Option:
     def read_json(self, value: Any) -> Any:
         """A ``POST /models/load`` value as the field's value: an option read from text takes
         that text or its JSON value (``"2GiB"`` or ``2147483648``; a speculative config's
-        object); the others are the value."""
+        object); a repeated option's list is its tuple; the others are the value."""
         if value is None:
             return None
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{self.dest} must be one of {', '.join(self.choices)}")
         if self.parse is None:
-            return value
+            return tuple(value) if self.repeated and isinstance(value, list) else value
         return self.parse(value if isinstance(value, str) else json.dumps(value))
 
 
@@ -216,6 +217,33 @@ def options(cls: type[DataclassInstance]) -> dict[str, Option]:
                 kind=_without_none(hints[field.name]),
             )
     return found
+
+
+def declared_as(cls: type[DataclassInstance], name: str) -> Any:
+    """A field declared as ``cls``'s option ``name`` is (its default, flag and bound), for a
+    configuration that takes the same setting without being ``cls`` (a runner's recipe takes
+    the engine's ``--slots``)."""
+    (declared,) = (f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=declared.default, metadata=declared.metadata)
+
+
+def option_values(config: DataclassInstance, cls: type[DataclassInstance]) -> dict[str, Any]:
+    """``config``'s values of ``cls``'s options, by field name (``config`` holds them all:
+    it is a ``cls``, or joins it with other options)."""
+    return {name: getattr(config, name) for name in options(cls)}
+
+
+def check_declared(config: DataclassInstance) -> None:
+    """``ValueError`` for an option of ``config`` outside its declared bound or choices: for a
+    configuration made in code (a runner's recipe), which no flag's parser saw."""
+    for opt in options(type(config)).values():
+        value = getattr(config, opt.name)
+        if value is None:
+            continue
+        if opt.ge is not None and value < opt.ge:
+            raise ValueError(f"{opt.flag} must be >= {opt.ge:g}")
+        if opt.choices is not None and value not in opt.choices:
+            raise ValueError(f"{opt.flag} must be one of {', '.join(opt.choices)}")
 
 
 def _without_none(hint: Any) -> Any:

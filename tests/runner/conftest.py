@@ -89,7 +89,7 @@ def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
 
 
 def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.settings import TorchLoadConfig
     from slotserve.runners.pytorch.runner import TorchRunner
 
     return TorchRunner(
@@ -97,7 +97,7 @@ def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
             model_path,
             num_slots=8,
             max_batch_tokens=512,
-            max_seq_len=2048,
+            max_model_len=2048,
             cpu_kernels=cpu_kernels,
         )
     )

@@ -53,11 +53,11 @@ def test_without_a_gemm_of_ours_onednn_serves_the_projections_beside_the_kernels
     """Kernels that serve no GEMM (simulated): oneDNN's prepacked, split-K projections serve
     beside the attention and per-row kernels where oneDNN has bfloat16 kernels for this CPU
     (torch's own matmul elsewhere), and every sequence keeps its tokens in a batch."""
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.settings import TorchLoadConfig
     from slotserve.runners.pytorch.model.layers import onednn_bf16
 
     monkeypatch.setattr(kernels, "has_gemm", False)
-    runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_seq_len=512))
+    runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_model_len=512))
     try:
         model = runner.shard.model
         assert model.kernels is kernels

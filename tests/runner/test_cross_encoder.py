@@ -12,8 +12,8 @@ import pytest
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.protocol.score_pairs import pair_prompt
-from slotserve.runners.pytorch.encoder import EncoderRunner
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.encoder.runner import EncoderRunner
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from tests.runner.cross_encoder_folder import write_cross_encoder
 from tests.runner.engine_runs import scores
 

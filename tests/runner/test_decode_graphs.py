@@ -17,10 +17,11 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch import gpu_kernels
-from slotserve.runners.pytorch.cuda_graphs import Capture, Graph, batch_buckets
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.checkpoint import read_model_config
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
-from slotserve.runners.pytorch.shard import decode_graphs_apply
+from slotserve.runners.pytorch.shard.cuda_graphs import Capture, Graph, batch_buckets
+from slotserve.runners.pytorch.shard.model_shard import decode_graphs_apply
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import generate, greedy
 from tests.runner.hf_checkpoint import tiny_random_checkpoint

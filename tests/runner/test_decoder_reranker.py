@@ -17,7 +17,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.score_pairs import carries_pair_roles, pair_prompt
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.conftest import require_batch_invariance
 from tests.runner.engine_runs import scores
@@ -45,7 +45,7 @@ def causal_lm(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def open_runner(folder: Path, **settings: object) -> TorchRunner:
-    return TorchRunner(TorchLoadConfig(folder, num_slots=4, max_seq_len=256, **settings))  # type: ignore[arg-type]
+    return TorchRunner(TorchLoadConfig(folder, num_slots=4, max_model_len=256, **settings))  # type: ignore[arg-type]
 
 
 @pytest.fixture

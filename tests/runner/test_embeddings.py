@@ -17,7 +17,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.encoder import EncoderRunner
+from slotserve.runners.pytorch.encoder.runner import EncoderRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import Recording, generate, greedy
 from tests.runner.minilm import minilm_path
@@ -131,7 +131,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def encoder() -> Iterator[EncoderRunner]:
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 
     runner = EncoderRunner(TorchLoadConfig(minilm_path(), num_slots=4))
     yield runner

@@ -20,7 +20,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.images import ImageInput
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.engine_runs import alone_then_together, generate, greedy
 
@@ -33,7 +33,7 @@ def folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def _runner(path: Path, dtype: str = "float32") -> TorchRunner:
-    return TorchRunner(TorchLoadConfig(path, num_slots=4, max_seq_len=512, dtype=dtype))
+    return TorchRunner(TorchLoadConfig(path, num_slots=4, max_model_len=512, dtype=dtype))
 
 
 def _image(runner: TorchRunner, width: int, height: int, seed: int) -> ImageInput:

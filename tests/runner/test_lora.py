@@ -17,7 +17,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.errors import InvalidRequestError
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.conftest import require_batch_invariance
@@ -52,7 +52,7 @@ def adapters(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> l
 def _runner(checkpoint: Path, adapters: list[Path], **options: object) -> TorchRunner:
     modules = tuple((f"a{i}", str(path)) for i, path in enumerate(adapters))
     return TorchRunner(
-        TorchLoadConfig(checkpoint, num_slots=6, max_seq_len=512, lora_modules=modules, **options)  # type: ignore[arg-type]
+        TorchLoadConfig(checkpoint, num_slots=6, max_model_len=512, lora_modules=modules, **options)  # type: ignore[arg-type]
     )
 
 

@@ -22,15 +22,16 @@ from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from slotserve.runners.pytorch.families.registry import config_from_gguf
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.checkpoint import read_model_config
 from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors, open_gguf
-from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.load.hf_folder import safetensors_tensors
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.load.weights import load_into
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.model.decoder import Decoder
 from slotserve.runners.pytorch.model.deltanet import BLOCK
 from slotserve.runners.pytorch.runner import TorchRunner
-from slotserve.runners.pytorch.tokenizer import HfTokenizer
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, generate, greedy
@@ -49,7 +50,7 @@ def folders(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 def _runner(path: Path, **options: object) -> TorchRunner:
     options.setdefault("num_slots", 4)
-    options.setdefault("max_seq_len", 512)
+    options.setdefault("max_model_len", 512)
     return TorchRunner(TorchLoadConfig(path, **options))  # type: ignore[arg-type]
 
 
@@ -141,7 +142,7 @@ def test_preemption_recomputes_the_state(folders: dict[str, Path]) -> None:
     folder = folders["qwen3_5_text"]
     per_token = read_model_config(folder).kv_bytes_per_token(4)  # float32
     runner = _runner(
-        folder, dtype="float32", num_slots=4, max_seq_len=256, kv_memory_bytes=20 * 16 * per_token
+        folder, dtype="float32", num_slots=4, max_model_len=256, kv_memory=20 * 16 * per_token
     )
     core = EngineCore(runner, EngineConfig(num_slots=4))
     prompts = [

@@ -25,7 +25,7 @@ from slotserve.engine.runner_interface import Runner
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.deltanet import BLOCK
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
@@ -69,7 +69,7 @@ def _runner(model: Model, snapshots: int, num_slots: int = 4) -> Runner:
             state_snapshots=snapshots,
         )
     load = TorchLoadConfig(
-        model.path, num_slots=num_slots, max_seq_len=1024, state_snapshots=snapshots
+        model.path, num_slots=num_slots, max_model_len=1024, prefix_cache_snapshots=snapshots
     )
     return TorchRunner(load)
 

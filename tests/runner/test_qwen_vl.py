@@ -26,7 +26,7 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.images import ImageInput
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.engine_runs import alone_then_together, generate, greedy
 
@@ -72,7 +72,7 @@ def family_folder(request: pytest.FixtureRequest) -> Path:
 
 
 def _runner(path: Path, dtype: str = "float32", **options: Any) -> TorchRunner:
-    load = TorchLoadConfig(path, num_slots=4, max_seq_len=512, dtype=dtype, **options)
+    load = TorchLoadConfig(path, num_slots=4, max_model_len=512, dtype=dtype, **options)
     return TorchRunner(load)
 
 

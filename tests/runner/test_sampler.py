@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.step.sampler import SequenceSampler, new_sequence_sampler, sample
 
 VOCAB = 64
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from openai import OpenAI
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core_request import EngineCoreRequest
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server, wait_until
@@ -85,11 +85,11 @@ def test_tp2_preempts_and_recomputes_as_tp1(tiny_folders: dict[str, Path]) -> No
     config = EngineConfig(num_slots=4, prefix_cache=False)
     outputs, preemptions = [], []
     for ranks in (1, 2):
-        runner = _runner(tiny_folders["qwen2"], ranks, num_slots=4, max_seq_len=128)
+        runner = _runner(tiny_folders["qwen2"], ranks, num_slots=4, max_model_len=128)
         runner_kv = 12 * 16 * runner.shard.kv_bytes_per_token
         runner.close()
         runner = _runner(
-            tiny_folders["qwen2"], ranks, num_slots=4, max_seq_len=128, kv_memory_bytes=runner_kv
+            tiny_folders["qwen2"], ranks, num_slots=4, max_model_len=128, kv_memory=runner_kv
         )
         try:
             core = EngineCore(runner, config)
@@ -110,7 +110,7 @@ def test_tp3_on_the_embedded_model(model_path: Path) -> None:
     config = EngineConfig(num_slots=4)
     outputs = []
     for ranks in (1, 3):
-        runner = _runner(model_path, ranks, num_slots=4, max_seq_len=512)
+        runner = _runner(model_path, ranks, num_slots=4, max_model_len=512)
         try:
             outputs.append(_greedy_runs(runner, config))
         finally:

@@ -20,7 +20,7 @@ import torch
 from slotserve.bench.model_shapes import SMOLLM2_135M
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import (
@@ -60,7 +60,7 @@ def smollm2(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def gpu_runner(smollm2: Path) -> Iterator[TorchRunner]:
     runner = TorchRunner(
         TorchLoadConfig(
-            smollm2, num_slots=2, max_seq_len=2048, device="cuda", kv_memory_bytes=KV_MEMORY
+            smollm2, num_slots=2, max_model_len=2048, device="cuda", kv_memory=KV_MEMORY
         )
     )
     yield runner
@@ -96,7 +96,7 @@ def test_greedy_parity_with_transformers_on_the_gpu(
         num_slots=8,
         dtype="float32",
         device="cuda",
-        kv_memory_bytes=KV_MEMORY,
+        kv_memory=KV_MEMORY,
         attention_backend=attention,
         enforce_eager=eager,
     )
@@ -129,7 +129,7 @@ def test_lora_adapters_match_transformers_with_peft_on_the_gpu(
         num_slots=8,
         dtype="float32",
         device="cuda",
-        kv_memory_bytes=KV_MEMORY,
+        kv_memory=KV_MEMORY,
         lora_modules=(("a", str(adapter)),),
     )
     runner = TorchRunner(load)
@@ -155,7 +155,7 @@ def alone_and_batched(smollm2: Path, eager: bool) -> tuple[dict[str, Any], dict[
         smollm2,
         num_slots=16,
         device="cuda",
-        kv_memory_bytes=KV_MEMORY,
+        kv_memory=KV_MEMORY,
         batch_invariant=True,
         enforce_eager=eager,
     )
@@ -223,10 +223,10 @@ def test_qwen35_resumes_from_state_snapshots_on_the_gpu(
     load = TorchLoadConfig(
         folder,
         num_slots=4,
-        max_seq_len=1024,
-        state_snapshots=3,
+        max_model_len=1024,
+        prefix_cache_snapshots=3,
         device="cuda",
-        kv_memory_bytes=KV_MEMORY,
+        kv_memory=KV_MEMORY,
     )
     runner = TorchRunner(load)
     encode = runner.tokenizer.encode
@@ -270,7 +270,7 @@ def test_decode_throughput_smoke(smollm2: Path, attention: str, eager: bool) -> 
         smollm2,
         num_slots=64,
         device="cuda",
-        kv_memory_bytes=8 * KV_MEMORY,
+        kv_memory=8 * KV_MEMORY,
         attention_backend=attention,
         enforce_eager=eager,
     )

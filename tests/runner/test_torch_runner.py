@@ -19,7 +19,8 @@ from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pytorch.families.registry import config_from_gguf
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.checkpoint import read_model_config
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.prompts import PROMPTS
@@ -34,7 +35,7 @@ LOGPROB_TOLERANCE = 2e-4
 
 def _runner(path: Path, **options: object) -> TorchRunner:
     options.setdefault("num_slots", 8)
-    options.setdefault("max_seq_len", 1024)
+    options.setdefault("max_model_len", 1024)
     return TorchRunner(TorchLoadConfig(path, **options))  # type: ignore[arg-type]
 
 
@@ -169,7 +170,7 @@ def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
     from gguf import GGUFReader
 
     from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors
-    from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+    from slotserve.runners.pytorch.load.hf_folder import safetensors_tensors
     from slotserve.runners.pytorch.load.weights import load_into
     from slotserve.runners.pytorch.model.decoder import Decoder
 
@@ -327,7 +328,7 @@ def test_a_small_kv_pool_preempts_and_outputs_stay_those_of_each_request_alone(
     model_path: Path,
 ) -> None:
     # 4 sequences of ~60 + 64 tokens need ~32 blocks of 16; the pool has 14 blocks.
-    runner = _runner(model_path, num_slots=4, max_seq_len=224, kv_memory_bytes=14 * 16 * 23040)
+    runner = _runner(model_path, num_slots=4, max_model_len=224, kv_memory=14 * 16 * 23040)
     assert runner.model_info.kv_capacity_tokens == 14 * 16
     core = EngineCore(runner, EngineConfig(num_slots=4))
     prompts = [
@@ -346,7 +347,7 @@ def test_cached_prefixes_outlive_the_slots_in_the_pool_and_give_way_under_pressu
     # Two slots over a pool of 26 blocks of 16 positions: the radix tree holds cached prefixes'
     # blocks itself, so a prefix survives both slots running other work, and a pool that runs
     # short evicts it instead of preempting anyone.
-    runner = _runner(model_path, num_slots=2, max_seq_len=320, kv_memory_bytes=26 * 16 * 23040)
+    runner = _runner(model_path, num_slots=2, max_model_len=320, kv_memory=26 * 16 * 23040)
     encode = runner.tokenizer.encode
     system = encode(" ".join(PROMPTS[:4]))
     question = system + encode(" What comes next?")

@@ -17,9 +17,9 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch import gpu_kernels
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
-from slotserve.runners.pytorch.shard import triton_attention
+from slotserve.runners.pytorch.shard.model_shard import triton_attention
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, generate, greedy
 from tests.runner.hf_checkpoint import tiny_random_checkpoint

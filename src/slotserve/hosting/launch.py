@@ -9,14 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.hosting.config import (
-    LaunchConfig,
-    LlamaCppConfig,
-    ModelsConfig,
-    RunnerCommon,
-    RunnerConfig,
-    TorchConfig,
-)
+from slotserve.hosting.config import LaunchConfig, ModelsConfig, RunnerConfig
+from slotserve.options import option_values
+from slotserve.runners.options import LlamaCppConfig, RunnerCommon, TorchConfig
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 if TYPE_CHECKING:
@@ -60,18 +55,10 @@ def llama_cpp_spec(
         raise ValueError(f"the llama.cpp runner needs a .gguf file, not {model_path}")
     return LlamaCppSpec(
         model_path,
-        num_slots=engine.num_slots,
-        ctx_size=config.ctx_size,
-        max_batch_tokens=engine.max_batch_tokens,
-        n_threads=config.threads or None,
-        flash_attn=config.flash_attn,
+        **_recipe_settings(config, LlamaCppConfig, engine),
         model_name=model_name,
-        state_snapshots=_state_snapshots(config, engine),
-        repack=config.repack,
-        n_gpu_layers=config.n_gpu_layers,
-        lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
+        num_slots=engine.num_slots,
+        max_batch_tokens=engine.max_batch_tokens,
     )
 
 
@@ -79,7 +66,7 @@ def torch_spec(
     config: TorchConfig, engine: EngineConfig, model_path: Path, model_name: str
 ) -> TorchSpec:
     try:
-        from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+        from slotserve.runners.pytorch.load.settings import TorchLoadConfig
     except ImportError as exc:
         raise ValueError(
             f"the PyTorch runner needs its dependencies ({exc.name} is missing): "
@@ -88,29 +75,23 @@ def torch_spec(
 
     load = TorchLoadConfig(
         model_path,
+        **_recipe_settings(config, TorchConfig, engine),
+        model_name=model_name,
         num_slots=engine.num_slots,
         max_batch_tokens=engine.max_batch_tokens,
-        dtype=config.dtype,
-        device=config.device,
-        load_format=config.load_format,
-        max_seq_len=config.max_model_len,
-        kv_memory_bytes=config.kv_memory or 0,
-        gpu_memory_fraction=config.gpu_memory_fraction,
-        block_size=config.block_size,
-        threads=config.threads,
-        model_name=model_name,
-        tensor_parallel_size=config.tensor_parallel_size,
-        cpu_kernels=config.cpu_kernels,
-        state_snapshots=_state_snapshots(config, engine),
-        lora_modules=tuple(parse_lora_module(text) for text in config.lora_modules),
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        classifier_from_token=tuple(config.classifier_from_token),
-        attention_backend=config.attention_backend,
-        batch_invariant=config.batch_invariant,
-        enforce_eager=config.enforce_eager,
     )
     return TorchSpec(load)
+
+
+def _recipe_settings(
+    config: RunnerCommon, runner: type[RunnerCommon], engine: EngineConfig
+) -> dict[str, Any]:
+    """The ``runner``'s options as given, its adapters' texts parsed and its recurrent-state
+    snapshots resolved (what a recipe holds beyond the model and the engine's sizes)."""
+    return option_values(config, runner) | {
+        "lora_modules": tuple(parse_lora_module(text) for text in config.lora_modules),
+        "prefix_cache_snapshots": _state_snapshots(config, engine),
+    }
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

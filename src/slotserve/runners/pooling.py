@@ -57,7 +57,7 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
 
 class PromptPools:
     """``finish`` makes a slot's result of its pooled state: a normalised vector by default, a
-    reranker's score (``score_head.py``)."""
+    reranker's score (``pytorch/step/score_head.py``)."""
 
     def __init__(
         self,

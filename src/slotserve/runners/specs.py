@@ -1,38 +1,39 @@
 """Picklable recipes for the runners (``engine.runner_interface.RunnerSpec``): the engine
 process is started with one and builds its runner from it; the API process asks it for the
 frontend it keeps (tokenizer, structured-output check). Imports of a backend happen only when
-its recipe is used, so a llama.cpp server never imports torch."""
+its recipe is used, so a llama.cpp server never imports torch.
+
+A recipe is its runner's options (``options.py``: declared once, defaults and bounds there)
+with what the server adds: the model, its name, the engine's slots and batch, the adapters'
+``NAME=PATH`` texts parsed, and the recurrent-state snapshots hosting resolved."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slotserve.engine.config import EngineConfig
 from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.runner_interface import Runner, RunnerFrontend
+from slotserve.options import check_declared, declared_as
+from slotserve.runners.options import LlamaCppConfig
 
 if TYPE_CHECKING:
-    from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+    from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 
 
 @dataclass(frozen=True)
-class LlamaCppSpec:
+class LlamaCppSpec(LlamaCppConfig):
     model_path: Path
-    num_slots: int
-    ctx_size: int
-    max_batch_tokens: int
-    n_threads: int | None = None
-    flash_attn: bool = True
     model_name: str | None = None
-    state_snapshots: int = 0
-    repack: str = "auto"
-    lora_modules: tuple[tuple[str, str], ...] = ()
-    max_loras: int = 8
-    max_lora_rank: int = 64
-    n_gpu_layers: int = 0
+    num_slots: int = declared_as(EngineConfig, "num_slots")
+    max_batch_tokens: int = declared_as(EngineConfig, "max_batch_tokens")
+    # (name, GGUF adapter file) of each --lora-modules text.
+    lora_modules: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        check_declared(self)
         if self.n_gpu_layers:  # refused before any process starts, on a CPU-only build
             from slotserve.runners.llama_cpp.backend import check_gpu_offload
 
@@ -41,7 +42,21 @@ class LlamaCppSpec:
     def __call__(self) -> Runner:
         from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 
-        return LlamaCppRunner(**vars(self))  # the recipe's fields are the runner's arguments
+        return LlamaCppRunner(
+            self.model_path,
+            self.num_slots,
+            self.ctx_size,
+            self.max_batch_tokens,
+            n_threads=self.threads or None,
+            flash_attn=self.flash_attn,
+            model_name=self.model_name,
+            state_snapshots=self.prefix_cache_snapshots or 0,
+            repack=self.repack,
+            lora_modules=self.lora_modules,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            n_gpu_layers=self.n_gpu_layers,
+        )
 
     def frontend(self) -> RunnerFrontend:
         from slotserve.runners.llama_cpp.frontend import LlamaCppFrontend
@@ -61,7 +76,7 @@ class TorchSpec:
     load: TorchLoadConfig
 
     def __call__(self) -> Runner:
-        from slotserve.runners.pytorch.encoder import EncoderRunner, is_encoder
+        from slotserve.runners.pytorch.encoder.runner import EncoderRunner, is_encoder
         from slotserve.runners.pytorch.runner import TorchRunner
 
         if is_encoder(self.load.model_path):
@@ -74,7 +89,7 @@ class TorchSpec:
         return TorchFrontend(self.load.model_path)
 
     def memory_needed(self) -> MemoryNeed:
-        from slotserve.runners.pytorch.encoder import estimate_encoder_memory, is_encoder
+        from slotserve.runners.pytorch.encoder.runner import estimate_encoder_memory, is_encoder
         from slotserve.runners.pytorch.load.memory import estimate_memory
 
         if is_encoder(self.load.model_path):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import llama_cpp as llama
 
-from slotserve.runners.llama_cpp import REPACK_CHOICES
+from slotserve.runners.options import REPACK_CHOICES
 
 _GGML_BACKEND_DEVICE_TYPE_CPU = 0
 _FEATURE = re.compile(r"(\w+) = 1")

@@ -12,7 +12,6 @@ The price: one sequence can use at most ``ctx_size / num_slots`` tokens, and sha
 between slots copies KV between streams instead of sharing cells
 (docs/design/batch-invariance.md): ``llama_memory_seq_cp`` between streams copies the whole
 stream buffer (a few ms), then ``llama_memory_seq_rm`` trims the copy to the shared prefix.
-
 Hybrid models keep their recurrent state beside that KV: ``states.py``.
 """
 
@@ -49,6 +48,7 @@ from slotserve.runners.llama_cpp.metadata import pooling_of
 from slotserve.runners.llama_cpp.sampling import build_chain, sample_row, with_logprobs
 from slotserve.runners.llama_cpp.states import RECURRENT_PART, SequenceStates
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
+from slotserve.runners.options import LlamaCppConfig
 from slotserve.runners.pooling import PromptPools
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,14 @@ class LlamaCppRunner:
         ctx_size: int,
         max_batch_tokens: int,
         n_threads: int | None = None,
-        flash_attn: bool = True,
+        flash_attn: bool = LlamaCppConfig.flash_attn,
         model_name: str | None = None,
         state_snapshots: int = 0,
-        repack: str = "auto",
+        repack: str = LlamaCppConfig.repack,
         lora_modules: tuple[tuple[str, str], ...] = (),
-        max_loras: int = 8,
-        max_lora_rank: int = 64,
-        n_gpu_layers: int = 0,
+        max_loras: int = LlamaCppConfig.max_loras,
+        max_lora_rank: int = LlamaCppConfig.max_lora_rank,
+        n_gpu_layers: int = LlamaCppConfig.n_gpu_layers,
     ) -> None:
         init_llama_backend()
         check_gpu_offload(n_gpu_layers)

@@ -1,6 +1,3 @@
-"""The PyTorch runner (HF safetensors folders and GGUF files; CPU and CUDA). Nothing here
-imports torch: options can name this package's choices without loading it."""
-
-# --attention-backend: where the CPU kernels do not serve, the Triton kernels reading the paged
-# KV pool in place (gpu_kernels.py) or torch's operators over gathered K/V (model/attention.py).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+"""The PyTorch runner (HF safetensors folders and GGUF files; CPU and CUDA): ``runner.py``
+loads a model in one pass and runs its steps. Its options are declared in
+``runners/options.py``."""

@@ -1,12 +1,12 @@
-"""The PyTorch runner (see :class:`slotserve.engine.runner_interface.Runner`).
+"""The PyTorch runner (see :class:`slotserve.engine.runner_interface.Runner`): loaded in one
+pass (:class:`TorchRunner`'s constructor, the load plan), then one forward pass per engine step.
 
-One forward pass per engine step over a flattened batch: every scheduled chunk's tokens go
-through the projections and MLPs together; attention runs per group (all one-token chunks in
-one group, each longer chunk in its own) over the paged KV pool; only the rows that sample get
-logits. A slot's KV is its block table: the prefix cache holds the blocks of cached prefixes
-and shares them into a slot on a hit (``paged_kv``), a write into a shared block copies it
-first, and a pool that runs short answers ``reserve_kv`` with False so the engine evicts or
-preempts.
+A step runs over a flattened batch: every scheduled chunk's tokens go through the projections
+and MLPs together; attention runs per group (all one-token chunks in one group, each longer
+chunk in its own) over the paged KV pool; only the rows that sample get logits. A slot's KV is
+its block table: the prefix cache holds the blocks of cached prefixes and shares them into a
+slot on a hit (``paged_kv``), a write into a shared block copies it first, and a pool that
+runs short answers ``reserve_kv`` with False so the engine evicts or preempts.
 """
 
 from __future__ import annotations
@@ -25,32 +25,24 @@ from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
-from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
-from slotserve.runners.pytorch import score_head
-from slotserve.runners.pytorch.adapters import AdapterSet
-from slotserve.runners.pytorch.load.checkpoint import (
-    TorchLoadConfig,
-    read_model_config,
-    sampling_defaults,
-)
-from slotserve.runners.pytorch.load.gguf_file import open_gguf
+from slotserve.runners.pooling import PromptPools
+from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
+from slotserve.runners.pytorch.load.model_rules import context_cost, recurrent_state_rules
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.lora import StepLora
-from slotserve.runners.pytorch.model.tensor_parallel import (
-    join_group,
-    open_store,
-    rank_device,
-    shard_config,
-)
-from slotserve.runners.pytorch.model_rules import context_cost, recurrent_state_rules
-from slotserve.runners.pytorch.planner import StepPlanner
-from slotserve.runners.pytorch.sampler import (
+from slotserve.runners.pytorch.model.tensor_parallel import shard_config
+from slotserve.runners.pytorch.shard.model_shard import ModelShard
+from slotserve.runners.pytorch.shard.ranks import rank_device, start_ranks
+from slotserve.runners.pytorch.shard.step_plan import StepPlan
+from slotserve.runners.pytorch.step import score_head
+from slotserve.runners.pytorch.step.adapters import AdapterSet
+from slotserve.runners.pytorch.step.planner import StepPlanner
+from slotserve.runners.pytorch.step.sampler import (
     SequenceSampler,
     new_sequence_sampler,
     sample_chunks,
 )
-from slotserve.runners.pytorch.shard import ModelShard, StepPlan
-from slotserve.runners.pytorch.tokenizer import HfTokenizer
-from slotserve.runners.pytorch.tp_workers import TensorParallelRanks, rank_threads
 from slotserve.runners.pytorch.vision.step_inputs import VisionInputs
 
 logger = logging.getLogger(__name__)
@@ -60,11 +52,7 @@ class TorchFrontend:
     """What the API process keeps when this runner lives in the engine process."""
 
     def __init__(self, model_path: Path) -> None:
-        self._tokenizer = (
-            HfTokenizer.from_gguf(model_path)
-            if model_path.is_file()
-            else HfTokenizer.from_folder(model_path)
-        )
+        self._tokenizer = open_checkpoint(model_path).tokenizer()
 
     @property
     def tokenizer(self) -> HfTokenizer:
@@ -76,38 +64,47 @@ class TorchFrontend:
 
 class TorchRunner:
     def __init__(self, load: TorchLoadConfig) -> None:
+        """The load plan, every stage in the order it runs (nano-vllm's
+        ``ModelRunner.__init__``: config → model → weights → KV → graphs):
+
+        1. the checkpoint (``load/checkpoint.py``): an HF folder or a GGUF file, its family
+           and configuration, refused before any process starts or any weight is read; its
+           tokenizer, and a reranker's classifier tokens;
+        2. the other tensor-parallel ranks (``shard/ranks.py``), which build theirs alongside;
+        3. this rank's shard (``shard/model_shard.py``): the decoder, its weights stored in
+           their format (``load/weight_format.py``), the kernels, the recurrent states, the KV
+           pool, the decode graphs;
+        4. what rank 0 alone keeps: the family's vision tower, the LoRA adapters, the score
+           head and pooling, the step planner and samplers;
+        5. the ``ModelInfo`` the engine reads.
+        """
+        started = time.monotonic()
         self.load = load
         ranks = load.tensor_parallel_size
         if load.threads or ranks > 1:
-            torch.set_num_threads(rank_threads(load))
+            torch.set_num_threads(load.rank_threads)
         self.dtype = load.torch_dtype
-        path = load.model_path
-        reader = open_gguf(path) if path.is_file() else None  # read once: config and weights
-        self.config = config = read_model_config(path, reader)
-        shard_config(config, ranks)  # refused before any process starts
-        self.max_seq_len = load.sequence_length(config)
-        started = time.monotonic()
-        self._tokenizer = (
-            HfTokenizer.from_gguf(path) if path.is_file() else HfTokenizer.from_folder(path)
-        )
-        head_rows = score_head.token_ids(self._tokenizer, load.classifier_from_token, path)
-        self.device = rank_device(load.torch_device(), 0, ranks)
-        self.ranks: TensorParallelRanks | None = None
+
+        checkpoint = open_checkpoint(load.model_path)
+        self.config = config = checkpoint.config
+        # This rank's shape of the model: refused here, before any process starts.
+        rank_config = shard_config(config, ranks)
+        self._tokenizer = checkpoint.tokenizer()
+        head_rows = score_head.token_ids(self._tokenizer, load.classifier_from_token, checkpoint)
+        eog_token_ids = self._tokenizer.end_of_generation_ids(config.eos_token_ids)
+
+        self.device = rank_device(load.torch_device, 0, ranks)
+        self.ranks, tp = start_ranks(load, self.device, config.vocab_size)
         try:
-            tp = None
-            if ranks > 1:
-                store = open_store(0, ranks, 0)
-                self.ranks = TensorParallelRanks(load, store.port)
-                tp = join_group(store, 0, ranks, self.device, config.vocab_size)
-            self.shard = ModelShard(
-                load, config, reader, self.device, self.dtype, self.max_seq_len, tp, head_rows
-            )
+            self.shard = ModelShard(load, checkpoint, rank_config, self.device, tp, head_rows)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
             raise
         self.pool = self.shard.pool
-        self.image_inputs = VisionInputs.load(path, self.device, self.dtype, ranks)
+        self.max_seq_len = self.shard.max_seq_len
+
+        self.image_inputs = VisionInputs.load(checkpoint, self.device, self.dtype, ranks)
         kernels = self.shard.model.kernels
         self.lora = AdapterSet(
             config,
@@ -118,36 +115,39 @@ class TorchRunner:
         )
         for name, folder in load.lora_modules:
             self.lora.load(name, Path(folder))
-        bytes_per_token = self.shard.kv_bytes_per_token * ranks
-        num_blocks = self.pool.tables.num_blocks
-        self._samplers: dict[int, SequenceSampler] = {}
-        self._planner = StepPlanner(self.pool, self.shard.linear_states)
-        self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
-        self._forward_seconds = 0.0
         # A reranker scores its last token; a sentence-transformers folder names its pooling;
         # else the last token's final state.
-        self.score_head = score_head.choose(path, self.shard.classifier, self.shard.lm_head_rows)
-        named = sentence_transformers_pooling(path) if path.is_dir() else None
-        pooling = "last" if self.score_head is not None else named or "last"
+        self.score_head = score_head.choose(
+            checkpoint, self.shard.classifier, self.shard.lm_head_rows
+        )
+        pooling = "last" if self.score_head is not None else checkpoint.pooling() or "last"
         self._pools = PromptPools(pooling, self.score_head)
-        rules = recurrent_state_rules(config, self.snapshot_capacity)
+        self._planner = StepPlanner(self.pool, self.shard.linear_states)
+        self._samplers: dict[int, SequenceSampler] = {}
+        self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
+        self._forward_seconds = 0.0
+
+        snapshots = load.snapshots if self.shard.linear_states is not None else 0
+        rules = recurrent_state_rules(config, snapshots)
+        cost = context_cost(config, self.device)
         if self.score_head is not None:
             rules["speculative_unsupported"] = "the model is a reranker: it does not generate"
+        bytes_per_token = self.shard.kv_bytes_per_token * ranks
         self._info = ModelInfo(
             name=load.model_name or config.name,
             vocab_size=config.vocab_size,
             num_slots=load.num_slots,
             max_seq_len=self.max_seq_len,
-            eog_token_ids=self._tokenizer.end_of_generation_ids(config.eos_token_ids),
+            eog_token_ids=eog_token_ids,
             chat_template=self._tokenizer.chat_template,
             bos_token=self._tokenizer.bos_token,
             eos_token=self._tokenizer.eos_token,
             runner="torch",
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
-            context_cost=context_cost(config, self.device),
+            context_cost=cost,
             tensor_parallel_size=ranks,
-            sampling_defaults=sampling_defaults(path, reader),
+            sampling_defaults=checkpoint.sampling_defaults(),
             pooling=pooling,
             compute=self.shard.compute,
             lora_unsupported=(
@@ -160,6 +160,7 @@ class TorchRunner:
             whole_images=self.image_inputs is not None and self.image_inputs.tower.whole_images,
             **rules,
         )
+        num_blocks = self.pool.tables.num_blocks
         logger.info(
             "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "
             "(%.0f MiB) in %.1f s",
@@ -200,7 +201,7 @@ class TorchRunner:
     @property
     def snapshot_capacity(self) -> int:
         states = self.shard.linear_states
-        return 0 if states is None else self.load.state_snapshots
+        return 0 if states is None else self.load.snapshots
 
     @property
     def snapshot_bytes(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slotserve.runners.pytorch.families.vision.base import Vision
 from slotserve.runners.pytorch.model.config import (
     ModelConfig,
     UnsupportedModelError,
@@ -24,12 +25,45 @@ from slotserve.runners.pytorch.model.config import (
 )
 
 # The architecture suffix of a checkpoint with a classifier head (BERT's cross-encoders, a
-# decoder reranker) in place of an LM head.
+# decoder reranker) in place of an LM head, and the head's tensor a decoder's loader sets
+# aside.
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
+CLASSIFIER_WEIGHT = "score.weight"
+# sentence-transformers stores a non-default activation as a dotted torch path in
+# ``config.json`` (``sentence_transformers.activation_fn``); these two are the ones it writes
+# for one-label models.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+    "torch.nn.Sigmoid": torch.sigmoid,
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.Identity": lambda x: x,
+}
 
 
 def is_sequence_classifier(raw: Mapping[str, Any]) -> bool:
     return any(str(a).endswith(CLASSIFIER_SUFFIX) for a in raw.get("architectures") or [])
+
+
+def score_activation(
+    raw: Mapping[str, Any], name: str
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The activation of a sequence classifier's logit (a BERT cross-encoder's, a decoder
+    reranker's); None for a checkpoint that is not one. Raises for a classifier served nowhere
+    here (several labels)."""
+    if not is_sequence_classifier(raw):
+        return None
+    labels = int(raw.get("num_labels", len(raw.get("id2label") or {}) or 2))
+    if labels != 1:
+        raise ValueError(
+            f"{name}: a cross-encoder with {labels} labels is not served (one label only: "
+            "its logit is the relevance score)"
+        )
+    path = (raw.get("sentence_transformers") or {}).get("activation_fn")
+    if path is None:
+        return torch.sigmoid  # CrossEncoder's default for one label
+    if path not in _ACTIVATIONS:
+        raise ValueError(f"{name}: the cross-encoder activation {path!r} is not supported")
+    return _ACTIVATIONS[path]
 
 
 # llama.cpp's name for the norm before the MLP, where most families have HF's
@@ -215,6 +249,9 @@ class Family:
     gguf_names: Mapping[str, str] = field(default_factory=dict)
     # Undoes what llama.cpp's converter changed in a tensor, given its GGUF name template.
     gguf_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor] = _unchanged
+    # A vision-language family's images (its ``multimodal`` checkpoints with a
+    # ``vision_config``): their preparer and tower.
+    vision: Vision | None = None
 
     def weight_name(self, name: str) -> str | None:
         """A checkpoint's tensor name as the decoder's (``model.…``), None when unused."""
@@ -240,7 +277,8 @@ class EncoderConfig:
 
 @dataclass(frozen=True)
 class EncoderFamily:
-    """An encoder family, served by the encoder runner (``encoder.py``) for embeddings only."""
+    """An encoder family, served by the encoder runner (``encoder/runner.py``) for embeddings
+    and scores only."""
 
     model_types: tuple[str, ...]
     config: Callable[[Mapping[str, Any], str], EncoderConfig]  # (config.json, the model's name)

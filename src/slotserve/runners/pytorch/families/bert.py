@@ -1,6 +1,7 @@
 """BERT (``bert``), an encoder served for embeddings and, as a cross-encoder, for scores by
-``encoder.py``: its ``config.json`` keys, and the names its checkpoints give the weights (under
-``bert.`` in some; a cross-encoder's pooler and classifier too, see ``cross_encoder.py``)."""
+``encoder/runner.py``: its ``config.json`` keys, and the names its checkpoints give the weights
+(under ``bert.`` in some; a cross-encoder's pooler and classifier too, see
+``encoder/cross_encoder.py``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``text_config``): embeddings scaled by sqrt(hidden), RMSNorm weights stored as (w - 1), four
 norms per layer, GeGLU (tanh GELU), query scaling from ``query_pre_attn_scalar``,
 sliding-window layers with their own rotary base. GGUF: ``gemma3``, its norms stored as
-``1 + w``."""
+``1 + w``. Its images: SigLIP and a projector (``families/vision/gemma3.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from slotserve.runners.pytorch.families.base import Family, GgufKeys, HfConfig
+from slotserve.runners.pytorch.families.vision.gemma3 import Gemma3Vision
 from slotserve.runners.pytorch.model.config import ModelConfig
 
 
@@ -72,4 +73,5 @@ FAMILY = Family(
         "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     },
     gguf_tensor=_from_gguf,
+    vision=Gemma3Vision(),
 )

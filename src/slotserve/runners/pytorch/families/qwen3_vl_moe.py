@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from slotserve.runners.pytorch.families import qwen3_moe
 from slotserve.runners.pytorch.families.base import Family, HfConfig
+from slotserve.runners.pytorch.families.vision.qwen_vl import QwenVlVision
 from slotserve.runners.pytorch.model.config import ModelConfig
 
 
@@ -28,4 +29,5 @@ FAMILY = Family(
     multimodal=("qwen3_vl_moe",),
     text_prefixes=("model.language_model.",),
     skipped_weights=("model.visual.", "visual."),
+    vision=QwenVlVision("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeVisionModel"),
 )

@@ -27,6 +27,7 @@ from slotserve.runners.pytorch.families.base import (
     gguf_common_keys,
     is_sequence_classifier,
 )
+from slotserve.runners.pytorch.families.vision.base import Vision
 from slotserve.runners.pytorch.model.config import ModelConfig, UnsupportedModelError
 
 FAMILIES: tuple[Family | EncoderFamily, ...] = (
@@ -61,6 +62,16 @@ def family_of(config: ModelConfig) -> Family:
     return DECODERS[config.model_type]
 
 
+def vision_of(raw: Mapping[str, Any]) -> Vision | None:
+    """The images of a vision-language checkpoint (its ``config.json`` names a family's
+    multimodal model type and has a ``vision_config``); None for any other."""
+    model_type = raw.get("model_type")
+    family = DECODERS.get(str(model_type))
+    if family is None or model_type not in family.multimodal or "vision_config" not in raw:
+        return None
+    return family.vision
+
+
 def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
     """Validates an HF ``config.json`` (already parsed) without touching any weight."""
     model_type = raw.get("model_type")
@@ -78,7 +89,7 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         if tied is not None:
             raw["tie_word_embeddings"] = tied
     if is_sequence_classifier(raw):
-        # A sequence classifier has a score head instead of an LM head (``score_head.py``);
+        # A sequence classifier has a score head instead of an LM head (``step/score_head.py``);
         # the head tied to the embeddings costs nothing and is never read.
         raw = {**raw, "tie_word_embeddings": True}
     return family.config(HfConfig(raw, name, str(model_type)))

@@ -1,19 +1,71 @@
-"""A GGUF file: its metadata as plain values, and its tensors under HF names (dequantised with
-the ``gguf`` package), what llama.cpp's converter changed undone by the model's family.
-:func:`weights.load_into` takes them from there."""
+"""A GGUF file, as the load plan reads a checkpoint (``checkpoint.py``): its metadata as plain
+values, read by its family as the ``config.json`` it was converted from; its tensors under HF
+names (dequantised with the ``gguf`` package: the weight format's seam, ``weight_format.py``),
+what llama.cpp's converter changed undone by the family; its ``general.sampling.*`` keys; the
+tokenizer transformers converts from it. :func:`weights.load_into` takes the tensors from
+there."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from slotserve.runners.pytorch.families.registry import family_of
+from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults, from_gguf
+from slotserve.runners.pytorch.families.registry import config_from_gguf, family_of
+from slotserve.runners.pytorch.families.vision.base import Vision
+from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """Nothing is read until it is asked for; the header is parsed once."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    # A GGUF file holds no ``config.json`` of its own: no classifier head, no vision tower.
+    @property
+    def raw_config(self) -> Mapping[str, Any]:
+        return {}
+
+    @property
+    def vision(self) -> Vision | None:
+        return None
+
+    @cached_property
+    def reader(self) -> Any:
+        """The ``gguf.GGUFReader`` (opening one parses the whole header)."""
+        return open_gguf(self.path)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        return config_from_gguf(gguf_metadata(self.reader), self.name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return gguf_tensors(self.reader, self.config)
+
+    def tokenizer(self) -> HfTokenizer:
+        return HfTokenizer.from_gguf(self.path)
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The ``general.sampling.*`` keys over vLLM's neutral defaults."""
+        fields = self.reader.fields
+        own = from_gguf(lambda key: fields[key].contents() if key in fields else None)
+        return own.over(NEUTRAL)
+
+    def pooling(self) -> str | None:
+        return None
 
 
 def open_gguf(path: Path) -> Any:

@@ -8,7 +8,8 @@ import os
 import torch
 
 from slotserve.engine.memory_need import MemoryNeed
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
+from slotserve.runners.pytorch.load.checkpoint import read_model_config
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
 
@@ -16,8 +17,8 @@ from slotserve.runners.pytorch.model.tensor_parallel import shard_config
 def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:
     """KV bytes on CPU: ``--kv-memory``, else every slot's ``max_seq_len`` within a quarter of
     RAM."""
-    if load.kv_memory_bytes:
-        return load.kv_memory_bytes
+    if load.kv_memory:
+        return load.kv_memory
     blocks_per_sequence = -(-max_seq_len // load.block_size)  # whole blocks, rounded up
     wanted = load.num_slots * blocks_per_sequence * load.block_size * bytes_per_token
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -25,7 +26,7 @@ def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int)
 
 
 def decode_graph_bytes(config: ModelConfig, max_batch: int, dtype_bytes: int) -> int:
-    """What decode's CUDA graphs hold (``cuda_graphs.py``), at most: the largest bucket's
+    """What decode's CUDA graphs hold (``shard/cuda_graphs.py``), at most: the largest bucket's
     logits (the head's output and its float32 copy, twice over for the softmax's temporaries)
     and a few layers' activations, plus the captures' own bookkeeping."""
     logits = config.vocab_size * (dtype_bytes + 3 * 4)
@@ -45,8 +46,8 @@ def kv_blocks(
     after the weights (and any recurrent state) and the ``reserved`` bytes (decode graphs); on
     CPU :func:`cpu_kv_budget`."""
     block = load.block_size
-    if load.kv_memory_bytes:
-        budget = load.kv_memory_bytes
+    if load.kv_memory:
+        budget = load.kv_memory
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -73,7 +74,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     ranks = load.tensor_parallel_size
     shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
     dtype_bytes = load.torch_dtype.itemsize
-    max_seq_len = load.sequence_length(config)
+    max_seq_len = load.sequence_length(config.max_position_embeddings)
     hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
     attention = hidden * ((3 if config.attn_output_gate else 2) * q_dim + 2 * kv_dim)
@@ -91,16 +92,16 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
     weights = (embeddings + layers) * dtype_bytes
     per_token = config.kv_bytes_per_token(dtype_bytes)
-    on_gpu = load.torch_device().type == "cuda"
-    if on_gpu and not load.kv_memory_bytes:
+    on_gpu = load.torch_device.type == "cuda"
+    if on_gpu and not load.kv_memory:
         kv = max_seq_len * per_token
     else:
         kv = cpu_kv_budget(load, max_seq_len, per_token)
-        if load.kv_memory_bytes:
+        if load.kv_memory:
             kv *= ranks
     buffers = load.max_batch_tokens * config.vocab_size * 4 + ranks * 128 * 2**20
     if on_gpu and not load.enforce_eager:
         buffers += decode_graph_bytes(config, load.num_slots, dtype_bytes)
     # DeltaNet states: the slots' and the prefix cache's snapshots.
-    buffers += (load.num_slots + load.state_snapshots) * config.linear_state_bytes(dtype_bytes)
+    buffers += (load.num_slots + load.snapshots) * config.linear_state_bytes(dtype_bytes)
     return MemoryNeed(weights, kv, kv // per_token, buffers, device_share=float(on_gpu))

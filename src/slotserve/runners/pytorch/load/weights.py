@@ -1,9 +1,11 @@
-"""Weights into the decoder: an HF safetensors folder (sharded too), a GGUF file (dequantised
-with the ``gguf`` package), or random values of the right shapes (``--load-format dummy``).
+"""Weights into the decoder from their source (:class:`WeightSource`): a checkpoint's
+(``checkpoint.py``: an HF folder's safetensors, a GGUF file's tensors) or random values of the
+right shapes (:class:`RandomWeights`, ``--load-format dummy``).
 
-Every source yields ``(hf_name, tensor)`` pairs in HF's naming; :func:`load_into` copies each
-into its place, the q/k/v and gate/up pieces into their rows of the fused projections, so no
-second full copy of the model is ever held. Experts are named one by one
+Every source yields ``(hf_name, tensor)`` pairs in HF's naming; :func:`load_into` puts each in
+its place, the q/k/v and gate/up pieces into their rows of the fused projections, so no second
+full copy of the model is ever held. A projection's weight is stored by the weight format
+(``weight_format.py``), everything else copied. Experts are named one by one
 (``mlp.experts.{e}.gate_proj.weight``, as HF checkpoints store them); stacked expert tensors
 (GGUF's ``ffn_*_exps``, a fused ``mlp.experts.gate_up_proj``) are cut into those names first.
 """
@@ -12,17 +14,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from slotserve.runners.pytorch.families.registry import family_of
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
-from slotserve.runners.pytorch.load.gguf_file import gguf_tensors
-from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.load.weight_format import DenseWeights, ProjectionRows, WeightFormat
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.decoder import Decoder, DecoderLayer
+from slotserve.runners.pytorch.model.layers import Projection
 from slotserve.runners.pytorch.model.moe import Expert
+
+# A weight's place: a projection's rows (the weight format stores them), or a tensor.
+Place = ProjectionRows | torch.Tensor
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -32,14 +37,23 @@ def load_into(
     model: Decoder,
     tensors: Iterator[tuple[str, torch.Tensor]],
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-) -> None:
-    """Copies every named tensor into ``model``; raises if one is unknown or one is missing.
-    ``shard``: cuts each whole tensor to a tensor-parallel rank's slice first."""
+    weights: WeightFormat | None = None,
+    set_aside: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """Puts every named tensor into ``model``; raises if one is unknown or one is missing.
+    ``shard``: cuts each whole tensor to a tensor-parallel rank's slice first; ``weights``:
+    how projections are stored (dense by default); ``set_aside``: tensors the decoder does not
+    hold (a sequence classifier's head), returned whole by name."""
+    weights = weights or DenseWeights()
     c = model.config
     family = family_of(c)
     expected = _expected_names(c)
     seen: set[str] = set()
+    aside: dict[str, torch.Tensor] = {}
     for raw_name, tensor in _per_expert(tensors, c.hidden_size):
+        if raw_name in set_aside:
+            aside[raw_name] = tensor
+            continue
         name = family.weight_name(raw_name)  # a multimodal checkpoint's text model
         if name is None or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -50,20 +64,28 @@ def load_into(
             tensor = shard(name, tensor)
         if target.shape != tensor.shape:
             raise ValueError(f"{raw_name}: shape {tuple(tensor.shape)}, expected {target.shape}")
-        target.copy_(tensor)
+        if isinstance(target, ProjectionRows):
+            weights.store(target, tensor)  # the weight format's one place
+        else:
+            target.copy_(tensor)
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return aside
 
 
-def _target(model: Decoder, name: str) -> torch.Tensor:
+def _rows(projection: Projection, start: int = 0, stop: int | None = None) -> ProjectionRows:
+    return ProjectionRows(projection, slice(start, stop))
+
+
+def _target(model: Decoder, name: str) -> Place:
     if name == "model.embed_tokens.weight":
         return model.embed.weight
     if name == "model.norm.weight":
         return model.norm.weight
     if name == "lm_head.weight":
-        return model.lm_head.weight
+        return _rows(model.lm_head)
     match = _LAYER.match(name)
     if match is None:
         raise ValueError(f"unexpected tensor {name}")
@@ -85,33 +107,33 @@ def _target(model: Decoder, name: str) -> torch.Tensor:
     return pieces[part]
 
 
-def _mixer_pieces(layer: DecoderLayer, c: ModelConfig) -> dict[str, torch.Tensor]:
-    """Attention's (or a Gated DeltaNet layer's) tensors by HF name, as views of the fused
-    weights they go into."""
+def _mixer_pieces(layer: DecoderLayer, c: ModelConfig) -> dict[str, Place]:
+    """Attention's (or a Gated DeltaNet layer's) tensors by HF name, as their places in the
+    fused weights they go into."""
     if layer.is_linear:
         linear = layer.linear
         channels, heads = c.linear_conv_channels, c.linear_num_value_heads
         value_dim = heads * c.linear_value_head_dim
-        rows = linear.in_proj.weight
+        in_proj = linear.in_proj
         z_end = channels + value_dim
         return {
-            "linear_attn.in_proj_qkv.weight": rows[:channels],
-            "linear_attn.in_proj_z.weight": rows[channels:z_end],
-            "linear_attn.in_proj_b.weight": rows[z_end : z_end + heads],
-            "linear_attn.in_proj_a.weight": rows[z_end + heads :],
+            "linear_attn.in_proj_qkv.weight": _rows(in_proj, 0, channels),
+            "linear_attn.in_proj_z.weight": _rows(in_proj, channels, z_end),
+            "linear_attn.in_proj_b.weight": _rows(in_proj, z_end, z_end + heads),
+            "linear_attn.in_proj_a.weight": _rows(in_proj, z_end + heads),
             "linear_attn.conv1d.weight": linear.conv_weight.view(channels, 1, -1),
             "linear_attn.A_log": linear.A_log,
             "linear_attn.dt_bias": linear.dt_bias,
             "linear_attn.norm.weight": linear.norm.weight,
-            "linear_attn.out_proj.weight": linear.out_proj.weight,
+            "linear_attn.out_proj.weight": _rows(linear.out_proj),
         }
     kv = c.num_kv_heads * c.head_dim
     q = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)
-    pieces: dict[str, torch.Tensor] = {
-        "self_attn.q_proj.weight": layer.qkv.weight[:q],
-        "self_attn.k_proj.weight": layer.qkv.weight[q : q + kv],
-        "self_attn.v_proj.weight": layer.qkv.weight[q + kv :],
-        "self_attn.o_proj.weight": layer.o_proj.weight,
+    pieces: dict[str, Place] = {
+        "self_attn.q_proj.weight": _rows(layer.qkv, 0, q),
+        "self_attn.k_proj.weight": _rows(layer.qkv, q, q + kv),
+        "self_attn.v_proj.weight": _rows(layer.qkv, q + kv),
+        "self_attn.o_proj.weight": _rows(layer.o_proj),
     }
     if c.attention_bias:
         pieces |= {
@@ -127,34 +149,32 @@ def _mixer_pieces(layer: DecoderLayer, c: ModelConfig) -> dict[str, torch.Tensor
     return pieces
 
 
-def _mlp_pieces(layer: DecoderLayer, c: ModelConfig, part: str) -> dict[str, torch.Tensor]:
+def _mlp_pieces(layer: DecoderLayer, c: ModelConfig, part: str) -> dict[str, Place]:
     if not layer.sparse:
         inter = c.intermediate_size
         return {
-            "mlp.gate_proj.weight": layer.gate_up.weight[:inter],
-            "mlp.up_proj.weight": layer.gate_up.weight[inter:],
-            "mlp.down_proj.weight": layer.down.weight,
+            "mlp.gate_proj.weight": _rows(layer.gate_up, 0, inter),
+            "mlp.up_proj.weight": _rows(layer.gate_up, inter),
+            "mlp.down_proj.weight": _rows(layer.down),
         }
     moe = layer.moe
-    pieces = {"mlp.gate.weight": moe.router.weight}
+    pieces: dict[str, Place] = {"mlp.gate.weight": _rows(moe.router)}
     expert = _EXPERT.match(part)
     if expert is not None and int(expert.group(1)) < c.num_experts:
         mlp = moe.experts[int(expert.group(1))]
         pieces[part] = _expert_piece(mlp, expert.group(2), c.moe_intermediate_size)
     if moe.shared is not None and moe.shared_gate is not None:
         inter = c.shared_expert_intermediate_size
-        pieces["mlp.shared_expert_gate.weight"] = moe.shared_gate.weight
+        pieces["mlp.shared_expert_gate.weight"] = _rows(moe.shared_gate)
         for kind in ("gate", "up", "down"):
             pieces[f"mlp.shared_expert.{kind}_proj.weight"] = _expert_piece(moe.shared, kind, inter)
     return pieces
 
 
-def _expert_piece(expert: Expert, kind: str, intermediate: int) -> torch.Tensor:
-    return {
-        "gate": expert.gate_up.weight[:intermediate],
-        "up": expert.gate_up.weight[intermediate:],
-        "down": expert.down.weight,
-    }[kind]
+def _expert_piece(expert: Expert, kind: str, intermediate: int) -> ProjectionRows:
+    if kind == "down":
+        return _rows(expert.down)
+    return _rows(expert.gate_up, *((0, intermediate) if kind == "gate" else (intermediate,)))
 
 
 def _expected_names(c: ModelConfig) -> set[str]:
@@ -235,36 +255,38 @@ def _per_expert(
                 yield f"{prefix}.{expert}.{kind}.weight", rows
 
 
-# ---- sources --------------------------------------------------------------------------------
+class WeightSource(Protocol):
+    """Where the weights come from (``--load-format``): the checkpoint's own tensors
+    (``checkpoint.py``), or :class:`RandomWeights`."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight of the whole model under its HF name, one at a time."""
+        ...
 
 
-def checkpoint_tensors(
-    load: TorchLoadConfig, config: ModelConfig, gguf_reader: Any
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights ``load`` names: random ones (``--load-format dummy``), a GGUF file's (its
-    reader already open), or an HF folder's safetensors."""
-    if load.load_format == "dummy":
-        return dummy_tensors(config)
-    if gguf_reader is not None:
-        return gguf_tensors(gguf_reader, config)
-    return safetensors_tensors(load.model_path)
+@dataclass(frozen=True)
+class RandomWeights:
+    """``--load-format dummy``: random weights of the whole model's shapes (benchmarks without
+    the real weights): norms at their neutral value, DeltaNet decays spread as HF initialises
+    them."""
 
+    config: ModelConfig
+    seed: int = 0
 
-def dummy_tensors(c: ModelConfig, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights of the whole model's shapes (benchmarks without the real weights): norms
-    at their neutral value, DeltaNet decays spread as HF initialises them."""
-    with torch.device("meta"):  # shapes only
-        model = Decoder(c, torch.float32, 1)
-    generator = torch.Generator().manual_seed(seed)
-    for name in sorted(_expected_names(c)):
-        shape = _target(model, name).shape
-        if name.endswith("linear_attn.norm.weight"):
-            yield name, torch.ones(shape)  # plain w even where the other norms are (1 + w)
-        elif "norm" in name:
-            yield name, torch.full(shape, 0.0 if c.plus_one_norms else 1.0)
-        elif name.endswith("A_log"):
-            yield name, torch.empty(shape).uniform_(1, 16, generator=generator).log()
-        elif name.endswith("dt_bias"):
-            yield name, torch.ones(shape)
-        else:
-            yield name, torch.randn(shape, generator=generator) * 0.02
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        c = self.config
+        with torch.device("meta"):  # shapes only
+            model = Decoder(c, torch.float32, 1)
+        generator = torch.Generator().manual_seed(self.seed)
+        for name in sorted(_expected_names(c)):
+            shape = _target(model, name).shape
+            if name.endswith("linear_attn.norm.weight"):
+                yield name, torch.ones(shape)  # plain w even where the other norms are (1 + w)
+            elif "norm" in name:
+                yield name, torch.full(shape, 0.0 if c.plus_one_norms else 1.0)
+            elif name.endswith("A_log"):
+                yield name, torch.empty(shape).uniform_(1, 16, generator=generator).log()
+            elif name.endswith("dt_bias"):
+                yield name, torch.ones(shape)
+            else:
+                yield name, torch.randn(shape, generator=generator) * 0.02

@@ -12,7 +12,8 @@ Per token ``t`` of a sequence and per value head (key head ``j // (n_v / n_k)``)
 
 then ``o`` is RMS-normalised per head (plain ``w``), gated by ``silu(z_t)`` and projected
 out. A sequence's state is the convolution's last ``kernel - 1`` inputs and ``S`` per layer
-(:class:`LinearStatePool`, one row per slot, zeroed when a sequence starts at position 0).
+(``shard/pools.py``: ``LinearStatePool``, one row per slot, zeroed when a sequence starts at
+position 0).
 
 Two forms of the same recurrence. A decoded token takes the step above, batched over the
 step's decoding sequences. Prompt chunks take the chunked form: blocks of ``BLOCK`` tokens,
@@ -22,7 +23,7 @@ on a grid anchored at position 0, the prompt's last block taking the odd part; t
 chunk policy cuts prompts on the same grid, so a prompt's blocks, and their bits, are the
 same however the scheduler cut it and whatever ran beside it (batch invariance), and the
 state at a multiple of ``BLOCK`` is the same for every prompt through that prefix: a
-snapshot of it (a spare row of :class:`LinearStatePool`) lets the prefix cache resume
+snapshot of it (a spare row of ``LinearStatePool``) lets the prefix cache resume
 another prompt from there. The two forms agree to float32 rounding, not bit for bit: a
 preempted sequence recomputing its output tokens as a prompt may differ from its first pass
 in the last bits.
@@ -79,52 +80,6 @@ class LinearStep:
     @property
     def num_decode(self) -> int:
         return int(self.decode_slots.shape[0])
-
-
-class LinearStatePool:
-    """Every slot's DeltaNet state, per linear layer: ``conv[row]`` the convolution's last
-    ``kernel - 1`` inputs (model dtype), ``recurrent[row]`` the ``[heads, d_k, d_v]`` float32
-    matrices. Rows ``0 .. num_slots - 1`` are the slots'; the ``num_snapshots`` after them keep
-    states saved for the prefix cache (:meth:`snapshot_row`)."""
-
-    def __init__(
-        self,
-        c: ModelConfig,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        num_snapshots: int = 0,
-    ) -> None:
-        rows = num_slots + num_snapshots
-        self.num_slots = num_slots
-        conv_shape = (rows, c.linear_conv_kernel - 1, c.linear_conv_channels)
-        heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        self.layers = {
-            index: (
-                torch.zeros(conv_shape, dtype=dtype, device=device),
-                torch.zeros((rows, heads, dk, dv), dtype=torch.float32, device=device),
-            )
-            for index in range(c.num_layers)
-            if c.is_linear(index)
-        }
-
-    def snapshot_row(self, snapshot: int) -> int:
-        return self.num_slots + snapshot
-
-    def reset(self, slots: list[int]) -> None:
-        if not slots:  # most steps: nothing starts at position 0
-            return
-        for conv, recurrent in self.layers.values():
-            conv[slots] = 0
-            recurrent[slots] = 0
-
-    def copy(self, src_row: int, dst_row: int) -> None:
-        for conv, recurrent in self.layers.values():
-            conv[dst_row] = conv[src_row]
-            recurrent[dst_row] = recurrent[src_row]
-
-    def clear(self) -> None:
-        self.layers.clear()
 
 
 def linear_attention(

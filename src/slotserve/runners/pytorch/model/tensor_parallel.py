@@ -8,31 +8,22 @@ the LM head (vocab parallel: a token's embedding comes from the rank that owns i
 are gathered). The model code is unchanged otherwise: it is built from :func:`shard_config`,
 whose head and MLP sizes are one rank's.
 
-The ranks talk through a process group of their own (a ``TCPStore`` on loopback and a gloo or
-NCCL group built from it), never torch.distributed's global default group: an engine process
-can hold several models, each with its own ranks.
+The ranks talk through a process group of their own (``shard/ranks.py`` starts them and builds
+it), never torch.distributed's global default group: an engine process can hold several
+models, each with its own ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllreduceOptions, PrefixStore, ReduceOp, TCPStore
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
 
 from slotserve.runners.pytorch.model.config import ModelConfig, UnsupportedModelError
-
-# A step blocks in a collective while a peer computes; a peer that died turns into an error
-# (its socket closes), so this only bounds a peer that hangs.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-# Ranks join before loading any weight: only a rank that failed to start is this late.
-JOIN_TIMEOUT = datetime.timedelta(minutes=2)
 
 # Dense MLP, every expert and the shared expert alike; ``mlp.gate`` (the MoE router) and
 # ``mlp.shared_expert_gate`` are whole on every rank.
@@ -78,6 +69,25 @@ class TensorParallel:
         self.group.allgather([parts], [logits.contiguous()]).wait()
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
+    def slice_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole weight, by its HF name (for ``weights.load_into``)."""
+        if name in _VOCAB_PARALLEL:
+            rows = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
+            if rows.shape[0] == self.vocab_rows:
+                return rows
+            padded = tensor.new_zeros((self.vocab_rows, *tensor.shape[1:]))
+            padded[: rows.shape[0]] = rows
+            return padded
+        if _COLUMN_PARALLEL.search(name):
+            return self._piece(tensor, 0)  # output rows (and a bias)
+        if _ROW_PARALLEL.search(name):
+            return self._piece(tensor, 1)  # input columns
+        return tensor  # norms, the MoE router, the shared expert's gate: on every rank
+
+    def _piece(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        share = tensor.shape[dim] // self.size
+        return tensor.narrow(dim, self.rank * share, share)
+
     def embed(self, embedding: torch.nn.Embedding, token_ids: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the tokens it owns and zeroes the others: the sum over ranks is
         every token's one embedding row (sums of a value and zeros: exact in any dtype)."""
@@ -85,45 +95,6 @@ class TensorParallel:
         outside = (local < 0) | (local >= self.vocab_rows)
         rows = embedding(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
         return self.all_reduce(rows)
-
-
-def open_store(rank: int, size: int, port: int) -> TCPStore:
-    """The group's rendezvous on loopback: rank 0 serves it (``port`` 0: any free port, read
-    back from ``store.port``), the other ranks connect to it."""
-    return TCPStore(
-        "127.0.0.1",
-        port,
-        size,
-        is_master=rank == 0,
-        timeout=JOIN_TIMEOUT,
-        wait_for_workers=False,
-    )
-
-
-def join_group(
-    store: TCPStore, rank: int, size: int, device: torch.device, vocab_size: int
-) -> TensorParallel:
-    """Blocks until every rank joined. NCCL when every rank has a GPU of its own, else gloo
-    (CPU; several ranks sharing one GPU)."""
-    prefix = PrefixStore("slotserve-tp", store)
-    group: Any
-    if nccl_usable(device, size):
-        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-        group = dist.ProcessGroupNCCL(prefix, rank, size)  # type: ignore[call-arg]
-    else:
-        group = dist.ProcessGroupGloo(prefix, rank, size, COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, size, group, vocab_size, device)
-
-
-def nccl_usable(device: torch.device, size: int) -> bool:
-    return device.type == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= size
-
-
-def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
-    """A GPU per rank where there are enough of them, else every rank on the one device."""
-    if device.type == "cuda" and torch.cuda.device_count() >= size:
-        return torch.device("cuda", rank)
-    return device
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -157,27 +128,3 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
         moe_intermediate_size=config.moe_intermediate_size // size,
         shared_expert_intermediate_size=config.shared_expert_intermediate_size // size,
     )
-
-
-def tensor_slicer(tp: TensorParallel) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """``(HF name, whole tensor) → this rank's slice`` for :func:`weights.load_into`."""
-
-    def piece(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        share = tensor.shape[dim] // tp.size
-        return tensor.narrow(dim, tp.rank * share, share)
-
-    def slice_for_rank(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name in _VOCAB_PARALLEL:
-            rows = tensor[tp.vocab_start : tp.vocab_start + tp.vocab_rows]
-            if rows.shape[0] == tp.vocab_rows:
-                return rows
-            padded = tensor.new_zeros((tp.vocab_rows, *tensor.shape[1:]))
-            padded[: rows.shape[0]] = rows
-            return padded
-        if _COLUMN_PARALLEL.search(name):
-            return piece(tensor, 0)  # output rows (and a bias)
-        if _ROW_PARALLEL.search(name):
-            return piece(tensor, 1)  # input columns
-        return tensor  # norms, the MoE router, the shared expert's gate: on every rank
-
-    return slice_for_rank

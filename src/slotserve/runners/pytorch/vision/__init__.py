@@ -1,2 +1,3 @@
-"""Images for the PyTorch runner: a vision family's image processing (API side), its vision
-tower, and the step inputs that put image embeddings and positions into the decoder."""
+"""Images for the PyTorch runner, whatever the family (whose record holds its preparer and
+tower: ``families/vision/``): the encodes run a piece at a time between steps, the encoder
+cache, and the step inputs that put image embeddings and positions into the decoder."""

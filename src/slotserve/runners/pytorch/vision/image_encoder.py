@@ -12,8 +12,8 @@ from functools import partial
 import torch
 
 from slotserve.engine.images import ImageInput
+from slotserve.runners.pytorch.families.vision.base import VisionTower
 from slotserve.runners.pytorch.vision.stepped_encoder import SteppedEncoder
-from slotserve.runners.pytorch.vision.towers import VisionTower
 
 # Image embeddings the encoder cache keeps once no sequence is using them (vLLM sizes its
 # encoder cache in embeddings too).

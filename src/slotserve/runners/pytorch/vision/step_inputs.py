@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,9 +20,10 @@ import torch
 
 from slotserve.engine.images import ImageInput
 from slotserve.engine.runner_interface import ScheduledChunk
+from slotserve.runners.pytorch.families.vision.base import VisionTower
+from slotserve.runners.pytorch.load.checkpoint import Checkpoint
 from slotserve.runners.pytorch.model.decoder import StepImages
 from slotserve.runners.pytorch.vision.image_encoder import ImageEncoder
-from slotserve.runners.pytorch.vision.towers import VisionTower, vision_config, vision_tower
 
 
 class _Slot:
@@ -42,15 +42,16 @@ class VisionInputs:
 
     @classmethod
     def load(
-        cls, path: Path, device: torch.device, dtype: torch.dtype, ranks: int
+        cls, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, ranks: int
     ) -> VisionInputs | None:
-        """For a vision-language checkpoint; None for a text model."""
-        raw = vision_config(path)
-        if raw is None:
+        """For a vision-language checkpoint, its family's tower; None for a text model."""
+        vision = checkpoint.vision
+        if vision is None:
             return None
         if ranks > 1:
             raise ValueError("a vision-language model is not served under tensor parallelism")
-        return cls(vision_tower(path, raw, device, dtype), device)
+        tower = vision.tower(checkpoint.raw_config, checkpoint.tensors(), device, dtype)
+        return cls(tower, device)
 
     def add_images(self, slot: int, images: Sequence[ImageInput]) -> None:
         for image in images:

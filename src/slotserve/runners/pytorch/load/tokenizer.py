@@ -53,20 +53,15 @@ class HfTokenizer:
             for i, piece in enumerate(pieces)
         ]
         self._pieces = [piece or "" for piece in pieces]
-        # A vision-language model's: an image → its patches and placeholder tokens.
+        # A vision-language model's (``HfFolder.tokenizer``): an image → its patches and
+        # placeholder tokens.
         self.image_preparer: ImagePreparer | None = None
 
     @classmethod
     def from_folder(cls, folder: Path) -> HfTokenizer:
         from transformers import AutoTokenizer
 
-        from slotserve.runners.pytorch.vision.towers import image_preparer, vision_config
-
-        tokenizer = cls(AutoTokenizer.from_pretrained(str(folder)))
-        raw = vision_config(folder)
-        if raw is not None:
-            tokenizer.image_preparer = image_preparer(folder, raw)
-        return tokenizer
+        return cls(AutoTokenizer.from_pretrained(str(folder)))
 
     @classmethod
     def from_gguf(cls, path: Path) -> HfTokenizer:

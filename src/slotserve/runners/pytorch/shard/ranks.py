@@ -1,6 +1,7 @@
 """Tensor-parallel ranks 1 .. N-1: each a process of its own (``python -m`` this module),
 started by rank 0's runner, which sends it every step's :class:`StepPlan` over a ZMQ PUSH
-socket of its own; the tensors themselves move through the ranks' process group.
+socket of its own; the tensors themselves move through the ranks' process group (a
+``TCPStore`` on loopback, rank 0's, and a gloo or NCCL group built from it).
 
 A rank loads its slice of the weights, joins the group, and then runs whatever plan comes,
 taking part in every all-reduce and logits gather; rank 0 alone schedules and samples. A
@@ -14,6 +15,7 @@ Subprocesses rather than ``multiprocessing``: the engine process is itself a dae
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import subprocess
@@ -24,16 +26,24 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 import zmq
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig, read_model_config
-from slotserve.runners.pytorch.load.gguf_file import open_gguf
-from slotserve.runners.pytorch.model.tensor_parallel import join_group, open_store, rank_device
-from slotserve.runners.pytorch.shard import ModelShard, StepPlan
+from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel, shard_config
+from slotserve.runners.pytorch.shard.model_shard import ModelShard
+from slotserve.runners.pytorch.shard.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000  # how often an idle rank checks that rank 0 is still there
+# A step blocks in a collective while a peer computes; a peer that died turns into an error
+# (its socket closes), so this only bounds a peer that hangs.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# Ranks join before loading any weight: only a rank that failed to start is this late.
+JOIN_TIMEOUT = datetime.timedelta(minutes=2)
 
 
 class Stop(msgspec.Struct, array_like=True, frozen=True, tag=True):
@@ -49,6 +59,23 @@ class RankProcess:
     rank: int
     process: subprocess.Popen[bytes]
     socket: zmq.Socket[bytes]
+
+
+def start_ranks(
+    load: TorchLoadConfig, device: torch.device, vocab_size: int
+) -> tuple[TensorParallelRanks | None, TensorParallel | None]:
+    """Rank 0's handle on the other ranks, started, and its place in their group (both None
+    without tensor parallelism). Blocks until every rank joined: they load alongside."""
+    size = load.tensor_parallel_size
+    if size == 1:
+        return None, None
+    store = open_store(0, size, 0)
+    ranks = TensorParallelRanks(load, store.port)
+    try:
+        return ranks, join_group(store, 0, size, device, vocab_size)
+    except BaseException:
+        ranks.close()
+        raise
 
 
 class TensorParallelRanks:
@@ -121,14 +148,13 @@ def _decode_load(text: str) -> TorchLoadConfig:
 def run_rank(load: TorchLoadConfig, rank: int, store_port: int, plans: str, parent: int) -> None:
     """A rank's life: join the group, load its slice, run plans until told to stop."""
     size = load.tensor_parallel_size
-    torch.set_num_threads(rank_threads(load))
-    device = rank_device(load.torch_device(), rank, size)
-    reader = open_gguf(load.model_path) if load.model_path.is_file() else None
-    config = read_model_config(load.model_path, reader)
-    max_seq_len = load.sequence_length(config)
+    torch.set_num_threads(load.rank_threads)
+    device = rank_device(load.torch_device, rank, size)
+    checkpoint = open_checkpoint(load.model_path)
+    rank_config = shard_config(checkpoint.config, size)
     store = open_store(rank, size, store_port)
-    tp = join_group(store, rank, size, device, config.vocab_size)
-    shard = ModelShard(load, config, reader, device, load.torch_dtype, max_seq_len, tp)
+    tp = join_group(store, rank, size, device, checkpoint.config.vocab_size)
+    shard = ModelShard(load, checkpoint, rank_config, device, tp)
     context = zmq.Context()
     socket = context.socket(zmq.PULL)
     socket.connect(plans)
@@ -153,9 +179,43 @@ def run_rank(load: TorchLoadConfig, rank: int, store_port: int, plans: str, pare
         shard.close()
 
 
-def rank_threads(load: TorchLoadConfig) -> int:
-    """``--threads`` for each rank, else the cores shared evenly between the ranks."""
-    return load.threads or max(1, (os.cpu_count() or 1) // load.tensor_parallel_size)
+def open_store(rank: int, size: int, port: int) -> TCPStore:
+    """The group's rendezvous on loopback: rank 0 serves it (``port`` 0: any free port, read
+    back from ``store.port``), the other ranks connect to it."""
+    return TCPStore(
+        "127.0.0.1",
+        port,
+        size,
+        is_master=rank == 0,
+        timeout=JOIN_TIMEOUT,
+        wait_for_workers=False,
+    )
+
+
+def join_group(
+    store: TCPStore, rank: int, size: int, device: torch.device, vocab_size: int
+) -> TensorParallel:
+    """Blocks until every rank joined. NCCL when every rank has a GPU of its own, else gloo
+    (CPU; several ranks sharing one GPU)."""
+    prefix = PrefixStore("slotserve-tp", store)
+    group: Any
+    if nccl_usable(device, size):
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+        group = dist.ProcessGroupNCCL(prefix, rank, size)  # type: ignore[call-arg]
+    else:
+        group = dist.ProcessGroupGloo(prefix, rank, size, COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank, size, group, vocab_size, device)
+
+
+def nccl_usable(device: torch.device, size: int) -> bool:
+    return device.type == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= size
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """A GPU per rank where there are enough of them, else every rank on the one device."""
+    if device.type == "cuda" and torch.cuda.device_count() >= size:
+        return torch.device("cuda", rank)
+    return device
 
 
 def main(argv: list[str]) -> None:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from slotserve.engine.runner_interface import ScheduledChunk
-from slotserve.runners.pytorch.kv_cache import KvPool
-from slotserve.runners.pytorch.model.deltanet import BLOCK, LinearStatePool
-from slotserve.runners.pytorch.shard import GroupPlan, StepPlan
+from slotserve.runners.pytorch.model.deltanet import BLOCK
+from slotserve.runners.pytorch.shard.pools import KvPool, LinearStatePool
+from slotserve.runners.pytorch.shard.step_plan import GroupPlan, StepPlan
 
 
 class StepPlanner:

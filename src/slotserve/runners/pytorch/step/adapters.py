@@ -12,8 +12,8 @@ import torch
 from slotserve.engine.adapters import HeldAdapters
 from slotserve.engine.runner_interface import AdapterInfo
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
 from slotserve.runners.pytorch.load.peft_adapter import read_adapter
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.lora import LoraAdapter, LowRank, StepLora, step_lora
 

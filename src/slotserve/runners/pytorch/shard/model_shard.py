@@ -1,6 +1,6 @@
 """What every tensor-parallel rank runs, rank 0 in the engine process and the others in theirs
-(``tp_workers.py``): its slice of the model and of the KV pool, and one step's forward pass
-from a :class:`StepPlan`.
+(``ranks.py``): its slice of the model and of the KV pool, built in one pass
+(:class:`ModelShard`), and one step's forward pass from a :class:`StepPlan`.
 
 A plan is plain numbers (token ids, positions, cache rows, block tables, block copies), built
 by rank 0 from the scheduled chunks and its block tables (only rank 0 keeps those), so every
@@ -12,112 +12,90 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import msgspec
 import torch
 
-from slotserve.runners.pytorch import ATTENTION_BACKENDS, gpu_kernels
+from slotserve.runners.options import ATTENTION_BACKENDS
+from slotserve.runners.pytorch import gpu_kernels
 from slotserve.runners.pytorch.cpu_kernels import compute_path, load_cpu_kernels
-from slotserve.runners.pytorch.cuda_graphs import Capture, DecodeGraphs, cuda_capture
-from slotserve.runners.pytorch.kv_cache import KvPool
-from slotserve.runners.pytorch.load.checkpoint import TorchLoadConfig
+from slotserve.runners.pytorch.families.base import CLASSIFIER_WEIGHT
+from slotserve.runners.pytorch.load.checkpoint import Checkpoint
 from slotserve.runners.pytorch.load.memory import decode_graph_bytes, kv_blocks
-from slotserve.runners.pytorch.load.weights import checkpoint_tensors, load_into
-from slotserve.runners.pytorch.model.attention import (
-    AttentionGroup,
-    PagedStep,
-    StepAttention,
-    build_group,
-)
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.load.weight_format import weight_format
+from slotserve.runners.pytorch.load.weights import RandomWeights, WeightSource, load_into
+from slotserve.runners.pytorch.model.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.decoder import Decoder, StepImages
-from slotserve.runners.pytorch.model.deltanet import LinearStatePool, LinearStep
+from slotserve.runners.pytorch.model.deltanet import LinearStep
 from slotserve.runners.pytorch.model.lora import StepLora
-from slotserve.runners.pytorch.model.tensor_parallel import (
-    TensorParallel,
-    shard_config,
-    tensor_slicer,
+from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
+from slotserve.runners.pytorch.shard.cuda_graphs import (
+    Capture,
+    DecodeGraphs,
+    capture_decode,
+    cuda_capture,
 )
-from slotserve.runners.pytorch.score_head import CLASSIFIER_WEIGHT
+from slotserve.runners.pytorch.shard.pools import KvPool, LinearStatePool
+from slotserve.runners.pytorch.shard.step_plan import StepPlan, paged_step
 
 logger = logging.getLogger(__name__)
 
 
-class GroupPlan(msgspec.Struct, array_like=True, frozen=True):
-    """Sequences that attend together (see ``attention.build_group``)."""
-
-    first_row: int
-    tables: list[list[int]]
-    starts: list[int]
-    q_len: int
-
-
-class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=True):
-    tokens: list[int]
-    positions: list[int]
-    write_rows: list[int]  # the KV cache row of each token
-    groups: list[GroupPlan]
-    block_copies: list[tuple[int, int]]  # copy-on-write before the step: (source, target)
-    logit_rows: list[list[int]]  # rows whose logits are computed, call by call, in order
-    # Gated DeltaNet (``deltanet.LinearStep``): slots starting from a zero state, slots
-    # resuming from a saved state (pool row, slot), decoding slots, prompt chunks (row,
-    # length, slot, position), states to save (slot, position, pool row).
-    linear_resets: list[int] = []
-    linear_loads: list[tuple[int, int]] = []
-    linear_decode: list[int] = []
-    linear_prefills: list[tuple[int, int, int, int]] = []
-    linear_saves: list[tuple[int, int, int]] = []
-
-
 class ModelShard:
     """One rank's decoder (the whole model without tensor parallelism) with its KV pool and
-    recurrent states; ``config`` is the whole model's."""
+    recurrent states."""
 
     def __init__(
         self,
         load: TorchLoadConfig,
-        config: ModelConfig,
-        gguf_reader: Any,
+        checkpoint: Checkpoint,
+        rank_config: ModelConfig,
         device: torch.device,
-        dtype: torch.dtype,
-        max_seq_len: int,
         tp: TensorParallel | None,
         lm_head_rows: Sequence[int] = (),
     ) -> None:
-        """``lm_head_rows``: vocabulary rows of the LM head kept aside in float32, as
-        ``lm_head_rows`` (a reranker's classifier tokens, ``score_head.py``), read before
-        the weights are packed for the kernels."""
+        """The rank's build, in the order it runs: the compute path's choices, the decoder of
+        ``rank_config`` (this rank's shape of the model: ``tensor_parallel.shard_config``),
+        its weights from their source stored in their format, the kernels, the recurrent
+        states, the KV pool (what memory is left), the decode graphs. ``lm_head_rows``:
+        vocabulary rows of the LM head kept aside in float32, as ``lm_head_rows`` (a
+        reranker's classifier tokens, ``step/score_head.py``), read before the weights are
+        packed for the kernels."""
+        config, dtype = checkpoint.config, load.torch_dtype
         self.device = device
-        backend = "triton" if load.batch_invariant else load.attention_backend
-        self.triton = triton_attention(backend, device)
-        local = shard_config(config, tp.size if tp is not None else 1)
         if load.batch_invariant:
-            _check_invariant_layers(local)
-        with torch.device(device):
-            self.model = Decoder(local, dtype, max_seq_len, tp)
-        self.model.eval()
-        tensors = checkpoint_tensors(load, config, gguf_reader)
-        self.classifier: torch.Tensor | None = None  # a sequence classifier's score head
-        load_into(
-            self.model, self._set_aside(tensors), tensor_slicer(tp) if tp is not None else None
+            _check_invariant_layers(config)
+        self.triton = triton_attention(
+            "triton" if load.batch_invariant else load.attention_backend, device
         )
+        graphs = decode_graphs_apply(load, config, device, self.triton, tp)
+        self.max_seq_len = load.sequence_length(config.max_position_embeddings)
+
+        with torch.device(device):
+            self.model = Decoder(rank_config, dtype, self.max_seq_len, tp)
+        self.model.eval()
+
+        source: WeightSource = RandomWeights(config) if load.load_format == "dummy" else checkpoint
+        weights = weight_format()
+        slicer = tp.slice_weight if tp is not None else None
+        aside = load_into(
+            self.model, source.tensors(), slicer, weights, set_aside=(CLASSIFIER_WEIGHT,)
+        )
+        # A sequence classifier's score head (``step/score_head.py``).
+        self.classifier = aside[CLASSIFIER_WEIGHT].float() if aside else None
         self.lm_head_rows = (
             self.model.lm_head.weight[list(lm_head_rows)].float().clone() if lm_head_rows else None
         )
-        if load.batch_invariant:
-            self.model.use_invariant_matmul()
-        elif device.type == "cpu" and dtype == torch.bfloat16:
-            # Batch invariance holds in bfloat16 on CPU only (attention.py).
-            if load.cpu_kernels and local.head_dim % 16 == 0:
-                self.model.kernels = load_cpu_kernels()
-            if self.model.kernels is not None and self.model.kernels.has_gemm:
-                self.model.prepack(self.model.kernels)
-            else:
-                self.model.make_batch_invariant()
-                if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-                    self.model.prepack()
+
+        # The CPU kernels serve in bfloat16 on CPU, where batch invariance holds
+        # (``model/attention.py``), unless --batch-invariant chose the Triton path; then the
+        # projections are made ready for the compute path.
+        kernels_may_serve = device.type == "cpu" and dtype == torch.bfloat16 and load.cpu_kernels
+        if kernels_may_serve and not load.batch_invariant and rank_config.head_dim % 16 == 0:
+            self.model.kernels = load_cpu_kernels()
+        weights.prepare(self.model, load.batch_invariant)
         self.compute = compute_path(device, dtype, self.model.kernels)
         if self.triton:
             matmuls = "invariant Triton" if load.batch_invariant else "torch"
@@ -126,34 +104,27 @@ class ModelShard:
                 kernels=f"Triton paged attention, {matmuls} matmuls ({dtype})",
                 batch_invariant=load.batch_invariant,
             )
+
         # Gated DeltaNet layers: a fixed state per slot, allocated before the KV pool is sized.
         self.linear_states = (
-            LinearStatePool(local, load.num_slots, dtype, device, load.state_snapshots)
-            if local.linear_layers
+            LinearStatePool(rank_config, load.num_slots, dtype, device, load.snapshots)
+            if rank_config.linear_layers
             else None
         )
-        self.kv_bytes_per_token = local.kv_bytes_per_token(dtype.itemsize)
-        graphs = decode_graphs_apply(load, local, device, self.triton, tp)
-        reserved = decode_graph_bytes(local, load.num_slots, dtype.itemsize) if graphs else 0
-        num_blocks = kv_blocks(load, device, max_seq_len, self.kv_bytes_per_token, reserved)
+        self.kv_bytes_per_token = rank_config.kv_bytes_per_token(dtype.itemsize)
+        reserved = decode_graph_bytes(rank_config, load.num_slots, dtype.itemsize) if graphs else 0
+        num_blocks = kv_blocks(load, device, self.max_seq_len, self.kv_bytes_per_token, reserved)
         if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
             num_blocks = tp.min_across_ranks(num_blocks)
-        self.pool = KvPool(local, num_blocks, load.block_size, load.num_slots, dtype, device)
-        self.max_seq_len = max_seq_len
+        self.pool = KvPool(rank_config, num_blocks, load.block_size, load.num_slots, dtype, device)
+
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = self.capture_decode(load.num_slots, cuda_capture(device))
+            self.graphs = capture_decode(
+                self.model, self.pool, load.num_slots, self.max_seq_len, cuda_capture(device)
+            )
             kernels = f"{self.compute.kernels}, decode steps in CUDA graphs"
             self.compute = dataclasses.replace(self.compute, kernels=kernels)
-
-    def _set_aside(
-        self, tensors: Iterator[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            if name == CLASSIFIER_WEIGHT:
-                self.classifier = tensor.float()
-            else:
-                yield name, tensor
 
     def forward(
         self, plan: StepPlan, lora: StepLora | None = None, images: StepImages | None = None
@@ -193,27 +164,9 @@ class ModelShard:
             images,
         )
 
-    @torch.inference_mode()
     def capture_decode(self, max_batch: int, capture: Capture) -> DecodeGraphs:
         """Decode steps of up to ``max_batch`` sequences as graphs (``cuda_graphs.py``)."""
-        # The attention kernel takes int32 numbers, as the eager steps give it (one compiled
-        # kernel for both).
-        order = torch.arange(max_batch, dtype=torch.int32, device=self.device)
-        ones = torch.ones(max_batch, dtype=torch.int32, device=self.device)
-        block_size = self.pool.block_size
-
-        def logits(
-            tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor
-        ) -> torch.Tensor:
-            size = tokens.shape[0]
-            paged = PagedStep(tables.int(), order[:size], positions.int(), rows, block_size)
-            tiles = gpu_kernels.RowTiles(order[:size], order[:size], ones[:size])
-            step = StepAttention(rows, [], paged, tiles)
-            hidden = self.model(tokens, positions, step, self.pool.layers)
-            return self.model.logits(hidden)
-
-        width = -(-self.max_seq_len // block_size)
-        return DecodeGraphs(logits, max_batch, width, self.pool.ballast_row, self.device, capture)
+        return capture_decode(self.model, self.pool, max_batch, self.max_seq_len, capture)
 
     def replay_decode(self, plan: StepPlan) -> torch.Tensor | None:
         """The logits of a step of one-token chunks that all sample, from a captured graph;
@@ -323,21 +276,3 @@ def triton_attention(backend: str, device: torch.device) -> bool:
             "interpreter the tests use)"
         )
     return True
-
-
-def paged_step(plan: StepPlan, block_size: int) -> PagedStep:
-    """The plan's groups as the kernels read them: one block table per sequence, and for each
-    token its sequence and position (tokens are group after group, sequence-major)."""
-    tables = [table for group in plan.groups for table in group.tables]
-    width = max((len(table) for table in tables), default=1)
-    token_seq: list[int] = []
-    for group in plan.groups:
-        for _ in group.tables:
-            token_seq.extend([token_seq[-1] + 1 if token_seq else 0] * group.q_len)
-    return PagedStep(
-        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        torch.tensor(token_seq, dtype=torch.int32),
-        torch.tensor(plan.positions, dtype=torch.int32),
-        torch.tensor(plan.write_rows, dtype=torch.int32),
-        block_size,
-    )

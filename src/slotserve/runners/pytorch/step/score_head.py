@@ -18,21 +18,17 @@ a score never depends on what ran beside it.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from slotserve.runners.pytorch.cross_encoder import score_activation
-from slotserve.runners.pytorch.tokenizer import HfTokenizer
-
-# The tensor a sequence classifier adds to its decoder; set aside from the decoder's weights.
-CLASSIFIER_WEIGHT = "score.weight"
+from slotserve.runners.pytorch.families.base import CLASSIFIER_WEIGHT, score_activation
+from slotserve.runners.pytorch.load.checkpoint import Checkpoint
+from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 
 
 def sigmoid(logit: float) -> float:
@@ -49,13 +45,10 @@ class ScoreHead:
         return [self.activation(float(np.dot(state.astype(np.float64), self.weight)))]
 
 
-def classifier_activation(path: Path) -> Callable[[float], float] | None:
+def classifier_activation(checkpoint: Checkpoint) -> Callable[[float], float] | None:
     """A sequence classifier folder's activation on its one logit; None for any other
     checkpoint (a GGUF file, a causal LM)."""
-    config_file = path / "config.json"
-    if not path.is_dir() or not config_file.is_file():
-        return None
-    torch_activation = score_activation(json.loads(config_file.read_text()), path.name)
+    torch_activation = score_activation(checkpoint.raw_config, checkpoint.name)
     if torch_activation is None:
         return None
     if torch_activation is torch.sigmoid:
@@ -63,14 +56,14 @@ def classifier_activation(path: Path) -> Callable[[float], float] | None:
     return lambda logit: float(torch_activation(torch.tensor(logit)))
 
 
-def token_ids(tokenizer: HfTokenizer, tokens: Sequence[str], path: Path) -> list[int]:
+def token_ids(tokenizer: HfTokenizer, tokens: Sequence[str], checkpoint: Checkpoint) -> list[int]:
     """The vocabulary ids of ``--classifier-from-token``'s tokens, each one whole token (as
     vLLM reads them); none without the flag."""
     if not tokens:
         return []
-    if classifier_activation(path) is not None:
+    if classifier_activation(checkpoint) is not None:
         raise ValueError(
-            f"{path.name} is a sequence classifier, scored by its own head: "
+            f"{checkpoint.name} is a sequence classifier, scored by its own head: "
             "--classifier-from-token is for a causal LM"
         )
     if not 1 <= len(tokens) <= 2:
@@ -79,20 +72,24 @@ def token_ids(tokenizer: HfTokenizer, tokens: Sequence[str], path: Path) -> list
     for token in tokens:
         token_id = tokenizer.vocabulary_id(token)
         if token_id is None:
-            raise ValueError(f"{path.name}: {token!r} is not a token of the model's vocabulary")
+            raise ValueError(
+                f"{checkpoint.name}: {token!r} is not a token of the model's vocabulary"
+            )
         ids.append(token_id)
     return ids
 
 
 def choose(
-    path: Path, classifier: torch.Tensor | None, lm_head_rows: torch.Tensor | None
+    checkpoint: Checkpoint, classifier: torch.Tensor | None, lm_head_rows: torch.Tensor | None
 ) -> ScoreHead | None:
     """The model's score head, None for a generative model: a sequence classifier's (its
     weights set aside by the loader), or the LM head's rows of the classifier tokens."""
-    activation = classifier_activation(path)
+    activation = classifier_activation(checkpoint)
     if activation is not None:
         if classifier is None:
-            raise ValueError(f"{path.name}: a sequence classifier without {CLASSIFIER_WEIGHT}")
+            raise ValueError(
+                f"{checkpoint.name}: a sequence classifier without {CLASSIFIER_WEIGHT}"
+            )
         return from_classifier(classifier, activation)
     return None if lm_head_rows is None else from_lm_head(lm_head_rows)
 

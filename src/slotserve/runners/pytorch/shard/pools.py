@@ -1,6 +1,8 @@
-"""The paged KV pool of the PyTorch runner: one K and one V tensor per layer, blocks shared by
-reference between slots for prefix-cache hits (bookkeeping in
-``engine/prefix_cache/block_table.py``).
+"""What each slot holds on a rank, allocated at load: its KV in the paged pool
+(:class:`KvPool`), and a Gated DeltaNet layer's recurrent state (:class:`LinearStatePool`).
+
+The paged KV pool: one K and one V tensor per layer, blocks shared by reference between slots
+for prefix-cache hits (bookkeeping in ``engine/prefix_cache/block_table.py``).
 
 Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per position)``. Two
 extra blocks at the end are never handed out: the first stays zero (attention pads gathers
@@ -134,3 +136,49 @@ class KvPool:
     def _view(self, data: bytearray, num_tokens: int) -> torch.Tensor:
         flat = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype)
         return flat.view(len(self._attention), 2, num_tokens, *self._position_shape)
+
+
+class LinearStatePool:
+    """Every slot's DeltaNet state, per linear layer: ``conv[row]`` the convolution's last
+    ``kernel - 1`` inputs (model dtype), ``recurrent[row]`` the ``[heads, d_k, d_v]`` float32
+    matrices. Rows ``0 .. num_slots - 1`` are the slots'; the ``num_snapshots`` after them keep
+    states saved for the prefix cache (:meth:`snapshot_row`)."""
+
+    def __init__(
+        self,
+        c: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_snapshots: int = 0,
+    ) -> None:
+        rows = num_slots + num_snapshots
+        self.num_slots = num_slots
+        conv_shape = (rows, c.linear_conv_kernel - 1, c.linear_conv_channels)
+        heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        self.layers = {
+            index: (
+                torch.zeros(conv_shape, dtype=dtype, device=device),
+                torch.zeros((rows, heads, dk, dv), dtype=torch.float32, device=device),
+            )
+            for index in range(c.num_layers)
+            if c.is_linear(index)
+        }
+
+    def snapshot_row(self, snapshot: int) -> int:
+        return self.num_slots + snapshot
+
+    def reset(self, slots: list[int]) -> None:
+        if not slots:  # most steps: nothing starts at position 0
+            return
+        for conv, recurrent in self.layers.values():
+            conv[slots] = 0
+            recurrent[slots] = 0
+
+    def copy(self, src_row: int, dst_row: int) -> None:
+        for conv, recurrent in self.layers.values():
+            conv[dst_row] = conv[src_row]
+            recurrent[dst_row] = recurrent[src_row]
+
+    def clear(self) -> None:
+        self.layers.clear()

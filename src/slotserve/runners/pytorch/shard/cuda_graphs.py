@@ -24,6 +24,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from slotserve.runners.pytorch import gpu_kernels
+from slotserve.runners.pytorch.model.attention import PagedStep, StepAttention
+from slotserve.runners.pytorch.model.decoder import Decoder
+from slotserve.runners.pytorch.shard.pools import KvPool
+
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
 
@@ -158,3 +163,29 @@ def _views(
         inputs[2 * size : 3 * size],
         inputs[3 * size :].view(size, width),
     )
+
+
+@torch.inference_mode()
+def capture_decode(
+    model: Decoder, pool: KvPool, max_batch: int, max_seq_len: int, capture: Capture
+) -> DecodeGraphs:
+    """Decode steps of up to ``max_batch`` sequences of ``model`` over ``pool``, as graphs."""
+    device = model.embed.weight.device
+    # The attention kernel takes int32 numbers, as the eager steps give it (one compiled
+    # kernel for both).
+    order = torch.arange(max_batch, dtype=torch.int32, device=device)
+    ones = torch.ones(max_batch, dtype=torch.int32, device=device)
+    block_size = pool.block_size
+
+    def logits(
+        tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
+        size = tokens.shape[0]
+        paged = PagedStep(tables.int(), order[:size], positions.int(), rows, block_size)
+        tiles = gpu_kernels.RowTiles(order[:size], order[:size], ones[:size])
+        step = StepAttention(rows, [], paged, tiles)
+        hidden = model(tokens, positions, step, pool.layers)
+        return model.logits(hidden)
+
+    width = -(-max_seq_len // block_size)
+    return DecodeGraphs(logits, max_batch, width, pool.ballast_row, device, capture)

@@ -1,7 +1,7 @@
 """Gemma 3's images: transformers' PIL image processor (a square resize, run where requests
 are rendered), the SigLIP vision tower and the projector that pools its patches into
-``mm_tokens_per_image`` embeddings (transformers' own modules, their weights read from the
-checkpoint).
+``mm_tokens_per_image`` embeddings (transformers' own modules, their weights taken from the
+checkpoint's tensors).
 
 The chat template writes ``<start_of_image>`` where an image stands; as transformers'
 processor does, the text there becomes a blank line, that token, one ``<image_soft_token>``
@@ -12,7 +12,8 @@ each image is computed within one prompt chunk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,28 @@ import numpy as np
 import torch
 
 from slotserve.engine.images import ImageInput, image_digest
-from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.families.vision.base import Tensors
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+
+
+@dataclass(frozen=True)
+class Gemma3Vision:
+    """Gemma 3's images (``Family.vision``)."""
+
+    def preparer(self, folder: Path, raw: Mapping[str, Any]) -> Gemma3Images:
+        return Gemma3Images(folder, raw)
+
+    def tower(
+        self, raw: Mapping[str, Any], tensors: Tensors, device: torch.device, dtype: torch.dtype
+    ) -> Gemma3Tower:
+        return Gemma3Tower(raw, tensors, device, dtype)
 
 
 class Gemma3Images:
     """An image → its pixels and placeholder count (an :class:`ImageInput` at offset 0)."""
 
-    def __init__(self, folder: Path, raw: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, raw: Mapping[str, Any]) -> None:
         from transformers import Gemma3ImageProcessorPil
 
         processor: Any = (
@@ -69,18 +83,20 @@ class Gemma3Tower:
 
     whole_images = True
 
-    def __init__(self, folder: Path, raw: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, raw: Mapping[str, Any], tensors: Tensors, device: torch.device, dtype: torch.dtype
+    ) -> None:
         from transformers import Gemma3Config, SiglipVisionModel
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-        config: Any = Gemma3Config.from_dict(raw)
+        config: Any = Gemma3Config.from_dict(dict(raw))
         config.vision_config._attn_implementation = "sdpa"
         modules: dict[str, Any] = {
             "vision": SiglipVisionModel(config.vision_config),
             "projector": Gemma3MultiModalProjector(config),
         }
         weights: dict[str, dict[str, torch.Tensor]] = {"vision": {}, "projector": {}}
-        for name, tensor in safetensors_tensors(folder):
+        for name, tensor in tensors:
             found = _tower_name(name)
             if found is not None:
                 weights[found[0]][found[1]] = tensor

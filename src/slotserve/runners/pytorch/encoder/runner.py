@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,12 +37,13 @@ from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ModelInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pooling import PromptPools, sentence_transformers_pooling
-from slotserve.runners.pytorch import cross_encoder
+from slotserve.runners.pooling import PromptPools
+from slotserve.runners.pytorch.encoder import cross_encoder
+from slotserve.runners.pytorch.families.base import score_activation
 from slotserve.runners.pytorch.families.registry import ENCODERS
-from slotserve.runners.pytorch.load.checkpoint import DTYPES, TorchLoadConfig
-from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
-from slotserve.runners.pytorch.tokenizer import HfTokenizer
+from slotserve.runners.pytorch.load.hf_folder import HfFolder
+from slotserve.runners.pytorch.load.settings import TORCH_DTYPES, TorchLoadConfig
+from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class EncoderRunner:
     def __init__(self, load: TorchLoadConfig) -> None:
         started = time.monotonic()
         path = load.model_path
-        raw = json.loads((path / "config.json").read_text())
+        checkpoint = HfFolder(path)
+        raw = checkpoint.raw_config
         family = ENCODERS.get(str(raw.get("model_type")))
         if family is None:
             raise ValueError(
@@ -72,17 +74,17 @@ class EncoderRunner:
         self.hidden, self.heads = config.hidden_size, config.num_heads
         self.layers, self.eps = config.num_layers, config.layer_norm_eps
         self.act = config.activation
-        self.device = load.torch_device()
-        self.dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
-        self.max_seq_len = min(config.max_position_embeddings, load.max_seq_len or 4096)
-        self._score = cross_encoder.score_activation(raw, path.name)
-        self._weights = self._load(path, family.weight_name)
-        self._tokenizer = HfTokenizer.from_folder(path)
+        self.device = load.torch_device
+        self.dtype = torch.float32 if load.dtype == "auto" else TORCH_DTYPES[load.dtype]
+        self.max_seq_len = load.sequence_length(config.max_position_embeddings)
+        self._score = score_activation(raw, path.name)
+        self._weights = self._load(checkpoint.tensors(), family.weight_name)
+        self._tokenizer = checkpoint.tokenizer()
         self._sep_id = self._tokenizer.sep_token_id
         if self._score is not None and self._sep_id is None:
             raise ValueError(f"{path.name}: a cross-encoder's tokenizer has no [SEP] token")
         self._scores: dict[int, list[float]] = {}
-        pooling = sentence_transformers_pooling(path) or "cls"  # BERT's summary token
+        pooling = checkpoint.pooling() or "cls"  # BERT's summary token
         self._pools = PromptPools(pooling)
         self._lengths = [0] * load.num_slots
         self._forward_seconds = 0.0
@@ -119,10 +121,12 @@ class EncoderRunner:
         )
 
     def _load(
-        self, path: Path, weight_name: Callable[[str], str | None]
+        self,
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        weight_name: Callable[[str], str | None],
     ) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = {}
-        for raw_name, tensor in safetensors_tensors(path):
+        for raw_name, tensor in tensors:
             name = weight_name(raw_name)
             if name is not None:
                 weights[name] = tensor.to(self.device, self.dtype)
@@ -265,6 +269,6 @@ def estimate_encoder_memory(load: TorchLoadConfig) -> MemoryNeed:
         with safe_open(str(file), "pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 count += math.prod(handle.get_slice(name).get_shape())
-    dtype_bytes = 4 if load.dtype == "auto" else DTYPES[load.dtype].itemsize
-    on_gpu = load.torch_device().type == "cuda"
+    dtype_bytes = 4 if load.dtype == "auto" else TORCH_DTYPES[load.dtype].itemsize
+    on_gpu = load.torch_device.type == "cuda"
     return MemoryNeed(count * dtype_bytes, 0, 0, 64 * 2**20, device_share=float(on_gpu))

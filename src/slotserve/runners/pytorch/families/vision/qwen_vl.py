@@ -1,6 +1,7 @@
 """Qwen2.5-VL's and Qwen3-VL's images: the HF image processor's patches (run where requests
 are rendered), the vision tower (transformers' own module, its weights read from the
-checkpoint) and the decoder's M-RoPE positions.
+checkpoint's tensors) and the decoder's M-RoPE positions; each Qwen-VL family's record names
+its transformers classes (:class:`QwenVlVision`).
 
 The tower turns an image of ``t × h × w`` patches into ``t·h·w / merge²`` embeddings, one per
 placeholder token (Qwen3-VL's also gives its "deepstack" features, as many per token, which
@@ -12,7 +13,8 @@ position plus one, so a sequence's positions run behind its length by a fixed ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +22,34 @@ import numpy as np
 import torch
 
 from slotserve.engine.images import ImageInput, image_digest
-from slotserve.runners.pytorch.load.safetensors_files import safetensors_tensors
+from slotserve.runners.pytorch.families.vision.base import Tensors
 
-# model_type → transformers' module, its configuration class and its tower's class.
-TOWERS = {
-    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
-    "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLVisionModel"),
-    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeVisionModel"),
-}
 # Where the tower's weights stand: transformers 5's layout, then the hub's older one.
 _TOWER_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass(frozen=True)
+class QwenVlVision:
+    """A Qwen-VL family's images (``Family.vision``): transformers' names for its model's
+    module, its configuration class and its tower's class."""
+
+    module: str
+    config_class: str
+    tower_class: str
+
+    def preparer(self, folder: Path, raw: Mapping[str, Any]) -> QwenVlImages:
+        return QwenVlImages(folder, raw)
+
+    def tower(
+        self, raw: Mapping[str, Any], tensors: Tensors, device: torch.device, dtype: torch.dtype
+    ) -> QwenVlTower:
+        return QwenVlTower(self, raw, tensors, device, dtype)
 
 
 class QwenVlImages:
     """An image → its patches and placeholder count (an :class:`ImageInput` at offset 0)."""
 
-    def __init__(self, folder: Path, raw: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, raw: Mapping[str, Any]) -> None:
         from transformers import Qwen2VLImageProcessorPil
 
         self.processor = (
@@ -87,16 +101,22 @@ class QwenVlTower:
 
     whole_images = False  # an image's tokens attend causally, as text
 
-    def __init__(self, folder: Path, raw: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        vision: QwenVlVision,
+        raw: Mapping[str, Any],
+        tensors: Tensors,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         import importlib
 
-        module, config_class, tower_class = TOWERS[raw["model_type"]]
-        models = importlib.import_module(f"transformers.models.{module}")
-        config: Any = getattr(models, config_class).from_dict(raw).vision_config
+        models = importlib.import_module(f"transformers.models.{vision.module}")
+        config: Any = getattr(models, vision.config_class).from_dict(dict(raw)).vision_config
         config._attn_implementation = "sdpa"
-        tower: Any = getattr(models, tower_class)(config)
+        tower: Any = getattr(models, vision.tower_class)(config)
         weights = {}
-        for name, tensor in safetensors_tensors(folder):
+        for name, tensor in tensors:
             for prefix in _TOWER_PREFIXES:
                 if name.startswith(prefix):
                     weights[name[len(prefix) :]] = tensor

@@ -1,0 +1,158 @@
+"""Each runner's options, declared once (``slotserve.options``): what every runner takes
+(:class:`RunnerCommon`), the llama.cpp runner's (:class:`LlamaCppConfig`) and the PyTorch
+runner's (:class:`TorchConfig`). ``serve`` parses them together (``hosting/config.py``:
+``RunnerConfig``); each runner's recipe (``specs.py``) is its class of options with what the
+server adds (the model, the engine's slots), so a default or a bound is written here alone.
+Nothing here imports a backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotserve.options import option, parse_bytes
+
+RUNNERS = ("auto", "llama.cpp", "torch")
+# --repack: ggml's extra weight buffer types on, off, or on where they are safe
+# (``llama_cpp/cpu.py``).
+REPACK_CHOICES = ("auto", "on", "off")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+# --attention-backend: where the CPU kernels do not serve, the Triton kernels reading the paged
+# KV pool in place (``pytorch/gpu_kernels.py``) or torch's operators over gathered K/V
+# (``pytorch/model/attention.py``).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerCommon:
+    """What every runner takes: which runner, its threads, its recurrent-state snapshots."""
+
+    runner: str = option(
+        "auto",
+        choices=RUNNERS,
+        help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
+    )
+    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
+    prefix_cache_snapshots: int | None = option(
+        None,
+        ge=0,
+        help="models with recurrent layers (Gated DeltaNet, hybrid GGUFs): recurrent-state "
+        "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
+        "load; default 4 per slot; 0: no prefix cache for such models)",
+    )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        env=None,
+        many=True,
+        metavar="NAME=PATH",
+        help="LoRA adapters loaded with the model, each served as model NAME (vLLM's flag; a "
+        "JSON object with name and path works too): PEFT folders on torch, GGUF adapter files "
+        "on llama.cpp; more load at run time through POST /v1/load_lora_adapter",
+    )
+    max_loras: int = option(8, ge=1, help="LoRA adapters held at once (default 8)")
+    max_lora_rank: int = option(
+        64, ge=1, help="the largest LoRA rank an adapter may have (default 64)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaCppConfig(RunnerCommon):
+    """How the llama.cpp runner is built (``hosting/launch.py``: ``llama_cpp_spec``)."""
+
+    ctx_size: int = option(
+        0,
+        ge=0,
+        help="llama.cpp: KV cache tokens for all slots together; each slot gets "
+        "ctx-size / slots (default: slots × min(trained context, 4096))",
+    )
+    flash_attn: bool = option(
+        True, help="flash attention kernels (default on: faster batched decode on CPU)"
+    )
+    n_gpu_layers: int = option(
+        0,
+        short="-ngl",
+        ge=-1,
+        help="llama.cpp: layers to offload to the GPU (llama-server's flag; -1: all), with "
+        "llama-cpp-python built for one (CMAKE_ARGS=-DGGML_CUDA=on); a CPU-only build refuses "
+        "it (default 0)",
+    )
+    repack: str = option(
+        "auto",
+        choices=REPACK_CHOICES,
+        help="llama.cpp: ggml's repacked CPU weight layouts, its extra buffer types "
+        "(llama-server's --repack / --no-repack); auto: on, except where this llama.cpp build "
+        "offers its AMX buffer, whose matmul crashes (Intel Xeon hosts)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchConfig(RunnerCommon):
+    """How the PyTorch runner is built (``hosting/launch.py``: ``torch_spec``)."""
+
+    dtype: str = option(
+        "auto",
+        choices=DTYPES,
+        help="torch: weight and KV type (auto: bfloat16, batch-invariant on CPU)",
+    )
+    device: str = option("auto", help="torch: cpu, cuda or cuda:N (auto: cuda when available)")
+    load_format: str = option(
+        "auto",
+        choices=LOAD_FORMATS,
+        help="torch: dummy builds random weights from the config (benchmarks)",
+    )
+    max_model_len: int = option(
+        0, ge=0, help="torch: tokens one sequence may hold (default: min(trained context, 4096))"
+    )
+    kv_memory: int | None = option(
+        None,
+        parse=parse_bytes,
+        wire=int | str,
+        help="torch: memory for the paged KV cache (2GiB; default on CPU: every slot's "
+        "max-model-len within a quarter of RAM; on GPU: --gpu-memory-fraction)",
+    )
+    gpu_memory_fraction: float = option(
+        0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
+    )
+    block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
+    cpu_kernels: bool = option(
+        True,
+        help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "
+        "(default on; compiled on first use; off: plain torch operators, the reference)",
+    )
+    attention_backend: str = option(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        help="torch: attention where the CPU kernels do not serve: triton (kernels reading the "
+        "paged KV pool in place, batch-invariant; decode steps replay CUDA graphs), torch "
+        "(gathered, then SDPA on GPUs); auto: triton on a CUDA device with Triton installed, "
+        "else torch",
+    )
+    batch_invariant: bool = option(
+        False,
+        help="torch on GPUs: every sequence's tokens independent of its batch (vLLM's "
+        "VLLM_BATCH_INVARIANT): Triton attention and matmuls whose sums keep one order; dense "
+        "models (the CPU path is batch-invariant already)",
+    )
+    enforce_eager: bool = option(
+        False,
+        help="torch on GPUs: run decode steps operator by operator instead of replaying the "
+        "CUDA graphs captured at load (vLLM's --enforce-eager; graphs come with the Triton "
+        "attention, on dense models without tensor parallelism)",
+    )
+    classifier_from_token: tuple[str, ...] = option(
+        (),
+        env=None,
+        many=True,
+        metavar="TOKEN",
+        help="torch: serve a causal LM as a reranker (/v1/rerank, /v1/score), scored at the "
+        "prompt's last token by these vocabulary tokens (vLLM's classifier_from_token): two, "
+        "false then true, give sigmoid(logit true - logit false), as 'no yes' for "
+        "Qwen3-Reranker; one gives the sigmoid of its logit",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        short="-tp",
+        ge=1,
+        help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
+        "a GPU per rank, else gloo); --threads is then per rank (default 1)",
+    )

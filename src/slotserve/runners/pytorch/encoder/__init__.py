@@ -1,0 +1,1 @@
+"""The encoder runner (BERT): embeddings and a cross-encoder's scores, never generation."""
