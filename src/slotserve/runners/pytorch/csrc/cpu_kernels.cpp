@@ -1063,7 +1063,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                            bias ? bias32.data_ptr<float>() : nullptr,
                            bf16_mut(out),
                            n};
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * inputs));
+    // Groups per task: at least ~2^18 multiply-adds, so one row's step still splits its
+    // outputs over the threads (and a task is never a single small group).
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rows * inputs));
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
         k.quant_groups(op, rows, begin, end);
     });
