@@ -182,6 +182,29 @@ def test_ctrl_c_stops_the_reply_then_exits(
 
 
 @pytest.mark.model
+def test_ctrl_c_in_process_aborts_the_reply_and_the_chat_goes_on(
+    spawn: list[PtyProcess], model_path: Path
+) -> None:
+    # One slot (chat's default): the next reply can only start once the cut one is aborted.
+    child = _spawn(spawn, *IN_PROCESS, "--temperature", "0", "--max-tokens", "400")
+    child.expect("/help", timeout=120)
+    child.expect(PROMPT)
+    child.send("Write a very long story about a dragon.\r")
+    child.expect(r"dragon\.\n[^>\n]{30}", timeout=60)
+    child.send("\x03")
+    status = child.expect(STATUS + r"[^\n]*interrupted", timeout=10).group(0)
+    assert not status.startswith("400 ")
+    child.expect(PROMPT)
+    child.send("Say hi\r")
+    status = child.expect(r"Say hi\n.+?(" + STATUS + r"[^\n]*)", timeout=60).group(1)
+    assert "interrupted" not in status
+    child.expect(PROMPT)
+    child.send("/exit\r")
+    assert child.wait() == 0
+    assert "Traceback" not in child.text
+
+
+@pytest.mark.model
 def test_quick_in_process(spawn: list[PtyProcess], model_path: Path) -> None:
     child = _spawn(spawn, *IN_PROCESS, "-q", "Say hi", "--max-tokens", "8")
     reply = child.expect(r"loading [^\n]*\n(.+?)" + STATUS).group(1)

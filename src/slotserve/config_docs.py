@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from slotserve.chat.command import local_options
-from slotserve.hosting.config import PER_MODEL, ModelOptions
+from slotserve.hosting.config import PER_MODEL
 from slotserve.options import Option, options
-from slotserve.serve_config import AUTO_TOOL_CHOICE_FLAG, AUTO_TOOL_CHOICE_HELP, SERVE_GROUPS
+from slotserve.serve_config import ACCEPTED_FLAGS, SERVE_GROUPS
 
 COMMAND = "python -m slotserve.config_docs > docs/configuration.md"
 
@@ -32,9 +32,8 @@ def render() -> str:
     for title, about, config in SERVE_GROUPS:
         per_model = config in PER_MODEL
         rows = [_row(opt, per_model) for opt in options(config).values()]
-        if config is ModelOptions:  # serve's parser adds the flag to the same group
-            rows.append(_cells(f"`{AUTO_TOOL_CHOICE_FLAG}`", "", "", "", AUTO_TOOL_CHOICE_HELP))
         parts.append(f"## `serve`: {title}\n\n{about}\n\n{_table(rows, per_model)}")
+    parts.append(_other_servers())
     chat_rows = [_row(opt, False) for opt in local_options()]
     parts.append(
         "## `chat`: the model in-process\n\n"
@@ -50,9 +49,9 @@ def _row(opt: Option, per_model: bool) -> str:
     if opt.positional:
         flag = f"`{opt.metavar or opt.flag.upper()}` (positional)"
     elif opt.kind is bool:
-        flag = f"`{opt.flag}`, `--no-{opt.flag.removeprefix('--')}`"
+        flag = ", ".join(f"`{f}`, `--no-{f.removeprefix('--')}`" for f in opt.flags)
     else:
-        flag = ", ".join(f"`{f}`" for f in (opt.flag, opt.short) if f)
+        flag = ", ".join(f"`{f}`" for f in opt.flags)
         if opt.repeated:
             flag = f"`{opt.flag} {opt.metavar}` (repeatable)"
     about = opt.help
@@ -61,6 +60,27 @@ def _row(opt: Option, per_model: bool) -> str:
     variable = f"`{opt.env_var}`" if opt.env_var else ""
     load = f"`{opt.dest}`" if per_model else None
     return _cells(flag, variable, _default(opt.default), load, about)
+
+
+def _other_servers() -> str:
+    """vLLM's and SGLang's spellings of our options, and their flags that change nothing."""
+    aliases = [
+        f"| `{alias}` | `{opt.flag}` |"
+        for _, _, config in SERVE_GROUPS
+        for opt in options(config).values()
+        for alias in opt.aliases
+    ]
+    accepted = [f"| `{flag}` | {about} |" for flag, about in ACCEPTED_FLAGS.items()]
+    return (
+        "## `serve`: command lines from vLLM and SGLang\n\n"
+        "`serve` takes these spellings of vLLM's and SGLang's flags beside its own, each "
+        "meaning what its flag here does (with `--no-` for a switch); the variable and the "
+        "`POST /models/load` field keep the name here.\n\n"
+        "| Their flag | Here |\n|---|---|\n" + "\n".join(aliases) + "\n\n"
+        "These flags of theirs are accepted and change nothing: what they turn on is always "
+        "on here.\n\n"
+        "| Flag | About |\n|---|---|\n" + "\n".join(accepted)
+    )
 
 
 def _cells(flag: str, variable: str, default: str, load: str | None, about: str) -> str:

@@ -2,11 +2,12 @@
 
 A field of a configuration dataclass made with :func:`option` is declared once, and what the
 user meets is derived from it: the flags of ``slotserve serve`` and ``slotserve chat``
-(:func:`add_arguments`), the environment defaults (``--ctx-size`` ↔ ``SLOTSERVE_CTX_SIZE``; a
-flag given on the command line wins), the body of ``POST /models/load``,
-``docs/configuration.md``, and the runners' recipes, which take their options' defaults and
-bounds from here (:func:`option_values`, :func:`declared_as`, :func:`check_declared`). The
-engine's configuration is declared with it, so this module imports nothing of slotserve's.
+(:func:`add_arguments`; vLLM's and SGLang's spellings as the option's aliases), the
+environment defaults (``--ctx-size`` ↔ ``SLOTSERVE_CTX_SIZE``; a flag given on the command
+line wins), the body of ``POST /models/load``, ``docs/configuration.md``, and the runners'
+recipes, which take their options' defaults and bounds from here (:func:`option_values`,
+:func:`declared_as`, :func:`check_declared`). The engine's configuration is declared with it,
+so this module imports nothing of slotserve's.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ class Option:
     ``SLOTSERVE_`` (by default the flag's name, ``CTX_SIZE``; None: none);
     ``parse``: how a flag's or a variable's text becomes the value (None: by the field's type);
     ``wire``: the JSON types ``POST /models/load`` takes for an option read by ``parse``, which
-    reads their JSON text; ``ge``: the least value ``POST /models/load`` takes.
+    reads their JSON text; ``ge``: the least value ``POST /models/load`` takes;
+    ``aliases``: other servers' spellings of the flag with the same meaning (vLLM's
+    ``--max-num-seqs`` for ``--slots``), accepted beside it on the command line (a variable
+    and a load field keep the option's own name).
 
     ``name``, ``default`` and ``kind`` (the field's type without None) are the field's:
     :func:`options` fills them in."""
@@ -121,6 +125,7 @@ class Option:
     wire: Any = None
     ge: float | None = None
     many: bool = False  # a repeated flag that also takes several values at once (nargs "+")
+    aliases: tuple[str, ...] = ()
     name: str = ""
     default: Any = None
     kind: Any = str
@@ -133,6 +138,11 @@ class Option:
     def repeated(self) -> bool:
         """A ``tuple[X, ...]`` field: the flag may be given again and again."""
         return typing.get_origin(self.kind) is tuple and typing.get_args(self.kind)[-1:] == (...,)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every spelling the command line takes: the flag, its short form, its aliases."""
+        return (self.flag, *([self.short] if self.short else []), *self.aliases)
 
     @property
     def env_var(self) -> str | None:
@@ -179,6 +189,7 @@ def option(
     wire: Any = None,
     ge: float | None = None,
     many: bool = False,
+    aliases: Iterable[str] = (),
 ) -> _T:
     """A dataclass field declared as an option (see :class:`Option`)."""
     # Left empty, flag, dest and variable are named by options(), which knows the field's name.
@@ -194,6 +205,7 @@ def option(
         wire,
         ge,
         many,
+        tuple(aliases),
     )
     return dataclasses.field(default=default, metadata={_KEY: declared})
 
@@ -267,7 +279,7 @@ def add_arguments(parser: argparse._ActionsContainer, declared: Iterable[Option]
                 opt.flag, nargs="?", metavar=opt.metavar, default=default, help=help_text
             )
             continue
-        flags = [opt.flag] + ([opt.short] if opt.short else [])
+        flags = opt.flags
         if opt.kind is bool:
             parser.add_argument(
                 *flags,

@@ -85,6 +85,11 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         tracer=tracer,
     )
     logger.info("%s", access.describe(admin_paths()))
+    cap = config.launch.engine.max_tokens_default
+    logger.info(
+        "a request that sets no max_tokens generates %s (--max-tokens-default)",
+        f"at most {cap} tokens" if cap else "until its context is full",
+    )
     raise_open_file_limit()  # one descriptor per client connection
     uvicorn_config = uvicorn.Config(
         create_app(ctx),

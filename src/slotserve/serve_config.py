@@ -24,9 +24,18 @@ if TYPE_CHECKING:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTING_POLICIES = ("prefix", "round-robin", "pow2")
 ADMIN_ROUTES = ("auto", "open", "off")  # server/access.py applies them
-# Not an option: it configures nothing, and vLLM command lines carry it.
-AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
-AUTO_TOOL_CHOICE_HELP = "accepted for vLLM compatibility: tool_choice 'auto' is always on"
+# Flags vLLM's (and SGLang's) command lines carry that configure nothing here, as what they
+# turn on is always on: accepted so that those command lines run, not options. Other servers'
+# spellings of our options are the options' aliases (``option(aliases=...)``).
+ACCEPTED_FLAGS: dict[str, str] = {
+    "--enable-auto-tool-choice": "accepted for vLLM compatibility: tool_choice 'auto' is always on",
+    "--enable-chunked-prefill": "accepted for vLLM compatibility: prompts are always "
+    "prefilled in chunks (--prefill-chunk)",
+    "--enable-lora": "accepted for vLLM compatibility: LoRA adapters are always served "
+    "(--lora-modules, POST /v1/load_lora_adapter)",
+    "--trust-remote-code": "accepted for vLLM and SGLang compatibility: no code from a "
+    "model's folder is ever run (the model families are built in)",
+}
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             about += " POST /models/load takes them too, named without dashes (ctx_size)."
         group = parser.add_argument_group(title, about)
         add_arguments(group, options(config).values())
-        if config is ModelOptions:
-            group.add_argument(
-                AUTO_TOOL_CHOICE_FLAG, action="store_true", help=AUTO_TOOL_CHOICE_HELP
-            )
+    accepted = parser.add_argument_group(
+        "accepted from other servers", "Flags that change nothing here (docs/configuration.md)."
+    )
+    for flag, help_text in ACCEPTED_FLAGS.items():
+        accepted.add_argument(flag, action="store_true", help=help_text)

@@ -37,6 +37,16 @@ def test_ignore_eos_runs_to_max_tokens() -> None:
     assert outputs[-1].deltas[-1].finish_reason == "length"
 
 
+def test_a_request_without_max_tokens_stops_at_the_servers_default() -> None:
+    # Within the context: a prompt of 1 token leaves 255 of the fake model's 256 positions.
+    for cap, given, expected in ((5, None, 5), (5, 20, 20), (1000, None, 255), (0, None, 255)):
+        core, _ = make_core(FakeRunner(max_seq_len=256), max_tokens_default=cap)
+        submit(core, "r", "Q", temperature=0, ignore_eos=True, max_tokens=given)
+        final = run_to_completion(core)["r"][-1]
+        assert final.num_output_tokens == expected, (cap, given)
+        assert final.deltas[-1].finish_reason == "length"
+
+
 def test_stop_token_id_ends_the_sequence_without_text() -> None:
     core, _ = make_core(FakeRunner(replies={"Q": b"abc;def"}))
     submit(core, "r", "Q", temperature=0, stop_token_ids=(ord(";"),))

@@ -1,8 +1,9 @@
-"""Decoder rerankers on the PyTorch runner under the engine (``runners/pytorch/score_head.py``):
-a Qwen3 sequence classifier scores as sentence-transformers' ``CrossEncoder`` does, a Qwen3
-causal LM served with ``--classifier-from-token no yes`` as Qwen3-Reranker's own recipe
-(the softmax of the "no" and "yes" logits at the last token), both on random weights; and a
-score is the same alone, batched, and behind a prefix-cache hit."""
+"""Decoder rerankers on the PyTorch runner under the engine
+(``runners/pytorch/step/score_head.py``): a Qwen3 sequence classifier scores as
+sentence-transformers' ``CrossEncoder`` does, a Qwen3 causal LM served with
+``--classifier-from-token no yes`` as Qwen3-Reranker's own recipe (the softmax of the "no" and
+"yes" logits at the last token), both on random weights; and a score is the same alone,
+batched, and behind a prefix-cache hit."""
 
 from __future__ import annotations
 

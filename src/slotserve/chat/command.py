@@ -47,6 +47,7 @@ def local_options() -> list[Option]:
         # Not SLOTSERVE_SLOTS: that one sizes servers, and a chat is one conversation.
         env="CHAT_SLOTS",
         help="sequences the engine holds (default 1: one conversation)",
+        aliases=(),  # other servers' spellings are for serve's command lines
     )
     return [
         runner["runner"],
@@ -94,7 +95,8 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=int,
         default=env("MAX_TOKENS"),
-        help="most tokens per reply (default: until the model stops or its context is full)",
+        help="most tokens per reply (default: the server's --max-tokens-default; in-process, "
+        f"SLOTSERVE_MAX_TOKENS_DEFAULT or {options(EngineConfig)['max_tokens_default'].default})",
     )
     local = parser.add_argument_group("the model in-process (as for serve)")
     add_arguments(local, local_options())

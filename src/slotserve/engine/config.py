@@ -88,7 +88,8 @@ class EngineConfig:
 
     ``max_batch_tokens`` bounds the tokens of one forward pass (decode tokens plus prefill
     chunks); ``prefill_chunk`` bounds one sequence's share of it. ``max_queue`` bounds requests
-    waiting for a slot; one more is refused at once.
+    waiting for a slot; one more is refused at once. ``max_tokens_default`` bounds the output
+    of a request that sets no ``max_tokens`` (0: its context's room).
 
     The prefix cache (``prefix_cache``) keeps at most ``prefix_cache_budget`` of unused tokens
     (a token count, or bytes of their KV; None: all the free slots can hold). A waiting request
@@ -106,16 +107,41 @@ class EngineConfig:
     ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
-    num_slots: int = option(8, flag="--slots", ge=1, help="sequences decoded together (default 8)")
-    max_batch_tokens: int = option(512, ge=1, help="tokens in one forward pass (default 512)")
+    # aliases: vLLM's and SGLang's spellings of the same setting (docs/configuration.md).
+    num_slots: int = option(
+        8,
+        flag="--slots",
+        ge=1,
+        aliases=("--max-num-seqs", "--max-running-requests"),
+        help="sequences decoded together (default 8)",
+    )
+    max_batch_tokens: int = option(
+        512,
+        ge=1,
+        aliases=("--max-num-batched-tokens",),
+        help="tokens in one forward pass (default 512)",
+    )
     prefill_chunk: int = option(
         512, ge=1, help="prompt tokens of one sequence per step (default 512)"
     )
     max_queue: int = option(
-        64, ge=0, help="requests that may wait for a slot before 429 (default 64)"
+        64,
+        ge=0,
+        aliases=("--max-queued-requests",),
+        help="requests that may wait for a slot before 429 (default 64)",
+    )
+    max_tokens_default: int = option(
+        1024,
+        ge=0,
+        help="tokens a request that sets no max_tokens (max_completion_tokens, "
+        "max_output_tokens) generates at most, fewer where its context has less room; a "
+        "request's own max_tokens is never changed (0: until the context is full, as vLLM; "
+        "default 1024)",
     )
     prefix_cache: bool = option(
-        True, help="share the KV of common prompt prefixes between requests (default on)"
+        True,
+        aliases=("--enable-prefix-caching",),
+        help="share the KV of common prompt prefixes between requests (default on)",
     )
     # option() is dataclasses.field() with the option's declaration: no shared default.
     prefix_cache_budget: CacheBudget | None = option(  # noqa: RUF009
@@ -158,6 +184,7 @@ class EngineConfig:
     schedule_policy: str = option(
         "fcfs",
         choices=SCHEDULE_POLICIES,
+        aliases=("--scheduling-policy",),
         help="which waiting request takes a free slot: fcfs, in arrival order; lpm, SGLang's "
         "longest prefix match: the longest cached prompt prefix first (a conversation's next "
         "turn before cold prompts), a request overtaken at most --slots times; priority, "
@@ -229,6 +256,8 @@ class EngineConfig:
             )
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.max_tokens_default < 0:
+            raise ValueError("max_tokens_default must be >= 0")
         for name in ("prefix_cache_budget_tokens", "prefix_cache_budget_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:

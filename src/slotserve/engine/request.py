@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotserve.engine.adapters import cache_keys
+from slotserve.engine.config import EngineConfig
 from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.images import image_cache_keys
@@ -109,21 +110,25 @@ class Sequence:
 
 
 def new_request(
-    submitted: EngineCoreRequest, timeout_s: float | None, info: ModelInfo, tokenizer: Tokenizer
+    submitted: EngineCoreRequest, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer
 ) -> Request:
-    """The core's state of a validated request: its deadline (``timeout_s`` after it arrived,
-    None: none) and one sequence (and detokenizer) per choice."""
+    """The core's state of a validated request: its deadline (``request_timeout_s`` after it
+    arrived, None: none) and one sequence (and detokenizer) per choice. A request that sets no
+    ``max_tokens`` gets ``max_tokens_default`` within the room its context has left."""
+    timeout_s = config.request_timeout_s
     deadline = None if timeout_s is None else submitted.arrival_time + timeout_s
     request = Request(submitted, deadline)
     prompt = submitted.prompt_token_ids
     room = info.max_seq_len - len(prompt)
     params = submitted.params
+    cap = config.max_tokens_default
+    max_tokens = params.max_tokens or (min(cap, room) if cap else room)
     for index in range(params.n):
         request.sequences.append(
             Sequence(
                 request=request,
                 index=index,
-                max_tokens=params.max_tokens or room,
+                max_tokens=max_tokens,
                 detokenizer=IncrementalDetokenizer(tokenizer.token_bytes, params.stop),
                 token_ids=list(prompt),
                 num_prompt_tokens=len(prompt),

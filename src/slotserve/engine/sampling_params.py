@@ -48,7 +48,10 @@ class SamplingParams:
     """
 
     max_tokens: int | None = sampling_field(
-        None, ge=1, doc="tokens to generate at most (none: until the context is full)"
+        None,
+        ge=1,
+        doc="tokens to generate at most (none: the server's --max-tokens-default, within the "
+        "room the context has)",
     )
     temperature: float = sampling_field(
         1.0,

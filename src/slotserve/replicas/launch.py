@@ -23,10 +23,10 @@ from slotserve.serve_config import ReplicaConfig, ServeConfig, ServerConfig
 logger = logging.getLogger(__name__)
 
 APP_NAME = "slotserve"
-# Flags of this command that are the deployment's, not each replica server's; each takes one
-# value.
-_DEPLOYMENT_FLAGS = {opt.flag for opt in options(ReplicaConfig).values()} | {
-    options(ServerConfig)[name].flag for name in ("host", "port")
+# Flags of this command that are the deployment's, not each replica server's, in every
+# spelling; each takes one value.
+_DEPLOYMENT_FLAGS = {f for opt in options(ReplicaConfig).values() for f in opt.flags} | {
+    f for name in ("host", "port") for f in options(ServerConfig)[name].flags
 }
 
 

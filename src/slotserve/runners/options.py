@@ -17,6 +17,10 @@ RUNNERS = ("auto", "llama.cpp", "torch")
 REPACK_CHOICES = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization: auto keeps a GGUF file's quantized types as stored (on CPU in bfloat16 with
+# the kernels), none dequantizes them; a type rounds every matrix of an HF checkpoint to it at
+# load (gguf-py's quantizers: ``pytorch/quant/tensor.py``).
+QUANTIZATIONS = ("auto", "none", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # --attention-backend: where the CPU kernels do not serve, the Triton kernels reading the paged
 # KV pool in place (``pytorch/gpu_kernels.py``) or torch's operators over gathered K/V
 # (``pytorch/model/attention.py``).
@@ -100,18 +104,33 @@ class TorchConfig(RunnerCommon):
         choices=LOAD_FORMATS,
         help="torch: dummy builds random weights from the config (benchmarks)",
     )
+    quantization: str = option(
+        "auto",
+        short="-q",
+        choices=QUANTIZATIONS,
+        help="torch on CPU: weights kept quantized in the CPU kernels' own formats (vLLM's "
+        "flag); auto: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices as "
+        "stored, an HF checkpoint dense; none: dequantized to --dtype; Q8_0, Q4_0, ...: an HF "
+        "checkpoint's matrices rounded to that type at load (round-to-nearest, as llama.cpp)",
+    )
     max_model_len: int = option(
-        0, ge=0, help="torch: tokens one sequence may hold (default: min(trained context, 4096))"
+        0,
+        ge=0,
+        aliases=("--context-length",),
+        help="torch: tokens one sequence may hold (default: min(trained context, 4096))",
     )
     kv_memory: int | None = option(
         None,
         parse=parse_bytes,
+        aliases=("--kv-cache-memory-bytes",),
         wire=int | str,
         help="torch: memory for the paged KV cache (2GiB; default on CPU: every slot's "
         "max-model-len within a quarter of RAM; on GPU: --gpu-memory-fraction)",
     )
     gpu_memory_fraction: float = option(
-        0.9, help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)"
+        0.9,
+        aliases=("--gpu-memory-utilization", "--mem-fraction-static"),
+        help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)",
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
     cpu_kernels: bool = option(
@@ -152,6 +171,7 @@ class TorchConfig(RunnerCommon):
     tensor_parallel_size: int = option(
         1,
         short="-tp",
+        aliases=("--tp-size",),
         ge=1,
         help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
         "a GPU per rank, else gloo); --threads is then per rank (default 1)",

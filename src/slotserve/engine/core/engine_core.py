@@ -107,8 +107,7 @@ class EngineCore:
             raise InvalidRequestError(
                 "the request's LoRA adapter is not loaded (any more)", param="model"
             )
-        timeout_s = self.config.request_timeout_s
-        request = new_request(submitted, timeout_s, self.model_info, self.runner.tokenizer)
+        request = new_request(submitted, self.config, self.model_info, self.runner.tokenizer)
         self.requests.add(request)
         return request
 
