@@ -42,20 +42,28 @@ FORBIDDEN_SLOTSERVE = {
     "slotserve.server": ("slotserve.runners", "slotserve.chat", "slotserve.bench"),
     **{module: SERVER_APIS for module in PIPELINE},
 }
-# The PyTorch runner's layers, bottom up: the shared decoder and its layers (which call the CPU
-# and GPU kernels), the families that map checkpoints onto it, the readers that load those
-# checkpoints; the runner's top-level modules stand above all three.
+# The PyTorch runner's layers, bottom up: the quantized weights' formats, the shared decoder
+# and its layers (which call the CPU and GPU kernels), the families that map checkpoints onto
+# it, the readers that load those checkpoints; the runner's top-level modules stand above.
 # package → what of ``slotserve.runners.pytorch`` it may import (its own modules included).
 TORCH = "slotserve.runners.pytorch"
 TORCH_LAYERS = {
+    f"{TORCH}.quant": (f"{TORCH}.quant",),
     f"{TORCH}.model": (
         f"{TORCH}.model",
+        f"{TORCH}.quant",
         f"{TORCH}.cpu_kernels",
         f"{TORCH}.gpu_kernels",
         f"{TORCH}.gpu_matmul",
     ),
     f"{TORCH}.families": (f"{TORCH}.families", f"{TORCH}.model"),
-    f"{TORCH}.load": (f"{TORCH}.load", f"{TORCH}.families", f"{TORCH}.model"),
+    f"{TORCH}.load": (
+        f"{TORCH}.load",
+        f"{TORCH}.families",
+        f"{TORCH}.model",
+        f"{TORCH}.quant",
+        f"{TORCH}.cpu_kernels",
+    ),
 }
 # package → third-party modules it must not import.
 FORBIDDEN_EXTERNAL = {

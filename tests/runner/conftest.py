@@ -1,5 +1,6 @@
 """The real runners on the real SmolLM2 model, one of each per test session: the llama.cpp
-runner on the GGUF, the PyTorch runner on the same GGUF (dequantised, bfloat16), and an HF
+runner on the GGUF, the PyTorch runner on the same GGUF (its quantized blocks through the CPU
+kernels; dequantised, bfloat16, on the plain-torch reference), and an HF
 safetensors folder converted from it for the PyTorch runner's HF-format and parity tests."""
 
 from __future__ import annotations

@@ -33,8 +33,10 @@ def test_the_runner_serves_through_the_kernels_unless_told_not_to(
     assert isinstance(torch_reference_runner, TorchRunner)
     assert torch_runner.shard.model.kernels is not None
     assert torch_reference_runner.shard.model.kernels is None
-    # The projections: the kernels' GEMM, on every CPU they run on.
-    assert kernels.has_gemm and torch_runner.shard.model.lm_head.kernel_weight is not None
+    # The projections: the kernels' quantized GEMM on the GGUF's own blocks, on every CPU
+    # they run on (their bfloat16 GEMM: ``test_without_a_gemm_of_ours...`` and test_cpu_gemm).
+    assert kernels.has_gemm and torch_runner.shard.model.lm_head.quant_parts is not None
+    assert torch_reference_runner.shard.model.lm_head.quant_parts is None
     assert torch_reference_runner.shard.model.lm_head.kernel_weight is None
     # What /v1/models says of each: the kernel path is always batch-invariant; the plain-torch
     # one states none where oneDNN has AMX kernels to choose by shape.
@@ -57,7 +59,9 @@ def test_without_a_gemm_of_ours_onednn_serves_the_projections_beside_the_kernels
     from slotserve.runners.pytorch.model.layers import onednn_bf16
 
     monkeypatch.setattr(kernels, "has_gemm", False)
-    runner = TorchRunner(TorchLoadConfig(model_path, num_slots=4, max_model_len=512))
+    runner = TorchRunner(
+        TorchLoadConfig(model_path, num_slots=4, max_model_len=512, quantization="none")
+    )
     try:
         model = runner.shard.model
         assert model.kernels is kernels

@@ -20,11 +20,11 @@
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | sc[sub-blocks][16] int8 |
-//   m[sub-blocks][16] uint8 (with a min) | codes: per input pair 16 bytes (bits ≤ 6: byte o holds
-//   output o's even code in its low nibble, its odd code in its high nibble) or 32 (8 bits: the
-//   16 even codes, then the 16 odd ones, as int8) | 5 bits: per 4 pairs 16 bytes of high bits
-//   (bit 2j: pair j's even code, 2j+1: its odd code) | 6 bits: per 2 pairs 16 bytes (bits 4j and
-//   4j+1: pair j's even code's high two, 4j+2 and 4j+3: its odd code's).
+//   m[sub-blocks][16] uint8 (with a min) | codes: per input pair 16 bytes (4 and 5 bits: byte o
+//   holds output o's even code in its low nibble, its odd code in its high nibble) or 32 (8 bits:
+//   the 16 even codes, then the 16 odd ones, as bytes) | 5 bits: per 4 pairs 16 bytes of high
+//   bits (bit 2j: pair j's even code, 2j+1: its odd code). Q6_K's six-bit codes are stored as
+//   bytes (quant/formats.py says why).
 
 namespace quant {
 
@@ -51,6 +51,11 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
     if constexpr (BITS == 8) {
         v.even = _mm_loadu_si128((const __m128i*)(codes + pair * 32));
         v.odd = _mm_loadu_si128((const __m128i*)(codes + pair * 32 + 16));
+        if constexpr (OFFSET != 0) {  // Q6_K's codes, widened to a byte at load
+            const __m128i offset = _mm_set1_epi8(char(OFFSET));
+            v.even = _mm_sub_epi8(v.even, offset);
+            v.odd = _mm_sub_epi8(v.odd, offset);
+        }
         return v;
     }
     const __m128i nibble = _mm_set1_epi8(0x0f);
@@ -69,14 +74,6 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
         const __m128i o = j <= 2 ? _mm_slli_epi16(h, 3 - j) : _mm_srli_epi16(h, j - 3);
         v.even = _mm_or_si128(v.even, _mm_and_si128(e, bit4));
         v.odd = _mm_or_si128(v.odd, _mm_and_si128(o, bit4));
-    } else if constexpr (BITS == 6) {
-        const __m128i h = _mm_loadu_si128((const __m128i*)(high + pair / 2 * 16));
-        const __m128i bits45 = _mm_set1_epi8(0x30);
-        const int j = int(pair % 2) * 4;  // even at bits j, j + 1; odd at j + 2, j + 3; to 4, 5
-        const __m128i e = j == 0 ? _mm_slli_epi16(h, 4) : h;
-        const __m128i o = j == 0 ? _mm_slli_epi16(h, 2) : _mm_srli_epi16(h, 2);
-        v.even = _mm_or_si128(v.even, _mm_and_si128(e, bits45));
-        v.odd = _mm_or_si128(v.odd, _mm_and_si128(o, bits45));
     }
     if constexpr (OFFSET != 0) {
         const __m128i offset = _mm_set1_epi8(char(OFFSET));
@@ -182,11 +179,30 @@ constexpr int kRowsPerTile = 4;
 #endif
 constexpr int64_t kRowsPerPass = 64;  // rows whose running sums stay in the level-1 cache
 
+// Output group g's input pairs (its records at `group`), decoded once into `out` (one Words per
+// pair, in input order) for a step of more rows than one tile: every tile then reads them there.
+template <int BITS, int OFFSET, int SUB, int SUPER>
+static void decode_group(const Operands& op, const uint8_t* group, Words* out) {
+    constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
+    const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
+    const uint8_t* record = group;
+    for (int64_t b = 0; b < op.k / SUPER; ++b, record += record_bytes) {
+        const uint8_t* codes = record + header_bytes;
+        for (int s = 0; s < kSubBlocks; ++s)
+#pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
+            for (int p = 0; p < kPairs; ++p)
+                out[b * (SUPER / 2) + s * kPairs + p] =
+                    words_of(pair_values<BITS, OFFSET, SUPER>(codes, s * kPairs + p));
+    }
+}
+
 // Output group g (its records at `group`) for rows [m0, m0 + MR) over the whole input: each
-// sub-block's input pairs decoded once in registers for the tile's rows, then the sub-block
-// scaled into each row's running sum, which waits in `acc` ([rows][16] float32).
-template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR>
-static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, float* acc) {
+// sub-block's input pairs decoded once in registers for the tile's rows (or read from
+// `decoded`, decode_group's), then the sub-block scaled into each row's running sum, which waits
+// in `acc` ([rows][16] float32). Either way the same integers meet in the same order.
+template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR, bool DECODED>
+static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, float* acc,
+                       const Words* decoded) {
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
     const int64_t supers = op.k / SUPER, blocks_per_row = op.k / kInputBlock;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
@@ -202,7 +218,11 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             for (int r = 0; r < MR; ++r) sums[r] = sums_zero();
 #pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
             for (int p = 0; p < kPairs; ++p) {
-                const Words w = words_of(pair_values<BITS, OFFSET, SUPER>(codes, s * kPairs + p));
+                Words w;
+                if constexpr (DECODED)
+                    w = decoded[first / 2 + p];
+                else
+                    w = words_of(pair_values<BITS, OFFSET, SUPER>(codes, s * kPairs + p));
                 for (int r = 0; r < MR; ++r) {
                     int32_t pair;
                     std::memcpy(&pair, op.xq + (m0 + r) * op.k + first + 2 * p, sizeof(pair));
@@ -234,16 +254,36 @@ template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER>
 static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
     alignas(64) float acc[kRowsPerPass * kLanes];
     const int64_t group_bytes = op.k / SUPER * op.f.record_bytes();
-    for (int64_t g = g0; g < g1; ++g)
+    // More rows than a tile: five-bit codes, whose decoding costs most, decoded once per
+    // group, not once per tile (four and eight bits decode faster than they load).
+    const bool decode_once = BITS == 5 && rows > kRowsPerTile;
+    // Raw aligned memory, not a std::vector<Words>: the vector's members would be compiled
+    // outside this instruction set's target attribute.
+    const std::unique_ptr<void, decltype(&std::free)> buffer(
+        decode_once ? std::aligned_alloc(64, op.k / 2 * sizeof(Words)) : nullptr, &std::free);
+    Words* decoded_words = static_cast<Words*>(buffer.get());
+    for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* group = op.w + g * group_bytes;
+        if (decode_once) decode_group<BITS, OFFSET, SUB, SUPER>(op, group, decoded_words);
         for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
             const int64_t m1 = std::min(rows, m0 + kRowsPerPass);
-            const uint8_t* group = op.w + g * group_bytes;
             int64_t m = m0;
-            for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
-                group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile>(op, group, m,
-                                                                       acc + (m - m0) * kLanes);
-            for (; m < m1; ++m)
-                group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1>(op, group, m, acc + (m - m0) * kLanes);
+            float* a = acc;
+            if (decode_once) {
+                for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
+                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, true>(
+                        op, group, m, a + (m - m0) * kLanes, decoded_words);
+                for (; m < m1; ++m)
+                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, true>(
+                        op, group, m, a + (m - m0) * kLanes, decoded_words);
+            } else {
+                for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
+                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, false>(
+                        op, group, m, a + (m - m0) * kLanes, nullptr);
+                for (; m < m1; ++m)
+                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, false>(
+                        op, group, m, a + (m - m0) * kLanes, nullptr);
+            }
             const int valid = int(std::min<int64_t>(kLanes, op.n - g * kLanes));
             for (m = m0; m < m1; ++m) {
                 vf v = load_f32(acc + (m - m0) * kLanes);
@@ -253,6 +293,7 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
                 std::memcpy(op.out + m * op.n + g * kLanes, whole, valid * sizeof(uint16_t));
             }
         }
+    }
 }
 
 // Weight row `row` (an output) as bfloat16: scale · v − min per input, rounded once (gguf-py's
@@ -333,8 +374,8 @@ static void in_format(const Format& f, Run&& run) {
     else if (is(5, 0, true, 32, 256))  // Q5_K
         run(integral_constant<int, 5>{}, integral_constant<int, 0>{}, std::true_type{},
             integral_constant<int, 32>{}, integral_constant<int, 256>{});
-    else if (is(6, 32, false, 16, 256))  // Q6_K
-        run(integral_constant<int, 6>{}, integral_constant<int, 32>{}, std::false_type{},
+    else if (is(8, 32, false, 16, 256))  // Q6_K, codes widened to bytes
+        run(integral_constant<int, 8>{}, integral_constant<int, 32>{}, std::false_type{},
             integral_constant<int, 16>{}, integral_constant<int, 256>{});
 }
 

@@ -8,7 +8,7 @@ there."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +22,8 @@ from slotserve.runners.pytorch.families.registry import config_from_gguf, family
 from slotserve.runners.pytorch.families.vision.base import Vision
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.tensor import QuantTensor
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,16 @@ class GgufFile:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return gguf_tensors(self.reader, self.config)
+
+    def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """As :meth:`tensors`, but matrices of a type the quantized kernels multiply stay
+        their blocks (``quant/tensor.py``) wherever the family's undoing of the converter
+        only reorders rows."""
+        return gguf_tensors(self.reader, self.config, keep_quantized=True)
+
+    def quantized_types(self) -> set[str]:
+        """The quantization types of the file's matrices (``Q4_K``, ``F16``, ...)."""
+        return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2}
 
     def tokenizer(self) -> HfTokenizer:
         return HfTokenizer.from_gguf(self.path)
@@ -123,13 +135,44 @@ GGUF_NAMES = {
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_tensors(reader: Any, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def row_order(
+    transform: Callable[[torch.Tensor], torch.Tensor], shape: torch.Size
+) -> np.ndarray | None:
+    """The rows ``transform`` puts where, if all it does to a matrix of ``shape`` is reorder
+    its rows (else None): found by transforming each value's own row and column index."""
+    rows, columns = shape
+    row_index = torch.arange(rows, dtype=torch.float32)[:, None].expand(shape).contiguous()
+    column_index = torch.arange(columns, dtype=torch.float32)[None, :].expand(shape).contiguous()
+    try:
+        moved_rows, moved_columns = transform(row_index), transform(column_index)
+    except RuntimeError:
+        return None
+    order = moved_rows[:, 0]
+    if not (
+        moved_rows.shape == shape
+        and torch.equal(moved_columns, column_index)
+        and torch.equal(moved_rows, order[:, None].expand(shape))
+        and torch.equal(order.sort().values, row_index[:, 0])
+    ):
+        return None
+    return order.long().numpy()
+
+
+def _undoing(family: Any, template: str, c: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda weights: family.gguf_tensor(template, weights, c)
+
+
+def gguf_tensors(
+    reader: Any, c: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, Any]]:
     """Dequantised tensors of a ``gguf.GGUFReader`` under HF names, with what llama.cpp's
-    converter changed undone by the model's family."""
+    converter changed undone by the model's family; ``keep_quantized``: matrices of the
+    quantized kernels' types stay blocks where that undoing only reorders their rows."""
     from gguf.quants import dequantize
 
     family = family_of(c)
     names = {**GGUF_NAMES, **family.gguf_names}
+    orders: dict[tuple[str, torch.Size], np.ndarray | None] = {}
     for tensor in reader.tensors:
         template, layer = tensor.name, None
         match = _GGUF_BLOCK.match(tensor.name)
@@ -140,6 +183,15 @@ def gguf_tensors(reader: Any, c: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         hf_name = names[template].format(i=layer)
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if keep_quantized and tensor.tensor_type in FORMATS and len(shape) == 2:
+            blocks = QuantTensor(tensor.tensor_type, np.asarray(tensor.data), shape[1])
+            key = (template, blocks.shape)
+            if key not in orders:
+                orders[key] = row_order(_undoing(family, template, c), blocks.shape)
+            order = orders[key]
+            if order is not None:
+                yield hf_name, blocks.take_rows(order)
+                continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weights = torch.from_numpy(values.reshape(shape).copy())
         yield hf_name, family.gguf_tensor(template, weights, c)

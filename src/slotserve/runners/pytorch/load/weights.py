@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,7 +35,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 def load_into(
     model: Decoder,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, Any]],
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     weights: WeightFormat | None = None,
     set_aside: tuple[str, ...] = (),
@@ -64,7 +64,7 @@ def load_into(
             tensor = shard(name, tensor)
         if target.shape != tensor.shape:
             raise ValueError(f"{raw_name}: shape {tuple(tensor.shape)}, expected {target.shape}")
-        if isinstance(target, ProjectionRows):
+        if isinstance(target, ProjectionRows) or name == "model.embed_tokens.weight":
             weights.store(target, tensor)  # the weight format's one place
         else:
             target.copy_(tensor)
@@ -230,16 +230,14 @@ _STACKED = re.compile(
 )
 
 
-def _per_expert(
-    tensors: Iterator[tuple[str, torch.Tensor]], hidden: int
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _per_expert(tensors: Iterator[tuple[str, Any]], hidden: int) -> Iterator[tuple[str, Any]]:
     """Cuts stacked expert tensors ([experts, rows, columns]) into one tensor per expert under
     HF's per-expert names; a fused ``gate_up_proj`` holds each expert's gate rows then its up
     rows. Each expert's matrix is turned to a linear layer's [out, in] (``hidden`` in or out)
     where it is stored [in, out], as the hub's Qwen3-VL MoE checkpoints store theirs."""
     for name, tensor in tensors:
         stacked = _STACKED.match(name)
-        if stacked is None or tensor.dim() != 3:
+        if stacked is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
             yield name, tensor
             continue
         prefix, kind = stacked.group(1), stacked.group(2)

@@ -25,13 +25,7 @@ from slotserve.runners.pytorch.model.attention import (
 )
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
-from slotserve.runners.pytorch.model.layers import (
-    INVARIANT_MAX_K,
-    Projection,
-    RmsNorm,
-    activation,
-    onednn_bf16,
-)
+from slotserve.runners.pytorch.model.layers import Projection, RmsNorm, activation
 from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
 from slotserve.runners.pytorch.model.rotary import (
@@ -279,41 +273,6 @@ class Decoder(nn.Module):
             self.register_buffer("local_sin", local_sin, persistent=False)
         self._embed_scale = math.sqrt(c.hidden_size)
         self.kernels: CpuKernels | None = None  # set by the shard where they serve (CPU, bf16)
-
-    def use_invariant_matmul(self) -> None:
-        """Every projection and the head through ``gpu_matmul.invariant_linear`` (GPUs, and the
-        tests under Triton's interpreter): ``--batch-invariant``."""
-        for module in self.modules():
-            if isinstance(module, Projection):
-                module.invariant = True
-
-    def make_batch_invariant(self) -> None:
-        """After loading: long-input projections split their reduction (see ``Projection``).
-        A tied head keeps sharing the embedding: hidden sizes above the limit would need a
-        copy, made here too."""
-        for module in self.modules():
-            if isinstance(module, Projection) and module is not self.lm_head:
-                module.split_k()
-        if self.config.hidden_size > INVARIANT_MAX_K:
-            if self.config.tie_word_embeddings:
-                self.lm_head.weight = nn.Parameter(self.embed.weight.clone(), requires_grad=False)
-            self.lm_head.split_k()
-
-    def prepack(self, kernels: CpuKernels | None = None) -> None:
-        """Every projection's weights packed once (CPU, bfloat16): for the CPU kernels' GEMM,
-        which is invariant for any input size, or without ``kernels`` in oneDNN's blocked layout
-        (after :meth:`make_batch_invariant`), where oneDNN has bfloat16 kernels for this CPU
-        (AVX-512 or AVX-NE-CONVERT; elsewhere torch's own matmul serves, unpacked). A tied head
-        keeps the embedding's weight."""
-        if kernels is None and not onednn_bf16():
-            return
-        for module in self.modules():
-            if isinstance(module, Projection):
-                tied = module is self.lm_head and self.lm_head.weight is self.embed.weight
-                if kernels is not None:
-                    module.pack(kernels, keep_weight=tied)
-                else:
-                    module.prepack(keep_weight=tied)
 
     def forward(
         self,

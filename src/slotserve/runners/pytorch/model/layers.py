@@ -3,12 +3,18 @@ activations."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.gpu_matmul import invariant_linear
+
+if TYPE_CHECKING:
+    from slotserve.runners.pytorch.quant.formats import QuantFormat
 
 # oneDNN's bfloat16 matmuls give every row the same bits whatever the batch while the reduced
 # dimension is at most this long (measured up to 600 rows); beyond it some row counts switch to
@@ -29,6 +35,17 @@ def _packed_linear(
     return out  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class QuantPart:
+    """Consecutive output rows of a projection whose weight stays quantized: ``packed`` by
+    ``quant/packing.py`` in ``format`` for the CPU kernels' ``quant_linear``."""
+
+    packed: torch.Tensor
+    format: QuantFormat
+    rows: int
+    bias: torch.Tensor | None
+
+
 class Projection(nn.Linear):
     """A linear layer that is batch-invariant on CPU in one of two ways. :meth:`pack` hands it
     to the CPU kernels' GEMM, whose every output sums its inputs in order whatever the rows.
@@ -44,6 +61,16 @@ class Projection(nn.Linear):
     kernel_weight: torch.Tensor | None = None  # the whole weight, packed for the kernels
     kernel_bias: torch.Tensor | None = None  # the bias in float32, as the GEMM adds it
     invariant = False  # through ``gpu_matmul.invariant_linear`` (--batch-invariant on GPUs)
+    quant_parts: list[QuantPart] | None = None  # the weight kept quantized, rows in order
+
+    def reset_parameters(self) -> None:
+        """Nothing: every weight is loaded (``load/weights.py`` refuses a checkpoint that
+        lacks one), and a weight that stays quantized is never written, so never resident."""
+
+    def quantize(self, kernels: CpuKernels, parts: list[QuantPart]) -> None:
+        """The kernels' quantized GEMM from now on, over ``parts``' rows in order."""
+        self.quant_parts, self.kernels = parts, kernels
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def pack(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """The kernels' GEMM from now on (CPU, bfloat16). ``keep_weight``: as :meth:`prepack`."""
@@ -85,12 +112,17 @@ class Projection(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return invariant_linear(x, self.weight, self.bias)
-        if self.kernel_weight is not None:
-            assert self.kernels is not None
+        if self.kernels is not None:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernels.linear(rows, self.kernel_weight, self.kernel_bias, self.out_features)
+            if self.quant_parts is not None:
+                out = self._quant_linear(rows, self.kernels, self.quant_parts)
+            else:
+                assert self.kernel_weight is not None
+                out = self.kernels.linear(
+                    rows, self.kernel_weight, self.kernel_bias, self.out_features
+                )
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
@@ -103,6 +135,11 @@ class Projection(nn.Linear):
         if self.bias is not None:
             total += self.bias.float()
         return total.to(x.dtype)
+
+    @staticmethod
+    def _quant_linear(x: torch.Tensor, kernels: CpuKernels, parts: list[QuantPart]) -> torch.Tensor:
+        outs = [kernels.quant_linear(x, p.packed, p.format, p.rows, p.bias) for p in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 class RmsNorm(nn.Module):

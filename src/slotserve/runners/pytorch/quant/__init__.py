@@ -1,3 +1,2 @@
-"""GGUF weights kept quantized: their formats (``formats.py``), repacked once at load for the
-CPU kernels (``packing.py``), and a projection's weight as the kernels multiply it
-(``weight.py``)."""
+"""GGUF weights kept quantized: their formats (``formats.py``), a matrix's blocks on the way
+from a checkpoint (``tensor.py``), repacked once at load for the CPU kernels (``packing.py``)."""

@@ -45,13 +45,6 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
             for j in range(4)
         )
         parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
-    elif f.bits == 6:  # per 2 pairs: bits 4j, 4j + 1 the even code's top two; 4j + 2, + 3 odd
-        high = ((codes >> 4) & 3).reshape(g, b, pairs // 2, 2, GROUP, 2)
-        byte = sum(
-            (high[:, :, :, j, :, 0] << (4 * j)) | (high[:, :, :, j, :, 1] << (4 * j + 2))
-            for j in range(2)
-        )
-        parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
     records = np.concatenate([p.astype(np.uint8, copy=False) for p in parts], axis=2)
     assert records.shape[2] == f.record_bytes
     return records

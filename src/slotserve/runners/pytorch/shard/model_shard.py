@@ -21,9 +21,10 @@ from slotserve.runners.pytorch import gpu_kernels
 from slotserve.runners.pytorch.cpu_kernels import compute_path, load_cpu_kernels
 from slotserve.runners.pytorch.families.base import CLASSIFIER_WEIGHT
 from slotserve.runners.pytorch.load.checkpoint import Checkpoint
+from slotserve.runners.pytorch.load.format_choice import weight_format
 from slotserve.runners.pytorch.load.memory import decode_graph_bytes, kv_blocks
+from slotserve.runners.pytorch.load.quant_weights import QuantWeights
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
-from slotserve.runners.pytorch.load.weight_format import weight_format
 from slotserve.runners.pytorch.load.weights import RandomWeights, WeightSource, load_into
 from slotserve.runners.pytorch.model.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.model.config import ModelConfig
@@ -77,26 +78,43 @@ class ModelShard:
             self.model = Decoder(rank_config, dtype, self.max_seq_len, tp)
         self.model.eval()
 
-        source: WeightSource = RandomWeights(config) if load.load_format == "dummy" else checkpoint
-        weights = weight_format()
-        slicer = tp.slice_weight if tp is not None else None
-        aside = load_into(
-            self.model, source.tensors(), slicer, weights, set_aside=(CLASSIFIER_WEIGHT,)
-        )
-        # A sequence classifier's score head (``step/score_head.py``).
-        self.classifier = aside[CLASSIFIER_WEIGHT].float() if aside else None
-        self.lm_head_rows = (
-            self.model.lm_head.weight[list(lm_head_rows)].float().clone() if lm_head_rows else None
-        )
-
         # The CPU kernels serve in bfloat16 on CPU, where batch invariance holds
-        # (``model/attention.py``), unless --batch-invariant chose the Triton path; then the
-        # projections are made ready for the compute path.
+        # (``model/attention.py``), unless --batch-invariant chose the Triton path.
         kernels_may_serve = device.type == "cpu" and dtype == torch.bfloat16 and load.cpu_kernels
         if kernels_may_serve and not load.batch_invariant and rank_config.head_dim % 16 == 0:
             self.model.kernels = load_cpu_kernels()
+
+        dummy = load.load_format == "dummy"
+        source: WeightSource = RandomWeights(config) if dummy else checkpoint
+        weights = weight_format(
+            load.quantization,
+            None if dummy else checkpoint,
+            self.model,
+            self.model.kernels,
+            _no_quantized_kernels(load, device, tp, self.model.kernels),
+        )
+        quantized_types = ""
+        slicer = tp.slice_weight if tp is not None else None
+        aside = load_into(
+            self.model,
+            weights.tensors(source),
+            slicer,
+            weights,
+            set_aside=(CLASSIFIER_WEIGHT,),
+        )
+        if isinstance(weights, QuantWeights):
+            quantized_types = ", ".join(weights.kinds())
+        # A sequence classifier's score head (``step/score_head.py``).
+        self.classifier = aside[CLASSIFIER_WEIGHT].float() if aside else None
+        self.lm_head_rows = (
+            weights.head_rows(self.model, list(lm_head_rows)) if lm_head_rows else None
+        )
+        # The projections made ready for the compute path.
         weights.prepare(self.model, load.batch_invariant)
         self.compute = compute_path(device, dtype, self.model.kernels)
+        if quantized_types:
+            kernels = f"{self.compute.kernels}, weights kept quantized ({quantized_types})"
+            self.compute = dataclasses.replace(self.compute, kernels=kernels)
         if self.triton:
             matmuls = "invariant Triton" if load.batch_invariant else "torch"
             self.compute = dataclasses.replace(
@@ -256,6 +274,21 @@ def decode_graphs_apply(
         and not any(config.linear_layers)
         and not config.mrope_section
     )
+
+
+def _no_quantized_kernels(
+    load: TorchLoadConfig, device: torch.device, tp: TensorParallel | None, kernels: object
+) -> str | None:
+    """Why weights cannot stay quantized in this load (None: they can)."""
+    if device.type != "cpu":
+        return "the quantized kernels are the CPU's"
+    if tp is not None:
+        return "not under tensor parallelism"
+    if load.batch_invariant:
+        return "--batch-invariant runs the Triton matmuls"
+    if kernels is None:
+        return "the CPU kernels do not serve this load (bfloat16, --cpu-kernels, head size)"
+    return None
 
 
 def triton_attention(backend: str, device: torch.device) -> bool:

@@ -1,0 +1,132 @@
+"""Projections whose weights stay quantized (the weight format of ``weight_format.py``): a GGUF
+file's blocks as stored, or an HF checkpoint's weights rounded at load (``--quantization``),
+multiplied by the CPU kernels' ``quant_linear`` (``csrc/quant_gemm.h``) and looked up by
+``quant_rows`` for the embedding.
+
+The pieces of a fused projection (q, k, v; gate, up) may come in different types, as in a
+Q4_K_M file: each run of rows of one type is one packed part, multiplied on its own and the
+outputs concatenated (a row's sums never cross parts). A matrix that reaches the format dense
+(a type the kernels do not multiply, a converter change that is more than a row order, an
+expert cut from a stacked tensor) is rounded to Q8_0. The embedding stays quantized too; a
+tied LM head multiplies the same packed blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.load.weight_format import ProjectionRows
+from slotserve.runners.pytorch.model.decoder import Decoder
+from slotserve.runners.pytorch.model.layers import Projection, QuantPart
+from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.packing import GROUP, pack_tensor
+from slotserve.runners.pytorch.quant.tensor import QuantTensor, quantized
+
+# What a matrix given dense is rounded to where the format names none (--quantization auto).
+DENSE_AS = GGMLQuantizationType.Q8_0
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding whose table stays quantized: each token's row dequantized on lookup, the
+    values the dequantized path would hold."""
+
+    def __init__(self, kernels: CpuKernels, part: QuantPart, k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kernels, self.part, self.k = kernels, part, k
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        p = self.part
+        rows = self.kernels.quant_rows(p.packed, token_ids.reshape(-1), p.format, p.rows, self.k)
+        return rows.view(*token_ids.shape, self.k)
+
+
+class QuantWeights:
+    """``gguf``: the GGUF checkpoint whose blocks are read as stored (else every tensor comes
+    dense); ``dense_as``: the type a dense matrix is rounded to."""
+
+    name = "quantized"
+
+    def __init__(self, kernels: CpuKernels, gguf: Any = None, dense_as: Any = DENSE_AS) -> None:
+        self.kernels, self.gguf, self.dense_as = kernels, gguf, dense_as
+        self.parts: dict[Projection, list[tuple[int, QuantTensor]]] = {}
+        self.embedding: QuantTensor | None = None
+
+    def tensors(self, source: Any) -> Iterator[tuple[str, Any]]:
+        if self.gguf is not None and source is self.gguf:
+            return self.gguf.quantized_tensors()  # type: ignore[no-any-return]
+        return source.tensors()  # type: ignore[no-any-return]
+
+    def store(self, place: ProjectionRows | torch.Tensor, tensor: Any) -> None:
+        if isinstance(place, ProjectionRows):
+            blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, self.dense_as)
+            self.parts.setdefault(place.projection, []).append((place.rows.start or 0, blocks))
+            return
+        # The one other matrix the load hands over: the embedding's table.
+        given = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, DENSE_AS)
+        self.embedding = given
+
+    def head_rows(self, model: Decoder, rows: list[int]) -> torch.Tensor:
+        if model.config.tie_word_embeddings:
+            assert self.embedding is not None
+            return self.embedding.dequantized(rows)
+        pieces = sorted(self.parts[model.lm_head], key=lambda part: part[0])
+        whole = [piece.dequantized() for _, piece in pieces]
+        return torch.cat(whole)[rows].clone()
+
+    def prepare(self, model: Decoder, invariant_matmul: bool) -> None:
+        assert not invariant_matmul, "the quantized kernels are the CPU's"
+        for projection in list(self.parts):
+            pieces = sorted(self.parts.pop(projection), key=lambda part: part[0])
+            projection.quantize(self.kernels, self._packed(projection, pieces))
+        if self.embedding is None:
+            raise ValueError("the checkpoint's embedding never reached the quantized format")
+        table = self.embedding
+        part = self._packed(model.lm_head, [(0, table)], bias=False)[0]
+        # The decoder calls its embedding as a module; this one keeps its table quantized.
+        model.embed = QuantEmbedding(self.kernels, part, table.k, model.dtype)  # type: ignore[assignment]
+        if model.config.tie_word_embeddings:
+            model.lm_head.quantize(self.kernels, [part])
+        self.embedding = None
+
+    def _packed(
+        self, projection: Projection, pieces: list[tuple[int, QuantTensor]], bias: bool = True
+    ) -> list[QuantPart]:
+        """Runs of pieces of one type merged (where whole groups of 16 rows), each packed."""
+        runs: list[QuantTensor] = []
+        covered = 0
+        for start, piece in pieces:
+            if start != covered:
+                raise ValueError(f"rows {covered}..{start} of a projection were never loaded")
+            covered += piece.shape[0]
+            last = runs[-1] if runs else None
+            if last is not None and last.kind == piece.kind and last.shape[0] % GROUP == 0:
+                raw = np.concatenate([last.raw, piece.raw])
+                runs[-1] = QuantTensor(piece.kind, raw, piece.k)
+            else:
+                runs.append(piece)
+        if covered != projection.out_features:
+            raise ValueError(f"{covered} of a projection's {projection.out_features} rows loaded")
+        parts, first = [], 0
+        for run in runs:
+            n = run.shape[0]
+            b = projection.bias if bias else None
+            part_bias = None if b is None else b.detach()[first : first + n].float().clone()
+            packed = pack_tensor(run.kind, run.raw, run.k)
+            parts.append(QuantPart(packed, FORMATS[run.kind], n, part_bias))
+            first += n
+        return parts
+
+    def kinds(self) -> list[str]:
+        """The types of the matrices stored so far (for the log)."""
+        kinds = {piece.kind.name for pieces in self.parts.values() for _, piece in pieces}
+        if self.embedding is not None:
+            kinds.add(self.embedding.kind.name)
+        return sorted(kinds)

@@ -1,0 +1,99 @@
+"""Weights that stay quantized in the PyTorch runner (``load/quant_weights.py``): a GGUF file's
+blocks as stored, an HF checkpoint's rounded at load (``--quantization``); the engine's
+invariance on them is the behaviour tests' (``test_runner_behaviour.py`` runs on the GGUF
+through this path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.model.layers import Projection
+from slotserve.runners.pytorch.runner import TorchRunner
+from tests.prompts import PROMPTS
+from tests.runner.engine_runs import alone_then_together, greedy
+
+
+def _runner(path: Path, **options: object) -> TorchRunner:
+    return TorchRunner(TorchLoadConfig(path, num_slots=4, max_model_len=512, **options))  # type: ignore[arg-type]
+
+
+def _projections(runner: TorchRunner) -> list[Projection]:
+    return [m for m in runner.shard.model.modules() if isinstance(m, Projection)]
+
+
+def _greedy(runner: TorchRunner, tokens: int = 8) -> tuple[dict[str, list[int]], ...]:
+    core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
+    prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+    return alone_then_together(core, prompts, greedy(tokens))
+
+
+@pytest.fixture(scope="module")
+def dequantized(model_path: Path) -> Iterator[TorchRunner]:
+    runner = _runner(model_path, quantization="none")
+    yield runner
+    runner.close()
+
+
+def test_a_gguf_file_is_served_from_its_own_blocks(
+    kernels: CpuKernels, torch_runner: TorchRunner, dequantized: TorchRunner, model_path: Path
+) -> None:
+    """Every projection and the embedding keep the file's types, in about the file's bytes;
+    ``--quantization none`` holds them dequantized, as before."""
+    assert "weights kept quantized (Q4_1, Q8_0)" in torch_runner.model_info.compute.kernels
+    projections = _projections(torch_runner)
+    assert all(p.quant_parts and p.weight.numel() == 0 for p in projections)
+    packed = sum(part.packed.numel() for p in projections for part in p.quant_parts or [])
+    # The tied LM head shares the embedding's packed blocks: counted once, it is the file.
+    embedding = torch_runner.shard.model.embed
+    assert embedding(torch.tensor([[1, 2]])).shape == (1, 2, 576)
+    assert packed <= 1.1 * model_path.stat().st_size
+    assert all(p.quant_parts is None for p in _projections(dequantized))
+    assert "quantized" not in dequantized.model_info.compute.kernels
+
+
+def test_quantized_and_dequantized_paths_agree_on_what_comes_first(
+    torch_runner: TorchRunner, dequantized: TorchRunner
+) -> None:
+    """The quantized kernels round each input block to 16 bits and sum exactly in integers
+    (csrc/quant_gemm.h), the dequantized path multiplies bfloat16 values in float32: not the
+    same bits, so the tokens are not promised equal; the first choice of each prompt is."""
+    quantized_alone, quantized_together = _greedy(torch_runner)
+    dense_alone, _ = _greedy(dequantized)
+    assert quantized_together == quantized_alone
+    assert len(dense_alone) == 4
+    for prompt, tokens in dense_alone.items():
+        assert quantized_alone[prompt][0] == tokens[0], prompt
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_an_hf_checkpoint_is_quantized_at_load(hf_checkpoint: Path, kind: str) -> None:
+    runner = _runner(hf_checkpoint, quantization=kind)
+    try:
+        projections = _projections(runner)
+        kinds = {part.format for p in projections for part in p.quant_parts or []}
+        assert len(kinds) <= 2 and all(p.quant_parts for p in projections)
+        assert "weights kept quantized (" in runner.model_info.compute.kernels
+        assert kind in runner.model_info.compute.kernels
+        alone, together = _greedy(runner)
+        assert together == alone and all(len(t) == 8 for t in alone.values())
+    finally:
+        runner.close()
+
+
+def test_quantization_the_load_cannot_serve_is_refused_by_name(
+    model_path: Path, hf_checkpoint: Path
+) -> None:
+    with pytest.raises(ValueError, match="GGUF file keeps its own types"):
+        _runner(model_path, quantization="Q8_0")
+    with pytest.raises(ValueError, match="the CPU kernels do not serve"):
+        _runner(hf_checkpoint, quantization="Q4_0", cpu_kernels=False)
+    with pytest.raises(ValueError, match="the CPU kernels do not serve"):
+        _runner(hf_checkpoint, quantization="Q8_0", dtype="float32")
