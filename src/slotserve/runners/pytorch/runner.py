@@ -27,6 +27,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools
 from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
+from slotserve.runners.pytorch.load.memory import return_freed_memory
 from slotserve.runners.pytorch.load.model_rules import context_cost, recurrent_state_rules
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
@@ -101,6 +102,7 @@ class TorchRunner:
             if self.ranks is not None:
                 self.ranks.close()
             raise
+        return_freed_memory()
         self.pool = self.shard.pool
         self.max_seq_len = self.shard.max_seq_len
 

@@ -189,8 +189,9 @@ def gguf_tensors(
             if key not in orders:
                 orders[key] = row_order(_undoing(family, template, c), blocks.shape)
             order = orders[key]
-            if order is not None:
-                yield hf_name, blocks.take_rows(order)
+            if order is not None:  # a file's rows in order are read from its mapping, once
+                in_order = bool((order == np.arange(len(order))).all())
+                yield hf_name, blocks if in_order else blocks.take_rows(order)
                 continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weights = torch.from_numpy(values.reshape(shape).copy())

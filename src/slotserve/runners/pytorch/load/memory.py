@@ -3,6 +3,8 @@ pre-flight before loading a model, from the configuration alone."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 
 import torch
@@ -105,3 +107,11 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     # DeltaNet states: the slots' and the prefix cache's snapshots.
     buffers += (load.num_slots + load.snapshots) * config.linear_state_bytes(dtype_bytes)
     return MemoryNeed(weights, kv, kv // per_token, buffers, device_share=float(on_gpu))
+
+
+def return_freed_memory() -> None:
+    """glibc keeps the small allocations a load frees (the quantized packing's chunks, a
+    tokenizer's scratch) for reuse; handed back, the resident memory is what the model holds.
+    Nothing where the C library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

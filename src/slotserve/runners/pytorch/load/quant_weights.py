@@ -14,9 +14,9 @@ tied LM head multiplies the same packed blocks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -48,6 +48,23 @@ class QuantEmbedding(nn.Module):
         return rows.view(*token_ids.shape, self.k)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A checkpoint tensor's rows of a projection, packed as it arrives (a file's blocks are
+    then read once, from its mapping)."""
+
+    start: int
+    rows: int
+    kind: GGMLQuantizationType
+    packed: torch.Tensor
+    k: int
+
+    @staticmethod
+    def of(start: int, blocks: QuantTensor) -> _Piece:
+        packed = pack_tensor(blocks.kind, blocks.raw, blocks.k)
+        return _Piece(start, blocks.shape[0], blocks.kind, packed, blocks.k)
+
+
 class QuantWeights:
     """``gguf``: the GGUF checkpoint whose blocks are read as stored (else every tensor comes
     dense); ``dense_as``: the type a dense matrix is rounded to."""
@@ -56,8 +73,8 @@ class QuantWeights:
 
     def __init__(self, kernels: CpuKernels, gguf: Any = None, dense_as: Any = DENSE_AS) -> None:
         self.kernels, self.gguf, self.dense_as = kernels, gguf, dense_as
-        self.parts: dict[Projection, list[tuple[int, QuantTensor]]] = {}
-        self.embedding: QuantTensor | None = None
+        self.pieces: dict[Projection, list[_Piece]] = {}
+        self.embedding: _Piece | None = None
 
     def tensors(self, source: Any) -> Iterator[tuple[str, Any]]:
         if self.gguf is not None and source is self.gguf:
@@ -67,66 +84,79 @@ class QuantWeights:
     def store(self, place: ProjectionRows | torch.Tensor, tensor: Any) -> None:
         if isinstance(place, ProjectionRows):
             blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, self.dense_as)
-            self.parts.setdefault(place.projection, []).append((place.rows.start or 0, blocks))
+            piece = _Piece.of(place.rows.start or 0, blocks)
+            self.pieces.setdefault(place.projection, []).append(piece)
             return
         # The one other matrix the load hands over: the embedding's table.
-        given = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, DENSE_AS)
-        self.embedding = given
+        blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, DENSE_AS)
+        self.embedding = _Piece.of(0, blocks)
 
     def head_rows(self, model: Decoder, rows: list[int]) -> torch.Tensor:
-        if model.config.tie_word_embeddings:
-            assert self.embedding is not None
-            return self.embedding.dequantized(rows)
-        pieces = sorted(self.parts[model.lm_head], key=lambda part: part[0])
-        whole = [piece.dequantized() for _, piece in pieces]
-        return torch.cat(whole)[rows].clone()
+        head = model.lm_head
+        pieces = [self.embedding] if model.config.tie_word_embeddings else self.pieces[head]
+        parts = self._parts(head, [p for p in pieces if p is not None], bias=False)
+        ids, first, found = torch.tensor(rows), 0, []
+        for part in parts:
+            mine = (ids >= first) & (ids < first + part.rows)
+            found.append(
+                (
+                    mine,
+                    self.kernels.quant_rows(
+                        part.packed, ids[mine] - first, part.format, part.rows, head.in_features
+                    ),
+                )
+            )
+            first += part.rows
+        out = torch.empty(len(rows), head.in_features)
+        for mine, values in found:
+            out[mine] = values.float()
+        return out
 
     def prepare(self, model: Decoder, invariant_matmul: bool) -> None:
         assert not invariant_matmul, "the quantized kernels are the CPU's"
-        for projection in list(self.parts):
-            pieces = sorted(self.parts.pop(projection), key=lambda part: part[0])
-            projection.quantize(self.kernels, self._packed(projection, pieces))
+        for projection in list(self.pieces):
+            pieces = self.pieces.pop(projection)
+            projection.quantize(self.kernels, self._parts(projection, pieces))
         if self.embedding is None:
             raise ValueError("the checkpoint's embedding never reached the quantized format")
         table = self.embedding
-        part = self._packed(model.lm_head, [(0, table)], bias=False)[0]
+        part = self._parts(model.lm_head, [table], bias=False)[0]
         # The decoder calls its embedding as a module; this one keeps its table quantized.
         model.embed = QuantEmbedding(self.kernels, part, table.k, model.dtype)  # type: ignore[assignment]
         if model.config.tie_word_embeddings:
             model.lm_head.quantize(self.kernels, [part])
         self.embedding = None
 
-    def _packed(
-        self, projection: Projection, pieces: list[tuple[int, QuantTensor]], bias: bool = True
+    def _parts(
+        self, projection: Projection, pieces: list[_Piece], bias: bool = True
     ) -> list[QuantPart]:
-        """Runs of pieces of one type merged (where whole groups of 16 rows), each packed."""
-        runs: list[QuantTensor] = []
+        """Runs of pieces of one type merged (where whole groups of 16 rows: packed records
+        of whole groups concatenate), each one part."""
+        runs: list[_Piece] = []
         covered = 0
-        for start, piece in pieces:
-            if start != covered:
-                raise ValueError(f"rows {covered}..{start} of a projection were never loaded")
-            covered += piece.shape[0]
+        for piece in sorted(pieces, key=lambda p: p.start):
+            if piece.start != covered:
+                raise ValueError(f"rows {covered}..{piece.start} of a projection never loaded")
+            covered += piece.rows
             last = runs[-1] if runs else None
-            if last is not None and last.kind == piece.kind and last.shape[0] % GROUP == 0:
-                raw = np.concatenate([last.raw, piece.raw])
-                runs[-1] = QuantTensor(piece.kind, raw, piece.k)
+            if last is not None and last.kind == piece.kind and last.rows % GROUP == 0:
+                packed = torch.cat([last.packed, piece.packed])
+                runs[-1] = _Piece(last.start, last.rows + piece.rows, piece.kind, packed, piece.k)
             else:
                 runs.append(piece)
         if covered != projection.out_features:
             raise ValueError(f"{covered} of a projection's {projection.out_features} rows loaded")
-        parts, first = [], 0
+        parts = []
         for run in runs:
-            n = run.shape[0]
             b = projection.bias if bias else None
-            part_bias = None if b is None else b.detach()[first : first + n].float().clone()
-            packed = pack_tensor(run.kind, run.raw, run.k)
-            parts.append(QuantPart(packed, FORMATS[run.kind], n, part_bias))
-            first += n
+            end = run.start + run.rows
+            part_bias = None if b is None else b.detach()[run.start : end].float().clone()
+            parts.append(QuantPart(run.packed, FORMATS[run.kind], run.rows, part_bias))
         return parts
 
     def kinds(self) -> list[str]:
         """The types of the matrices stored so far (for the log)."""
-        kinds = {piece.kind.name for pieces in self.parts.values() for _, piece in pieces}
+        kinds = {piece.kind.name for pieces in self.pieces.values() for piece in pieces}
         if self.embedding is not None:
             kinds.add(self.embedding.kind.name)
         return sorted(kinds)
