@@ -5,6 +5,7 @@ SmolLM2 weights, logit parity for a tiny random model of every supported family,
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import weakref
 from collections.abc import Iterator
@@ -381,3 +382,17 @@ def test_cached_prefixes_outlive_the_slots_in_the_pool_and_give_way_under_pressu
     assert stats.prefix_cache.evictions > 0 and stats.preemptions == 0
     core.check_integrity()
     runner.close()
+
+
+def test_a_max_model_len_past_the_trained_context_is_served_with_a_warning(
+    model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As llama.cpp allows a context past the trained one (SmolLM2: 8,192), an explicit
+    --max-model-len beyond it is taken, and the load says what that risks."""
+    with caplog.at_level(logging.WARNING):
+        runner = _runner(model_path, num_slots=1, max_model_len=9000)
+    try:
+        assert runner.max_seq_len == 9000 and runner.model_info.max_seq_len == 9000
+        assert "--max-model-len 9000 is past the 8192 positions" in caplog.text
+    finally:
+        runner.close()

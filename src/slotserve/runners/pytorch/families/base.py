@@ -141,7 +141,9 @@ class HfConfig:
             "rope_theta": float(raw.get("rope_theta") or self.rope.get("rope_theta") or 10000.0),
             "max_position_embeddings": int(raw.get("max_position_embeddings") or 4096),
             "tie_word_embeddings": self.flag("tie_word_embeddings", False),
-            "rope_scaling": rope_scaling(self.rope, self.name),
+            "rope_scaling": rope_scaling(
+                self.rope, self.name, int(raw.get("max_position_embeddings") or 4096)
+            ),
             "attention_bias": self.flag("attention_bias", False),
             "hidden_activation": self.activation("silu"),
             "query_pre_attn_scalar": float(scalar) if scalar else None,

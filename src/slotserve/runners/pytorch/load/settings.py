@@ -71,6 +71,8 @@ class TorchLoadConfig(TorchConfig):
         return self.prefix_cache_snapshots or 0
 
     def sequence_length(self, trained_context: int) -> int:
-        """Tokens one sequence may hold: ``--max-model-len``, else the trained context up
-        to 4096."""
+        """Tokens one sequence may hold: ``--max-model-len`` (past the trained context too, as
+        llama.cpp allows: the load warns), else the trained context up to 4096."""
+        if self.max_model_len > trained_context:
+            return self.max_model_len
         return min(trained_context, self.max_model_len or 4096)

@@ -23,11 +23,16 @@ class UnsupportedModelError(ValueError):
 class RopeScaling:
     """How rotary frequencies are stretched for long contexts (HF ``rope_scaling``)."""
 
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the rotations per context below which a frequency is interpolated and above which it
+    # is kept, and the factor cos and sin are scaled by (None: 0.1 · ln(factor) + 1).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,8 +173,10 @@ class ModelConfig:
         return bool(self.sparse_layers) and self.sparse_layers[layer]
 
 
-def rope_scaling(raw: Mapping[str, Any], name: str) -> RopeScaling:
-    """HF's ``rope_scaling`` (or ``rope_parameters``) settings; refused when unknown."""
+def rope_scaling(raw: Mapping[str, Any], name: str, trained: int = 8192) -> RopeScaling:
+    """HF's ``rope_scaling`` (or ``rope_parameters``) settings; refused when unknown.
+    ``trained``: the model's ``max_position_embeddings``, YaRN's original context unless the
+    settings name one."""
     kind = raw.get("rope_type") or raw.get("type") or "default"
     if kind in ("default", "mrope"):  # M-RoPE is read as ``mrope_section`` (Qwen2.5-VL)
         return RopeScaling()
@@ -182,6 +189,18 @@ def rope_scaling(raw: Mapping[str, Any], name: str) -> RopeScaling:
             float(raw.get("low_freq_factor", 1.0)),
             float(raw.get("high_freq_factor", 4.0)),
             int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    if kind == "yarn":
+        attention = raw.get("attention_factor")
+        return RopeScaling(
+            "yarn",
+            float(raw["factor"]),
+            original_max_position_embeddings=int(
+                raw.get("original_max_position_embeddings") or trained
+            ),
+            beta_fast=float(raw.get("beta_fast") or 32.0),
+            beta_slow=float(raw.get("beta_slow") or 1.0),
+            attention_factor=None if attention is None else float(attention),
         )
     raise UnsupportedModelError(f"{name}: rope scaling {kind!r} is not supported")
 

@@ -1,5 +1,5 @@
-"""Rotary position embeddings as HF builds them: Llama 3's and linear frequency scaling, and a
-partial rotary dim (Qwen3.5 turns only the first quarter of each head)."""
+"""Rotary position embeddings as HF builds them: Llama 3's, YaRN's and linear frequency scaling,
+and a partial rotary dim (Qwen3.5 turns only the first quarter of each head)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.config import ModelConfig, RopeScaling
 
 
 def rotary_tables(
@@ -31,10 +31,36 @@ def rotary_tables(
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    magnitude = 1.0
+    if scaling.kind == "yarn":
+        inv_freq, magnitude = _yarn(inv_freq, theta, dim, scaling)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * magnitude).to(dtype), (emb.sin() * magnitude).to(dtype)
+
+
+def _yarn(
+    inv_freq: torch.Tensor, theta: float, dim: int, scaling: RopeScaling
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than ``beta_slow`` times over the
+    original context are divided by the factor, those turning more than ``beta_fast`` times
+    are kept, a linear ramp between; cos and sin are scaled by the attention factor."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_turning(rotations: float) -> float:  # the dim whose frequency turns so often
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_turning(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_turning(scaling.beta_slow)), dim - 1)
+    span = (high - low) or 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    kept = 1 - ramp
+    inv_freq = inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
+    factor = scaling.attention_factor
+    if factor is None:
+        factor = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+    return inv_freq, factor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,17 @@ class ModelShard:
         )
         graphs = decode_graphs_apply(load, config, device, self.triton, tp)
         self.max_seq_len = load.sequence_length(config.max_position_embeddings)
+        if self.max_seq_len > config.max_position_embeddings:
+            logger.warning(
+                "--max-model-len %d is past the %d positions %s was trained on%s",
+                self.max_seq_len,
+                config.max_position_embeddings,
+                config.name,
+                ""
+                if config.rope_scaling.kind != "default"
+                else ": its config sets no rope_scaling (such as YaRN), so replies past them "
+                "may degrade",
+            )
 
         with torch.device(device):
             self.model = Decoder(rank_config, dtype, self.max_seq_len, tp)
