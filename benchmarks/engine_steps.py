@@ -9,6 +9,8 @@ sees neither the kernels nor, inside them, the GEMM). Used to A/B runner changes
 server-level benchmarks (``slotserve bench runners``).
 
     python benchmarks/engine_steps.py --runner torch --batch-sizes 1 16 64 --max-tokens 64
+    python benchmarks/engine_steps.py --model ~/.cache/slotserve/models/llama-3.2-1b-Q4_K_M.gguf \
+        --batch-sizes 1 16 --max-tokens 32 [--quantization none]
 """
 
 from __future__ import annotations
@@ -31,10 +33,17 @@ from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
 
 def build(
-    runner: str, slots: int, threads: int, cpu_kernels: bool = True, max_seq_len: int = 512
+    runner: str,
+    slots: int,
+    threads: int,
+    cpu_kernels: bool = True,
+    max_seq_len: int = 512,
+    model: Path | None = None,
+    quantization: str = "auto",
 ) -> EngineCore:
-    """An engine on the embedded model; ``max_seq_len`` applies to the PyTorch runner."""
-    path = embedded_model_path()
+    """An engine on ``model`` (default: the embedded model); ``max_seq_len`` and
+    ``quantization`` apply to the PyTorch runner."""
+    path = model or embedded_model_path()
     if runner == "torch":
         from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 
@@ -45,6 +54,7 @@ def build(
                 max_model_len=max_seq_len,
                 threads=threads,
                 cpu_kernels=cpu_kernels,
+                quantization=quantization,
             )
         )
     else:
@@ -165,9 +175,19 @@ def main() -> None:
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch: the plain-torch path (reference)"
     )
+    parser.add_argument("--model", type=Path, help="a GGUF file or HF folder (default: embedded)")
+    parser.add_argument("--quantization", default="auto", help="torch: as serve's flag")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    core = build(args.runner, max(args.batch_sizes), args.threads, not args.no_cpu_kernels)
+    slots = max(args.batch_sizes)
+    core = build(
+        args.runner,
+        slots,
+        args.threads,
+        not args.no_cpu_kernels,
+        model=args.model,
+        quantization=args.quantization,
+    )
     run(core, 1, 4, seed=-1)  # warm-up
     results = []
     for round_index in range(args.rounds):

@@ -10,7 +10,12 @@ at load.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,31 @@ from slotserve.engine.images import ImagePreparer
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>")
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def converted_folder(gguf: Path) -> Path:
+    """Where a GGUF file's converted tokenizer is kept: ``SLOTSERVE_TOKENIZER_CACHE``, else
+    ``~/.cache/slotserve/tokenizers``, by the file's path, size and modification time (and
+    transformers' version, whose conversion it is)."""
+    import transformers
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("SLOTSERVE_TOKENIZER_CACHE")
+    folder = Path(root) if root else Path.home() / ".cache" / "slotserve" / "tokenizers"
+    return folder / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save(tokenizer: Any, saved: Path) -> None:
+    """Written beside, then renamed into place: a reader never sees half a folder, and of two
+    loads saving at once one folder stays."""
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=saved.parent))
+    try:
+        tokenizer.save_pretrained(str(partial))
+        partial.rename(saved)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @cache
@@ -65,9 +95,21 @@ class HfTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> HfTokenizer:
+        """transformers' conversion of the file's vocabulary takes seconds: it is saved once
+        (``converted_folder``) and read from there by every later load, a restarted engine's
+        included."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+        saved = converted_folder(path)
+        if (saved / "tokenizer_config.json").is_file():
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(saved)))
+            except Exception:  # unreadable, whatever the reason: converted again
+                shutil.rmtree(saved, ignore_errors=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with contextlib.suppress(OSError):  # a read-only cache: converted every time
+            _save(tokenizer, saved)
+        return cls(tokenizer)
 
     @property
     def chat_template(self) -> str | None:
