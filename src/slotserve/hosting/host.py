@@ -43,15 +43,12 @@ from slotserve.hosting.served import (
     LOADING_RETRY_AFTER_S,
     RELOAD_HINT,
     LoadedModel,
+    ModelLaunch,
     ModelState,
     ModelUnavailableError,
     ReloadConflictError,
     build_model,
 )
-
-# hosting/launch.py builds its recipes from these names as this module gives them.
-from slotserve.hosting.served import ModelLaunch as ModelLaunch
-from slotserve.hosting.served import RestartPolicy as RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +316,7 @@ class ModelHost:
 
     async def _retire(self, model: LoadedModel, reason: str = STOPPED_REASON) -> None:
         """Stops an engine; whatever is still in it ends with an error saying ``reason``."""
-        self.retired = self.retired.plus(model.stats, _forward_seconds(model))
+        self.retired = self.retired.plus(model.stats, model.forward_seconds)
         deadline = time.monotonic() + LEASE_WAIT_S
         while self._leases[id(model)] and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -337,7 +334,7 @@ class ModelHost:
         model = self.model
         if model is None:
             return self.retired
-        return self.retired.plus(model.stats, _forward_seconds(model))
+        return self.retired.plus(model.stats, model.forward_seconds)
 
     @property
     def num_in_flight(self) -> int:
@@ -397,10 +394,3 @@ class ModelHost:
     def _stop_watching(self) -> None:
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
-
-
-def _forward_seconds(model: LoadedModel) -> float:
-    try:
-        return model.engine.forward_seconds
-    except Exception:  # a broken device may fail to answer
-        return 0.0

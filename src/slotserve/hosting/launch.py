@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from slotserve.engine.config import EngineConfig
     from slotserve.engine.memory_need import MemoryNeed
     from slotserve.engine.runner_interface import RunnerSpec
-    from slotserve.hosting.host import ModelLaunch
     from slotserve.hosting.registry import LaunchFactory
+    from slotserve.hosting.served import ModelLaunch
 
 # Recurrent-state snapshots per slot by default (--prefix-cache-snapshots): a conversation's
 # next turn, a shared prefix's branch point and a few spaced points per running prompt.
@@ -125,7 +125,7 @@ def build_launch(
     estimate (an unreadable model or an unsupported architecture fails here, before any
     weight is read; at start-up the load reports it instead, and the server exits with
     status 1)."""
-    from slotserve.hosting.host import ModelLaunch, RestartPolicy
+    from slotserve.hosting.served import ModelLaunch, RestartPolicy
     from slotserve.protocol.reasoning import get_reasoning_parser
 
     chat = config.model

@@ -77,6 +77,13 @@ class LoadedModel:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    @property
+    def forward_seconds(self) -> float:
+        try:
+            return self.engine.forward_seconds
+        except Exception:  # a broken device may fail to answer
+            return 0.0
+
 
 @dataclass(frozen=True)
 class RestartPolicy:

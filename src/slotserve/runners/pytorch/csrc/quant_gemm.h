@@ -20,11 +20,12 @@
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | sc[sub-blocks][16] int8 |
-//   m[sub-blocks][16] uint8 (with a min) | codes: per input pair 16 bytes (4 and 5 bits: byte o
-//   holds output o's even code in its low nibble, its odd code in its high nibble) or 32 (8 bits:
-//   the 16 even codes, then the 16 odd ones, as bytes) | 5 bits: per 4 pairs 16 bytes of high
-//   bits (bit 2j: pair j's even code, 2j+1: its odd code). Q6_K's six-bit codes are stored as
-//   bytes (quant/formats.py says why).
+//   m[sub-blocks][16] uint8 (with a min) | codes: per input pair the 32 codes in the order of
+//   vpmaddwd's words, outputs 0-7's (even, odd) pairs then outputs 8-15's ("lo" and "hi"):
+//   16 bytes (4 and 5 bits: byte w holds lo's word w in its low nibble, hi's in its high one)
+//   or 32 (8 bits: lo's 16 bytes, then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit
+//   2j: pair j's lo word, 2j+1: its hi word). Q6_K's six-bit codes are stored as bytes
+//   (quant/formats.py says why).
 
 namespace quant {
 
@@ -38,10 +39,11 @@ using gemmv::broadcast;
 using Format = QuantFormat;
 using Operands = QuantOperands;
 
-// The 16 outputs' even and odd values of one input pair, as int8 (v = code − offset). The
-// format's constants are template arguments: the decoding compiles to a few byte operations.
+// The 16 outputs' values of one input pair as int8 (v = code − offset), in word order: `lo`
+// holds outputs 0-7's (even, odd) values, `hi` outputs 8-15's. The format's constants are
+// template arguments: the decoding compiles to a few byte operations.
 struct PairValues {
-    __m128i even, odd;
+    __m128i lo, hi;
 };
 
 template <int BITS, int OFFSET, int SUPER>
@@ -49,19 +51,19 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
                                                                    int64_t pair) {
     PairValues v;
     if constexpr (BITS == 8) {
-        v.even = _mm_loadu_si128((const __m128i*)(codes + pair * 32));
-        v.odd = _mm_loadu_si128((const __m128i*)(codes + pair * 32 + 16));
+        v.lo = _mm_loadu_si128((const __m128i*)(codes + pair * 32));
+        v.hi = _mm_loadu_si128((const __m128i*)(codes + pair * 32 + 16));
         if constexpr (OFFSET != 0) {  // Q6_K's codes, widened to a byte at load
             const __m128i offset = _mm_set1_epi8(char(OFFSET));
-            v.even = _mm_sub_epi8(v.even, offset);
-            v.odd = _mm_sub_epi8(v.odd, offset);
+            v.lo = _mm_sub_epi8(v.lo, offset);
+            v.hi = _mm_sub_epi8(v.hi, offset);
         }
         return v;
     }
     const __m128i nibble = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
-    v.even = _mm_and_si128(lo, nibble);
-    v.odd = _mm_and_si128(_mm_srli_epi16(lo, 4), nibble);
+    const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
+    v.lo = _mm_and_si128(both, nibble);
+    v.hi = _mm_and_si128(_mm_srli_epi16(both, 4), nibble);
     // The high bits moved into place with one shift and one mask each: a shift within 16-bit
     // lanes carries bits across the byte boundary only where the mask then drops them. `pair`'s
     // place in its group is a constant once the caller's loop is unrolled.
@@ -69,16 +71,16 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
     if constexpr (BITS == 5) {
         const __m128i h = _mm_loadu_si128((const __m128i*)(high + pair / 4 * 16));
         const __m128i bit4 = _mm_set1_epi8(0x10);
-        const int j = int(pair % 4) * 2;  // even at bit j, odd at bit j + 1; both go to bit 4
+        const int j = int(pair % 4) * 2;  // lo at bit j, hi at bit j + 1; both go to bit 4
         const __m128i e = j <= 4 ? _mm_slli_epi16(h, 4 - j) : _mm_srli_epi16(h, j - 4);
         const __m128i o = j <= 2 ? _mm_slli_epi16(h, 3 - j) : _mm_srli_epi16(h, j - 3);
-        v.even = _mm_or_si128(v.even, _mm_and_si128(e, bit4));
-        v.odd = _mm_or_si128(v.odd, _mm_and_si128(o, bit4));
+        v.lo = _mm_or_si128(v.lo, _mm_and_si128(e, bit4));
+        v.hi = _mm_or_si128(v.hi, _mm_and_si128(o, bit4));
     }
     if constexpr (OFFSET != 0) {
         const __m128i offset = _mm_set1_epi8(char(OFFSET));
-        v.even = _mm_sub_epi8(v.even, offset);
-        v.odd = _mm_sub_epi8(v.odd, offset);
+        v.lo = _mm_sub_epi8(v.lo, offset);
+        v.hi = _mm_sub_epi8(v.hi, offset);
     }
     return v;
 }
@@ -95,10 +97,7 @@ struct Sums {  // sixteen int32
     __m512i v;
 };
 static inline __attribute__((always_inline)) Words words_of(PairValues p) {
-    const __m256i bytes = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_unpacklo_epi8(p.even, p.odd)), _mm_unpackhi_epi8(p.even, p.odd),
-        1);
-    return {_mm512_cvtepi8_epi16(bytes)};
+    return {_mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(p.lo), p.hi, 1))};
 }
 static inline __attribute__((always_inline)) Sums sums_zero() { return {_mm512_setzero_si512()}; }
 // sums + each output's two products with the row's input pair (a broadcast int32 of two int16).
@@ -135,8 +134,7 @@ struct Sums {
     __m256i lo, hi;
 };
 static inline __attribute__((always_inline)) Words words_of(PairValues p) {
-    return {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(p.even, p.odd)),
-            _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(p.even, p.odd))};
+    return {_mm256_cvtepi8_epi16(p.lo), _mm256_cvtepi8_epi16(p.hi)};
 }
 static inline __attribute__((always_inline)) Sums sums_zero() {
     return {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -314,14 +312,14 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
         const uint8_t* codes = record + header_bytes;
         for (int64_t p = 0; p < SUPER / 2; ++p) {
             const PairValues v = pair_values<BITS, OFFSET, SUPER>(codes, p);
-            alignas(16) int8_t even[16], odd[16];
-            _mm_store_si128((__m128i*)even, v.even);
-            _mm_store_si128((__m128i*)odd, v.odd);
+            alignas(16) int8_t words[32];  // outputs 0-15's (even, odd) values
+            _mm_store_si128((__m128i*)words, v.lo);
+            _mm_store_si128((__m128i*)(words + 16), v.hi);
             const int s = int(2 * p / SUB);
             const float scale = d * float(int8_t(sc[16 * s + lane]));
             const float min = MIN ? dmin * float(sc[16 * (kSubBlocks + s) + lane]) : 0.0f;
-            out[b * SUPER + 2 * p] = f32_to_bf16(scale * float(even[lane]) - min);
-            out[b * SUPER + 2 * p + 1] = f32_to_bf16(scale * float(odd[lane]) - min);
+            out[b * SUPER + 2 * p] = f32_to_bf16(scale * float(words[2 * lane]) - min);
+            out[b * SUPER + 2 * p + 1] = f32_to_bf16(scale * float(words[2 * lane + 1]) - min);
         }
     }
 }

@@ -31,17 +31,20 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
     if f.has_min:
         assert decoded.m is not None
         parts.append(per_output(decoded.m, subs))
-    # [groups, supers, pairs, 16 outputs, (even, odd)]
+    # [groups, supers, pairs, 16 outputs, (even, odd)], then in vpmaddwd's word order: "lo",
+    # outputs 0-7's (even, odd) codes, and "hi", outputs 8-15's (csrc/quant_gemm.h).
     codes = decoded.codes.reshape(g, GROUP, b, pairs, 2).transpose(0, 2, 3, 1, 4)
+    lo = codes[:, :, :, : GROUP // 2].reshape(g, b, pairs, GROUP)
+    hi = codes[:, :, :, GROUP // 2 :].reshape(g, b, pairs, GROUP)
     if f.bits == 8:
-        parts.append(np.ascontiguousarray(codes.transpose(0, 1, 2, 4, 3)).reshape(g, b, -1))
+        parts.append(np.concatenate([lo, hi], axis=3).reshape(g, b, -1))
     else:
-        low = (codes[..., 0] & 0x0F) | ((codes[..., 1] & 0x0F) << 4)
-        parts.append(low.reshape(g, b, -1))
-    if f.bits == 5:  # per 4 pairs: bit 2j the even code's fifth bit, 2j + 1 the odd one's
-        high = ((codes >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP, 2)
+        parts.append(((lo & 0x0F) | ((hi & 0x0F) << 4)).reshape(g, b, -1))
+    if f.bits == 5:  # per 4 pairs: bit 2j lo's fifth bit, 2j + 1 hi's
+        high_lo = ((lo >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
+        high_hi = ((hi >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
         byte = sum(
-            (high[:, :, :, j, :, 0] << (2 * j)) | (high[:, :, :, j, :, 1] << (2 * j + 1))
+            (high_lo[:, :, :, j] << (2 * j)) | (high_hi[:, :, :, j] << (2 * j + 1))
             for j in range(4)
         )
         parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
