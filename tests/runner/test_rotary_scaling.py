@@ -23,7 +23,7 @@ YARN = [
 
 @pytest.mark.parametrize("scaling", YARN, ids=["original-context", "betas", "attention-factor"])
 def test_yarn_tables_are_transformers_own(scaling: dict[str, Any]) -> None:
-    raw = {
+    raw: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": 256,
         "intermediate_size": 512,
