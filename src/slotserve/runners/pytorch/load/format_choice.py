@@ -48,17 +48,11 @@ def weight_format(
             logger.info("weights: dequantized to %s (%s)", model.dtype, why_not)
             return DenseWeights()
         assert kernels is not None
-        return _quant_weights(kernels, checkpoint, "auto")
+        return QuantWeights(kernels, model.lm_head, checkpoint)
     if why_not is not None:
         raise ValueError(f"--quantization {quantization}: {why_not}")
     assert kernels is not None
-    return _quant_weights(kernels, None, quantization)
-
-
-def _quant_weights(kernels: CpuKernels, gguf: Any, quantization: str) -> WeightFormat:
-    if quantization == "auto":
-        return QuantWeights(kernels, gguf)
-    return QuantWeights(kernels, None, QUANTIZE_TO[quantization])
+    return QuantWeights(kernels, model.lm_head, None, QUANTIZE_TO[quantization])
 
 
 def _uneven_inputs(model: Decoder) -> str | None:

@@ -67,12 +67,19 @@ class _Piece:
 
 class QuantWeights:
     """``gguf``: the GGUF checkpoint whose blocks are read as stored (else every tensor comes
-    dense); ``dense_as``: the type a dense matrix is rounded to."""
+    dense); ``dense_as``: the type a dense matrix is rounded to, but for the LM head ``head``
+    and the embedding, kept in Q8_0 as llama.cpp's quantizer keeps them in more bits."""
 
     name = "quantized"
 
-    def __init__(self, kernels: CpuKernels, gguf: Any = None, dense_as: Any = DENSE_AS) -> None:
-        self.kernels, self.gguf, self.dense_as = kernels, gguf, dense_as
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        head: Projection,
+        gguf: Any = None,
+        dense_as: Any = DENSE_AS,
+    ) -> None:
+        self.kernels, self.head, self.gguf, self.dense_as = kernels, head, gguf, dense_as
         self.pieces: dict[Projection, list[_Piece]] = {}
         self.embedding: _Piece | None = None
 
@@ -83,7 +90,8 @@ class QuantWeights:
 
     def store(self, place: ProjectionRows | torch.Tensor, tensor: Any) -> None:
         if isinstance(place, ProjectionRows):
-            blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, self.dense_as)
+            kind = DENSE_AS if place.projection is self.head else self.dense_as
+            blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, kind)
             piece = _Piece.of(place.rows.start or 0, blocks)
             self.pieces.setdefault(place.projection, []).append(piece)
             return
