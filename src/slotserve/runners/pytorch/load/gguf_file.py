@@ -139,8 +139,11 @@ def row_order(
     transform: Callable[[torch.Tensor], torch.Tensor], shape: torch.Size
 ) -> np.ndarray | None:
     """The rows ``transform`` puts where, if all it does to a matrix of ``shape`` is reorder
-    its rows (else None): found by transforming each value's own row and column index."""
-    rows, columns = shape
+    its rows (else None): found by transforming each value's own row and column index, over a
+    few columns only (a family's undoing acts on rows whatever the width, or fails, or moves
+    columns, and is then refused), so an embedding of 10⁸ values costs no gigabytes here."""
+    rows, columns = shape[0], min(shape[1], 64)
+    shape = torch.Size((rows, columns))
     row_index = torch.arange(rows, dtype=torch.float32)[:, None].expand(shape).contiguous()
     column_index = torch.arange(columns, dtype=torch.float32)[None, :].expand(shape).contiguous()
     try:
