@@ -248,6 +248,20 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
     }
 }
 
+// Rows [m0, m1) of one group, in tiles of kRowsPerTile rows and then one row at a time, their
+// running sums in `acc` from row m0 on.
+template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, bool DECODED>
+static void pass_tiles(const Operands& op, const uint8_t* group, int64_t m0, int64_t m1,
+                       float* acc, const Words* decoded) {
+    int64_t m = m0;
+    for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
+        group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, DECODED>(
+            op, group, m, acc + (m - m0) * kLanes, decoded);
+    for (; m < m1; ++m)
+        group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, DECODED>(op, group, m,
+                                                             acc + (m - m0) * kLanes, decoded);
+}
+
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER>
 static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
     alignas(64) float acc[kRowsPerPass * kLanes];
@@ -265,25 +279,13 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
         if (decode_once) decode_group<BITS, OFFSET, SUB, SUPER>(op, group, decoded_words);
         for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
             const int64_t m1 = std::min(rows, m0 + kRowsPerPass);
-            int64_t m = m0;
-            float* a = acc;
-            if (decode_once) {
-                for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
-                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, true>(
-                        op, group, m, a + (m - m0) * kLanes, decoded_words);
-                for (; m < m1; ++m)
-                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, true>(
-                        op, group, m, a + (m - m0) * kLanes, decoded_words);
-            } else {
-                for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
-                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, false>(
-                        op, group, m, a + (m - m0) * kLanes, nullptr);
-                for (; m < m1; ++m)
-                    group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, false>(
-                        op, group, m, a + (m - m0) * kLanes, nullptr);
-            }
+            if (decode_once)
+                pass_tiles<BITS, OFFSET, MIN, SUB, SUPER, true>(op, group, m0, m1, acc,
+                                                                decoded_words);
+            else
+                pass_tiles<BITS, OFFSET, MIN, SUB, SUPER, false>(op, group, m0, m1, acc, nullptr);
             const int valid = int(std::min<int64_t>(kLanes, op.n - g * kLanes));
-            for (m = m0; m < m1; ++m) {
+            for (int64_t m = m0; m < m1; ++m) {
                 vf v = load_f32(acc + (m - m0) * kLanes);
                 if (op.bias != nullptr) v += load_f32(op.bias + g * kLanes);
                 uint16_t whole[kLanes];

@@ -10,7 +10,6 @@ then gguf-py's, not a second copy of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +20,6 @@ _ONE = np.array([1.0], dtype=np.float16).view(np.uint8)
 _ZERO = np.array([0.0], dtype=np.float16).view(np.uint8)
 # Q4_K's and Q5_K's 12 bytes of 6-bit scales and minimums: every scale 1, every minimum 0.
 _K_UNIT_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
-ROWS_AT_ONCE = 256  # rows decoded together: bounds the float32 the decoder makes
 
 
 @dataclass(frozen=True)
@@ -126,8 +124,3 @@ def _codes(unit_blocks: np.ndarray, kind: GGMLQuantizationType, f: QuantFormat) 
     if kind == GGMLQuantizationType.Q8_0:
         return values.astype(np.int8).view(np.uint8)
     return values.astype(np.uint8)
-
-
-def row_chunks(rows: int) -> Iterator[slice]:
-    for start in range(0, rows, ROWS_AT_ONCE):
-        yield slice(start, min(rows, start + ROWS_AT_ONCE))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from slotserve.runners.pytorch.quant.formats import FORMATS
 
@@ -29,12 +29,6 @@ class QuantTensor:
     def take_rows(self, order: np.ndarray) -> QuantTensor:
         """The rows in ``order`` (a row permutation leaves every block whole)."""
         return QuantTensor(self.kind, np.ascontiguousarray(self.raw[order]), self.k)
-
-    def dequantized(self, rows: list[int] | None = None) -> torch.Tensor:
-        """float32 values of every row (or of ``rows``), as gguf-py decodes them."""
-        raw = self.raw if rows is None else self.raw[rows]
-        values = np.asarray(dequantize(raw, self.kind), dtype=np.float32)
-        return torch.from_numpy(values.reshape(raw.shape[0], self.k).copy())
 
 
 # --quantization's choices: the types gguf-py can quantize to (llama.cpp's round-to-nearest).
