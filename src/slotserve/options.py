@@ -7,7 +7,7 @@ environment defaults (``--ctx-size`` ↔ ``SLOTSERVE_CTX_SIZE``; a flag given on
 line wins), the body of ``POST /models/load``, ``docs/configuration.md``, and the runners'
 recipes, which take their options' defaults and bounds from here (:func:`option_values`,
 :func:`declared_as`, :func:`check_declared`). The engine's configuration is declared with it,
-so this module imports nothing of slotserve's.
+so this module imports nothing of slotserve's but the leaf ``field_declarations``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import dataclasses
 import enum
 import json
 import os
-import types
 import typing
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from slotserve.field_declarations import field_declarations
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -210,24 +211,25 @@ def option(
     return dataclasses.field(default=default, metadata={_KEY: declared})
 
 
+def repeated_option(metavar: str, *, help: str) -> tuple[str, ...]:
+    """An option of several texts, none by default, given as ``--flag a b`` or ``--flag a
+    --flag b``. It has no ``SLOTSERVE_*`` variable: a variable's text would be read as one
+    value, not as a list."""
+    return option((), many=True, env=None, metavar=metavar, help=help)
+
+
 def options(cls: type[DataclassInstance]) -> dict[str, Option]:
     """The options of a configuration dataclass, by field name, in declaration order."""
-    hints = typing.get_type_hints(cls)
     found: dict[str, Option] = {}
-    for field in dataclasses.fields(cls):
-        declared = field.metadata.get(_KEY)
-        if isinstance(declared, Option):
-            flag = declared.flag or "--" + field.name.replace("_", "-")
-            name = flag.lstrip("-").replace("-", "_")
-            found[field.name] = dataclasses.replace(
-                declared,
-                flag=flag,
-                dest=declared.dest or name,
-                env=name.upper() if declared.env == "" else declared.env,
-                name=field.name,
-                default=field.default,
-                kind=_without_none(hints[field.name]),
-            )
+    for field_name, declared in field_declarations(cls, _KEY, Option).items():
+        flag = declared.flag or "--" + field_name.replace("_", "-")
+        name = flag.lstrip("-").replace("-", "_")
+        found[field_name] = dataclasses.replace(
+            declared,
+            flag=flag,
+            dest=declared.dest or name,
+            env=name.upper() if declared.env == "" else declared.env,
+        )
     return found
 
 
@@ -256,13 +258,6 @@ def check_declared(config: DataclassInstance) -> None:
             raise ValueError(f"{opt.flag} must be >= {opt.ge:g}")
         if opt.choices is not None and value not in opt.choices:
             raise ValueError(f"{opt.flag} must be one of {', '.join(opt.choices)}")
-
-
-def _without_none(hint: Any) -> Any:
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
-        return hint
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
-    return kinds[0] if len(kinds) == 1 else typing.Union[tuple(kinds)]  # noqa: UP007
 
 
 def add_arguments(parser: argparse._ActionsContainer, declared: Iterable[Option]) -> None:

@@ -16,7 +16,14 @@ from slotserve.hosting.config import (
     ModelsConfig,
     RunnerConfig,
 )
-from slotserve.options import add_arguments, configure, option, options, parse_bytes
+from slotserve.options import (
+    add_arguments,
+    configure,
+    option,
+    options,
+    parse_bytes,
+    repeated_option,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -64,36 +71,24 @@ class ServerConfig:
         "loopback peer, no proxy's forwarding header, a loopback Host, no other page's "
         "Origin); open: anyone who reaches the port; off: 403 whatever the keys",
     )
-    allowed_hosts: tuple[str, ...] = option(
-        (),
-        many=True,
-        env=None,
-        metavar="HOST",
+    allowed_hosts: tuple[str, ...] = repeated_option(
+        "HOST",
         help="Host names this server answers besides loopback names and addresses (checked on "
         "a loopback bind, or on any bind once given; '*': any); others get a 403, which stops "
         "DNS rebinding",
     )
-    allowed_origins: tuple[str, ...] = option(
-        (),
-        many=True,
-        env=None,
-        metavar="ORIGIN",
+    allowed_origins: tuple[str, ...] = repeated_option(
+        "ORIGIN",
         help="browser origins (scheme://host:port, or '*') whose pages may call the API, "
         "with CORS headers (vLLM's flag; a JSON list is read too); requests from other "
         "pages' origins get a 403 (default none but the server's own)",
     )
-    allowed_methods: tuple[str, ...] = option(
-        (),
-        many=True,
-        env=None,
-        metavar="METHOD",
+    allowed_methods: tuple[str, ...] = repeated_option(
+        "METHOD",
         help="with --allowed-origins: the methods CORS allows (default all)",
     )
-    allowed_headers: tuple[str, ...] = option(
-        (),
-        many=True,
-        env=None,
-        metavar="HEADER",
+    allowed_headers: tuple[str, ...] = repeated_option(
+        "HEADER",
         help="with --allowed-origins: the request headers CORS allows (default all)",
     )
     allow_credentials: bool = option(

@@ -33,6 +33,7 @@ from slotserve.bench.runner import run_benchmark, write_run_json
 from slotserve.bench.servers import (
     RunningServer,
     ServerSpec,
+    add_peer_program_argument,
     find_llama_server,
     llama_cpp_python_spec,
     llama_server_spec,
@@ -77,10 +78,9 @@ def add_peer_arguments(
     ``hf_folder``, vLLM's ``--hf-folder``."""
     parser.add_argument("--peers", nargs="*", choices=choices, default=default, help=peers_help)
     if "llama-server" in choices:
-        parser.add_argument(
+        add_peer_program_argument(
+            parser,
             "--llama-server",
-            type=Path,
-            default=os.environ.get("SLOTSERVE_LLAMA_SERVER"),
             help="llama-server binary (default: the one build_llama_server.sh made, "
             "or llama-server on PATH)",
         )

@@ -25,7 +25,7 @@ def qwen3_moe_gguf(folder: Path, out_path: Path) -> Path:
     experts = hp.get("num_experts") or hp["num_local_experts"]
     arch = gguf.MODEL_ARCH.QWEN3MOE
     names = gguf.get_tensor_name_map(arch, layers)
-    writer = _gguf_writer(out_path, arch, hp)
+    writer = gguf_writer(out_path, gguf.MODEL_ARCH_NAMES[arch], hp)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(hp["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
@@ -62,7 +62,7 @@ def qwen35_gguf(folder: Path, out_path: Path, tokenizer_gguf: Path) -> Path:
     dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
     arch = gguf.MODEL_ARCH.QWEN35MOE if experts else gguf.MODEL_ARCH.QWEN35
     names = gguf.get_tensor_name_map(arch, layers)
-    writer = _gguf_writer(out_path, arch, hp)
+    writer = gguf_writer(out_path, gguf.MODEL_ARCH_NAMES[arch], hp)
     writer.add_rope_freq_base(hp["rope_parameters"]["rope_theta"])
     writer.add_rope_dimension_count(int(hp["head_dim"] * 0.25))
     writer.add_rope_dimension_sections([int(hp["head_dim"] * 0.25) // 2, 0, 0, 0])
@@ -129,11 +129,12 @@ def q8_0_gguf(path: Path, out_path: Path) -> Path:
     return out_path
 
 
-def _gguf_writer(out_path: Path, arch: Any, hp: dict[str, Any]) -> Any:
-    """A ``GGUFWriter`` for ``arch`` with the metadata every decoder has, from config.json."""
+def gguf_writer(out_path: Path, arch: str, hp: dict[str, Any]) -> Any:
+    """A ``GGUFWriter`` for the architecture named ``arch`` (``qwen3``) with the metadata every
+    decoder has, from config.json."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(out_path), arch)
     writer.add_block_count(hp["num_hidden_layers"])
     writer.add_vocab_size(hp["vocab_size"])
     writer.add_context_length(hp["max_position_embeddings"])

@@ -79,24 +79,14 @@ def _write_random(shape: str, path: Path) -> None:
     embedded model's vocabulary and chat template."""
     import gguf
 
-    from slotserve.bench.hf_gguf import copy_vocabulary
+    from slotserve.bench.hf_gguf import copy_vocabulary, gguf_writer
     from slotserve.hosting.source import embedded_model_path
 
     arch, hp = CPU_SHAPES[shape]
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf_writer(path, arch, hp)
     writer.add_name(f"random {shape}")
-    writer.add_block_count(hp["num_hidden_layers"])
-    writer.add_context_length(hp["max_position_embeddings"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_head_count(hp["num_attention_heads"])
-    writer.add_head_count_kv(hp["num_key_value_heads"])
-    writer.add_key_length(hp["head_dim"])
-    writer.add_value_length(hp["head_dim"])
     writer.add_rope_dimension_count(hp["head_dim"])
     writer.add_rope_freq_base(hp["rope_theta"])
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    writer.add_vocab_size(hp["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     copy_vocabulary(gguf.GGUFReader(str(embedded_model_path())), writer)
     specs = list(_tensors(arch, hp))

@@ -4,6 +4,7 @@ error), children included."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -254,6 +255,13 @@ def _group_alive(group: int) -> bool:
         if int(fields[2]) == group and fields[0] != "Z":
             return True
     return False
+
+
+def add_peer_program_argument(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """``flag``: where a peer's program is, by default from its ``SLOTSERVE_*`` variable
+    (``--vllm-python``: ``SLOTSERVE_VLLM_PYTHON``)."""
+    variable = "SLOTSERVE_" + flag.removeprefix("--").replace("-", "_").upper()
+    parser.add_argument(flag, type=Path, default=os.environ.get(variable), help=help)
 
 
 DEFAULT_LLAMA_SERVER = Path(__file__).resolve().parents[3] / ".peers"

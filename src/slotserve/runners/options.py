@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotserve.options import option, parse_bytes
+from slotserve.options import option, parse_bytes, repeated_option
 
 RUNNERS = ("auto", "llama.cpp", "torch")
 # --repack: ggml's extra weight buffer types on, off, or on where they are safe
@@ -44,11 +44,8 @@ class RunnerCommon:
         "snapshots the prefix cache may keep, each one sequence's state (its size is logged at "
         "load; default 4 per slot; 0: no prefix cache for such models)",
     )
-    lora_modules: tuple[str, ...] = option(
-        (),
-        env=None,
-        many=True,
-        metavar="NAME=PATH",
+    lora_modules: tuple[str, ...] = repeated_option(
+        "NAME=PATH",
         help="LoRA adapters loaded with the model, each served as model NAME (vLLM's flag; a "
         "JSON object with name and path works too): PEFT folders on torch, GGUF adapter files "
         "on llama.cpp; more load at run time through POST /v1/load_lora_adapter",
@@ -158,11 +155,8 @@ class TorchConfig(RunnerCommon):
         "CUDA graphs captured at load (vLLM's --enforce-eager; graphs come with the Triton "
         "attention, on dense models without tensor parallelism)",
     )
-    classifier_from_token: tuple[str, ...] = option(
-        (),
-        env=None,
-        many=True,
-        metavar="TOKEN",
+    classifier_from_token: tuple[str, ...] = repeated_option(
+        "TOKEN",
         help="torch: serve a causal LM as a reranker (/v1/rerank, /v1/score), scored at the "
         "prompt's last token by these vocabulary tokens (vLLM's classifier_from_token): two, "
         "false then true, give sigmoid(logit true - logit false), as 'no yes' for "

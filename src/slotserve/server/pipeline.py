@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from typing import Protocol
 
 from starlette.requests import Request
 
@@ -33,6 +34,14 @@ def finish_reason_of(plan: ToolPlan, reason: str | None, has_calls: bool) -> str
     if has_calls and reason == "stop" and not plan.named:
         return "tool_calls"
     return reason
+
+
+class EventFrames(Protocol):
+    """An API's stream of one choice: the frames it sends first, then those of each event."""
+
+    def opening(self) -> list[str]: ...
+
+    def feed(self, event: Event) -> list[str]: ...
 
 
 class ChatGeneration:
@@ -85,6 +94,17 @@ class ChatGeneration:
                     yield step
         if not self._run.disconnected:
             yield [self._run.usage()]
+
+    async def frames(self, render: EventFrames) -> AsyncGenerator[str, None]:
+        """``render``'s frames of the whole run, its opening first; ``GenerationFailed`` when
+        the engine ended the request early."""
+        for frame in render.opening():
+            yield frame
+        async with contextlib.aclosing(self.stream()) as steps:
+            async for step in steps:
+                for event in step:
+                    for frame in render.feed(event):
+                        yield frame
 
     async def collect(self) -> list[Event]:
         """Runs to the end; each choice's reply parsed whole, so one event per piece, then

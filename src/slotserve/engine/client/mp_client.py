@@ -27,6 +27,7 @@ import multiprocessing
 import multiprocessing.connection
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -116,32 +117,26 @@ class MPClient(ClientState):
                 self._send_quietly(wire.Abort([request_id]))
 
     async def flush_prefix_cache(self) -> int:
-        done, settle = answer()
-        try:
-            with self._lock:
-                self._refuse_unless_serving()
-                self._call_ids += 1
-                message = wire.FlushPrefixCache(self._call_ids)
-                self._send_or_refuse(message)
-                self._awaiting[message.flush_id] = settle
-        except EngineDeadError as refused:
-            raise self._notice_death(refused) from None
-        freed: int = await done
+        freed: int = await self._call(wire.FlushPrefixCache)
         return freed
 
     async def call_adapter(self, name: str, path: str | None) -> AdapterInfo:
+        info: AdapterInfo = await self._call(lambda call_id: wire.AdapterCall(call_id, name, path))
+        return info
+
+    async def _call(self, message: Callable[[int], wire.ToEngine]) -> Any:
+        """Sends the ``message`` made with a fresh call id and awaits the engine's answer,
+        which the receiving thread settles by that id."""
         done, settle = answer()
         try:
             with self._lock:
                 self._refuse_unless_serving()
                 self._call_ids += 1
-                call = wire.AdapterCall(self._call_ids, name, path)
-                self._send_or_refuse(call)
-                self._awaiting[call.call_id] = settle
+                self._send_or_refuse(message(self._call_ids))
+                self._awaiting[self._call_ids] = settle
         except EngineDeadError as refused:
             raise self._notice_death(refused) from None
-        info: AdapterInfo = await done
-        return info
+        return await done
 
     def stop(self, reason: str = STOPPED_REASON) -> None:
         """Asks the engine process to end its requests (saying ``reason``) and exit."""

@@ -17,6 +17,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonStream(SectionStream):
     markers = (PYTHON_TAG,)
+    list_separator = ";"
+    list_close = None
 
     def _initial_state(self) -> State:
         return self._start
@@ -27,29 +29,15 @@ class Llama3JsonStream(SectionStream):
             return True
         if c == "{":
             self._open_section(self._emitted)
-            return self._begin_call(self._to_next)
+            return self._begin_call(self._to_list_next)
         self._state = self._plain
         return False
 
     def _after_marker(self, marker: str) -> None:
-        self._state = self._item
-
-    def _item(self, c: str) -> bool:
-        return self._call_or_fail(c, self._to_next)
-
-    def _to_next(self) -> None:
-        self._state = self._next
-
-    def _next(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == ";":
-            self._state = self._item
-            return True
-        return self._fail()
+        self._state = self._list_item
 
     def _complete_at_end(self) -> bool:
-        return self._state == self._next
+        return self._state == self._list_next
 
 
 class Llama3JsonParser(SectionParser):

@@ -31,11 +31,13 @@ class PythonicStream(SectionStream):
         self._depth = 0
         self._quote: str | None = None
         self._escape = False
+        self._list_done = self._to_trailing
 
     def _after_opener(self) -> State:
-        return self._item
+        return self._list_item
 
-    def _item(self, c: str) -> bool:
+    def _list_item(self, c: str) -> bool:
+        """A call's name begins the item (not a JSON object)."""
         if c.isspace():
             return True
         if not c.isidentifier():
@@ -75,21 +77,13 @@ class PythonicStream(SectionStream):
             if arguments is None:
                 return self._fail()
             self._out.arguments(self._index, arguments)
-            self._state = self._after_call
+            self._state = self._list_next
         elif c in "]}":
             return self._fail()
         return True
 
-    def _after_call(self, c: str) -> bool:
-        if c.isspace():
-            return True
-        if c == ",":
-            self._state = self._item
-        elif c == "]":
-            self._state = self._trailing
-        else:
-            return self._fail()
-        return True
+    def _to_trailing(self) -> None:
+        self._state = self._trailing
 
     def _complete_at_end(self) -> bool:
         return self._state == self._trailing

@@ -28,6 +28,10 @@ class SectionStream:
     markers: tuple[str, ...] = ()
     # Set by formats whose calls are the whole output: the character that opens them.
     whole_output_opener: str | None = None
+    # A list of calls: items between separators, up to its close; a list without one (Llama
+    # 3's) runs to the end of the output.
+    list_separator = ","
+    list_close: str | None = "]"
 
     def __init__(self, whole: bool = False) -> None:
         self._text = ""
@@ -225,23 +229,25 @@ class SectionStream:
 
     def _list_item_or_end(self, c: str) -> bool:
         """Inside ``[`` of a list of call objects, which may be empty."""
-        if c == "]":
+        if c == self.list_close:
             self._list_done()
             return True
         return self._list_item(c)
 
     def _list_item(self, c: str) -> bool:
+        """A list's item: a call object, unless the format's items are other calls."""
         return self._call_or_fail(c, self._to_list_next)
 
     def _to_list_next(self) -> None:
         self._state = self._list_next
 
     def _list_next(self, c: str) -> bool:
+        """After an item, past whitespace: the separator, or the list's close."""
         if c.isspace():
             return True
-        if c == ",":
+        if c == self.list_separator:
             self._state = self._list_item
-        elif c == "]":
+        elif c == self.list_close:
             self._list_done()
         else:
             return self._fail()

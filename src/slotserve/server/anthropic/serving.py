@@ -113,14 +113,10 @@ def _require_reasoning_parser(host: ModelHost, body: MessagesRequest) -> None:
 async def _events(generation: ChatGeneration, stream: MessageEventStream) -> AsyncIterator[str]:
     """The pipeline runs inside this generator, so a client that leaves ends (and aborts)
     it."""
-    for frame in stream.opening():
-        yield frame
     try:
-        async with contextlib.aclosing(generation.stream()) as steps:
-            async for step in steps:
-                for event in step:
-                    for frame in stream.feed(event):
-                        yield frame
+        async with contextlib.aclosing(generation.frames(stream)) as frames:
+            async for frame in frames:
+                yield frame
     except GenerationFailed as exc:
         status, text, _, _ = failure_error(exc.output, generation.request_id, exc.timeout_s)
         for frame in stream.fail(anthropic_error_type(status), text):

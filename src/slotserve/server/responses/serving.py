@@ -156,14 +156,10 @@ async def _events(
     """The pipeline runs inside this generator, so a client that leaves ends (and aborts)
     it. The response is stored only when the run went to the end: otherwise the client left,
     and a cut-off answer must not become a turn to continue from."""
-    for frame in stream.opening():
-        yield frame
     try:
-        async with contextlib.aclosing(generation.stream()) as steps:
-            async for step in steps:
-                for event in step:
-                    for frame in stream.feed(event):
-                        yield frame
+        async with contextlib.aclosing(generation.frames(stream)) as frames:
+            async for frame in frames:
+                yield frame
     except GenerationFailed as exc:
         for frame in stream.fail(stream_error(exc)["error"]):
             yield frame
