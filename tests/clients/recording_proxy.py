@@ -17,11 +17,13 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 class RecordingProxy:
     """``with RecordingProxy(target) as proxy``: ``proxy.url`` stands in for ``target``;
     ``proxy.requests`` holds ``(method, path, body)`` in arrival order (the body parsed as
-    JSON when it is JSON)."""
+    JSON when it is JSON), and ``proxy.answers`` ``(path, text)``, each answer's whole body
+    as it streamed back."""
 
     def __init__(self, target: str) -> None:
         self.target = target.rstrip("/")
         self.requests: list[tuple[str, str, Any]] = []
+        self.answers: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -73,10 +75,14 @@ class RecordingProxy:
                             self.send_header(key, value)
                     self.send_header("transfer-encoding", "chunked")
                     self.end_headers()
+                    body = bytearray()
                     for chunk in answer.iter_raw():
+                        body += chunk
                         self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
                         self.wfile.flush()
                     self.wfile.write(b"0\r\n\r\n")
+                with proxy._lock:
+                    proxy.answers.append((self.path, body.decode("utf-8", "replace")))
 
             do_GET = do_POST = do_DELETE = _forward
 

@@ -4,6 +4,7 @@ failure shows what Codex sent. Run by ``make clients``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -33,11 +34,15 @@ CONTEXT = ["--slots", "1", "--ctx-size", "16384"]
 TURN_TIMEOUT_S = 1500
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["llama.cpp", "torch"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> Iterator[ServerProcess]:
     if not CODEX.exists():
         pytest.skip(f"Codex CLI is not installed at {CODEX} (run `make clients`)")
-    proc = start_server(tmp_path_factory.mktemp("codex"), *CONTEXT)
+    # The PyTorch runner reads --ctx-size / --slots as its --max-model-len.
+    runner = ("--runner", request.param)
+    proc = start_server(tmp_path_factory.mktemp("codex"), *CONTEXT, *runner)
     yield proc
     stop_server(proc)
 
@@ -55,6 +60,25 @@ env_key = "SLOTSERVE_API_KEY"
 # Codex gives up on a stream silent for 5 minutes; the first prefill can take longer here.
 stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
 """
+
+
+def _generated_text(stream: str) -> str:
+    """The text of a Responses stream's completed response: its messages' text and its tool
+    calls' arguments ("" when the stream holds no ``response.completed``)."""
+    for line in stream.splitlines():
+        if not line.startswith("data: "):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if event.get("type") != "response.completed":
+            continue
+        texts = [
+            part.get("text", "")
+            for item in event["response"]["output"]
+            for part in item.get("content") or ()
+        ]
+        texts += [item.get("arguments", "") for item in event["response"]["output"]]
+        return "".join(texts).strip()
+    return ""
 
 
 def test_codex_exec_completes_a_turn(server: ServerProcess, tmp_path: Path) -> None:
@@ -76,6 +100,10 @@ def test_codex_exec_completes_a_turn(server: ServerProcess, tmp_path: Path) -> N
         )
     output = done.stdout + done.stderr
     sent = [(method, path) for method, path, _ in proxy.requests]
+    # A turn is proved by what the server generated, not by how Codex ended it: at least one
+    # response completed with text (a message or a tool call's arguments) in it.
+    generated = [_generated_text(text) for path, text in proxy.answers if path == "/v1/responses"]
+    assert any(generated), f"no response completed with generated text; {sent}:\n{output[-4000:]}"
     if done.returncode != 0:
         # Past its trained context the 135M model may ramble until the context is full, or
         # call tools until the history no longer fits: Codex then ends the turn by saying so,

@@ -1,7 +1,7 @@
 """Runner settings as ``serve`` parses them into each runner's recipe: ``--lora-modules`` as
 vLLM takes it (several at once or flag by flag, ``NAME=PATH`` or a JSON object), for both
-runners; llama.cpp's GPU offload, refused by a CPU-only build; PyTorch runner settings the
-llama.cpp runner refuses before any load."""
+runners; llama.cpp's GPU offload, refused by a CPU-only build; each runner's settings the other
+refuses before any load, but for a sequence's room, read in either runner's spelling."""
 
 from __future__ import annotations
 
@@ -96,5 +96,38 @@ def test_pytorch_runner_settings_are_refused_by_the_llama_cpp_runner(
 ) -> None:
     gguf = tmp_path / "model.gguf"  # never read: the refusal comes first
     gguf.write_bytes(b"")
-    with pytest.raises(ValueError, match=f"{flags[0]} is a PyTorch runner setting"):
+    with pytest.raises(ValueError, match=f"{flags[0]}: a PyTorch runner setting"):
         runner_factory(_serve_config(*flags), EngineConfig(), gguf, "m")
+
+
+@pytest.mark.parametrize(
+    "flags", [("--no-flash-attn",), ("--repack", "off"), ("--n-gpu-layers", "10")]
+)
+def test_llama_cpp_settings_are_refused_by_the_pytorch_runner(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    with pytest.raises(ValueError, match=rf"{flags[0]}: a llama\.cpp runner setting, unused by"):
+        runner_factory(_serve_config(*flags), EngineConfig(), tmp_path, "m")
+
+
+def test_several_unused_settings_are_named_together(tmp_path: Path) -> None:
+    config = _serve_config("--no-flash-attn", "--repack", "off")
+    with pytest.raises(ValueError, match=r"--no-flash-attn, --repack: llama\.cpp runner settings"):
+        runner_factory(config, EngineConfig(), tmp_path, "m")
+
+
+def test_a_sequence_s_room_is_read_in_either_runner_s_spelling(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"  # never read: the recipe is made without loading
+    gguf.write_bytes(b"")
+    engine = EngineConfig(num_slots=4)
+    # llama.cpp's --ctx-size is every slot's tokens together; vLLM's --max-model-len one's.
+    spec = runner_factory(_serve_config("--max-model-len", "2048"), engine, gguf, "m")
+    assert spec.ctx_size == 4 * 2048  # type: ignore[attr-defined]
+    spec = runner_factory(_serve_config("--ctx-size", "8192"), engine, tmp_path, "m")
+    assert spec.load.max_model_len == 2048  # type: ignore[attr-defined]
+    # Both given: the runner's own wins, and the other's is then a setting it does not use.
+    both = _serve_config("--ctx-size", "8192", "--max-model-len", "1024")
+    with pytest.raises(ValueError, match=r"--ctx-size: a llama\.cpp runner setting"):
+        runner_factory(both, engine, tmp_path, "m")
+    with pytest.raises(ValueError, match="--max-model-len: a PyTorch runner setting"):
+        runner_factory(both, engine, gguf, "m")

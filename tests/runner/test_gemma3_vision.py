@@ -147,7 +147,7 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     server = start_server(
         tmp_path_factory.mktemp("gemma3-server"),
         str(folder),
-        "--runner", "torch", "--dtype", "float32", "--slots", "4", "--ctx-size", "512",
+        "--runner", "torch", "--dtype", "float32", "--slots", "4",
         "--served-model-name", "x",
     )  # fmt: skip
     yield server

@@ -244,7 +244,7 @@ def vl_server(vl_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     server = start_server(
         tmp_path_factory.mktemp("vl-server"),
         str(vl_folder),
-        "--runner", "torch", "--dtype", "float32", "--slots", "4", "--ctx-size", "512",
+        "--runner", "torch", "--dtype", "float32", "--slots", "4",
         "--served-model-name", "x",
         "--limit-mm-per-prompt", '{"image": 3}', "--allowed-local-media-path", str(media),
         "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "1",

@@ -212,7 +212,7 @@ def test_the_llama_cpp_runner_refuses_tensor_parallel(model_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode != 0
-    assert "--tensor-parallel-size is a PyTorch runner setting" in result.stderr
+    assert "--tensor-parallel-size: a PyTorch runner setting" in result.stderr
 
 
 def _children(parent: int | None = None) -> set[int]:

@@ -80,8 +80,9 @@ def slotserve_spec(
             str(slots),
             "--threads",
             str(threads),
-            "--ctx-size",
-            str(ctx_per_slot * slots),
+            # A command line that sizes a sequence itself (--max-model-len) keeps that alone:
+            # a runner refuses both spellings at once.
+            *(() if "--max-model-len" in extra_args else ("--ctx-size", str(ctx_per_slot * slots))),
             "--max-queue",
             "1024",
             "--log-level",

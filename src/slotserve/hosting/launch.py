@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slotserve.hosting.config import LaunchConfig, ModelsConfig, RunnerConfig
-from slotserve.options import option_values
+from slotserve.options import option_values, options
 from slotserve.runners.options import LlamaCppConfig, RunnerCommon, TorchConfig
 from slotserve.runners.specs import LlamaCppSpec, TorchSpec
 
@@ -34,18 +35,44 @@ def runner_factory(
     kind = runner.runner
     if kind == "auto":
         kind = "llama.cpp" if model_path.is_file() else "torch"
+    runner = runner_settings(runner, kind, engine.num_slots)
     if kind == "llama.cpp":
-        for flag, value in (
-            ("--tensor-parallel-size", runner.tensor_parallel_size != 1),
-            ("--classifier-from-token", runner.classifier_from_token),
-            ("--attention-backend", runner.attention_backend != "auto"),
-            ("--batch-invariant", runner.batch_invariant),
-            ("--enforce-eager", runner.enforce_eager),
-        ):
-            if value:
-                raise ValueError(f"{flag} is a PyTorch runner setting: add --runner torch")
         return llama_cpp_spec(runner, engine, model_path, model_name)
     return torch_spec(runner, engine, model_path, model_name)
+
+
+def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig:
+    """``config`` as the ``kind`` runner reads it: a sequence's room in the other runner's
+    spelling taken as its own (llama.cpp's ``--ctx-size`` counts every slot's tokens, vLLM's
+    ``--max-model-len`` one sequence's), so that a command line serves on either runner; any
+    other setting of the other runner's alone refused, never silently ignored."""
+    if kind == "llama.cpp" and config.max_model_len and not config.ctx_size:
+        config = replace(config, ctx_size=config.max_model_len * slots, max_model_len=0)
+    elif kind == "torch" and config.ctx_size and not config.max_model_len:
+        config = replace(config, max_model_len=max(config.ctx_size // slots, 1), ctx_size=0)
+    own, other = (
+        (LlamaCppConfig, TorchConfig) if kind == "llama.cpp" else (TorchConfig, LlamaCppConfig)
+    )
+    defaults = {f.name: f.default for f in fields(other)}
+    unused = [
+        declared.flag.replace("--", "--no-", getattr(config, name) is False)
+        for name, declared in options(other).items()
+        if name not in options(own) and getattr(config, name) != defaults[name]
+    ]
+    if unused:
+        one = len(unused) == 1
+        names = {LlamaCppConfig: "llama.cpp", TorchConfig: "PyTorch"}
+        what = f"a {names[other]} runner setting" if one else f"{names[other]} runner settings"
+        fix = (
+            "add --runner torch"
+            if kind == "llama.cpp"
+            else f"drop {'it' if one else 'them'}, or serve a .gguf file with --runner llama.cpp"
+        )
+        raise ValueError(
+            f"{', '.join(unused)}: {what}, unused by the {names[own]} runner serving this "
+            f"model: {fix}"
+        )
+    return config
 
 
 def llama_cpp_spec(

@@ -64,7 +64,8 @@ class LlamaCppConfig(RunnerCommon):
         0,
         ge=0,
         help="llama.cpp: KV cache tokens for all slots together; each slot gets "
-        "ctx-size / slots (default: slots × min(trained context, 4096))",
+        "ctx-size / slots (default: slots × min(trained context, 4096), or slots × "
+        "--max-model-len); on the PyTorch runner it sets --max-model-len to ctx-size / slots",
     )
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
@@ -114,7 +115,8 @@ class TorchConfig(RunnerCommon):
         0,
         ge=0,
         aliases=("--context-length",),
-        help="torch: tokens one sequence may hold (default: min(trained context, 4096))",
+        help="torch: tokens one sequence may hold (default: min(trained context, 4096), or "
+        "--ctx-size / slots); on the llama.cpp runner it sets --ctx-size to slots × this",
     )
     kv_memory: int | None = option(
         None,
