@@ -36,10 +36,13 @@ def build_revision(rev: str, folder: Path) -> Any:
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
     sources = folder / "csrc"
     sources.mkdir()
-    for path in SOURCES.glob("*.[ch]*"):
-        relative = path.relative_to(root).as_posix()
+    folder_at_rev = SOURCES.relative_to(root).as_posix()
+    listed = subprocess.check_output(
+        ["git", "ls-tree", "--name-only", rev, folder_at_rev + "/"], cwd=root, text=True
+    )
+    for relative in listed.split():
         text = subprocess.check_output(["git", "show", f"{rev}:{relative}"], cwd=root)
-        (sources / path.name).write_bytes(text)
+        (sources / Path(relative).name).write_bytes(text)
     build = folder / "build"
     build.mkdir()
     return compile_module(sources, "attention_ab_base", build)

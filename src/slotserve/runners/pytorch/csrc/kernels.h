@@ -159,6 +159,10 @@ constexpr int kPrefetch = 16;       // keys ahead, to level 1, in a lone row (at
 constexpr int kFarPrefetch = 96;    // keys ahead, to level 2
 constexpr int kValuePrefetch = 32;  // values ahead, to level 2, during the scores
 
+#if !SLOTSERVE_AVX512
+#include "attention_avx2.h"
+#endif
+
 // Sixteen vectors to the sixteen sums of their lanes, in order, each summed by the tree above
 // (lane l + lane l + 8, then + 4, + 2, + 1): a transpose and add, four rounds of shuffles.
 static inline __attribute__((always_inline)) vf sum_lanes_of_16(const vf* v) {
@@ -303,6 +307,7 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
         const int padded = (keys + kLanes - 1) / kLanes * kLanes;
         float* row = scores + int64_t(rh) * kScoreStride;
         for (int j = keys; j < padded; ++j) row[j] = -INFINITY;
+#if SLOTSERVE_AVX512
         vf even = load_f32(row), odd = splat(-INFINITY);
         int j = kLanes;
         for (; j + 2 * kLanes <= padded; j += 2 * kLanes) {
@@ -311,6 +316,9 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
         }
         if (j < padded) odd = vmax(odd, load_f32(row + j));
         m[rh] = hmax(vmax(even, odd));
+#else
+        m[rh] = row_max_halves(row, padded);
+#endif
     }
     for (int rh = 0; rh < heads; ++rh) {
         const int keys = n[rh / group];
@@ -318,12 +326,16 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
         const int padded = (keys + kLanes - 1) / kLanes * kLanes;
         const float* row = scores + int64_t(rh) * kScoreStride;
         uint16_t* p = probs + int64_t(rh) * (kPartition + 2);
+#if SLOTSERVE_AVX512
         vf total = splat(0.0f);
         int j = 0;
         for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
             probabilities<4>(row + j, m[rh], p + j, total);
         for (; j < padded; j += kLanes) probabilities<1>(row + j, m[rh], p + j, total);
         s[rh] = hsum(total);
+#else
+        s[rh] = probabilities_halves(row, padded, m[rh], p);
+#endif
         for (int c = 0; c < d; c += kLanes) store_f32(acc + int64_t(rh) * d + c, splat(0.0f));
     }
 }
@@ -375,6 +387,7 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
             const uint16_t* key = kv.keys + offsets[j];
             vi k[kMaxPairChunks];
             for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);
+#if SLOTSERVE_AVX512
             for (int g = 0; g < group; ++g) {
                 const uint16_t* q = t.q + int64_t(g) * t.q_stride;
                 vf x = splat(0.0f);
@@ -382,6 +395,11 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
                     x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
                 partial[g * kLanes + jj] = x;
             }
+#else
+            for (int g = 0; g < group; ++g)
+                partial[g * kLanes + jj] =
+                    dot_pairs_halves(t.q + int64_t(g) * t.q_stride, k, pair_chunks);
+#endif
         }
         for (int g = 0; g < group; ++g) {
             for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
@@ -391,6 +409,16 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     }
     softmax_rows(t.scores, t.probs, group, group, t.n, d, t.m, t.s, t.acc);
     ValuePair v;
+#if !SLOTSERVE_AVX512
+    // softmax_rows zeroed t.acc: each head's sums run there, a key pair at a time.
+    for (int j = 0; j < n; j += 2) {
+        load_value_pair(kv.values + offsets[j], j + 1 < n ? kv.values + offsets[j + 1] : nullptr,
+                        chunks, v);
+        for (int g = 0; g < group; ++g)
+            value_pairs_halves<CH>(t.acc + g * d, chunks, t.probs + g * (kPartition + 2) + j, &v,
+                                   1, false);
+    }
+#else
     if constexpr (G > 0 && CH > 0 && G * CH <= 24) {
         vf out[G][CH];
         for (int g = 0; g < G; ++g)
@@ -414,6 +442,7 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
             for (int c = 0; c < chunks; ++c) store_f32(t.acc + g * d + c * kLanes, out[c]);
         }
     }
+#endif
 }
 
 // Scores of sixteen transposed keys (``kt``: vector 16c + l holds pair 16c + l of each key) for
@@ -498,6 +527,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
         int rh = first * group;
         const uint16_t* q = t.q + int64_t(rh) * t.q_stride;
         float* out = t.scores + int64_t(rh) * kScoreStride + j0;
+#if SLOTSERVE_AVX512
         for (; rh + 4 <= heads; rh += 4, q += 4 * t.q_stride, out += 4 * kScoreStride)
             score_keys<4>(q, t.q_stride, pair_chunks, kt, t.scale, out);
         switch (heads - rh) {
@@ -505,6 +535,11 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
             case 2: score_keys<2>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
             case 1: score_keys<1>(q, t.q_stride, pair_chunks, kt, t.scale, out); break;
         }
+#else
+        for (; rh + 2 <= heads; rh += 2, q += 2 * t.q_stride, out += 2 * kScoreStride)
+            score_keys_halves<2>(q, t.q_stride, pair_chunks, kt, t.scale, out);
+        if (rh < heads) score_keys_halves<1>(q, t.q_stride, pair_chunks, kt, t.scale, out);
+#endif
     }
     if (t.keys_ready) *t.keys_ready = std::max(ready, n_max / kLanes * kLanes);
     softmax_rows(t.scores, t.probs, heads, group, t.n, d, t.m, t.s, t.acc);
@@ -526,6 +561,11 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
             const bool half = mine % 2 != 0;
             const uint16_t* probs = t.probs + int64_t(r) * group * (kPartition + 2) + j0;
             float* acc = t.acc + int64_t(r) * group * d;
+#if !SLOTSERVE_AVX512
+            for (int g = 0; g < group; ++g)
+                value_pairs_halves<CH>(acc + g * d, chunks, probs + g * (kPartition + 2), values,
+                                       whole, half);
+#else
             if constexpr (G > 0 && CH > 0 && G * CH <= 24) {
                 vf out[G][CH];
                 for (int g = 0; g < G; ++g)
@@ -549,6 +589,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
                     for (int c = 0; c < chunks; ++c) store_f32(acc + g * d + c * kLanes, out[c]);
                 }
             }
+#endif
         }
     }
 }
