@@ -54,8 +54,9 @@ def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig
         (LlamaCppConfig, TorchConfig) if kind == "llama.cpp" else (TorchConfig, LlamaCppConfig)
     )
     defaults = {f.name: f.default for f in fields(other)}
+    # A switch turned off is named as it was given: --no-flash-attn.
     unused = [
-        declared.flag.replace("--", "--no-", getattr(config, name) is False)
+        "--no-" + declared.flag[2:] if getattr(config, name) is False else declared.flag
         for name, declared in options(other).items()
         if name not in options(own) and getattr(config, name) != defaults[name]
     ]
