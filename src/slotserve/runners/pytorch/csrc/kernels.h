@@ -410,7 +410,8 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     softmax_rows(t.scores, t.probs, group, group, t.n, d, t.m, t.s, t.acc);
     ValuePair v;
 #if !SLOTSERVE_AVX512
-    // softmax_rows zeroed t.acc: each head's sums run there, a key pair at a time.
+    // softmax_rows zeroed t.acc (a lone row has keys in each partition it is given): each
+    // head's sums run there, a key pair at a time.
     for (int j = 0; j < n; j += 2) {
         load_value_pair(kv.values + offsets[j], j + 1 < n ? kv.values + offsets[j + 1] : nullptr,
                         chunks, v);
