@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,12 +53,12 @@ def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig
     own, other = (
         (LlamaCppConfig, TorchConfig) if kind == "llama.cpp" else (TorchConfig, LlamaCppConfig)
     )
-    defaults = {f.name: f.default for f in fields(other)}
+    own_options = options(own)
     # A switch turned off is named as it was given: --no-flash-attn.
     unused = [
         "--no-" + declared.flag[2:] if getattr(config, name) is False else declared.flag
         for name, declared in options(other).items()
-        if name not in options(own) and getattr(config, name) != defaults[name]
+        if name not in own_options and getattr(config, name) != declared.default
     ]
     if unused:
         one = len(unused) == 1
