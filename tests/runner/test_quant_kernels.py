@@ -61,9 +61,9 @@ def fused(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def stated_arithmetic(
     x: torch.Tensor, raw: np.ndarray, kind: GGMLQuantizationType, n: int, bias: torch.Tensor
 ) -> torch.Tensor:
-    """quant_gemm.h's arithmetic in torch: inputs rounded to int16 per block of 32, integer sums
-    per sub-block, each sub-block's two fused float steps in input order (:func:`fused` rounds
-    each as the instruction does)."""
+    """quant_gemm.h's arithmetic in torch: inputs rounded to integers of at most 127 per block of
+    32, integer sums per sub-block, each sub-block's two fused float steps in input order
+    (:func:`fused` rounds each as the instruction does)."""
     f, k, rows = FORMATS[kind], x.shape[1], x.shape[0]
     decoded = decode_rows(kind, raw, k)
     codes = decoded.codes.view(np.int8) if kind == GGMLQuantizationType.Q8_0 else decoded.codes
@@ -71,9 +71,9 @@ def stated_arithmetic(
     blocks = x.float().reshape(rows, k // 32, 32)
     largest = blocks.abs().amax(-1)
     # A division (torch's scalar / tensor multiplies by a reciprocal, which rounds otherwise).
-    scale = torch.where(largest > 0, torch.full_like(largest, 32767.0) / largest, 0.0)
-    q = torch.round(blocks * scale[..., None]).clamp(-32767, 32767).to(torch.int64)
-    step, qsum, q = largest / 32767.0, q.sum(-1), q.reshape(rows, k)
+    scale = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, 0.0)
+    q = torch.round(blocks * scale[..., None]).clamp(-127, 127).to(torch.int64)
+    step, qsum, q = largest / 127.0, q.sum(-1), q.reshape(rows, k)
     d = torch.from_numpy(decoded.d.astype(np.float32))
     sc = torch.from_numpy(decoded.sc.astype(np.float32))
     acc = torch.zeros(rows, n)

@@ -62,7 +62,7 @@ def test_a_gguf_file_is_served_from_its_own_blocks(
 def test_quantized_and_dequantized_paths_agree_on_what_comes_first(
     torch_runner: TorchRunner, dequantized: TorchRunner
 ) -> None:
-    """The quantized kernels round each input block to 16 bits and sum exactly in integers
+    """The quantized kernels round each input block to 8 bits and sum exactly in integers
     (csrc/quant_gemm.h), the dequantized path multiplies bfloat16 values in float32: not the
     same bits, so the tokens are not promised equal; the first choice of each prompt is."""
     quantized_alone, quantized_together = _greedy(torch_runner)

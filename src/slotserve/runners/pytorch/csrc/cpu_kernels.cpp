@@ -115,6 +115,7 @@ namespace avx512bf16 {
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_pairs.h"
 #include "quant_gemm.h"
 }  // namespace avx512bf16
 #pragma GCC pop_options
@@ -127,6 +128,7 @@ namespace avx512 {
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_pairs.h"
 #include "quant_gemm.h"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -139,6 +141,7 @@ namespace avx2 {
 #include "vec.h"
 #include "kernels.h"
 #include "gemm_vec.h"
+#include "quant_pairs.h"
 #include "quant_gemm.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -1042,13 +1045,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     if (rows == 0) return out;
     TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
     const at::Tensor xq = at::empty({rows, inputs}, x.options().dtype(at::kShort));
+    const at::Tensor xq8 = at::empty({rows, inputs}, x.options().dtype(at::kChar));
     const at::Tensor xstep = at::empty({rows, inputs / 32}, x.options().dtype(at::kFloat));
-    const at::Tensor xsum = at::empty({rows, inputs / 32}, x.options().dtype(at::kInt));
+    const at::Tensor xsum = at::empty({rows, inputs / 16}, x.options().dtype(at::kInt));
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
             k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq.data_ptr<int16_t>() + r * inputs,
+                           xq8.data_ptr<int8_t>() + r * inputs,
                            xstep.data_ptr<float>() + r * (inputs / 32),
-                           xsum.data_ptr<int32_t>() + r * (inputs / 32));
+                           xsum.data_ptr<int32_t>() + r * (inputs / 16));
     });
     at::Tensor bias32;
     if (bias) {
@@ -1057,6 +1062,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
         if (groups * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, groups * 16 - n});
     }
     const QuantOperands op{xq.data_ptr<int16_t>(),
+                           xq8.data_ptr<int8_t>(),
                            xstep.data_ptr<float>(),
                            xsum.data_ptr<int32_t>(),
                            inputs,
@@ -1088,8 +1094,8 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t 
                                                         ids.max().item<int64_t>() < n)),
                 "row ids out of range");
     at::Tensor out = at::empty({ids.numel(), k}, packed.options().dtype(at::kBFloat16));
-    const QuantOperands op{nullptr, nullptr, nullptr, k, packed.data_ptr<uint8_t>(), f,
-                           nullptr, nullptr,           n};
+    const QuantOperands op{nullptr, nullptr, nullptr, nullptr, k, packed.data_ptr<uint8_t>(),
+                           f,       nullptr, nullptr, n};
     at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
         kern.quant_rows(op, ids.data_ptr<int64_t>() + begin, end - begin,
                         bf16_mut(out) + begin * k);

@@ -23,9 +23,10 @@ struct QuantFormat {
 };
 
 struct QuantOperands {
-    const int16_t* xq;    // [rows][k] the inputs as int16, per block of 32 (quant_gemm.h)
+    const int16_t* xq;    // [rows][k] the inputs as integers per block of 32 (quant_gemm.h)
+    const int8_t* xq8;    // [rows][k] the same integers as bytes
     const float* xstep;   // [rows][k / 32] each block's step
-    const int32_t* xsum;  // [rows][k / 32] each block's Σ q
+    const int32_t* xsum;  // [rows][k / 16] Σ q of each 16 inputs
     int64_t k;
     const uint8_t* w;     // [groups][k / super] records
     QuantFormat f;

@@ -1,12 +1,13 @@
 // Projections whose weights stay quantized (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K), compiled once per instruction set after gemm_vec.h (cpu_kernels.cpp): y = x Wᵀ (+ bias)
-// with x in bfloat16 and W read as the file stores it, decoded in registers while it streams.
+// Q6_K), compiled once per instruction set after gemm_vec.h and quant_pairs.h (cpu_kernels.cpp):
+// y = x Wᵀ (+ bias) with x in bfloat16 and W read as the file stores it, decoded in registers
+// while it streams.
 //
 // Every weight is scale · v − min: v a small integer (a code less the format's offset), scale =
 // d · sc and min = dmin · m per sub-block of 16 or 32 inputs (exact in float32: an fp16 times an
-// 8-bit integer). Each row's inputs are rounded to int16 per block of 32, q = rne(x · 32767 / a)
-// with a the block's largest |x| (one step a / 32767, so a block's error stays under its largest
-// input's bfloat16 rounding), Σ q kept per block (quantize_row). An output then sums, sub-block by
+// 8-bit integer). Each row's inputs are rounded to integers of at most 127 per block of 32,
+// q = rne(x · 127 / a) with a the block's largest |x| (one step a / 127, as llama.cpp's 8-bit
+// activations), Σ q kept per 16 inputs (quantize_row). An output then sums, sub-block by
 // sub-block from k = 0:
 //
 //   block = Σ v · q over the sub-block, in int32: exact, whatever the order of its terms
@@ -15,7 +16,8 @@
 // then adds the bias and rounds once to bfloat16. The float steps run in input order and depend
 // on K and the format alone: a row's bits do not depend on its batch, its tile or the thread
 // count (threads split outputs), and every instruction set gives the same bits (integer sums are
-// exact; the float steps are the same fused operations lane by lane).
+// exact, whichever instructions form them: quant_pairs.h; the float steps are the same fused
+// operations lane by lane).
 //
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
@@ -29,158 +31,20 @@
 
 namespace quant {
 
-using gemmv::Acc;
-using gemmv::acc_fma;
-using gemmv::acc_load;
-using gemmv::acc_store;
-using gemmv::acc_zero;
-using gemmv::broadcast;
-
-using Format = QuantFormat;
-using Operands = QuantOperands;
-
-// The 16 outputs' values of one input pair as int8 (v = code − offset), in word order: `lo`
-// holds outputs 0-7's (even, odd) values, `hi` outputs 8-15's. The format's constants are
-// template arguments: the decoding compiles to a few byte operations.
-struct PairValues {
-    __m128i lo, hi;
-};
-
-template <int BITS, int OFFSET, int SUPER>
-static inline __attribute__((always_inline)) PairValues pair_values(const uint8_t* codes,
-                                                                   int64_t pair) {
-    PairValues v;
-    if constexpr (BITS == 8) {
-        v.lo = _mm_loadu_si128((const __m128i*)(codes + pair * 32));
-        v.hi = _mm_loadu_si128((const __m128i*)(codes + pair * 32 + 16));
-        if constexpr (OFFSET != 0) {  // Q6_K's codes, widened to a byte at load
-            const __m128i offset = _mm_set1_epi8(char(OFFSET));
-            v.lo = _mm_sub_epi8(v.lo, offset);
-            v.hi = _mm_sub_epi8(v.hi, offset);
-        }
-        return v;
-    }
-    const __m128i nibble = _mm_set1_epi8(0x0f);
-    const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
-    v.lo = _mm_and_si128(both, nibble);
-    v.hi = _mm_and_si128(_mm_srli_epi16(both, 4), nibble);
-    // The high bits moved into place with one shift and one mask each: a shift within 16-bit
-    // lanes carries bits across the byte boundary only where the mask then drops them. `pair`'s
-    // place in its group is a constant once the caller's loop is unrolled.
-    const uint8_t* high = codes + SUPER / 2 * 16;  // the high bits' plane
-    if constexpr (BITS == 5) {
-        const __m128i h = _mm_loadu_si128((const __m128i*)(high + pair / 4 * 16));
-        const __m128i bit4 = _mm_set1_epi8(0x10);
-        const int j = int(pair % 4) * 2;  // lo at bit j, hi at bit j + 1; both go to bit 4
-        const __m128i e = j <= 4 ? _mm_slli_epi16(h, 4 - j) : _mm_srli_epi16(h, j - 4);
-        const __m128i o = j <= 2 ? _mm_slli_epi16(h, 3 - j) : _mm_srli_epi16(h, j - 3);
-        v.lo = _mm_or_si128(v.lo, _mm_and_si128(e, bit4));
-        v.hi = _mm_or_si128(v.hi, _mm_and_si128(o, bit4));
-    }
-    if constexpr (OFFSET != 0) {
-        const __m128i offset = _mm_set1_epi8(char(OFFSET));
-        v.lo = _mm_sub_epi8(v.lo, offset);
-        v.hi = _mm_sub_epi8(v.hi, offset);
-    }
-    return v;
-}
-
-constexpr int kInputBlock = 32;  // inputs sharing one int16 step
-
-// Sixteen outputs' values of one input pair as 32 int16 words, (even, odd) per output: the
-// operand of vpmaddwd, which sums each output's two products into an int32 lane.
-#if SLOTSERVE_AVX512
-struct Words {
-    __m512i v;
-};
-struct Sums {  // sixteen int32
-    __m512i v;
-};
-static inline __attribute__((always_inline)) Words words_of(PairValues p) {
-    return {_mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(p.lo), p.hi, 1))};
-}
-static inline __attribute__((always_inline)) Sums sums_zero() { return {_mm512_setzero_si512()}; }
-// sums + each output's two products with the row's input pair (a broadcast int32 of two int16).
-static inline __attribute__((always_inline)) Sums sums_add(Sums s, Words w, int32_t pair) {
-    return {_mm512_add_epi32(s.v, _mm512_madd_epi16(w.v, _mm512_set1_epi32(pair)))};
-}
-static inline __attribute__((always_inline)) Acc sums_float(Sums s) {
-    return {_mm512_cvtepi32_ps(s.v)};
-}
-static inline __attribute__((always_inline)) Acc widen_i8(__m128i b) {
-    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
-}
-static inline __attribute__((always_inline)) Acc widen_u8(__m128i b) {
-    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
-}
-static inline __attribute__((always_inline)) Acc widen_f16(const uint8_t* p) {
-    return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
-}
-static inline __attribute__((always_inline)) Acc acc_mul(Acc a, __m512 b) {
-    return {_mm512_mul_ps(a.v, b)};
-}
-static inline __attribute__((always_inline)) Acc acc_mul(Acc a, Acc b) {
-    return {_mm512_mul_ps(a.v, b.v)};
-}
-// acc + a · b, lane by lane, fused, with `a` a vector (not a broadcast).
-static inline __attribute__((always_inline)) Acc acc_fma_v(Acc a, Acc b, Acc acc) {
-    return {_mm512_fmadd_ps(a.v, b.v, acc.v)};
-}
-#else
-struct Words {
-    __m256i lo, hi;  // outputs 0-7, 8-15
-};
-struct Sums {
-    __m256i lo, hi;
-};
-static inline __attribute__((always_inline)) Words words_of(PairValues p) {
-    return {_mm256_cvtepi8_epi16(p.lo), _mm256_cvtepi8_epi16(p.hi)};
-}
-static inline __attribute__((always_inline)) Sums sums_zero() {
-    return {_mm256_setzero_si256(), _mm256_setzero_si256()};
-}
-static inline __attribute__((always_inline)) Sums sums_add(Sums s, Words w, int32_t pair) {
-    const __m256i x = _mm256_set1_epi32(pair);
-    return {_mm256_add_epi32(s.lo, _mm256_madd_epi16(w.lo, x)),
-            _mm256_add_epi32(s.hi, _mm256_madd_epi16(w.hi, x))};
-}
-static inline __attribute__((always_inline)) Acc sums_float(Sums s) {
-    return {_mm256_cvtepi32_ps(s.lo), _mm256_cvtepi32_ps(s.hi)};
-}
-static inline __attribute__((always_inline)) Acc widen_i8(__m128i b) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
-}
-static inline __attribute__((always_inline)) Acc widen_u8(__m128i b) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
-}
-static inline __attribute__((always_inline)) Acc widen_f16(const uint8_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))};
-}
-static inline __attribute__((always_inline)) Acc acc_mul(Acc a, __m256 b) {
-    return {_mm256_mul_ps(a.lo, b), _mm256_mul_ps(a.hi, b)};
-}
-static inline __attribute__((always_inline)) Acc acc_mul(Acc a, Acc b) {
-    return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
-}
-static inline __attribute__((always_inline)) Acc acc_fma_v(Acc a, Acc b, Acc acc) {
-    return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
-}
-#endif
-
 #if SLOTSERVE_AVX512
 constexpr int kRowsPerTile = 8;
 #else
 constexpr int kRowsPerTile = 4;
 #endif
-constexpr int64_t kRowsPerPass = 64;  // rows whose running sums stay in the level-1 cache
+constexpr int64_t kRowsPerPass = 64;
+constexpr int64_t kPrefetchAhead = 2048;  // bytes of the weight stream requested before use  // rows whose running sums stay in the level-1 cache
 
-// Output group g's input pairs (its records at `group`), decoded once into `out` (one Words per
+// Output group g's input pairs (its records at `group`), decoded once into `out` (one operand per
 // pair, in input order) for a step of more rows than one tile: every tile then reads them there.
 template <int BITS, int OFFSET, int SUB, int SUPER>
-static void decode_group(const Operands& op, const uint8_t* group, Words* out) {
+static void decode_group(const Operands& op, const uint8_t* group,
+                         typename PairMath<BITS, OFFSET>::Operand* out) {
+    using Math = PairMath<BITS, OFFSET>;
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
     const uint8_t* record = group;
@@ -188,10 +52,17 @@ static void decode_group(const Operands& op, const uint8_t* group, Words* out) {
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s)
 #pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
-            for (int p = 0; p < kPairs; ++p)
-                out[b * (SUPER / 2) + s * kPairs + p] =
-                    words_of(pair_values<BITS, OFFSET, SUPER>(codes, s * kPairs + p));
+            for (int p = 0; p < kPairs; p += Math::kPairsPerOperand)
+                out[(b * (SUPER / 2) + s * kPairs + p) / Math::kPairsPerOperand] =
+                    Math::template decode<SUPER>(codes, s * kPairs + p);
     }
+}
+
+// Row `row`'s Σ q over the SUB inputs from `first` (a sub-block; Σ q is kept per 16 inputs).
+template <int SUB>
+static inline int32_t input_sum(const Operands& op, int64_t row, int64_t first) {
+    const int32_t* sums = op.xsum + row * (op.k / 16) + first / 16;
+    return SUB == 16 ? sums[0] : sums[0] + sums[1];
 }
 
 // Output group g (its records at `group`) for rows [m0, m0 + MR) over the whole input: each
@@ -200,7 +71,8 @@ static void decode_group(const Operands& op, const uint8_t* group, Words* out) {
 // in `acc` ([rows][16] float32). Either way the same integers meet in the same order.
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR, bool DECODED>
 static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, float* acc,
-                       const Words* decoded) {
+                       const typename PairMath<BITS, OFFSET>::Operand* decoded) {
+    using Math = PairMath<BITS, OFFSET>;
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
     const int64_t supers = op.k / SUPER, blocks_per_row = op.k / kInputBlock;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
@@ -212,21 +84,34 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s) {
             const int64_t first = b * SUPER + s * SUB;
-            Sums sums[MR];
-            for (int r = 0; r < MR; ++r) sums[r] = sums_zero();
-#pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
-            for (int p = 0; p < kPairs; ++p) {
-                Words w;
-                if constexpr (DECODED)
-                    w = decoded[first / 2 + p];
-                else
-                    w = words_of(pair_values<BITS, OFFSET, SUPER>(codes, s * kPairs + p));
-                for (int r = 0; r < MR; ++r) {
-                    int32_t pair;
-                    std::memcpy(&pair, op.xq + (m0 + r) * op.k + first + 2 * p, sizeof(pair));
-                    sums[r] = sums_add(sums[r], w, pair);
-                }
+            if constexpr (!DECODED) {
+                // The weight stream ahead, asked for from memory now: one core's own requests
+                // alone fetch too little of it at a time to keep up with a single row.
+                const int64_t sub_bytes = (record_bytes + kSubBlocks - 1) / kSubBlocks;
+                for (int64_t line = 0; line < sub_bytes; line += 64)
+                    _mm_prefetch((const char*)(record + s * sub_bytes + line + kPrefetchAhead),
+                                 _MM_HINT_T0);
             }
+            Sums sums[MR];
+            typename Math::Partial partial[MR];
+            for (int r = 0; r < MR; ++r) sums[r] = sums_zero(), partial[r] = Math::zero();
+#pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
+            for (int p = 0; p < kPairs; p += Math::kPairsPerOperand) {
+                typename Math::Operand w;
+                if constexpr (DECODED)
+                    w = decoded[(first / 2 + p) / Math::kPairsPerOperand];
+                else
+                    w = Math::template decode<SUPER>(codes, s * kPairs + p);
+                for (int r = 0; r < MR; ++r)
+                    partial[r] = Math::add(partial[r], w, op, m0 + r, first + 2 * p);
+                const int done = p + Math::kPairsPerOperand;
+                if (done % Math::kFlush == 0 || done == kPairs)
+                    for (int r = 0; r < MR; ++r)
+                        sums[r] = Math::flush(sums[r], partial[r]), partial[r] = Math::zero();
+            }
+            if constexpr (Math::kRawCodes && OFFSET != 0)
+                for (int r = 0; r < MR; ++r)
+                    sums[r] = sums_less(sums[r], OFFSET * input_sum<SUB>(op, m0 + r, first));
             const Acc scale = acc_mul(d, widen_i8(_mm_loadu_si128((const __m128i*)(sc + 16 * s))));
             Acc min = acc_zero();
             if constexpr (MIN) {
@@ -239,8 +124,8 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                 float* a = acc + r * kLanes;
                 Acc sum = acc_fma_v(acc_mul(scale, broadcast(op.xstep[at])), sums_float(sums[r]),
                                     acc_load(a));
-                if constexpr (MIN)
-                    sum = acc_fma(broadcast(-float(op.xsum[at])),
+                if constexpr (MIN)  // SUB is 32 in every format with a min
+                    sum = acc_fma(broadcast(-float(input_sum<SUB>(op, m0 + r, first))),
                                   acc_mul(min, broadcast(op.xstep[at])), sum);
                 acc_store(a, sum);
             }
@@ -252,7 +137,7 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
 // running sums in `acc` from row m0 on.
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, bool DECODED>
 static void pass_tiles(const Operands& op, const uint8_t* group, int64_t m0, int64_t m1,
-                       float* acc, const Words* decoded) {
+                       float* acc, const typename PairMath<BITS, OFFSET>::Operand* decoded) {
     int64_t m = m0;
     for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
         group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, DECODED>(
@@ -269,11 +154,13 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
     // More rows than a tile: five-bit codes, whose decoding costs most, decoded once per
     // group, not once per tile (four and eight bits decode faster than they load).
     const bool decode_once = BITS == 5 && rows > kRowsPerTile;
-    // Raw aligned memory, not a std::vector<Words>: the vector's members would be compiled
-    // outside this instruction set's target attribute.
+    // Raw aligned memory, not a std::vector: the vector's members would be compiled outside
+    // this instruction set's target attribute.
+    using Operand = typename PairMath<BITS, OFFSET>::Operand;
     const std::unique_ptr<void, decltype(&std::free)> buffer(
-        decode_once ? std::aligned_alloc(64, op.k / 2 * sizeof(Words)) : nullptr, &std::free);
-    Words* decoded_words = static_cast<Words*>(buffer.get());
+        decode_once ? std::aligned_alloc(64, op.k / 2 * sizeof(Operand)) : nullptr,
+        &std::free);  // one operand per pair at most
+    Operand* decoded_words = static_cast<Operand*>(buffer.get());
     for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* group = op.w + g * group_bytes;
         if (decode_once) decode_group<BITS, OFFSET, SUB, SUPER>(op, group, decoded_words);
@@ -326,21 +213,26 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
     }
 }
 
-// A row's inputs as int16 per block of 32 (the module's comment): q, the block's step and Σ q.
-static void quantize_row(const uint16_t* x, int64_t k, int16_t* q, float* step, int32_t* sum) {
+// A row's inputs as integers of at most 127 per block of 32 (the module's comment), as int16
+// (q16, the word path's) and int8 (q8, the byte path's): q, each block's step and Σ q per 16.
+static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8, float* step,
+                         int32_t* sum) {
     for (int64_t b = 0; b < k / kInputBlock; ++b) {
         const uint16_t* in = x + b * kInputBlock;
         float largest = 0.0f;
         for (int j = 0; j < kInputBlock; ++j) largest = std::max(largest, std::fabs(bf16_to_f32(in[j])));
-        const float scale = largest > 0.0f ? 32767.0f / largest : 0.0f;
-        int32_t total = 0;
+        const float scale = largest > 0.0f ? float(kLargestInput) / largest : 0.0f;
+        int32_t total[2] = {0, 0};
         for (int j = 0; j < kInputBlock; ++j) {
             const int32_t v = int32_t(std::nearbyint(bf16_to_f32(in[j]) * scale));
-            q[b * kInputBlock + j] = int16_t(std::max(-32767, std::min(32767, v)));
-            total += q[b * kInputBlock + j];
+            const int32_t q = std::max(-kLargestInput, std::min(kLargestInput, v));
+            q16[b * kInputBlock + j] = int16_t(q);
+            q8[b * kInputBlock + j] = int8_t(q);
+            total[j / 16] += q;
         }
-        step[b] = largest / 32767.0f;
-        sum[b] = total;
+        step[b] = largest / float(kLargestInput);
+        sum[2 * b] = total[0];
+        sum[2 * b + 1] = total[1];
     }
 }
 
