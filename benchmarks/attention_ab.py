@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,28 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kernel_revision import build_revision
 
-from slotserve.runners.pytorch.cpu_kernels import SOURCES, compile_module, load_cpu_kernels
+from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M
-
-
-def build_revision(rev: str, folder: Path) -> Any:
-    """The kernels' sources at ``rev``, compiled as a module of their own."""
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    sources = folder / "csrc"
-    sources.mkdir()
-    folder_at_rev = SOURCES.relative_to(root).as_posix()
-    listed = subprocess.check_output(
-        ["git", "ls-tree", "--name-only", rev, folder_at_rev + "/"], cwd=root, text=True
-    )
-    for relative in listed.split():
-        text = subprocess.check_output(["git", "show", f"{rev}:{relative}"], cwd=root)
-        (sources / Path(relative).name).write_bytes(text)
-    build = folder / "build"
-    build.mkdir()
-    return compile_module(sources, "attention_ab_base", build)
 
 
 def case(
@@ -116,7 +99,7 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the CPU kernels do not run here")
     with tempfile.TemporaryDirectory() as folder:
-        base = build_revision(args.base_rev, Path(folder))
+        base = build_revision(args.base_rev, Path(folder), "attention_ab_base")
         print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
         for name, make in CASES.items():
             calls = [make(seed) for seed in range(args.layers)]

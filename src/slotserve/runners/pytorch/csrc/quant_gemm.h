@@ -84,9 +84,10 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s) {
             const int64_t first = b * SUPER + s * SUB;
-            if constexpr (!DECODED) {
-                // The weight stream ahead, asked for from memory now: one core's own requests
-                // alone fetch too little of it at a time to keep up with a single row.
+            if (!DECODED && m0 == 0) {
+                // The weight stream ahead, asked for from memory now (the first tile streams it,
+                // the others find it cached): one core's own requests alone fetch too little of
+                // it at a time to keep up with a single row.
                 const int64_t sub_bytes = (record_bytes + kSubBlocks - 1) / kSubBlocks;
                 for (int64_t line = 0; line < sub_bytes; line += 64)
                     _mm_prefetch((const char*)(record + s * sub_bytes + line + kPrefetchAhead),
@@ -94,7 +95,7 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             }
             Sums sums[MR];
             typename Math::Partial partial[MR];
-            for (int r = 0; r < MR; ++r) sums[r] = sums_zero(), partial[r] = Math::zero();
+            for (int r = 0; r < MR; ++r) partial[r] = Math::zero();
 #pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
             for (int p = 0; p < kPairs; p += Math::kPairsPerOperand) {
                 typename Math::Operand w;
@@ -104,10 +105,15 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                     w = Math::template decode<SUPER>(codes, s * kPairs + p);
                 for (int r = 0; r < MR; ++r)
                     partial[r] = Math::add(partial[r], w, op, m0 + r, first + 2 * p);
+                // The partial sums widened into the int32 ones before they can overflow (the
+                // first time they are the int32 sums: the word path adds nothing then).
                 const int done = p + Math::kPairsPerOperand;
                 if (done % Math::kFlush == 0 || done == kPairs)
-                    for (int r = 0; r < MR; ++r)
-                        sums[r] = Math::flush(sums[r], partial[r]), partial[r] = Math::zero();
+                    for (int r = 0; r < MR; ++r) {
+                        const Sums widened = Math::widen(partial[r]);
+                        sums[r] = done <= Math::kFlush ? widened : sums_plus(sums[r], widened);
+                        partial[r] = Math::zero();
+                    }
             }
             if constexpr (Math::kRawCodes && OFFSET != 0)
                 for (int r = 0; r < MR; ++r)
@@ -213,26 +219,47 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
     }
 }
 
+static inline int32_t lanes_summed(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
 // A row's inputs as integers of at most 127 per block of 32 (the module's comment), as int16
 // (q16, the word path's) and int8 (q8, the byte path's): q, each block's step and Σ q per 16.
+// AVX2 instructions on every instruction set: the largest |x| is exact in any order, the
+// product rounds once and vcvtps2dq rounds it to nearest even, as std::nearbyint does.
 static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8, float* step,
                          int32_t* sum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i largest_q = _mm256_set1_epi32(kLargestInput);
+    const __m256i smallest_q = _mm256_set1_epi32(-kLargestInput);
     for (int64_t b = 0; b < k / kInputBlock; ++b) {
-        const uint16_t* in = x + b * kInputBlock;
-        float largest = 0.0f;
-        for (int j = 0; j < kInputBlock; ++j) largest = std::max(largest, std::fabs(bf16_to_f32(in[j])));
-        const float scale = largest > 0.0f ? float(kLargestInput) / largest : 0.0f;
-        int32_t total[2] = {0, 0};
-        for (int j = 0; j < kInputBlock; ++j) {
-            const int32_t v = int32_t(std::nearbyint(bf16_to_f32(in[j]) * scale));
-            const int32_t q = std::max(-kLargestInput, std::min(kLargestInput, v));
-            q16[b * kInputBlock + j] = int16_t(q);
-            q8[b * kInputBlock + j] = int8_t(q);
-            total[j / 16] += q;
+        __m256 v[4], top = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            const __m128i h = _mm_loadu_si128((const __m128i*)(x + b * kInputBlock + 8 * i));
+            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
         }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+        const __m256 scale = _mm256_set1_ps(largest > 0.0f ? float(kLargestInput) / largest : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) {
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], largest_q), smallest_q);
+        }
+        // vpackssdw and vpacksswb interleave the 128-bit halves: vpermq puts them back in order.
+        const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+        const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+        _mm256_storeu_si256((__m256i*)(q16 + b * kInputBlock), w01);
+        _mm256_storeu_si256((__m256i*)(q16 + b * kInputBlock + 16), w23);
+        const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8);
+        _mm256_storeu_si256((__m256i*)(q8 + b * kInputBlock), bytes);
         step[b] = largest / float(kLargestInput);
-        sum[2 * b] = total[0];
-        sum[2 * b + 1] = total[1];
+        sum[2 * b] = lanes_summed(_mm256_add_epi32(q[0], q[1]));
+        sum[2 * b + 1] = lanes_summed(_mm256_add_epi32(q[2], q[3]));
     }
 }
 

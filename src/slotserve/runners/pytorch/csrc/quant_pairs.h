@@ -184,9 +184,7 @@ struct WordPairs {
         std::memcpy(&pair, op.xq + row * op.k + index, sizeof(pair));
         return sums_add(s, w, pair);
     }
-    static inline __attribute__((always_inline)) Sums flush(Sums s, Partial p) {
-        return sums_plus(s, p);
-    }
+    static inline __attribute__((always_inline)) Sums widen(Partial p) { return p; }
 };
 
 #if SLOTSERVE_AVX512
@@ -226,9 +224,9 @@ struct BytePairs {
         std::memcpy(&pair, op.xq8 + row * op.k + index, sizeof(pair));
         return _mm256_add_epi16(s, _mm256_maddubs_epi16(w.v, _mm256_set1_epi16(pair)));
     }
-    static inline __attribute__((always_inline)) Sums flush(Sums s, Partial p) {
-        return {_mm256_add_epi32(s.lo, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p))),
-                _mm256_add_epi32(s.hi, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)))};
+    static inline __attribute__((always_inline)) Sums widen(Partial p) {
+        return {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)),
+                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1))};
     }
 };
 // The nibble path (AVX2, codes of 4 bits): the byte path over two pairs at once, each 32-byte
@@ -271,12 +269,12 @@ struct NibblePairs {
         return {_mm256_add_epi16(s.lo, _mm256_maddubs_epi16(w.lo, x)),
                 _mm256_add_epi16(s.hi, _mm256_maddubs_epi16(w.hi, x))};
     }
-    static inline __attribute__((always_inline)) __m256i widened(__m256i halves) {
+    static inline __attribute__((always_inline)) __m256i halves_summed(__m256i halves) {
         return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves)),
                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(halves, 1)));
     }
-    static inline __attribute__((always_inline)) Sums flush(Sums s, Partial p) {
-        return {_mm256_add_epi32(s.lo, widened(p.lo)), _mm256_add_epi32(s.hi, widened(p.hi))};
+    static inline __attribute__((always_inline)) Sums widen(Partial p) {
+        return {halves_summed(p.lo), halves_summed(p.hi)};
     }
 };
 

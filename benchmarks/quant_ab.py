@@ -1,0 +1,112 @@
+"""The PyTorch runner's quantized projections (``csrc/quant_gemm.h``): this checkout's build
+against another git revision's, both loaded in one process, calls alternated (A B A B ...), per
+GGUF type at one row (a decode step) and at 4, 16 and 64 (batches, prefill chunks):
+
+    python benchmarks/quant_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--json FILE]
+
+A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
+copies called in turn so the weights come from memory, as a forward's layers do. Prints each
+build's median time per call, this build's GB/s of weights and GFLOP/s, and the median of the
+paired ratios base ÷ this one. The two builds' bits may differ where the stated arithmetic
+changed between the revisions (inputs rounded to other steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from kernel_revision import build_revision
+
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
+from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.packing import pack_tensor
+
+OUTPUTS, INPUTS, COPIES = 2048, 8192, 8
+ROWS = (1, 4, 16, 64)
+# Where each type's fp16 scales sit in its block: random bytes there could be NaN or tiny.
+SCALES = {
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def random_blocks(kind: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """A weight of OUTPUTS × INPUTS in ``kind``: random codes, fp16 scales of plausible size."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(OUTPUTS * INPUTS // block, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        scales = np.asarray(rng.uniform(1e-3, 4e-3, raw.shape[0]), dtype=np.float16)
+        raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(OUTPUTS, -1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-rev", required=True, help="git revision to compare against")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=9, help="paired passes per case")
+    parser.add_argument("--json", type=Path, help="write the cases' figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels do not run here")
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as folder:
+        base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))
+        header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
+        print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
+        for kind in SCALES:
+            packed = pack_tensor(kind, random_blocks(kind, seed=1), INPUTS)
+            copies = [packed.clone() for _ in range(COPIES)]
+            for rows in ROWS:
+                x = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(rows))
+                x = x.bfloat16()
+                times: dict[str, list[float]] = {"base": [], "this": []}
+                ratios = []
+                for _ in range(args.pairs):
+                    for label, build in (("base", base), ("this", kernels)):
+                        started = time.perf_counter()
+                        for weight in copies:
+                            build.quant_linear(x, weight, FORMATS[kind], OUTPUTS, None)
+                        times[label].append((time.perf_counter() - started) / COPIES)
+                    ratios.append(times["base"][-1] / times["this"][-1])
+                this_s = statistics.median(times["this"])
+                case = {
+                    "type": kind.name,
+                    "rows": rows,
+                    "base_ms": statistics.median(times["base"]) * 1e3,
+                    "this_ms": this_s * 1e3,
+                    "gb_s": packed.numel() / this_s / 1e9,
+                    "gflop_s": 2 * rows * OUTPUTS * INPUTS / this_s / 1e9,
+                    "base_over_this": statistics.median(ratios),
+                }
+                results.append(case)
+                print(
+                    f"{kind.name + ' × ' + str(rows):14s} {case['base_ms']:9.3f} "
+                    f"{case['this_ms']:9.3f} {case['gb_s']:6.1f} {case['gflop_s']:8.1f} "
+                    f"{case['base_over_this']:9.2f}",
+                    flush=True,
+                )
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
