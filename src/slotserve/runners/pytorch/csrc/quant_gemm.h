@@ -36,8 +36,8 @@ constexpr int kRowsPerTile = 8;
 #else
 constexpr int kRowsPerTile = 4;
 #endif
-constexpr int64_t kRowsPerPass = 64;
-constexpr int64_t kPrefetchAhead = 2048;  // bytes of the weight stream requested before use  // rows whose running sums stay in the level-1 cache
+constexpr int64_t kRowsPerPass = 64;      // rows whose running sums stay in the level-1 cache
+constexpr int64_t kPrefetchAhead = 2048;  // bytes of the weight stream requested before use
 
 // Output group g's input pairs (its records at `group`), decoded once into `out` (one operand per
 // pair, in input order) for a step of more rows than one tile: every tile then reads them there.
@@ -219,6 +219,7 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
     }
 }
 
+// The sum of v's eight int32 lanes.
 static inline int32_t lanes_summed(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
