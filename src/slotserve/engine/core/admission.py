@@ -29,7 +29,7 @@ from slotserve.engine.chunk_policy import ChunkPolicy
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.prefix_use import PrefixUse
 from slotserve.engine.core.slots import Slot, SlotPool, SlotState
-from slotserve.engine.prefix_cache.base import PrefixCache
+from slotserve.engine.prefix_cache.base import Arrival, PrefixCache
 from slotserve.engine.prefix_cache.tree_node import common_prefix_length
 from slotserve.engine.request import Request, Sequence
 
@@ -155,7 +155,7 @@ class Admission:
         match = cache.match(self.prefix.reusable(sequence))
         free = [slot.index for slot in self.slots.in_state(SlotState.FREE)]
         slot = self.slots.acquire(sequence, cache.choose_slot(match, sequence.num_tokens, free))
-        cached = cache.attach(slot.index, sequence.cache_keys(), match)
+        cached = cache.attach(slot.index, Arrival(sequence.cache_keys(), match))
         sequence.num_computed_tokens = sequence.num_cached_tokens = cached
         return slot
 

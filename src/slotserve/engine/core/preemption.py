@@ -17,6 +17,7 @@ from __future__ import annotations
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.prefix_use import PrefixUse
 from slotserve.engine.core.slots import Slot, SlotPool, SlotState
+from slotserve.engine.prefix_cache.base import Arrival
 from slotserve.engine.runner_interface import KvAllocator, ScheduledChunk
 
 
@@ -60,13 +61,13 @@ class KvMemory:
         cache = self.prefix.cache
         if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs = []  # scored again from the start: no cached positions
-        seq.num_computed_tokens = cache.attach(
-            slot.index,
+        arrival = Arrival(
             seq.cache_keys(),
             cache.match(self.prefix.reusable(seq)),
-            count=False,
+            resumed=True,
             num_prompt_tokens=seq.num_prompt_tokens,
         )
+        seq.num_computed_tokens = cache.attach(slot.index, arrival)
         first_chunk_end = min(seq.num_tokens, seq.num_computed_tokens + self._max_chunk)
         if not self.make_room(slot.index, first_chunk_end):
             self._give_back(slot)

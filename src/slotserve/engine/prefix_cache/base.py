@@ -28,6 +28,7 @@ Rules every implementation keeps (the scheduler relies on them):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from slotserve.engine.chunk_policy import ChunkPolicy
@@ -41,6 +42,22 @@ from slotserve.engine.runner_interface import Runner
 H = TypeVar("H")  # what a tree node holds: the runner's handle to the node's KV
 
 PrefixMatch = Match[Any]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A sequence taking a free slot: its cache keys ``tokens`` and what ``match`` found of
+    them. A preempted sequence coming back is ``resumed`` (the hit statistics count a lookup
+    once) and says how many of ``tokens`` are prompt, the rest being its output so far."""
+
+    tokens: Sequence[int]
+    match: PrefixMatch
+    resumed: bool = False
+    num_prompt_tokens: int | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) if self.num_prompt_tokens is None else self.num_prompt_tokens
 
 
 class PrefixCache(Protocol):
@@ -57,19 +74,9 @@ class PrefixCache(Protocol):
         """The free slot a sequence with this match should take."""
         ...
 
-    def attach(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        match: PrefixMatch,
-        count: bool = True,
-        num_prompt_tokens: int | None = None,
-    ) -> int:
-        """Makes free ``slot``'s KV hold the reusable part of the match and marks the slot
-        running; returns how many tokens need no computing. ``count=False`` leaves the hit
-        statistics alone (a preempted sequence resuming is not a new lookup);
-        ``num_prompt_tokens``: how many of ``tokens`` are prompt when the rest is output (a
-        resuming sequence's), None when all are."""
+    def attach(self, slot: int, arrival: Arrival) -> int:
+        """Makes free ``slot``'s KV hold the reusable part of the arrival's match and marks
+        the slot running; returns how many tokens need no computing."""
         ...
 
     def extend(self, slot: int, cacheable_tokens: Sequence[int]) -> None:
@@ -245,14 +252,7 @@ class NullPrefixCache:
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)
 
-    def attach(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        match: PrefixMatch,
-        count: bool = True,
-        num_prompt_tokens: int | None = None,
-    ) -> int:
+    def attach(self, slot: int, arrival: Arrival) -> int:
         self._running.add(slot)
         return 0
 

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from slotserve.engine.chunk_policy import ChunkPolicy
-from slotserve.engine.prefix_cache.base import PrefixMatch, TreePrefixCache
+from slotserve.engine.prefix_cache.base import Arrival, PrefixMatch, TreePrefixCache
 from slotserve.engine.prefix_cache.block_span import (
     BlockSpan,
     check_span,
@@ -87,15 +87,9 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
     def choose_slot(self, match: PrefixMatch, prompt_length: int, free_slots: Sequence[int]) -> int:
         return min(free_slots)  # free slots hold nothing: any will do
 
-    def attach(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        match: PrefixMatch,
-        count: bool = True,
-        num_prompt_tokens: int | None = None,
-    ) -> int:
+    def attach(self, slot: int, arrival: Arrival) -> int:
         assert slot not in self._end, f"slot {slot} is already running"
+        tokens, match, count = arrival.tokens, arrival.match, not arrival.resumed
         reusable = self.policy.reusable_length
         length = reusable(match.length, len(tokens))
         if isinstance(match, TieredMatch):
@@ -120,8 +114,7 @@ class PagedPrefixCache(TreePrefixCache[BlockSpan]):
         if book is not None:
             if length:
                 book.runner.restore_state(slot, book.at_node[node])
-            prompt = len(tokens) if num_prompt_tokens is None else num_prompt_tokens
-            cacheable = self.policy.cacheable_length(prompt, len(tokens))
+            cacheable = self.policy.cacheable_length(arrival.prompt_length, len(tokens))
             book.plan(slot, length, match.length, cacheable)
         return length
 

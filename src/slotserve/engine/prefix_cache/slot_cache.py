@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from slotserve.engine.prefix_cache.base import PrefixMatch
+from slotserve.engine.prefix_cache.base import Arrival, PrefixMatch
 from slotserve.engine.prefix_cache.runner_kv import SavableKvStore
 from slotserve.engine.prefix_cache.saved_state import TieredMatch, worth_saving
 from slotserve.engine.prefix_cache.slot_streams import CacheNode, SlotStreams
@@ -68,20 +68,13 @@ class SlotPrefixCache(SlotStreams):
         kept = book.deepest(match.node, length)
         return (kept, kept.end) if kept is not None else (self.tree.root, 0)
 
-    def attach(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        match: PrefixMatch,
-        count: bool = True,
-        num_prompt_tokens: int | None = None,
-    ) -> int:
-        """Makes free ``slot``'s KV hold the matched prefix of ``tokens`` and marks the slot
-        running; returns the number of tokens that need no computing. ``count=False`` leaves
-        the hit statistics alone (a preempted sequence resuming is not a new lookup)."""
+    def attach(self, slot: int, arrival: Arrival) -> int:
+        """Makes free ``slot``'s KV hold the matched prefix of the arrival's tokens and marks
+        the slot running; returns the number of tokens that need no computing."""
         assert slot not in self._running, f"slot {slot} is already running"
         if self.snapshots is not None:
-            return self._attach_resuming(slot, tokens, match, count, num_prompt_tokens)
+            return self._attach_resuming(slot, arrival)
+        tokens, match, count = arrival.tokens, arrival.match, not arrival.resumed
         length = self.policy.reusable_length(match.length, len(tokens))
         if isinstance(match, TieredMatch):
             if self._restore(slot, match, length):
@@ -102,18 +95,12 @@ class SlotPrefixCache(SlotStreams):
                 self.kv.trim_kv(slot, 0)
         return self._attached(slot, tokens, length, count)
 
-    def _attach_resuming(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        match: PrefixMatch,
-        count: bool,
-        num_prompt_tokens: int | None,
-    ) -> int:
+    def _attach_resuming(self, slot: int, arrival: Arrival) -> int:
         """``attach`` with recurrent state: the slot's stream becomes a holder's, whole, with
         the state of the snapshot it resumes from, trimmed to that snapshot's position."""
         book = self.snapshots
         assert book is not None
+        tokens, match = arrival.tokens, arrival.match
         node, length = self._resume_point(match, len(tokens))
         holders = self._holders_of(node) if length else set()
         if slot not in holders:
@@ -124,9 +111,9 @@ class SlotPrefixCache(SlotStreams):
         if length:
             book.runner.restore_state(slot, book.at_node[node])
         self.kv.trim_kv(slot, length)
-        reused = self._attached(slot, tokens, length, count)
-        prompt = len(tokens) if num_prompt_tokens is None else num_prompt_tokens
-        book.plan(slot, length, match.length, self.policy.cacheable_length(prompt, len(tokens)))
+        reused = self._attached(slot, tokens, length, not arrival.resumed)
+        cacheable = self.policy.cacheable_length(arrival.prompt_length, len(tokens))
+        book.plan(slot, length, match.length, cacheable)
         return reused
 
     def _attached(self, slot: int, tokens: Sequence[int], length: int, count: bool) -> int:
