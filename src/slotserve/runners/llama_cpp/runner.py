@@ -30,7 +30,7 @@ import numpy as np
 
 from slotserve.engine.errors import RunnerFailure
 from slotserve.engine.outputs import SampledToken
-from slotserve.engine.runner_interface import AdapterInfo, ModelInfo, ScheduledChunk
+from slotserve.engine.runner_interface import AdapterInfo, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.llama_cpp.adapters import GgufAdapters
@@ -98,8 +98,8 @@ class LlamaCppRunner:
         for name, adapter_path in lora_modules:
             self.lora.load(name, Path(adapter_path))
         self._vocab = llama.llama_model_get_vocab(self._model)
-        self._tokenizer = LlamaCppTokenizer(self._vocab)
-        self._n_vocab = self._tokenizer.vocab_size
+        self.tokenizer = LlamaCppTokenizer(self._vocab)
+        self._n_vocab = self.tokenizer.vocab_size
         self._batch = DecodeBatch(max_batch_tokens)
         self._chains: dict[int, Any] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -107,17 +107,17 @@ class LlamaCppRunner:
         pooling = pooling_of(self._model)
         self._pools = PromptPools(pooling)
         self._n_embd = llama.llama_model_n_embd(self._model)
-        self._decode_seconds = 0.0
+        self.forward_seconds = 0.0
         self._model_path = path
         self._flash_attn = flash_attn
         self._stream_copy_sources: set[int] = set()  # slots a pending stream copy reads
         self._hybrid = bool(llama.llama_model_is_hybrid(self._model))
         self._states = SequenceStates(self._ctx, state_snapshots if self._hybrid else 0)
         self._ballast_states: dict[int, bytearray] = {}  # slot -> its state under a ballast
-        self._info = describe(
+        self.model_info = describe(
             self._model,
             self._ctx,
-            self._tokenizer,
+            self.tokenizer,
             name=model_name or path.stem,
             num_slots=num_slots,
             snapshots=self._states.capacity,
@@ -132,25 +132,13 @@ class LlamaCppRunner:
             "features: %s",
             path.name,
             num_slots,
-            self._info.max_seq_len,
+            self.model_info.max_seq_len,
             max_batch_tokens,
             threads,
             flash_attn,
-            self._info.compute.kernels,
-            " ".join(self._info.compute.cpu_features),
+            self.model_info.compute.kernels,
+            " ".join(self.model_info.compute.cpu_features),
         )
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> LlamaCppTokenizer:
-        return self._tokenizer
-
-    @property
-    def forward_seconds(self) -> float:
-        return self._decode_seconds
 
     @property
     def paged_kv(self) -> None:
@@ -179,7 +167,7 @@ class LlamaCppRunner:
                 params,
                 prompt_token_ids,
                 seed,
-                self._info.max_seq_len,
+                self.model_info.max_seq_len,
             )
         self._params[slot] = params
 
@@ -226,7 +214,9 @@ class LlamaCppRunner:
         return sampled
 
     def _ballast_for(self, group: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
-        ballast = ballast_for(group, self._info.num_slots, self._info.max_seq_len, self.kv_tokens)
+        ballast = ballast_for(
+            group, self.model_info.num_slots, self.model_info.max_seq_len, self.kv_tokens
+        )
         for extra in ballast:
             if self._hybrid and extra.start_pos:  # its recurrent state cannot be trimmed
                 self._ballast_states[extra.slot] = self._states.read(extra.slot, RECURRENT_PART)
@@ -252,7 +242,7 @@ class LlamaCppRunner:
             self._stream_copy_sources.clear()  # llama_decode made the copies first
             if embeddings:
                 llama.llama_set_embeddings(self._ctx, False)
-        self._decode_seconds += time.perf_counter() - started
+        self.forward_seconds += time.perf_counter() - started
         for extra in ballast:
             state = self._ballast_states.pop(extra.slot, None)
             if state is not None:
@@ -330,7 +320,7 @@ class LlamaCppRunner:
 
     def kv_fingerprint(self) -> str:
         # A state holds every stream's cell layout and the KV as this context stores it.
-        info = self._info
+        info = self.model_info
         return ";".join(
             (
                 "llama.cpp",
@@ -373,7 +363,7 @@ class LlamaCppRunner:
 
     def reserve_kv(self, slot: int, num_tokens: int) -> bool:
         # Every slot owns a stream of max_seq_len cells; requests were checked against it.
-        return num_tokens <= self._info.max_seq_len
+        return num_tokens <= self.model_info.max_seq_len
 
     def kv_used_tokens(self, slots: Collection[int]) -> int:
         return sum(self.kv_tokens(slot) for slot in slots)

@@ -30,7 +30,6 @@ from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
 from slotserve.runners.pytorch.load.memory import return_freed_memory
 from slotserve.runners.pytorch.load.model_rules import context_cost, recurrent_state_rules
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
-from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
 from slotserve.runners.pytorch.shard.model_shard import ModelShard
@@ -53,11 +52,7 @@ class TorchFrontend:
     """What the API process keeps when this runner lives in the engine process."""
 
     def __init__(self, model_path: Path) -> None:
-        self._tokenizer = open_checkpoint(model_path).tokenizer()
-
-    @property
-    def tokenizer(self) -> HfTokenizer:
-        return self._tokenizer
+        self.tokenizer = open_checkpoint(model_path).tokenizer()
 
     def close(self) -> None:
         pass
@@ -90,9 +85,9 @@ class TorchRunner:
         self.config = config = checkpoint.config
         # This rank's shape of the model: refused here, before any process starts.
         rank_config = shard_config(config, ranks)
-        self._tokenizer = checkpoint.tokenizer()
-        head_rows = score_head.token_ids(self._tokenizer, load.classifier_from_token, checkpoint)
-        eog_token_ids = self._tokenizer.end_of_generation_ids(config.eos_token_ids)
+        self.tokenizer = checkpoint.tokenizer()
+        head_rows = score_head.token_ids(self.tokenizer, load.classifier_from_token, checkpoint)
+        eog_token_ids = self.tokenizer.end_of_generation_ids(config.eos_token_ids)
 
         self.device = rank_device(load.torch_device, 0, ranks)
         self.ranks, tp = start_ranks(load, self.device, config.vocab_size)
@@ -127,7 +122,7 @@ class TorchRunner:
         self._planner = StepPlanner(self.pool, self.shard.linear_states)
         self._samplers: dict[int, SequenceSampler] = {}
         self._prompt_logprobs: dict[int, list[SampledToken]] = {}  # by slot, see the Runner
-        self._forward_seconds = 0.0
+        self.forward_seconds = 0.0
 
         snapshots = load.snapshots if self.shard.linear_states is not None else 0
         rules = recurrent_state_rules(config, snapshots)
@@ -135,15 +130,15 @@ class TorchRunner:
         if self.score_head is not None:
             rules["speculative_unsupported"] = "the model is a reranker: it does not generate"
         bytes_per_token = self.shard.kv_bytes_per_token * ranks
-        self._info = ModelInfo(
+        self.model_info = ModelInfo(
             name=load.model_name or config.name,
             vocab_size=config.vocab_size,
             num_slots=load.num_slots,
             max_seq_len=self.max_seq_len,
             eog_token_ids=eog_token_ids,
-            chat_template=self._tokenizer.chat_template,
-            bos_token=self._tokenizer.bos_token,
-            eos_token=self._tokenizer.eos_token,
+            chat_template=self.tokenizer.chat_template,
+            bos_token=self.tokenizer.bos_token,
+            eos_token=self.tokenizer.eos_token,
             runner="torch",
             kv_bytes_per_token=bytes_per_token,
             kv_capacity_tokens=self.pool.capacity_tokens,
@@ -183,18 +178,6 @@ class TorchRunner:
     # ---- Runner protocol --------------------------------------------------------------------
 
     @property
-    def model_info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> HfTokenizer:
-        return self._tokenizer
-
-    @property
-    def forward_seconds(self) -> float:
-        return self._forward_seconds
-
-    @property
     def paged_kv(self) -> PagedKvTables:
         return self.pool.tables
 
@@ -224,8 +207,8 @@ class TorchRunner:
         return self.lora.adapters
 
     def load_adapter(self, name: str, path: Path) -> AdapterInfo:
-        if self._info.lora_unsupported:
-            raise ValueError(self._info.lora_unsupported)
+        if self.model_info.lora_unsupported:
+            raise ValueError(self.model_info.lora_unsupported)
         return self.lora.load(name, path)
 
     def unload_adapter(self, name: str) -> AdapterInfo:
@@ -329,7 +312,7 @@ class TorchRunner:
             result = sample_chunks(sampling, logits, self._samplers)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._forward_seconds += time.perf_counter() - started
+        self.forward_seconds += time.perf_counter() - started
         return result
 
     def _forward(

@@ -104,7 +104,8 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                 else
                     w = Math::template decode<SUPER>(codes, s * kPairs + p);
                 for (int r = 0; r < MR; ++r)
-                    partial[r] = Math::add(partial[r], w, op, m0 + r, first + 2 * p);
+                    partial[r] = Math::add(partial[r], w,
+                                           Math::inputs(op) + (m0 + r) * op.k + first + 2 * p);
                 // The partial sums widened into the int32 ones before they can overflow (the
                 // first time they are the int32 sums: the word path adds nothing then).
                 const int done = p + Math::kPairsPerOperand;

@@ -18,6 +18,14 @@ using Operands = QuantOperands;
 constexpr int kInputBlock = 32;  // inputs sharing one step
 constexpr int kLargestInput = 127;  // |q|: an input fits a signed byte
 
+// The T at p, read whole: a row's next two int16 inputs, or its next two or four int8 ones.
+template <class T>
+static inline __attribute__((always_inline)) T loaded(const void* p) {
+    T v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
 // The 16 outputs' values of one input pair as int8 (v = code − offset), in word order: `lo`
 // holds outputs 0-7's (even, odd) values, `hi` outputs 8-15's. The format's constants are
 // template arguments: the decoding compiles to a few byte operations.
@@ -175,14 +183,12 @@ struct WordPairs {
                                                                 int64_t pair) {
         return words_of(pair_values<BITS, OFFSET, SUPER>(codes, pair));
     }
+    static const int16_t* inputs(const Operands& op) { return op.xq; }
     static inline __attribute__((always_inline)) Partial zero() { return sums_zero(); }
-    // + the products with row `row`'s inputs `index` and `index + 1` (int16 in op.xq).
+    // + the products with a row's two inputs at x.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
-                                                             const Operands& op, int64_t row,
-                                                             int64_t index) {
-        int32_t pair;
-        std::memcpy(&pair, op.xq + row * op.k + index, sizeof(pair));
-        return sums_add(s, w, pair);
+                                                             const int16_t* x) {
+        return sums_add(s, w, loaded<int32_t>(x));
     }
     static inline __attribute__((always_inline)) Sums widen(Partial p) { return p; }
 };
@@ -215,14 +221,13 @@ struct BytePairs {
         const PairValues p = pair_values<BITS, OFFSET, SUPER, true>(codes, pair);
         return {_mm256_inserti128_si256(_mm256_castsi128_si256(p.lo), p.hi, 1)};
     }
+    static const int8_t* inputs(const Operands& op) { return op.xq8; }
     static inline __attribute__((always_inline)) Partial zero() { return _mm256_setzero_si256(); }
-    // + the products with row `row`'s inputs `index` and `index + 1` (int8 in op.xq8).
+    // + the products with a row's two inputs at x.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
-                                                             const Operands& op, int64_t row,
-                                                             int64_t index) {
-        int16_t pair;
-        std::memcpy(&pair, op.xq8 + row * op.k + index, sizeof(pair));
-        return _mm256_add_epi16(s, _mm256_maddubs_epi16(w.v, _mm256_set1_epi16(pair)));
+                                                             const int8_t* x) {
+        const __m256i pair = _mm256_set1_epi16(loaded<int16_t>(x));
+        return _mm256_add_epi16(s, _mm256_maddubs_epi16(w.v, pair));
     }
     static inline __attribute__((always_inline)) Sums widen(Partial p) {
         return {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)),
@@ -256,18 +261,16 @@ struct NibblePairs {
     static inline __attribute__((always_inline)) Partial zero() {
         return {_mm256_setzero_si256(), _mm256_setzero_si256()};
     }
-    // + the products with row `row`'s inputs `index` to `index + 3` (int8 in op.xq8): inputs
-    // index, index + 1 spread over the low half, index + 2, index + 3 over the high one.
+    static const int8_t* inputs(const Operands& op) { return op.xq8; }
+    // + the products with a row's four inputs at x: the first two spread over the low half,
+    // the others over the high one.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
-                                                             const Operands& op, int64_t row,
-                                                             int64_t index) {
-        int32_t four;
-        std::memcpy(&four, op.xq8 + row * op.k + index, sizeof(four));
+                                                             const int8_t* x) {
         const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                                 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-        const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
-        return {_mm256_add_epi16(s.lo, _mm256_maddubs_epi16(w.lo, x)),
-                _mm256_add_epi16(s.hi, _mm256_maddubs_epi16(w.hi, x))};
+        const __m256i four = _mm256_shuffle_epi8(_mm256_set1_epi32(loaded<int32_t>(x)), spread);
+        return {_mm256_add_epi16(s.lo, _mm256_maddubs_epi16(w.lo, four)),
+                _mm256_add_epi16(s.hi, _mm256_maddubs_epi16(w.hi, four))};
     }
     static inline __attribute__((always_inline)) __m256i halves_summed(__m256i halves) {
         return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves)),

@@ -43,7 +43,6 @@ from slotserve.runners.pytorch.families.base import score_activation
 from slotserve.runners.pytorch.families.registry import ENCODERS
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.settings import TORCH_DTYPES, TorchLoadConfig
-from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +78,16 @@ class EncoderRunner:
         self.max_seq_len = load.sequence_length(config.max_position_embeddings)
         self._score = score_activation(raw, path.name)
         self._weights = self._load(checkpoint.tensors(), family.weight_name)
-        self._tokenizer = checkpoint.tokenizer()
-        self._sep_id = self._tokenizer.sep_token_id
+        self.tokenizer = checkpoint.tokenizer()
+        self._sep_id = self.tokenizer.sep_token_id
         if self._score is not None and self._sep_id is None:
             raise ValueError(f"{path.name}: a cross-encoder's tokenizer has no [SEP] token")
         self._scores: dict[int, list[float]] = {}
         pooling = checkpoint.pooling() or "cls"  # BERT's summary token
         self._pools = PromptPools(pooling)
         self._lengths = [0] * load.num_slots
-        self._forward_seconds = 0.0
-        self._info = ModelInfo(
+        self.forward_seconds = 0.0
+        self.model_info = ModelInfo(
             name=load.model_name or path.name,
             vocab_size=config.vocab_size,
             num_slots=load.num_slots,
@@ -189,18 +188,6 @@ class EncoderRunner:
     # ---- Runner protocol --------------------------------------------------------------------
 
     @property
-    def model_info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> HfTokenizer:
-        return self._tokenizer
-
-    @property
-    def forward_seconds(self) -> float:
-        return self._forward_seconds
-
-    @property
     def paged_kv(self) -> None:
         return None
 
@@ -224,7 +211,7 @@ class EncoderRunner:
             rows = self._pools.rows(chunk)
             part = None if rows is None else hidden[rows[0] : rows[1]].float().cpu().numpy()
             self._pools.add(chunk, part)
-        self._forward_seconds += time.perf_counter() - started
+        self.forward_seconds += time.perf_counter() - started
         return {}
 
     def take_prompt_logprobs(self) -> dict[int, list[SampledToken]]:
