@@ -26,9 +26,9 @@ static inline __attribute__((always_inline)) T loaded(const void* p) {
     return v;
 }
 
-// The 16 outputs' values of one input pair as int8 (v = code − offset), in word order: `lo`
-// holds outputs 0-7's (even, odd) values, `hi` outputs 8-15's. The format's constants are
-// template arguments: the decoding compiles to a few byte operations.
+// The 16 outputs' values of one input pair as int8 (v = code − offset; with RAW, the codes
+// themselves), in word order: `lo` holds outputs 0-7's (even, odd) values, `hi` outputs 8-15's.
+// The format's constants are template arguments: the decoding compiles to a few byte operations.
 struct PairValues {
     __m128i lo, hi;
 };
