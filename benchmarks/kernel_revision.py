@@ -1,12 +1,17 @@
 """Another git revision's CPU kernels, built beside this checkout's for the A/B benchmarks
-(``attention_ab.py``, ``quant_ab.py``): only the files that revision has."""
+(``attention_ab.py``, ``quant_ab.py``): only the files that revision has; and its packing of
+quantized weights, whose records its kernels read."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from slotserve.runners.pytorch import quant
 from slotserve.runners.pytorch.cpu_kernels import SOURCES, compile_module
 
 
@@ -25,3 +30,28 @@ def build_revision(rev: str, folder: Path, name: str) -> Any:
     build = folder / "build"
     build.mkdir()
     return compile_module(sources, name, build)
+
+
+def packing_at(rev: str, folder: Path) -> ModuleType:
+    """``quant/packing.py`` as it was at ``rev``, over that revision's ``formats.py``."""
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    package = Path(quant.__file__).parent.relative_to(root / "src").as_posix()
+    formats_name = package.replace("/", ".") + ".formats"
+    modules = {}
+    saved = sys.modules[formats_name]
+    try:
+        for name in ("formats", "packing"):
+            path = folder / f"{name}_at_rev.py"
+            path.write_bytes(
+                subprocess.check_output(["git", "show", f"{rev}:src/{package}/{name}.py"], cwd=root)
+            )
+            spec = importlib.util.spec_from_file_location(f"{name}_at_rev", path)
+            assert spec is not None and spec.loader is not None
+            modules[name] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = modules[name]  # dataclasses look their module up
+            spec.loader.exec_module(modules[name])
+            if name == "formats":  # what the revision's packing.py imports
+                sys.modules[formats_name] = modules[name]
+    finally:
+        sys.modules[formats_name] = saved
+    return modules["packing"]

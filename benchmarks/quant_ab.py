@@ -5,10 +5,11 @@ GGUF type at one row (a decode step) and at 4, 16 and 64 (batches, prefill chunk
     python benchmarks/quant_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--json FILE]
 
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
-copies called in turn so the weights come from memory, as a forward's layers do. Prints each
-build's median time per call, this build's GB/s of weights and GFLOP/s, and the median of the
-paired ratios base ÷ this one. The two builds' bits may differ where the stated arithmetic
-changed between the revisions (inputs rounded to other steps).
+copies called in turn so the weights come from memory, as a forward's layers do; each build's
+copies are packed as its revision packs them. Prints each build's median time per call, this
+build's GB/s of weights and GFLOP/s, and the median of the paired ratios base ÷ this one. The
+two builds' bits may differ where the stated arithmetic changed between the revisions (inputs
+rounded to other steps).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from kernel_revision import build_revision
+from kernel_revision import build_revision, packing_at
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
 from slotserve.runners.pytorch.quant.formats import FORMATS
@@ -70,21 +71,30 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))
+        base_packing = packing_at(args.base_rev, Path(folder))
         header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
         print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
         for kind in SCALES:
-            packed = pack_tensor(kind, random_blocks(kind, seed=1), INPUTS)
-            copies = [packed.clone() for _ in range(COPIES)]
+            raw = random_blocks(kind, seed=1)
+            packed = pack_tensor(kind, raw, INPUTS)
+            weights = {
+                "base": [base_packing.pack_tensor(kind, raw, INPUTS) for _ in range(COPIES)],
+                "this": [packed.clone() for _ in range(COPIES)],
+            }
+            base_format = base_packing.FORMATS[kind]
             for rows in ROWS:
                 x = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(rows))
                 x = x.bfloat16()
                 times: dict[str, list[float]] = {"base": [], "this": []}
                 ratios = []
                 for _ in range(args.pairs):
-                    for label, build in (("base", base), ("this", kernels)):
+                    for label, build, form in (
+                        ("base", base, base_format),
+                        ("this", kernels, FORMATS[kind]),
+                    ):
                         started = time.perf_counter()
-                        for weight in copies:
-                            build.quant_linear(x, weight, FORMATS[kind], OUTPUTS, None)
+                        for weight in weights[label]:
+                            build.quant_linear(x, weight, form, OUTPUTS, None)
                         times[label].append((time.perf_counter() - started) / COPIES)
                     ratios.append(times["base"][-1] / times["this"][-1])
                 this_s = statistics.median(times["this"])

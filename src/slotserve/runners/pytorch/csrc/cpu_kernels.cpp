@@ -1044,16 +1044,20 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     at::Tensor out = at::empty({rows, n}, x.options());
     if (rows == 0) return out;
     TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
-    const at::Tensor xq = at::empty({rows, inputs}, x.options().dtype(at::kShort));
-    const at::Tensor xq8 = at::empty({rows, inputs}, x.options().dtype(at::kChar));
-    const at::Tensor xstep = at::empty({rows, inputs / 32}, x.options().dtype(at::kFloat));
-    const at::Tensor xsum = at::empty({rows, inputs / 16}, x.options().dtype(at::kInt));
+    // The rounded inputs in one allocation (a decode step makes hundreds of these calls):
+    // [rows][k] int16, [rows][k] int8, [rows][k / 32] float steps, [rows][k / 16] int32 sums.
+    const int64_t values = rows * inputs;
+    const at::Tensor scratch = at::empty({values * 3 + values / 32 * 4 + values / 16 * 4},
+                                         x.options().dtype(at::kByte));
+    uint8_t* const base = scratch.data_ptr<uint8_t>();
+    int16_t* const xq = reinterpret_cast<int16_t*>(base);
+    int8_t* const xq8 = reinterpret_cast<int8_t*>(base + values * 2);
+    float* const xstep = reinterpret_cast<float*>(base + values * 3);
+    int32_t* const xsum = reinterpret_cast<int32_t*>(base + values * 3 + values / 32 * 4);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
-            k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq.data_ptr<int16_t>() + r * inputs,
-                           xq8.data_ptr<int8_t>() + r * inputs,
-                           xstep.data_ptr<float>() + r * (inputs / 32),
-                           xsum.data_ptr<int32_t>() + r * (inputs / 16));
+            k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq + r * inputs, xq8 + r * inputs,
+                           xstep + r * (inputs / 32), xsum + r * (inputs / 16));
     });
     at::Tensor bias32;
     if (bias) {
@@ -1061,10 +1065,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
         TORCH_CHECK(bias32.numel() == n, "one bias per output");
         if (groups * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, groups * 16 - n});
     }
-    const QuantOperands op{xq.data_ptr<int16_t>(),
-                           xq8.data_ptr<int8_t>(),
-                           xstep.data_ptr<float>(),
-                           xsum.data_ptr<int32_t>(),
+    const QuantOperands op{xq,
+                           xq8,
+                           xstep,
+                           xsum,
                            inputs,
                            packed.data_ptr<uint8_t>(),
                            f,

@@ -11,8 +11,11 @@ struct QuantFormat {
     int super;        // inputs per super-block (one d, dmin): 32 or 256
 
     int sub_blocks() const { return super / sub; }
+    // sc and m are stored only where a super-block has sub-blocks (a 32-input type's are one).
+    bool sub_scales() const { return sub != super; }
     int64_t header_bytes() const {
-        return 32 * (has_min ? 2 : 1) + int64_t(16) * sub_blocks() * (has_min ? 2 : 1);
+        const int per_output = has_min ? 2 : 1;
+        return 32 * per_output + (sub_scales() ? int64_t(16) * sub_blocks() * per_output : 0);
     }
     int64_t code_bytes() const {
         const int64_t pairs = super / 2;

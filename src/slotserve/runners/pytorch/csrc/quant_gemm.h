@@ -21,8 +21,8 @@
 //
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
-//   d[16] fp16 | dmin[16] fp16 (formats with a min) | sc[sub-blocks][16] int8 |
-//   m[sub-blocks][16] uint8 (with a min) | codes: per input pair the 32 codes in the order of
+//   d[16] fp16 | dmin[16] fp16 (formats with a min) | with sub-blocks (the K types):
+//   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes: per input pair the 32 codes in the order of
 //   vpmaddwd's words, outputs 0-7's (even, odd) pairs then outputs 8-15's ("lo" and "hi"):
 //   16 bytes (4 and 5 bits: byte w holds lo's word w in its low nibble, hi's in its high one)
 //   or 32 (8 bits: lo's 16 bytes, then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit
@@ -76,10 +76,11 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
     const int64_t supers = op.k / SUPER, blocks_per_row = op.k / kInputBlock;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
-    for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, acc_zero());
+    Acc running[MR];  // in registers until the end: a tile's rows are few
+    for (int r = 0; r < MR; ++r) running[r] = acc_zero();
     const uint8_t* record = group;
     for (int64_t b = 0; b < supers; ++b, record += record_bytes) {
-        const Acc d = widen_f16(record);
+        const Acc d = widen_f16(record), dmin = MIN ? widen_f16(record + 32) : acc_zero();
         const uint8_t* sc = record + 32 * (MIN ? 2 : 1);
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s) {
@@ -119,25 +120,31 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             if constexpr (Math::kRawCodes && OFFSET != 0)
                 for (int r = 0; r < MR; ++r)
                     sums[r] = sums_less(sums[r], OFFSET * input_sum<SUB>(op, m0 + r, first));
-            const Acc scale = acc_mul(d, widen_i8(_mm_loadu_si128((const __m128i*)(sc + 16 * s))));
-            Acc min = acc_zero();
+            // Without sub-blocks sc and m are one: d and dmin are the scale and the minimum.
+            Acc scale = d, min = acc_zero();
+            if constexpr (kSubBlocks > 1)
+                scale = acc_mul(d, widen_i8(_mm_loadu_si128((const __m128i*)(sc + 16 * s))));
             if constexpr (MIN) {
-                const __m128i m = _mm_loadu_si128((const __m128i*)(sc + 16 * (kSubBlocks + s)));
-                min = acc_mul(widen_f16(record + 32), widen_u8(m));
+                min = dmin;
+                if constexpr (kSubBlocks > 1) {
+                    const __m128i m =
+                        _mm_loadu_si128((const __m128i*)(sc + 16 * (kSubBlocks + s)));
+                    min = acc_mul(min, widen_u8(m));
+                }
             }
             const int64_t block = first / kInputBlock;
             for (int r = 0; r < MR; ++r) {
-                const int64_t at = (m0 + r) * blocks_per_row + block;
-                float* a = acc + r * kLanes;
-                Acc sum = acc_fma_v(acc_mul(scale, broadcast(op.xstep[at])), sums_float(sums[r]),
-                                    acc_load(a));
+                const float step = op.xstep[(m0 + r) * blocks_per_row + block];
+                Acc sum = acc_fma_v(acc_mul(scale, broadcast(step)), sums_float(sums[r]),
+                                    running[r]);
                 if constexpr (MIN)  // SUB is 32 in every format with a min
                     sum = acc_fma(broadcast(-float(input_sum<SUB>(op, m0 + r, first))),
-                                  acc_mul(min, broadcast(op.xstep[at])), sum);
-                acc_store(a, sum);
+                                  acc_mul(min, broadcast(step)), sum);
+                running[r] = sum;
             }
         }
     }
+    for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
 }
 
 // Rows [m0, m1) of one group, in tiles of kRowsPerTile rows and then one row at a time, their
@@ -212,8 +219,10 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
             _mm_store_si128((__m128i*)words, v.lo);
             _mm_store_si128((__m128i*)(words + 16), v.hi);
             const int s = int(2 * p / SUB);
-            const float scale = d * float(int8_t(sc[16 * s + lane]));
-            const float min = MIN ? dmin * float(sc[16 * (kSubBlocks + s) + lane]) : 0.0f;
+            const bool subs = kSubBlocks > 1;  // else sc and m are one, and not stored
+            const float scale = subs ? d * float(int8_t(sc[16 * s + lane])) : d;
+            const float min = !MIN ? 0.0f : subs ? dmin * float(sc[16 * (kSubBlocks + s) + lane])
+                                                 : dmin;
             out[b * SUPER + 2 * p] = f32_to_bf16(scale * float(words[2 * lane]) - min);
             out[b * SUPER + 2 * p + 1] = f32_to_bf16(scale * float(words[2 * lane + 1]) - min);
         }

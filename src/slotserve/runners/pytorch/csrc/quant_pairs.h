@@ -7,7 +7,6 @@ namespace quant {
 
 using gemmv::Acc;
 using gemmv::acc_fma;
-using gemmv::acc_load;
 using gemmv::acc_store;
 using gemmv::acc_zero;
 using gemmv::broadcast;

@@ -33,10 +33,17 @@ class QuantFormat:
     super: int  # inputs per super-block (one d, dmin)
 
     @property
+    def sub_scales(self) -> bool:
+        """Whether a record holds ``sc`` and ``m``: only with sub-blocks, where they vary (a
+        32-input type's are all one, so its records leave them out)."""
+        return self.sub != self.super
+
+    @property
     def record_bytes(self) -> int:
         """One group of 16 outputs over one super-block, packed (packing.py)."""
-        subs = self.super // self.sub
-        header = 32 * (2 if self.has_min else 1) + 16 * subs * (2 if self.has_min else 1)
+        per_output = 2 if self.has_min else 1  # d (and dmin); sc (and m) per sub-block
+        subs = self.super // self.sub if self.sub_scales else 0
+        header = 32 * per_output + 16 * subs * per_output
         pairs = self.super // 2
         if self.bits == 8:
             return header + pairs * 32

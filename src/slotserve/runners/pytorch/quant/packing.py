@@ -27,10 +27,11 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
     if f.has_min:
         assert decoded.dmin is not None
         parts.append(per_output(decoded.dmin, 1))
-    parts.append(per_output(decoded.sc, subs))
-    if f.has_min:
-        assert decoded.m is not None
-        parts.append(per_output(decoded.m, subs))
+    if f.sub_scales:
+        parts.append(per_output(decoded.sc, subs))
+        if f.has_min:
+            assert decoded.m is not None
+            parts.append(per_output(decoded.m, subs))
     # [groups, supers, pairs, 16 outputs, (even, odd)], then in vpmaddwd's word order: "lo",
     # outputs 0-7's (even, odd) codes, and "hi", outputs 8-15's (csrc/quant_gemm.h).
     codes = decoded.codes.reshape(g, GROUP, b, pairs, 2).transpose(0, 2, 3, 1, 4)
