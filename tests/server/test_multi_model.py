@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from slotserve.bench.report import rss_bytes
 from tests.conftest import ServerProcess, start_server, stop_server, wait_until
 
 KEY = "sk-multi-model-test"
@@ -66,23 +67,6 @@ def cards(server: ServerProcess) -> dict[str, dict[str, Any]]:
 
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.api_url, api_key=KEY, max_retries=0)
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and all its descendants (Linux /proc)."""
-    total, stack = 0, [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-        stack += [int(c) for c in children]
-    return total
 
 
 def load_smol(server: ServerProcess, name: str, model_path: Path, **options: Any) -> None:
@@ -190,7 +174,8 @@ def test_unload_lets_a_stream_finish_and_gives_memory_back(
     load_smol(multi, "smol-unload", model_path, runner="torch", slots=1)
     engine_pid = get(multi, "/v1/slots?model=smol-unload").json()["engine_pid"]
     assert engine_pid is not None
-    before = tree_rss_bytes(multi.process.pid)
+    before = rss_bytes(multi.process.pid)
+    assert before is not None
     stream = client(multi).completions.create(
         model="smol-unload",
         prompt="Once upon a time",
@@ -225,7 +210,8 @@ def test_unload_lets_a_stream_finish_and_gives_memory_back(
     assert response.status_code == 200 and response.json()["requests_cut_off"] == 0
     assert "smol-unload" not in cards(multi)
     assert not Path(f"/proc/{engine_pid}").exists()  # the engine process is gone
-    assert tree_rss_bytes(multi.process.pid) < before - 100 * 2**20
+    after = rss_bytes(multi.process.pid)
+    assert after is not None and after < before - 100 * 2**20
 
 
 def test_force_unload_ends_streams_with_a_clear_error(

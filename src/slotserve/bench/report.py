@@ -12,14 +12,23 @@ from rich.table import Table
 
 
 def rss_bytes(pid: int) -> int | None:
-    """Resident set size of a local process (Linux), or None when it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """Resident memory of a local process and all its descendants (Linux /proc): a server's
+    engine process holds the model. None when the process itself cannot be read."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            if current == pid:
+                return None
+            continue  # a child that ended meanwhile
+        for line in status.splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+                total += int(line.split()[1]) * 1024
+        stack += [int(c) for c in children]
+    return total
 
 
 def render_table(summary: dict[str, Any], title: str, console: Console | None = None) -> None:
