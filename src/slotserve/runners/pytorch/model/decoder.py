@@ -84,8 +84,10 @@ def _query_and_gate(qkv: torch.Tensor, c: ModelConfig) -> tuple[torch.Tensor, to
 def _project(
     projection: Projection, x: torch.Tensor, lora: LayerLora | None, target: str
 ) -> torch.Tensor:
-    """``projection(x)``, plus each row's LoRA update where the step has adapters."""
-    out: torch.Tensor = projection(x)
+    """``projection(x)``, plus each row's LoRA update where the step has adapters. Its
+    ``forward`` called directly: a decode step makes hundreds of these calls, and a projection
+    has no hooks for ``nn.Module.__call__`` to run."""
+    out = projection.forward(x)
     return out if lora is None else lora.add(out, x, target)
 
 

@@ -138,8 +138,11 @@ class Projection(nn.Linear):
 
     @staticmethod
     def _quant_linear(x: torch.Tensor, kernels: CpuKernels, parts: list[QuantPart]) -> torch.Tensor:
+        if len(parts) == 1:
+            part = parts[0]
+            return kernels.quant_linear(x, part.packed, part.format, part.rows, part.bias)
         outs = [kernels.quant_linear(x, p.packed, p.format, p.rows, p.bias) for p in parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return torch.cat(outs, dim=1)
 
 
 class RmsNorm(nn.Module):
