@@ -22,8 +22,9 @@
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | with sub-blocks (the K types):
-//   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes: per input pair the 32 codes in the order of
-//   vpmaddwd's words, outputs 0-7's (even, odd) pairs then outputs 8-15's ("lo" and "hi"):
+//   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes: per input pair
+//   the 32 codes in the order of vpmaddwd's words, outputs 0-7's (even, odd) pairs then
+//   outputs 8-15's ("lo" and "hi"):
 //   16 bytes (4 and 5 bits: byte w holds lo's word w in its low nibble, hi's in its high one)
 //   or 32 (8 bits: lo's 16 bytes, then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit
 //   2j: pair j's lo word, 2j+1: its hi word). Q6_K's six-bit codes are stored as bytes
@@ -67,8 +68,9 @@ static inline int32_t input_sum(const Operands& op, int64_t row, int64_t first) 
 
 // Output group g (its records at `group`) for rows [m0, m0 + MR) over the whole input: each
 // sub-block's input pairs decoded once in registers for the tile's rows (or read from
-// `decoded`, decode_group's), then the sub-block scaled into each row's running sum, which waits
-// in `acc` ([rows][16] float32). Either way the same integers meet in the same order.
+// `decoded`, decode_group's), then the sub-block scaled into each row's running sum, kept in
+// registers and stored in `acc` ([rows][16] float32) at the end. Either way the same integers
+// meet in the same order.
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR, bool DECODED>
 static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, float* acc,
                        const typename PairMath<BITS, OFFSET>::Operand* decoded) {
