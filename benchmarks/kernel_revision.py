@@ -11,8 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from slotserve.runners.pytorch import quant
 from slotserve.runners.pytorch.cpu_kernels import SOURCES, compile_module
+from slotserve.runners.pytorch.quant import formats
 
 
 def build_revision(rev: str, folder: Path, name: str) -> Any:
@@ -35,7 +35,7 @@ def build_revision(rev: str, folder: Path, name: str) -> Any:
 def packing_at(rev: str, folder: Path) -> ModuleType:
     """``quant/packing.py`` as it was at ``rev``, over that revision's ``formats.py``."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    package = Path(quant.__file__).parent.relative_to(root / "src").as_posix()
+    package = Path(formats.__file__).parent.relative_to(root / "src").as_posix()
     formats_name = package.replace("/", ".") + ".formats"
     modules = {}
     saved = sys.modules[formats_name]
