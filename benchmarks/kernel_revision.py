@@ -36,7 +36,7 @@ def packing_at(rev: str, folder: Path) -> ModuleType:
     """``quant/packing.py`` as it was at ``rev``, over that revision's ``formats.py``."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
     package = Path(formats.__file__).parent.relative_to(root / "src").as_posix()
-    formats_name = package.replace("/", ".") + ".formats"
+    formats_name = formats.__name__
     modules = {}
     saved = sys.modules[formats_name]
     try:
