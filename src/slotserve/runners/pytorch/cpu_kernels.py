@@ -250,7 +250,9 @@ def compile_module(sources: Path, name: str, directory: Path) -> Any:
 
     return cpp_extension.load(
         name=name,
-        sources=[str(sources / "cpu_kernels.cpp")],
+        # Every translation unit the folder holds (one per instruction set, then the bindings),
+        # compiled in parallel by torch's ninja build.
+        sources=[str(path) for path in sorted(sources.glob("*.cpp"))],
         extra_include_paths=[str(sources)],
         extra_cflags=list(CFLAGS),  # torch appends to the lists it is given
         extra_ldflags=list(LDFLAGS),

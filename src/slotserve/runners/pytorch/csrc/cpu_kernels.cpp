@@ -3,180 +3,30 @@
 // embedding and the K/V write, SiLU·mul), and the projections' GEMM on CPUs with AVX512-BF16
 // (gemm512 below). bfloat16 in and out, float32 inside.
 //
-// kernels.h holds the computations, compiled three times below: for AVX512-BF16, for AVX-512
-// (F/BW/VL) and for AVX2+FMA, all giving the same bits (the first does attention's bfloat16 dot
-// products in one instruction, the others in two fused steps); the set is chosen once at load
-// from the CPU (`isa()`), never built with -march=native. The threads are torch's own
+// kernels.h holds the computations, compiled three times, one translation unit each (built in
+// parallel): for AVX512-BF16, for AVX-512 (F/BW/VL) and for AVX2+FMA, all giving the same bits
+// (the first does attention's bfloat16 dot products in one instruction, the others in two fused
+// steps); the set is chosen once at load from the CPU (`isa()`), never built with
+// -march=native. This file holds the choice and the bindings. The threads are torch's own
 // (at::parallel_for); how rows are spread over them never changes a row's bits (kernels.h).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
-#include <type_traits>
-#include <utility>
-#include <vector>
 
-struct HeadLayout {
-    int heads, kv_heads, head_dim, rotary_dim;
-    bool gated;              // each query head's rows are [query | gate]
-    const uint16_t* q_norm;  // per-head RMSNorm weights, or null
-    const uint16_t* k_norm;
-    float eps;
-    bool plus_one;
-};
-
-struct PagedKv {
-    const uint16_t* keys;  // [rows, kv_heads, head_dim]
-    const uint16_t* values;
-    int kv_heads, head_dim, block_size;
-};
-
-// Keys are reduced in partitions of this many absolute positions (partition k holds positions
-// [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
-constexpr int kPartition = 256;
-// Floats from one row-head's scores to the next: a power of two would put a tile's rows in a
-// few level-1 cache sets.
-constexpr int kScoreStride = kPartition + 16;
-constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloat16 pairs
-// Query rows of one sequence computed together: each transposed key serves them all, and their
-// scores and probabilities (~150 KiB at group 3) stay in the level-2 cache.
-constexpr int kTileRows = 32;
-// Consecutive tiles of one chunk that a thread computes partition by partition, each partition's
-// keys transposed once for all of them (Tile::keys_ready).
-constexpr int kRunTiles = 4;
-// Per-thread vector scratch: a partition's keys transposed (sixteen at a place), then a block
-// of key pairs' values (eight pairs of two float32 rows of up to 256 dimensions each, the
-// emulation's larger form, or as many pairs of a smaller form in as many bytes).
-constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
-constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
-
-// One partition of a tile of query rows, for attend_tile (kernels.h): where its keys start, and
-// its rows, scratch and results.
-struct Tile {
-    const uint16_t* q;  // [rows * group][q_stride] bfloat16, zero past head_dim
-    int q_stride;       // head_dim rounded up to whole vectors of pairs
-    int group, rows;
-    const int* n;       // keys of each row in this partition, ascending (0: ends before it)
-    int start;          // the partition's first key (absolute position)
-    float scale;
-    float* scores;      // [rows * group][kScoreStride]
-    uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
-    void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with keys_ready all of them
-    int* keys_ready;    // the partition's keys already in keys_t (updated), or null
-    void* values;       // 64-byte aligned: a block of key pairs' values (kernels.h)
-    float* m;           // [rows * group]
-    float* s;
-    float* acc;         // [rows * group][head_dim]
-};
-
-// The projections' GEMM operands (gemm_vec.h, gemm_avx512.h, gemm_amx.h): x [rows, k] bfloat16
-// rows `x_stride` apart, the weight packed as [N/16][K/2][16 outputs][2 inputs] (pack_weight),
-// an optional float32 bias padded to whole blocks, and the bfloat16 output [rows, n].
-struct GemmOperands {
-    const uint16_t* x;
-    int64_t x_stride, k;
-    const uint16_t* w;
-    int64_t block_stride;  // elements from one packed block to the next
-    const float* bias;     // padded to whole blocks, or null
-    uint16_t* out;
-    int64_t n;
-};
-
-#include "quant_format.h"
-
-// Denormals flushed to zero, inputs and results, while it lives (restored after): the rule of
-// AVX512-BF16's dot product, which the emulated one matches only so; attention runs under it on
-// every instruction set, so all of them give the same bits.
-struct FlushDenormals {
-    unsigned saved = _mm_getcsr();
-    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
-    ~FlushDenormals() { _mm_setcsr(saved); }
-    FlushDenormals(const FlushDenormals&) = delete;
-    FlushDenormals& operator=(const FlushDenormals&) = delete;
-};
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
-namespace avx512bf16 {
-#define SLOTSERVE_AVX512 1
-#define SLOTSERVE_BF16 1
-#include "vec.h"
-#include "kernels.h"
-#include "gemm_vec.h"
-#include "quant_pairs.h"
-#include "quant_gemm.h"
-}  // namespace avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
-namespace avx512 {
-#undef SLOTSERVE_BF16
-#define SLOTSERVE_BF16 0
-#include "vec.h"
-#include "kernels.h"
-#include "gemm_vec.h"
-#include "quant_pairs.h"
-#include "quant_gemm.h"
-}  // namespace avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#undef SLOTSERVE_AVX512
-#define SLOTSERVE_AVX512 0
-#include "vec.h"
-#include "kernels.h"
-#include "gemm_vec.h"
-#include "quant_pairs.h"
-#include "quant_gemm.h"
-}  // namespace avx2
-#pragma GCC pop_options
-
-static_assert(sizeof(avx2::ValuePair) * 8 <= kVectorScratch - kKeysBytes &&
-                  sizeof(avx512bf16::ValuePair) <= sizeof(avx2::ValuePair),
-              "a block of key pairs' values fits the vector scratch");
+#include "kernel_types.h"
 
 #include "gemm_avx512.h"
 #include "gemm_amx.h"
 
 namespace {
 
-constexpr int kLanes = avx512::kLanes;
-
-struct Kernels {
-    const char* name;
-    decltype(&avx512::norm_bf16_row) norm_bf16_row;
-    decltype(&avx512::add_norm_row) add_norm_row;
-    decltype(&avx512::silu_mul_row) silu_mul_row;
-    decltype(&avx512::rotary_token) rotary_token;
-    decltype(&avx512::attend_tile) attend_tile;
-    decltype(&avx512::merge_partitions) merge_partitions;
-    decltype(&avx512::gemmv::blocks) gemm_blocks;
-    decltype(&avx512::quant::groups) quant_groups;
-    decltype(&avx512::quant::quantize_row) quantize_row;
-    decltype(&avx512::quant::rows_of) quant_rows;
-};
-
-#define SLOTSERVE_KERNELS(ns)                                                           \
-    Kernels {                                                                           \
-        #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
-            &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of           \
-    }
+// Attention's head dimensions come in whole vectors of this many lanes on every instruction set.
+constexpr int kLanes = 16;
 
 bool runs_avx512() {
     __builtin_cpu_init();
@@ -194,9 +44,9 @@ bool runs_avx512_bf16() {
 }
 
 Kernels select_kernels() {
-    if (runs_avx512_bf16()) return SLOTSERVE_KERNELS(avx512bf16);
-    if (runs_avx512()) return SLOTSERVE_KERNELS(avx512);
-    if (runs_avx2()) return SLOTSERVE_KERNELS(avx2);
+    if (runs_avx512_bf16()) return avx512bf16_kernels();
+    if (runs_avx512()) return avx512_kernels();
+    if (runs_avx2()) return avx2_kernels();
     return Kernels{"none",  nullptr, nullptr, nullptr, nullptr, nullptr,
                    nullptr, nullptr, nullptr, nullptr, nullptr};
 }
@@ -210,11 +60,11 @@ Kernels& kernels() {
 // machine. Call before serving, never during a call.
 std::string select_isa(const std::string& name) {
     if (name == "avx512bf16" && runs_avx512_bf16())
-        kernels() = SLOTSERVE_KERNELS(avx512bf16);
+        kernels() = avx512bf16_kernels();
     else if (name == "avx512" && runs_avx512())
-        kernels() = SLOTSERVE_KERNELS(avx512);
+        kernels() = avx512_kernels();
     else if (name == "avx2" && runs_avx2())
-        kernels() = SLOTSERVE_KERNELS(avx2);
+        kernels() = avx2_kernels();
     else
         TORCH_CHECK(false, "this CPU does not run ", name);
     return kernels().name;
@@ -1014,9 +864,9 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     else if (chosen == "amx" || chosen == "avx512bf16")
         spread(op, rows, blocks, &gemm512::blocks);
     else if (chosen == "avx512")
-        spread(op, rows, blocks, &avx512::gemmv::blocks);
+        spread(op, rows, blocks, avx512_kernels().gemm_blocks);
     else
-        spread(op, rows, blocks, &avx2::gemmv::blocks);
+        spread(op, rows, blocks, avx2_kernels().gemm_blocks);
     return out;
 }
 

@@ -1,4 +1,4 @@
-// The projections' GEMM over vec.h, compiled once per instruction set (cpu_kernels.cpp): what
+// The projections' GEMM over vec.h, compiled once per instruction set (kernels_<isa>.cpp): what
 // serves y = x Wᵀ (+ bias) on CPUs without AVX512-BF16 (AVX-512, AVX2 with FMA).
 //
 // It reads gemm512's packed weight ([N/16][K/2][16 outputs][2 inputs]) and computes what

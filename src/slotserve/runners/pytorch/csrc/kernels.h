@@ -1,5 +1,5 @@
 // The per-row kernels, written once over vec.h and compiled once per instruction set
-// (cpu_kernels.cpp). Each function computes whole rows (a token, or a token and KV head) from
+// (kernels_<isa>.cpp). Each function computes whole rows (a token, or a token and KV head) from
 // raw pointers; the caller decides which rows run on which thread. A row's result depends on
 // its own inputs and on fixed constants (vector width, attention partition size) only: never on
 // the other rows of the call, their lengths, or the thread count. That is the batch-invariance
@@ -340,7 +340,7 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
     }
 }
 
-// A tile's rows, scratch and results for one partition (cpu_kernels.cpp's Tile), and the pool
+// A tile's rows, scratch and results for one partition (kernel_types.h's Tile), and the pool
 // offsets of the partition's keys.
 static inline void key_offsets(const PagedKv& kv, int kv_head, const int32_t* table, int start,
                                int count, int64_t* offsets) {

@@ -1,4 +1,4 @@
-// What quant_gemm.h reads (included once, by cpu_kernels.cpp, before the per-ISA builds): a
+// What quant_gemm.h reads (included by kernel_types.h, before the per-ISA builds): a
 // quantized weight's format and the operands of one projection. quant_gemm.h describes the
 // arithmetic and the packed layout.
 #pragma once

@@ -1,7 +1,7 @@
 // Projections whose weights stay quantized (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K), compiled once per instruction set after gemm_vec.h and quant_pairs.h (cpu_kernels.cpp):
-// y = x Wᵀ (+ bias) with x in bfloat16 and W read as the file stores it, decoded in registers
-// while it streams.
+// Q6_K), compiled once per instruction set after gemm_vec.h and quant_pairs.h
+// (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in bfloat16 and W read as the file stores it,
+// decoded in registers while it streams.
 //
 // Every weight is scale · v − min: v a small integer (a code less the format's offset), scale =
 // d · sc and min = dmin · m per sub-block of 16 or 32 inputs (exact in float32: an fp16 times an

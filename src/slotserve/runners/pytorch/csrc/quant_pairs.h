@@ -1,5 +1,5 @@
 // The integer half of quant_gemm.h's arithmetic, compiled once per instruction set before it
-// (cpu_kernels.cpp): a packed input pair's codes decoded in registers, and the exact sums
+// (kernels_<isa>.cpp): a packed input pair's codes decoded in registers, and the exact sums
 // Σ v · q of a sub-block, by whichever instructions suit the codes and the instruction set.
 // Every path yields the same int32 sums (they are exact), so the paths never change a bit.
 

@@ -1,6 +1,6 @@
 // Portable 16-lane float vectors (GCC vector extensions) and the bfloat16 conversions every
 // kernel uses. Included once per instruction set, inside that set's `#pragma GCC target`
-// region and namespace (cpu_kernels.cpp): the same source compiles to one zmm or two ymm
+// region and namespace (kernels_<isa>.cpp): the same source compiles to one zmm or two ymm
 // operations, so both paths share one definition of every computation.
 //
 // NOTE: nothing here may depend on how many rows a call holds or which thread runs it. Every

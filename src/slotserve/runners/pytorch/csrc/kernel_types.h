@@ -1,0 +1,133 @@
+// What every translation unit of the CPU kernels shares: the operands' layouts, the attention
+// constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp compiles
+// vec.h, kernels.h, gemm_vec.h, quant_pairs.h and quant_gemm.h inside its own target region and
+// namespace and hands out its table; cpu_kernels.cpp chooses one at run time (and holds the
+// bindings, so only it compiles torch's headers).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+struct HeadLayout {
+    int heads, kv_heads, head_dim, rotary_dim;
+    bool gated;              // each query head's rows are [query | gate]
+    const uint16_t* q_norm;  // per-head RMSNorm weights, or null
+    const uint16_t* k_norm;
+    float eps;
+    bool plus_one;
+};
+
+struct PagedKv {
+    const uint16_t* keys;  // [rows, kv_heads, head_dim]
+    const uint16_t* values;
+    int kv_heads, head_dim, block_size;
+};
+
+// Keys are reduced in partitions of this many absolute positions (partition k holds positions
+// [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
+constexpr int kPartition = 256;
+// Floats from one row-head's scores to the next: a power of two would put a tile's rows in a
+// few level-1 cache sets.
+constexpr int kScoreStride = kPartition + 16;
+constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloat16 pairs
+// Query rows of one sequence computed together: each transposed key serves them all, and their
+// scores and probabilities (~150 KiB at group 3) stay in the level-2 cache.
+constexpr int kTileRows = 32;
+// Consecutive tiles of one chunk that a thread computes partition by partition, each partition's
+// keys transposed once for all of them (Tile::keys_ready).
+constexpr int kRunTiles = 4;
+// Per-thread vector scratch: a partition's keys transposed (sixteen at a place), then a block
+// of key pairs' values (eight pairs of two float32 rows of up to 256 dimensions each, the
+// emulation's larger form, or as many pairs of a smaller form in as many bytes).
+constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
+constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
+
+// One partition of a tile of query rows, for attend_tile (kernels.h): where its keys start, and
+// its rows, scratch and results.
+struct Tile {
+    const uint16_t* q;  // [rows * group][q_stride] bfloat16, zero past head_dim
+    int q_stride;       // head_dim rounded up to whole vectors of pairs
+    int group, rows;
+    const int* n;       // keys of each row in this partition, ascending (0: ends before it)
+    int start;          // the partition's first key (absolute position)
+    float scale;
+    float* scores;      // [rows * group][kScoreStride]
+    uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
+    void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with keys_ready all of them
+    int* keys_ready;    // the partition's keys already in keys_t (updated), or null
+    void* values;       // 64-byte aligned: a block of key pairs' values (kernels.h)
+    float* m;           // [rows * group]
+    float* s;
+    float* acc;         // [rows * group][head_dim]
+};
+
+// The projections' GEMM operands (gemm_vec.h, gemm_avx512.h, gemm_amx.h): x [rows, k] bfloat16
+// rows `x_stride` apart, the weight packed as [N/16][K/2][16 outputs][2 inputs] (pack_weight),
+// an optional float32 bias padded to whole blocks, and the bfloat16 output [rows, n].
+struct GemmOperands {
+    const uint16_t* x;
+    int64_t x_stride, k;
+    const uint16_t* w;
+    int64_t block_stride;  // elements from one packed block to the next
+    const float* bias;     // padded to whole blocks, or null
+    uint16_t* out;
+    int64_t n;
+};
+
+#include "quant_format.h"
+
+// Denormals flushed to zero, inputs and results, while it lives (restored after): the rule of
+// AVX512-BF16's dot product, which the emulated one matches only so; attention runs under it on
+// every instruction set, so all of them give the same bits.
+struct FlushDenormals {
+    unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+    ~FlushDenormals() { _mm_setcsr(saved); }
+    FlushDenormals(const FlushDenormals&) = delete;
+    FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+
+// One instruction set's kernels (the functions of kernels.h, gemm_vec.h and quant_gemm.h of the
+// same names), which cpu_kernels.cpp calls through the chosen table.
+struct Kernels {
+    const char* name;
+    void (*norm_bf16_row)(const uint16_t* x, int n, const uint16_t* weight, float eps,
+                          bool plus_one, uint16_t* out, float* scratch);
+    void (*add_norm_row)(const uint16_t* x, const uint16_t* residual, int n,
+                         const uint16_t* weight, float eps, bool plus_one,
+                         uint16_t* residual_out, uint16_t* out, float* scratch);
+    void (*silu_mul_row)(const uint16_t* gate, const uint16_t* up, int n, uint16_t* out);
+    void (*rotary_token)(const uint16_t* qkv, const HeadLayout& l, const uint16_t* cos,
+                         const uint16_t* sin, uint16_t* q_out, uint16_t* key_row,
+                         uint16_t* value_row, float* scratch);
+    void (*attend_tile)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t);
+    void (*merge_partitions)(const float* m, const float* s, const float* acc, int parts,
+                             int group, int d, int ms_stride, int part_stride, uint16_t* out);
+    void (*gemm_blocks)(const GemmOperands& op, int64_t rows, int64_t b0, int64_t b1);
+    void (*quant_groups)(const QuantOperands& op, int64_t rows, int64_t g0, int64_t g1);
+    void (*quantize_row)(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8, float* step,
+                         int32_t* sum);
+    void (*quant_rows)(const QuantOperands& op, const int64_t* rows, int64_t count,
+                       uint16_t* out);
+};
+
+// The table of namespace `ns`, inside the translation unit that compiled it.
+#define SLOTSERVE_KERNELS(ns)                                                           \
+    Kernels {                                                                           \
+        #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
+            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
+            &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of           \
+    }
+
+Kernels avx512bf16_kernels();  // kernels_avx512bf16.cpp
+Kernels avx512_kernels();      // kernels_avx512.cpp
+Kernels avx2_kernels();        // kernels_avx2.cpp
