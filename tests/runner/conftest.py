@@ -5,6 +5,7 @@ safetensors folder converted from it for the PyTorch runner's HF-format and pari
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +152,30 @@ def kernels() -> CpuKernels:
             pytest.fail("the CPU kernels did not build or load on a CPU that runs them")
         pytest.skip("no x86-64 CPU with AVX2 and FMA: the kernels do not run here")
     return loaded
+
+
+def instruction_sets(kernels: CpuKernels) -> list[str]:
+    """The kernels' builds this CPU runs, widest first (avx512bf16, avx512, avx2)."""
+    default, runs = kernels.isa, []
+    for isa in ("avx512bf16", "avx512", "avx2"):
+        try:
+            kernels.select_isa(isa)
+        except RuntimeError:
+            continue
+        runs.append(isa)
+    kernels.select_isa(default)
+    return runs
+
+
+@contextlib.contextmanager
+def instruction_set(kernels: CpuKernels, isa: str) -> Iterator[None]:
+    """Runs the kernels' ``isa`` build inside the block, the default one after it."""
+    default = kernels.isa
+    kernels.select_isa(isa)
+    try:
+        yield
+    finally:
+        kernels.select_isa(default)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

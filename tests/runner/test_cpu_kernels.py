@@ -23,6 +23,7 @@ from slotserve.runners.pytorch.cpu_kernels import (
 )
 from slotserve.runners.pytorch.model.layers import RmsNorm
 from slotserve.runners.pytorch.model.rotary import apply_rotary
+from tests.runner.conftest import instruction_set, instruction_sets
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -288,7 +289,7 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     AVX-512 and AVX2 (the same dot products as two fused steps, AVX2 in 256-bit halves) must
     compute the same bits, denormal inputs included (the instruction flushes them; the other
     builds run attention with DAZ and FTZ)."""
-    runs = [isa for isa in ("avx512bf16", "avx512", "avx2") if _runs(kernels, isa)]
+    runs = instruction_sets(kernels)
     if len(runs) < 2:
         pytest.skip("the CPU runs one instruction set only")
     gen = torch.Generator().manual_seed(12)
@@ -315,24 +316,10 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
             kernels.silu_mul(gate_up),
         ]
 
-    default = kernels.isa
     results = {}
-    try:
-        for isa in runs:
-            kernels.select_isa(isa)
+    for isa in runs:
+        with instruction_set(kernels, isa):
             results[isa] = run()
-    finally:
-        kernels.select_isa(default)
     for isa in runs[1:]:
         for a, b in zip(results[runs[0]], results[isa], strict=True):
             assert torch.equal(a, b), isa
-
-
-def _runs(kernels: CpuKernels, isa: str) -> bool:
-    default = kernels.isa
-    try:
-        kernels.select_isa(isa)
-    except RuntimeError:
-        return False
-    kernels.select_isa(default)
-    return True

@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.quant.formats import FORMATS, decode_rows
 from slotserve.runners.pytorch.quant.packing import pack_tensor
+from tests.runner.conftest import instruction_set, instruction_sets
 
 KINDS = list(FORMATS)
 LEGACY = {
@@ -113,7 +114,7 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
     kernels: CpuKernels, threads: int, kind: GGMLQuantizationType
 ) -> None:
     """40 outputs (two groups of 16 and a ragged one), 9 and 70 rows (tiles and a pass of
-    rows, with remainders), with a bias."""
+    rows, with remainders), with a bias; on every instruction set the CPU runs."""
     n, k = 40, 512
     raw = random_tensor(kind, n, k, seed=2)
     packed = pack_tensor(kind, raw, k)
@@ -122,13 +123,16 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
     weights = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).double()
     for rows in (9, 70):
         x = torch.randn(rows, k, generator=gen).bfloat16()
-        served = kernels.quant_linear(x, packed, FORMATS[kind], n, bias)
-        assert torch.equal(served, stated_arithmetic(x, raw, kind, n, bias))
+        stated = stated_arithmetic(x, raw, kind, n, bias)
         true = x.double() @ weights.T + bias.double()
-        assert ((served.double() - true).abs().max() / true.abs().max()).item() < 8e-3
-        for i in sorted({0, rows // 2, rows - 1}):
-            alone = kernels.quant_linear(x[i : i + 1], packed, FORMATS[kind], n, bias)
-            assert torch.equal(alone[0], served[i]), (rows, i)
+        for isa in instruction_sets(kernels):
+            with instruction_set(kernels, isa):
+                served = kernels.quant_linear(x, packed, FORMATS[kind], n, bias)
+                assert torch.equal(served, stated), isa
+                assert ((served.double() - true).abs().max() / true.abs().max()).item() < 8e-3
+                for i in sorted({0, rows // 2, rows - 1}):
+                    alone = kernels.quant_linear(x[i : i + 1], packed, FORMATS[kind], n, bias)
+                    assert torch.equal(alone[0], served[i]), (isa, rows, i)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])

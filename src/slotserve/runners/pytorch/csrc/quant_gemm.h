@@ -149,18 +149,30 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
     for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
 }
 
-// Rows [m0, m1) of one group, in tiles of kRowsPerTile rows and then one row at a time, their
-// running sums in `acc` from row m0 on.
+// Rows from m of [m0, m1) in tiles of MR rows while whole ones fit; returns the first row left.
+template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR, bool DECODED>
+static int64_t tiles_of(const Operands& op, const uint8_t* group, int64_t m, int64_t m0,
+                        int64_t m1, float* acc,
+                        const typename PairMath<BITS, OFFSET>::Operand* decoded) {
+    for (; m + MR <= m1; m += MR)
+        group_tile<BITS, OFFSET, MIN, SUB, SUPER, MR, DECODED>(op, group, m,
+                                                              acc + (m - m0) * kLanes, decoded);
+    return m;
+}
+
+// Rows [m0, m1) of one group, their running sums in `acc` from row m0 on: in tiles of
+// kRowsPerTile rows, the rest in tiles of 4 (AVX-512's wider tile), 2 and 1, so that a step of
+// a few rows still decodes each weight once or twice, not once per row.
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, bool DECODED>
 static void pass_tiles(const Operands& op, const uint8_t* group, int64_t m0, int64_t m1,
                        float* acc, const typename PairMath<BITS, OFFSET>::Operand* decoded) {
-    int64_t m = m0;
-    for (; m + kRowsPerTile <= m1; m += kRowsPerTile)
-        group_tile<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, DECODED>(
-            op, group, m, acc + (m - m0) * kLanes, decoded);
-    for (; m < m1; ++m)
-        group_tile<BITS, OFFSET, MIN, SUB, SUPER, 1, DECODED>(op, group, m,
-                                                             acc + (m - m0) * kLanes, decoded);
+    int64_t m = tiles_of<BITS, OFFSET, MIN, SUB, SUPER, kRowsPerTile, DECODED>(
+        op, group, m0, m0, m1, acc, decoded);
+    if constexpr (kRowsPerTile > 4)
+        m = tiles_of<BITS, OFFSET, MIN, SUB, SUPER, 4, DECODED>(op, group, m, m0, m1, acc,
+                                                                decoded);
+    m = tiles_of<BITS, OFFSET, MIN, SUB, SUPER, 2, DECODED>(op, group, m, m0, m1, acc, decoded);
+    tiles_of<BITS, OFFSET, MIN, SUB, SUPER, 1, DECODED>(op, group, m, m0, m1, acc, decoded);
 }
 
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER>
