@@ -1,8 +1,11 @@
 """The PyTorch runner's quantized projections (``csrc/quant_gemm.h``): this checkout's build
 against another git revision's, both loaded in one process, calls alternated (A B B A ...), per
-GGUF type at one row (a decode step) and at 4, 16 and 64 (batches, prefill chunks):
+GGUF type at one row (a decode step) and at 2, 4, 16 and 64 (batches, prefill chunks):
 
     python benchmarks/quant_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--json FILE]
+    python benchmarks/quant_ab.py --base-isa avx2     # this build's AVX2 code as the base
+    python benchmarks/quant_ab.py --base-sources DIR  # a copy of csrc/ with something changed
+
 
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
 copies called in turn so the weights come from memory, as a forward's layers do; each build's
@@ -27,12 +30,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kernel_revision import build_revision, packing_at
 
-from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels, compile_module, load_cpu_kernels
+from slotserve.runners.pytorch.quant import packing
 from slotserve.runners.pytorch.quant.formats import FORMATS
 from slotserve.runners.pytorch.quant.packing import pack_tensor
 
 OUTPUTS, INPUTS, COPIES = 2048, 8192, 8
-ROWS = (1, 4, 16, 64)
+ROWS = (1, 2, 4, 16, 64)
 # Where each type's fp16 scales sit in its block: random bytes there could be NaN or tiny.
 SCALES = {
     GGMLQuantizationType.Q4_0: (0,),
@@ -59,7 +63,10 @@ def random_blocks(kind: GGMLQuantizationType, seed: int) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-rev", required=True, help="git revision to compare against")
+    base_arg = parser.add_mutually_exclusive_group(required=True)
+    base_arg.add_argument("--base-rev", help="git revision to compare against")
+    base_arg.add_argument("--base-isa", help="this build's kernels for another instruction set")
+    base_arg.add_argument("--base-sources", type=Path, help="kernel sources to build as the base")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=9, help="paired passes per case")
     parser.add_argument("--json", type=Path, help="write the cases' figures here")
@@ -69,9 +76,19 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the CPU kernels do not run here")
     results: list[dict[str, Any]] = []
+    isas = {"base": args.base_isa or kernels.isa, "this": kernels.isa}
     with tempfile.TemporaryDirectory() as folder:
-        base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))
-        base_packing = packing_at(args.base_rev, Path(folder))
+        if args.base_rev is not None:
+            base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))
+            base_packing: Any = packing_at(args.base_rev, Path(folder))
+        elif args.base_sources is not None:
+            build_dir = Path(folder) / "build"
+            build_dir.mkdir()
+            base = CpuKernels(compile_module(args.base_sources, "quant_ab_sources", build_dir))
+            base_packing = packing
+        else:
+            base, base_packing = kernels, packing
+        print(f"instruction sets: base {isas['base']}, this {isas['this']}")
         header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
         print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
         for kind in SCALES:
@@ -91,6 +108,7 @@ def main() -> None:
                 for pair in range(args.pairs):
                     # Each build first in every other pair: going second was worth up to ±15%.
                     for label, build, form in builds if pair % 2 == 0 else builds[::-1]:
+                        build.select_isa(isas[label])
                         started = time.perf_counter()
                         for weight in weights[label]:
                             build.quant_linear(x, weight, form, OUTPUTS, None)
