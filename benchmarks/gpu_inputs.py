@@ -18,7 +18,13 @@ from transformers import AutoTokenizer, LlamaConfig, Qwen3_5TextConfig, Qwen3Con
 from slotserve.bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M
 from slotserve.hosting.source import embedded_model_path
 
-WHEELS = ("llguidance==1.9.1", "msgspec==0.22.0", "pyzmq==27.3.0")
+WHEELS = (
+    "gguf==0.19.0",
+    "greenlet==3.5.6",
+    "llguidance==1.9.1",
+    "msgspec==0.22.0",
+    "pyzmq==27.3.0",
+)
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64")
 
 

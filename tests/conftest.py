@@ -10,11 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from slotserve import parent_death
 
@@ -22,6 +21,9 @@ from slotserve import parent_death
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from slotserve.hosting.source import ModelUnavailableError, embedded_model_path
+
+if TYPE_CHECKING:  # imported where used: a GPU machine runs the kernel tests without FastAPI
+    from fastapi.testclient import TestClient
 
 # NOTE: the fast tier (`make test-fast`) is every test not marked `slow`, and a test is slow when
 # it needs a real model or a spawned server. The hook below marks it by its fixtures, so a new
@@ -77,6 +79,8 @@ def gemma_path() -> Path:
 def local_client(app: Any, **kwargs: Any) -> TestClient:
     """Starlette's TestClient as a caller on this machine: a loopback peer asking for a
     loopback Host (its defaults, ``testclient`` and ``testserver``, are neither)."""
+    from fastapi.testclient import TestClient
+
     settings: dict[str, Any] = {
         "base_url": "http://127.0.0.1:8000",
         "client": ("127.0.0.1", 50000),
