@@ -193,8 +193,65 @@ struct WordPairs {
 };
 
 #if SLOTSERVE_AVX512
+// The nibble path (AVX-512, codes of 4 bits): one 64-byte load holds four pairs' raw codes,
+// each 128-bit lane one pair's (`lo` its outputs 0-7's (even, odd) codes, `hi` 8-15's), met by
+// vpmaddubsw with that pair's two int8 inputs (four broadcast, one shuffle): an int16 lane sums
+// every fourth pair's products, 32 pairs before it must be widened (codes ≤ 15, |q| ≤ 127). Four
+// times the products per instruction of the word path, which the nibbles' unpacking outweighed;
+// the offset comes off once per sub-block as offset · Σ q.
+struct Nibbles {
+    __m512i lo, hi;
+};
+template <int OFFSET>
+struct NibblePairs {
+    using Operand = Nibbles;
+    struct Partial {
+        __m512i lo, hi;  // int16: pair p's, p + 1's, p + 2's, p + 3's sums; outputs 0-7, 8-15
+    };
+    static constexpr bool kRawCodes = true;
+    static constexpr int kPairsPerOperand = 4;
+    static constexpr int kFlush = 4 * (32767 / (2 * kLargestInput * 15));
+    template <int SUPER>
+    static inline __attribute__((always_inline)) Operand decode(const uint8_t* codes,
+                                                                int64_t pair) {
+        const __m512i all = _mm512_loadu_si512((const void*)(codes + pair * 16));
+        const __m512i nibble = _mm512_set1_epi8(0x0f);
+        return {_mm512_and_si512(all, nibble),
+                _mm512_and_si512(_mm512_srli_epi16(all, 4), nibble)};
+    }
+    static inline __attribute__((always_inline)) Partial zero() {
+        return {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    }
+    static const int8_t* inputs(const Operands& op) { return op.xq8; }
+    // + the products with a row's eight inputs at x: lane L takes inputs 2L and 2L + 1.
+    static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
+                                                             const int8_t* x) {
+        const __m512i spread = _mm512_set_epi32(
+            0x07060706, 0x07060706, 0x07060706, 0x07060706, 0x05040504, 0x05040504, 0x05040504,
+            0x05040504, 0x03020302, 0x03020302, 0x03020302, 0x03020302, 0x01000100, 0x01000100,
+            0x01000100, 0x01000100);
+        const __m512i eight =
+            _mm512_shuffle_epi8(_mm512_set1_epi64(loaded<int64_t>(x)), spread);
+        return {_mm512_add_epi16(s.lo, _mm512_maddubs_epi16(w.lo, eight)),
+                _mm512_add_epi16(s.hi, _mm512_maddubs_epi16(w.hi, eight))};
+    }
+    // Eight outputs' int32 sums: the four lanes' int16 sums of each output added.
+    static inline __attribute__((always_inline)) __m256i lanes_summed(__m512i lanes) {
+        const __m512i wide = _mm512_add_epi32(
+            _mm512_cvtepi16_epi32(_mm512_castsi512_si256(lanes)),
+            _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lanes, 1)));
+        return _mm256_add_epi32(_mm512_castsi512_si256(wide),
+                                _mm512_extracti64x4_epi64(wide, 1));
+    }
+    static inline __attribute__((always_inline)) Sums widen(Partial p) {
+        return {_mm512_inserti64x4(_mm512_castsi256_si512(lanes_summed(p.lo)),
+                                   lanes_summed(p.hi), 1)};
+    }
+};
+
+// Five and eight bits take the word path: vpmaddwd's 512 bits decode them faster than bytes.
 template <int BITS, int OFFSET>
-using PairMath = WordPairs<BITS, OFFSET>;
+using PairMath = std::conditional_t<BITS == 4, NibblePairs<OFFSET>, WordPairs<BITS, OFFSET>>;
 #else
 // The byte path (AVX2, codes of 5 bits): the pair's 32 raw codes as unsigned bytes,
 // outputs 0-7's (even, odd) then 8-15's, met by vpmaddubsw with the row's two int8 inputs: each
