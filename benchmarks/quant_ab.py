@@ -67,6 +67,7 @@ def main() -> None:
     base_arg.add_argument("--base-rev", help="git revision to compare against")
     base_arg.add_argument("--base-isa", help="this build's kernels for another instruction set")
     base_arg.add_argument("--base-sources", type=Path, help="kernel sources to build as the base")
+    parser.add_argument("--types", help="comma-separated GGUF types (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=9, help="paired passes per case")
     parser.add_argument("--json", type=Path, help="write the cases' figures here")
@@ -91,7 +92,10 @@ def main() -> None:
         print(f"instruction sets: base {isas['base']}, this {isas['this']}")
         header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
         print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
-        for kind in SCALES:
+        kinds = (
+            [GGMLQuantizationType[name] for name in args.types.split(",")] if args.types else SCALES
+        )
+        for kind in kinds:
             raw = random_blocks(kind, seed=1)
             packed = pack_tensor(kind, raw, INPUTS)
             weights = {
