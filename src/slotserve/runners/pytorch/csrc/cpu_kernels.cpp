@@ -345,20 +345,38 @@ static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
 // merged afterwards by the same merge. Lone rows whose sequences hold a whole partition in the
 // same blocks (a prefix the cache shares) compute it as one tile of those rows, its keys read
 // once for all. A row's bits do not depend on its unit, its thread, the split or its tile.
-// One call's scratch per thread: ``tiles`` tiles' queries, a tile's probabilities and scores,
-// and the vector scratch of attend_tile (kernels.h), read from a 64-byte boundary
-// (uninitialised: each is written before it is read).
+// A thread's scratch for one call: ``tiles`` tiles' queries (zeroed: their padding past
+// head_dim is read), a tile's probabilities and scores, and the vector scratch of attend_tile
+// (kernels.h), each from a 64-byte boundary (the others uninitialised: each is written before
+// it is read). The memory is the thread's own, kept for its later calls and grown when one
+// needs more: a decode step makes a call per layer, and allocating and zeroing ~300 KB per
+// thread each time cost as much as a short context's attention.
 struct AttentionScratch {
-    std::vector<uint16_t> q, probs;
-    std::vector<float> scores;
-    std::unique_ptr<char[]> vectors;
-    AttentionScratch(int64_t row_heads, int q_stride, int64_t tiles)
-        : q(tiles * row_heads * q_stride), probs(row_heads * (kPartition + 2)),
-          scores(row_heads * kScoreStride), vectors(new char[kVectorScratch + 64]) {}
-    char* aligned() {
-        char* p = vectors.get();
-        return p + (64 - uintptr_t(p) % 64) % 64;
+    uint16_t* q;
+    uint16_t* probs;
+    float* scores;
+    char* vectors;
+    AttentionScratch(int64_t row_heads, int q_stride, int64_t tiles) {
+        auto whole_lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+        const int64_t q_bytes = whole_lines(tiles * row_heads * q_stride * 2);
+        const int64_t probs_bytes = whole_lines(row_heads * (kPartition + 2) * 2);
+        const int64_t scores_bytes = whole_lines(row_heads * kScoreStride * 4);
+        const int64_t total = q_bytes + probs_bytes + scores_bytes + whole_lines(kVectorScratch);
+        thread_local std::unique_ptr<char, decltype(&std::free)> kept(nullptr, &std::free);
+        thread_local int64_t capacity = 0;
+        if (capacity < total) {
+            kept.reset(static_cast<char*>(std::aligned_alloc(64, total)));
+            TORCH_CHECK(kept != nullptr, "out of memory for attention scratch");
+            capacity = total;
+        }
+        char* at = kept.get();
+        q = reinterpret_cast<uint16_t*>(at);
+        std::memset(q, 0, q_bytes);
+        probs = reinterpret_cast<uint16_t*>(at += q_bytes);
+        scores = reinterpret_cast<float*>(at += probs_bytes);
+        vectors = at + scores_bytes;
     }
+    char* aligned() const { return vectors; }
 };
 
 // One paged_attention call: its checked inputs, its tokens cut into units, the shared tiles'
@@ -507,7 +525,7 @@ private:
         if (n[rows - 1] == 0) return;
         const int64_t ms = part * rows * group_;
         Tile tile{q, q_stride_, group_, int(rows), n, start, float(scale_),
-                  w.scores.data(), w.probs.data(), w.aligned(), keys_ready,
+                  w.scores, w.probs, w.aligned(), keys_ready,
                   w.aligned() + kKeysBytes, m + ms, s + ms, acc + ms * d_};
         k_.attend_tile(kv_, int(h), table_of(t0), tile);
     }
@@ -538,11 +556,11 @@ private:
                        int64_t h, float* m, float* s, float* acc) const {
         int n[kTileRows];
         for (int64_t r = 0; r < st.rows; ++r) {
-            load_query(w.q.data(), unit_start_[tile_units[r]], r, h);
+            load_query(w.q, unit_start_[tile_units[r]], r, h);
             n[r] = kPartition;
         }
-        Tile tile{w.q.data(), q_stride_, group_, int(st.rows), n, st.part * kPartition,
-                  float(scale_), w.scores.data(), w.probs.data(), w.aligned(), nullptr,
+        Tile tile{w.q, q_stride_, group_, int(st.rows), n, st.part * kPartition,
+                  float(scale_), w.scores, w.probs, w.aligned(), nullptr,
                   w.aligned() + kKeysBytes, m, s, acc};
         k_.attend_tile(kv_, int(h), table_of(unit_start_[tile_units[0]]), tile);
     }
@@ -636,7 +654,7 @@ private:
         while (item + run < end && order[item + run].first == u + run &&
                order[item + run].second == h && continues[u + run])
             ++run;
-        auto tile_q = [&](int64_t i) { return w.q.data() + i * row_heads_ * q_stride_; };
+        auto tile_q = [&](int64_t i) { return w.q + i * row_heads_ * q_stride_; };
         for (int64_t i = 0; i < run; ++i) load_queries(tile_q(i), u + i, h);
         for (int part = 0; part < parts_of(unit_start_[u + run] - 1); ++part) {
             int ready = 0;
@@ -676,11 +694,11 @@ private:
             for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
                 const auto [item, part] = tasks[task];
                 const int64_t h = item / units_, u = item % units_;
-                if (loaded != item) load_queries(w.q.data(), u, h);
+                if (loaded != item) load_queries(w.q, u, h);
                 loaded = item;
                 const int64_t at = slot_of(h, u);
                 attend(w, u, h, part, m.data() + at, s.data() + at, acc.data() + at * d_,
-                       w.q.data(), nullptr);
+                       w.q, nullptr);
             }
         });
         at::parallel_for(0, items_, 1, [&](int64_t begin, int64_t end) {
