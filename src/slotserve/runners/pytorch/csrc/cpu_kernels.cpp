@@ -922,7 +922,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     int8_t* const xq8 = reinterpret_cast<int8_t*>(base + values * 2);
     float* const xstep = reinterpret_cast<float*>(base + values * 3);
     int32_t* const xsum = reinterpret_cast<int32_t*>(base + values * 3 + values / 32 * 4);
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    // Rows per task as the per-row kernels take them: a decode step's few rows are rounded
+    // inline, not across a fork and join of every thread.
+    at::parallel_for(0, rows, grain(inputs), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
             k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq + r * inputs, xq8 + r * inputs,
                            xstep + r * (inputs / 32), xsum + r * (inputs / 16));
