@@ -6,7 +6,6 @@ GGUF type at one row (a decode step) and at 2, 4, 16 and 64 (batches, prefill ch
     python benchmarks/quant_ab.py --base-isa avx2     # this build's AVX2 code as the base
     python benchmarks/quant_ab.py --base-sources DIR  # a copy of csrc/ with something changed
 
-
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
 copies called in turn so the weights come from memory, as a forward's layers do; each build's
 copies are packed as its revision packs them. Prints each build's median time per call, this
