@@ -376,7 +376,6 @@ struct AttentionScratch {
         scores = reinterpret_cast<float*>(at += probs_bytes);
         vectors = at + scores_bytes;
     }
-    char* aligned() const { return vectors; }
 };
 
 // One paged_attention call: its checked inputs, its tokens cut into units, the shared tiles'
@@ -525,8 +524,8 @@ private:
         if (n[rows - 1] == 0) return;
         const int64_t ms = part * rows * group_;
         Tile tile{q, q_stride_, group_, int(rows), n, start, float(scale_),
-                  w.scores, w.probs, w.aligned(), keys_ready,
-                  w.aligned() + kKeysBytes, m + ms, s + ms, acc + ms * d_};
+                  w.scores, w.probs, w.vectors, keys_ready,
+                  w.vectors + kKeysBytes, m + ms, s + ms, acc + ms * d_};
         k_.attend_tile(kv_, int(h), table_of(t0), tile);
     }
 
@@ -560,8 +559,8 @@ private:
             n[r] = kPartition;
         }
         Tile tile{w.q, q_stride_, group_, int(st.rows), n, st.part * kPartition,
-                  float(scale_), w.scores, w.probs, w.aligned(), nullptr,
-                  w.aligned() + kKeysBytes, m, s, acc};
+                  float(scale_), w.scores, w.probs, w.vectors, nullptr,
+                  w.vectors + kKeysBytes, m, s, acc};
         k_.attend_tile(kv_, int(h), table_of(unit_start_[tile_units[0]]), tile);
     }
 

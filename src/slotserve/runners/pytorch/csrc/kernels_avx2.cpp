@@ -1,4 +1,4 @@
-// The kernels compiled for AVX2 with FMA (kernel_types.h says how the translation units divide).
+// The kernels compiled for AVX2 with FMA; kernel_types.h says how the translation units divide.
 #include "kernel_types.h"
 
 #pragma GCC push_options

@@ -1,4 +1,5 @@
-// The kernels compiled for AVX-512 (F, BW, VL, DQ) (kernel_types.h says how the translation units divide).
+// The kernels compiled for AVX-512 (F, BW, VL, DQ); kernel_types.h says how the translation
+// units divide.
 #include "kernel_types.h"
 
 #pragma GCC push_options

@@ -1,4 +1,5 @@
-// The kernels compiled for AVX512-BF16 (attention's bfloat16 dot products in one instruction) (kernel_types.h says how the translation units divide).
+// The kernels compiled for AVX512-BF16 (attention's bfloat16 dot products in one instruction);
+// kernel_types.h says how the translation units divide.
 #include "kernel_types.h"
 
 #pragma GCC push_options
