@@ -83,7 +83,17 @@ class GgufFile:
 def open_gguf(path: Path) -> Any:
     from gguf import GGUFReader
 
-    return GGUFReader(str(path))
+    class PlainViewReader(GGUFReader):
+        """Slices a plain ndarray view of the file's memory map: a slice of numpy's memmap
+        subclass costs several times a plain one, and the header is a slice per string of the
+        vocabulary and its merges (hundreds of thousands)."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if type(self.data) is np.memmap:  # still mapped: the view's base is the map
+                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]
+            return super()._get(offset, dtype, count, override_order)
+
+    return PlainViewReader(str(path))
 
 
 def gguf_metadata(reader: object) -> dict[str, object]:
