@@ -1,4 +1,4 @@
-// A tile's inner loops for the AVX2 build (kernels.h includes this there alone): the scores of
+// A tile's inner loops for the AVX2 build (attention.h includes this there alone): the scores of
 // sixteen transposed keys (score_keys) and the value pass (value_pair over a block), with their
 // running sums held as two eight-lane halves. Without AVX-512 there is no register for a
 // sixteen-lane vector, and GCC keeps one that lives across iterations in memory, round trips

@@ -1,5 +1,5 @@
 // The projections' GEMM on AMX tiles (Intel Xeon, Sapphire Rapids and later; included once, by
-// cpu_kernels.cpp).
+// linear.cpp).
 //
 // The weight is packed as for gemm512: [N/16][K/2][16 outputs][2 inputs], which is already the
 // layout of an AMX B tile: sixteen input pairs (rows) of sixteen outputs (64 bytes each), one

@@ -1,4 +1,4 @@
-// The projections' GEMM on CPUs with AVX512-BF16 (included once, by cpu_kernels.cpp).
+// The projections' GEMM on CPUs with AVX512-BF16 (included once, by linear.cpp).
 #pragma once
 
 // ---- Projections: y = x Wᵀ (+ bias) with AVX512-BF16 dot products ---------------------------

@@ -1,8 +1,8 @@
 // What every translation unit of the CPU kernels shares: the operands' layouts, the attention
 // constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp compiles
-// vec.h, kernels.h, gemm_vec.h, quant_pairs.h and quant_gemm.h inside its own target region and
-// namespace and hands out its table; cpu_kernels.cpp chooses one at run time (and holds the
-// bindings, so only it compiles torch's headers).
+// vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h, quant_pairs.h and quant_gemm.h inside its
+// own target region and namespace and hands out its table, with no torch header; cpu_kernels.cpp
+// chooses one at run time, and the ops (cpu_kernels.h) call it.
 #pragma once
 
 #include <immintrin.h>
@@ -51,7 +51,7 @@ constexpr int kRunTiles = 4;
 constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
 constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
 
-// One partition of a tile of query rows, for attend_tile (kernels.h): where its keys start, and
+// One partition of a tile of query rows, for attend_tile (attend.h): where its keys start, and
 // its rows, scratch and results.
 struct Tile {
     const uint16_t* q;  // [rows * group][q_stride] bfloat16, zero past head_dim
@@ -64,7 +64,7 @@ struct Tile {
     uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
     void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with keys_ready all of them
     int* keys_ready;    // the partition's keys already in keys_t (updated), or null
-    void* values;       // 64-byte aligned: a block of key pairs' values (kernels.h)
+    void* values;       // 64-byte aligned: a block of key pairs' values (attend.h)
     float* m;           // [rows * group]
     float* s;
     float* acc;         // [rows * group][head_dim]
@@ -96,8 +96,8 @@ struct FlushDenormals {
     FlushDenormals& operator=(const FlushDenormals&) = delete;
 };
 
-// One instruction set's kernels (the functions of kernels.h, gemm_vec.h and quant_gemm.h of the
-// same names), which cpu_kernels.cpp calls through the chosen table.
+// One instruction set's kernels (the functions of rowwise.h, attend.h, gemm_vec.h and
+// quant_gemm.h of the same names), which the ops call through the chosen table.
 struct Kernels {
     const char* name;
     void (*norm_bf16_row)(const uint16_t* x, int n, const uint16_t* weight, float eps,

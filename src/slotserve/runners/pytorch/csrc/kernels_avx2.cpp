@@ -7,7 +7,9 @@ namespace avx2 {
 #define SLOTSERVE_AVX512 0
 #define SLOTSERVE_BF16 0
 #include "vec.h"
-#include "kernels.h"
+#include "rowwise.h"
+#include "attention.h"
+#include "attend.h"
 #include "gemm_vec.h"
 #include "quant_pairs.h"
 #include "quant_gemm.h"

@@ -8,7 +8,9 @@ namespace avx512 {
 #define SLOTSERVE_AVX512 1
 #define SLOTSERVE_BF16 0
 #include "vec.h"
-#include "kernels.h"
+#include "rowwise.h"
+#include "attention.h"
+#include "attend.h"
 #include "gemm_vec.h"
 #include "quant_pairs.h"
 #include "quant_gemm.h"

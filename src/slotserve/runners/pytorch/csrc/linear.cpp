@@ -1,0 +1,264 @@
+// The projections: bfloat16 weights packed for the GEMM (AMX where the unit is verified,
+// AVX512-BF16, or gemm_vec.h on the widest set the CPU runs) and quantized weights
+// (quant_gemm.h), spread over torch's threads; a row's bits depend on neither the other rows
+// nor the threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/zeros.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "gemm_avx512.h"
+#include "gemm_amx.h"
+
+namespace cpu {
+
+bool runs_bf16_gemm() {
+    __builtin_cpu_init();
+    return runs_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// [n, k] bfloat16 rows → gemm512's packed layout at `dst` (zeroed, whole blocks).
+void pack_rows(const uint16_t* src, int64_t n, int64_t k, uint16_t* dst) {
+    const int64_t blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b)
+            for (int64_t lane = 0; lane < 16 && b * 16 + lane < n; ++lane) {
+                const uint16_t* row = src + (b * 16 + lane) * k;
+                uint16_t* block = dst + b * k_pairs * 32 + lane * 2;
+                for (int64_t i = 0; i < k; ++i) block[(i / 2) * 32 + i % 2] = row[i];
+            }
+    });
+}
+
+// [N, K] bfloat16 → the packed layout every GEMM reads, zero-padded to whole blocks.
+at::Tensor pack_weight(const at::Tensor& weight) {
+    usable();
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                    weight.device().is_cpu(),
+                "weight must be a bfloat16 CPU matrix");
+    const at::Tensor w = weight.contiguous();
+    const int64_t n = w.size(0), k = w.size(1);
+    at::Tensor packed = at::zeros({(n + 15) / 16, (k + 1) / 2, 16, 2}, w.options());
+    pack_rows(bf16(w), n, k, bf16_mut(packed));
+    return packed;
+}
+
+using BlocksFn = void (*)(const gemm512::Operands&, int64_t rows, int64_t b0, int64_t b1);
+
+// Rows times every block over torch's threads: threads take runs of whole 16-output blocks, at
+// least a tile's worth each, or for a layer of few outputs and many rows whole rows and every
+// output (no thread left a ragged share of a few blocks). A row's bits depend on neither.
+void spread(const gemm512::Operands& op, int64_t rows, int64_t blocks, BlocksFn run) {
+    const int64_t work = rows * op.k * 16;  // multiply-adds per block
+    const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
+    const int64_t threads = at::get_num_threads();
+    if (blocks < 32 * threads && rows >= 2 * gemm512::kRowsPerTile * threads) {
+        const int64_t per_thread = (rows + threads - 1) / threads;
+        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t part = begin; part < end; ++part) {
+                const int64_t m0 = part * per_thread, m1 = std::min(rows, m0 + per_thread);
+                if (m0 >= m1) continue;
+                gemm512::Operands rows_op = op;
+                rows_op.x = op.x + m0 * op.x_stride;
+                rows_op.out = op.out + m0 * op.n;
+                run(rows_op, m1 - m0, 0, blocks);
+            }
+        });
+        return;
+    }
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        run(op, rows, begin, end);
+    });
+}
+
+// The AMX GEMM serves only where the unit gives its documented arithmetic's bits on a small
+// problem (rows past a whole group, two block pairs' worth of outputs less a ragged block, two
+// tiles of K, a bias): checked once, in this process, before the first call.
+bool amx_verified() {
+    static const bool ok = [] {
+        if (!amx::runs_amx() || !runs_bf16_gemm()) return false;
+        constexpr int64_t m = 40, k = 64, n = 56, blocks = (n + 15) / 16;
+        std::vector<uint16_t> x(m * k), w(n * k), packed(blocks * 16 * k, 0);
+        std::vector<uint16_t> real(m * n), emulated(m * n);
+        std::vector<float> bias(blocks * 16, 0.0f);
+        uint32_t state = 12345;
+        auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+        // bfloat16 with exponents near 1 and mixed signs: every product matters to the sum.
+        for (auto& v : x) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
+        for (auto& v : w) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
+        for (int64_t o = 0; o < n; ++o) bias[o] = float(int(next() % 17) - 8) / 8.0f;
+        pack_rows(w.data(), n, k, packed.data());
+        gemm512::Operands op{x.data(), k, k, packed.data(), k / 2 * 32, bias.data(), real.data(), n};
+        amx::blocks<amx::Tiles>(op, m, 0, blocks);
+        op.out = emulated.data();
+        amx::blocks<amx::EmulatedTiles>(op, m, 0, blocks);
+        return real == emulated;
+    }();
+    return ok;
+}
+
+// The GEMM every projection runs on: "amx" where the unit is verified, else "avx512bf16" where
+// the CPU has it, else gemm_vec.h on the widest set it runs ("avx512", "avx2"), with the same
+// bits; a test may narrow it (call before serving, never during a call).
+std::string& gemm_name() {
+    static std::string name = amx_verified()     ? "amx"
+                              : runs_bf16_gemm() ? "avx512bf16"
+                                                 : std::string(kernels().name);
+    return name;
+}
+
+bool runs_gemm(const std::string& name) {
+    if (name == "amx") return amx_verified();
+    if (name == "avx512bf16") return runs_bf16_gemm();
+    if (name == "avx512") return runs_avx512();
+    return name == "avx2" && runs_avx2();
+}
+
+std::string select_gemm(const std::string& name) {
+    TORCH_CHECK(runs_gemm(name), "this CPU does not run the ", name, " GEMM");
+    gemm_name() = name;
+    return name;
+}
+
+// x [M, K] bfloat16 (unit inner stride) times a packed weight of N outputs, plus an optional
+// bias (any float dtype; float32 spares a conversion per call), added in float32 before the one
+// rounding to bfloat16. `path`: the GEMM (gemm_name() when empty; "amx-emulated" for the tests);
+// the AMX GEMM takes a layer only when K is a multiple of 32, a fixed choice per layer.
+at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias, int64_t n, const std::string& path) {
+    check_rows(x, "x");
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
+                    packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+                "packed weight: [N/16, K/2, 16, 2] bfloat16 from pack_weight");
+    const int64_t rows = x.size(0), k = x.size(1), blocks = packed.size(0);
+    TORCH_CHECK(packed.size(1) == (k + 1) / 2 && (n + 15) / 16 == blocks,
+                "x and the packed weight disagree in shape");
+    at::Tensor out = at::empty({rows, n}, x.options());
+    if (rows == 0) return out;
+    at::Tensor bias32;
+    if (bias) {
+        bias32 = bias->to(at::kFloat).contiguous();  // no copy for a float32 bias
+        TORCH_CHECK(bias32.numel() == n, "one bias per output");
+        if (blocks * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
+    }
+    const float* b = bias ? bias32.data_ptr<float>() : nullptr;
+    const gemm512::Operands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
+                               b,       bf16_mut(out), n};
+    const std::string& chosen = path.empty() ? gemm_name() : path;
+    if (chosen == "amx-emulated") {
+        TORCH_CHECK(k % 32 == 0, "the AMX GEMM takes K a multiple of 32");
+        spread(op, rows, blocks, &amx::blocks<amx::EmulatedTiles>);
+        return out;
+    }
+    TORCH_CHECK(runs_gemm(chosen), "this CPU does not run the ", chosen, " GEMM");
+    if (chosen == "amx" && k % 32 == 0)
+        spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
+    else if (chosen == "amx" || chosen == "avx512bf16")
+        spread(op, rows, blocks, &gemm512::blocks);
+    else if (chosen == "avx512")
+        spread(op, rows, blocks, avx512_kernels().gemm_blocks);
+    else
+        spread(op, rows, blocks, avx2_kernels().gemm_blocks);
+    return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t n) {
+    return linear_on(x, packed, bias, n, "");
+}
+
+// x [M, K] bfloat16 times a quantized weight of N outputs packed by quant/packing.py in the
+// format described by the integers (quant_gemm.h's Format), plus an optional bias added in
+// float32 before the one rounding to bfloat16. On every instruction set the same bits.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
+                        int64_t offset, bool has_min, int64_t sub, int64_t super,
+                        const c10::optional<at::Tensor>& bias) {
+    const Kernels& k = usable();
+    check_rows(x, "x");
+    const int64_t rows = x.size(0), inputs = x.size(1), groups = (n + 15) / 16;
+    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
+    TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "codes of 4, 5 or 8 bits");
+    TORCH_CHECK((sub == 16 || sub == 32) && super % sub == 0 && inputs % super == 0,
+                "the inputs must be whole super-blocks of whole sub-blocks");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == groups * (inputs / super) * f.record_bytes(),
+                "packed weight: uint8 records of quant/packing.py for this shape and format");
+    at::Tensor out = at::empty({rows, n}, x.options());
+    if (rows == 0) return out;
+    TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
+    // The rounded inputs in one allocation (a decode step makes hundreds of these calls):
+    // [rows][k] int16, [rows][k] int8, [rows][k / 32] float steps, [rows][k / 16] int32 sums.
+    const int64_t values = rows * inputs;
+    const at::Tensor scratch = at::empty({values * 3 + values / 32 * 4 + values / 16 * 4},
+                                         x.options().dtype(at::kByte));
+    uint8_t* const base = scratch.data_ptr<uint8_t>();
+    int16_t* const xq = reinterpret_cast<int16_t*>(base);
+    int8_t* const xq8 = reinterpret_cast<int8_t*>(base + values * 2);
+    float* const xstep = reinterpret_cast<float*>(base + values * 3);
+    int32_t* const xsum = reinterpret_cast<int32_t*>(base + values * 3 + values / 32 * 4);
+    // Rows per task as the per-row kernels take them: a decode step's few rows are rounded
+    // inline, not across a fork and join of every thread.
+    at::parallel_for(0, rows, grain(inputs), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+            k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq + r * inputs, xq8 + r * inputs,
+                           xstep + r * (inputs / 32), xsum + r * (inputs / 16));
+    });
+    at::Tensor bias32;
+    if (bias) {
+        bias32 = bias->to(at::kFloat).contiguous();
+        TORCH_CHECK(bias32.numel() == n, "one bias per output");
+        if (groups * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, groups * 16 - n});
+    }
+    const QuantOperands op{xq,
+                           xq8,
+                           xstep,
+                           xsum,
+                           inputs,
+                           packed.data_ptr<uint8_t>(),
+                           f,
+                           bias ? bias32.data_ptr<float>() : nullptr,
+                           bf16_mut(out),
+                           n};
+    // Groups per task: at least ~2^18 multiply-adds, so one row's step still splits its
+    // outputs over the threads (and a task is never a single small group).
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rows * inputs));
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+        k.quant_groups(op, rows, begin, end);
+    });
+    return out;
+}
+
+// Rows (outputs) `rows` of a packed quantized weight of `k` inputs as bfloat16 [len, k]: an
+// embedding table's lookups, the dequantized path's values.
+at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
+                      int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super) {
+    const Kernels& kern = usable();
+    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.numel() == (n + 15) / 16 * (k / super) * f.record_bytes(),
+                "packed weight: uint8 records of quant/packing.py for this shape and format");
+    const at::Tensor ids = rows.to(at::kLong).contiguous();
+    TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
+                                                        ids.max().item<int64_t>() < n)),
+                "row ids out of range");
+    at::Tensor out = at::empty({ids.numel(), k}, packed.options().dtype(at::kBFloat16));
+    const QuantOperands op{nullptr, nullptr, nullptr, nullptr, k, packed.data_ptr<uint8_t>(),
+                           f,       nullptr, nullptr, n};
+    at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
+        kern.quant_rows(op, ids.data_ptr<int64_t>() + begin, end - begin,
+                        bf16_mut(out) + begin * k);
+    });
+    return out;
+}
+
+bool runs_amx() {
+    return amx::runs_amx();
+}
+
+}  // namespace cpu
