@@ -17,63 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from slotserve.runners.pytorch.gpu_kernels import interpreted
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the GPU extra is not installed
-    triton = None
+from slotserve.runners.pytorch.gpu_kernels import available, interpreted
 
 BLOCK_M = 32
 BLOCK_N = 128
 BLOCK_K = 64
-
-
-if triton is not None:
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _matmul_kernel(  # type: ignore[no-untyped-def]
-        x_ptr,
-        w_ptr,
-        bias_ptr,
-        out_ptr,
-        rows,
-        cols,
-        depth,
-        stride_x,
-        stride_w,
-        stride_out,
-        has_bias: tl.constexpr,
-        block_m: tl.constexpr,
-        block_n: tl.constexpr,
-        block_k: tl.constexpr,
-        exact: tl.constexpr,
-        by_sum: tl.constexpr,
-    ):
-        m = tl.program_id(0) * block_m + tl.arange(0, block_m)
-        n = tl.program_id(1) * block_n + tl.arange(0, block_n)
-        m_ok, n_ok = m < rows, n < cols
-        acc = tl.zeros([block_m, block_n], tl.float32)
-        for k0 in range(0, depth, block_k):
-            k = k0 + tl.arange(0, block_k)
-            k_ok = k < depth
-            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], m_ok[:, None] & k_ok[None, :])
-            w = tl.load(w_ptr + n[None, :] * stride_w + k[:, None], n_ok[None, :] & k_ok[:, None])
-            if by_sum:  # the interpreter: numpy's matmul sums by its BLAS's blocking, which
-                # may depend on a row's place in the tile; a sum over K per output does not
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
-            elif exact:  # float32 models: products in float32
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
-        if has_bias:
-            acc += tl.load(bias_ptr + n, n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            out_ptr + m[:, None] * stride_out + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            m_ok[:, None] & n_ok[None, :],
-        )
 
 
 def invariant_linear(
@@ -81,8 +29,12 @@ def invariant_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with each output's reduction order fixed: ``x`` [..., K],
     ``weight`` [N, K] (row-major), ``bias`` [N]."""
-    if triton is None:
+    if not available():
         raise RuntimeError("--batch-invariant on a GPU needs Triton: pip install -e '.[gpu]'")
+    import triton
+
+    from slotserve.runners.pytorch.gpu_matmul_kernel import matmul_kernel
+
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -93,7 +45,7 @@ def invariant_linear(
     out = torch.empty(rows.shape[0], cols, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         grid = (triton.cdiv(rows.shape[0], BLOCK_M), triton.cdiv(cols, BLOCK_N))
-        _matmul_kernel[grid](
+        matmul_kernel[grid](
             rows, weight, bias if bias is not None else weight, out,
             rows.shape[0], cols, depth, rows.stride(0), weight.stride(0), out.stride(0),
             has_bias=bias is not None, block_m=BLOCK_M, block_n=BLOCK_N, block_k=BLOCK_K,
