@@ -203,8 +203,26 @@ def test_every_row_is_bit_identical_alone_and_in_any_batch(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(16, 8, 128), (8, 2, 256), (14, 2, 64), (4, 2, 80), (6, 6, 48)],
-    ids=["qwen3", "qwen3.5", "group-7", "pairs-in-part-of-a-vector", "no-grouping"],
+    [
+        (16, 8, 128),
+        (32, 8, 128),
+        (8, 2, 256),
+        (14, 2, 64),
+        (12, 2, 64),
+        (4, 4, 64),
+        (4, 2, 80),
+        (6, 6, 48),
+    ],
+    ids=[
+        "qwen3",
+        "llama-3.1-8b",
+        "qwen3.5",
+        "group-7",
+        "group-6",
+        "no-grouping-64",
+        "pairs-in-part-of-a-vector",
+        "no-grouping",
+    ],
 )
 def test_other_head_shapes_are_exact_and_batch_invariant(
     kernels: CpuKernels, heads: int, kv_heads: int, dim: int

@@ -15,9 +15,16 @@ static inline void key_offsets(const PagedKv& kv, int kv_head, const int32_t* ta
     }
 }
 
+#if !SLOTSERVE_AVX512
+#include "attend_row_avx2.h"
+#endif
+
 // One row (``t.rows`` == 1) of ``G`` query heads (0: ``t.group``) reading its keys in place.
 template <int CH, int G>
 static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+#if !SLOTSERVE_AVX512
+    if constexpr (CH > 0 && G > 0) return attend_row_avx2<CH, G>(kv, kv_head, table, t);
+#endif
     const int d = CH ? CH * kLanes : kv.head_dim, chunks = d / kLanes, group = G ? G : t.group;
     const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes, n = t.n[0];
     int64_t offsets[kPartition];
@@ -272,6 +279,7 @@ static void attend_tile(const PagedKv& kv, int kv_head, const int32_t* table, co
         case 801: SLOTSERVE_ATTEND(8, 1);
         case 802: SLOTSERVE_ATTEND(8, 2);
         case 803: SLOTSERVE_ATTEND(8, 3);
+        case 804: SLOTSERVE_ATTEND(8, 4);
         case 1601: SLOTSERVE_ATTEND(16, 1);
         default: SLOTSERVE_ATTEND(0, 0);
     }

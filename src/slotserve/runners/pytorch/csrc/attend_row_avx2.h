@@ -1,0 +1,127 @@
+// A lone row's partition for the AVX2 build, head_dim (CH vectors of sixteen) and group (G)
+// known (attend.h includes this there alone): attend_row_t's operations in their order, so its
+// bits (attention.h states them), with what repeats per head done once and every running sum in
+// registers. The generic attend_row_t, on sixteen-lane vectors, keeps them in memory on AVX2.
+//
+// Scores: the query's pairs are split into their high and low bfloat16 once for the partition,
+// and each key's once for all G heads; a key's x_l comes as two eight-lane halves (lanes 0-7,
+// 8-15), whose sum is the tree's first round (x_l + x_l+8); the rounds + 4, + 2 and + 1 then run
+// over eight keys at a time as in-register transposes. Values: the accumulators of G heads for
+// kDims dimensions at a time stay in registers over all the keys, each key pair's values
+// widened to float32 once for the G heads.
+
+template <int G>
+constexpr int kDims = G == 1 ? 64 : G <= 3 ? 32 : 16;  // dimensions per value pass
+
+// The scores of eight keys from their halves' sums ``a`` (lane l: x_l + x_l+8), by the tree's
+// rounds + 4, + 2, + 1, times ``scale``.
+static inline __attribute__((always_inline)) __m256 eight_scores(const __m256* a, __m256 scale) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; ++i)  // key 2i and 2i + 1: lanes l and l + 4
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // keys 4i .. 4i + 3: lanes l and l + 2
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // Lanes l and l + 1: keys 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high one.
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m256 ordered = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_mul_ps(ordered, scale);
+}
+
+// Eight bfloat16 values from ``p`` as float32.
+static inline __attribute__((always_inline)) __m256 widen_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int CH, int G>
+static void attend_row_avx2(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    constexpr int d = CH * kLanes, pair_chunks = d / 2 / kLanes, halves = 2 * pair_chunks;
+    static_assert(CH % 2 == 0 && d % kDims<G> == 0, "whole pair chunks, whole value passes");
+    const int n = t.n[0];
+    int64_t offsets[kPartition];
+    key_offsets(kv, kv_head, table, t.start, n, offsets);
+    // The prefetches of attend_row_t: keys to level 2 kFarPrefetch ahead and to level 1
+    // kPrefetch ahead, values to level 2 kValuePrefetch ahead while the scores are computed.
+    auto prefetch = [&](const uint16_t* base, int j, int level) {
+        const char* row = (const char*)(base + offsets[j]);
+        for (int line = 0; line < d * 2; line += 64)
+            level == 0 ? __builtin_prefetch(row + line) : __builtin_prefetch(row + line, 0, 1);
+    };
+    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j, 0);
+    for (int j = kPrefetch; j < kFarPrefetch && j < n; ++j) prefetch(kv.keys, j, 1);
+    for (int j = 0; j < kValuePrefetch && j < n; ++j) prefetch(kv.values, j, 1);
+    const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+    // dot_pairs_halves takes, per eight pairs, the high bfloat16s' products, then the low ones'.
+    __m256 q_high[G][halves], q_low[G][halves];
+    for (int g = 0; g < G; ++g)
+        for (int h = 0; h < halves; ++h) {
+            const __m256i a = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(t.q + int64_t(g) * t.q_stride) + h);
+            q_high[g][h] = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+            q_low[g][h] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+        }
+    const __m256 scale = _mm256_set1_ps(t.scale);
+    for (int j0 = 0; j0 < n; j0 += 8) {
+        __m256 sums[G][8];
+        const int count = std::min(8, n - j0);
+        for (int jj = 0; jj < 8; ++jj) {
+            if (jj >= count) {  // past the row's keys: softmax_rows writes -inf there
+                for (int g = 0; g < G; ++g) sums[g][jj] = _mm256_setzero_ps();
+                continue;
+            }
+            const int j = j0 + jj;
+            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch, 0);
+            if (j + kFarPrefetch < n) prefetch(kv.keys, j + kFarPrefetch, 1);
+            if (j + kValuePrefetch < n) prefetch(kv.values, j + kValuePrefetch, 1);
+            const __m256i* key = reinterpret_cast<const __m256i*>(kv.keys + offsets[j]);
+            __m256 k_high[halves], k_low[halves];
+            for (int h = 0; h < halves; ++h) {
+                const __m256i b = _mm256_loadu_si256(key + h);
+                k_high[h] = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+                k_low[h] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+            }
+            for (int g = 0; g < G; ++g) {
+                __m256 x[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int h = 0; h < halves; ++h) {  // chunk h / 2, half h % 2
+                    x[h % 2] = _mm256_fmadd_ps(q_high[g][h], k_high[h], x[h % 2]);
+                    x[h % 2] = _mm256_fmadd_ps(q_low[g][h], k_low[h], x[h % 2]);
+                }
+                sums[g][jj] = _mm256_add_ps(x[0], x[1]);
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            _mm256_storeu_ps(t.scores + int64_t(g) * kScoreStride + j0, eight_scores(sums[g], scale));
+    }
+    softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);
+    // value_pair's steps: acc = fma(p_even, v_even, fma(p_odd, v_odd, acc)) from zero (as
+    // softmax_rows left t.acc), key pair by key pair; the odd key of a last half pair has p and
+    // v zero.
+    constexpr int vectors = kDims<G> / 8;
+    for (int dim = 0; dim < d; dim += kDims<G>) {
+        __m256 acc[G][vectors];
+        for (int g = 0; g < G; ++g)
+            for (int e = 0; e < vectors; ++e) acc[g][e] = _mm256_setzero_ps();
+        for (int j = 0; j < n; j += 2) {
+            const uint16_t* even = kv.values + offsets[j] + dim;
+            const uint16_t* odd = j + 1 < n ? kv.values + offsets[j + 1] + dim : nullptr;
+            __m256 v_even[vectors], v_odd[vectors];
+            for (int e = 0; e < vectors; ++e) {
+                v_even[e] = widen_bf16(even + 8 * e);
+                v_odd[e] = odd ? widen_bf16(odd + 8 * e) : _mm256_setzero_ps();
+            }
+            for (int g = 0; g < G; ++g) {
+                const uint16_t* p = t.probs + g * (kPartition + 2) + j;
+                const __m256 pe = _mm256_set1_ps(bf16_to_f32(p[0]));
+                const __m256 po = _mm256_set1_ps(bf16_to_f32(p[1]));
+                for (int e = 0; e < vectors; ++e)
+                    acc[g][e] = _mm256_fmadd_ps(pe, v_even[e], _mm256_fmadd_ps(po, v_odd[e], acc[g][e]));
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            for (int e = 0; e < vectors; ++e)
+                _mm256_storeu_ps(t.acc + g * d + dim + 8 * e, acc[g][e]);
+    }
+}
