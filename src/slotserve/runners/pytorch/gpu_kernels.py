@@ -22,6 +22,7 @@ plain-torch attention.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ BLOCK_M = 16  # consecutive tokens of one sequence per program
 BLOCK_N = 32  # keys per tile, at absolute positions k * BLOCK_N
 
 
+@functools.cache
 def available() -> bool:
     """Whether Triton is installed (the kernels run on a CUDA device, or anywhere under
     ``TRITON_INTERPRET=1``)."""
