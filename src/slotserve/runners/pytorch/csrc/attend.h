@@ -15,6 +15,37 @@ static inline void key_offsets(const PagedKv& kv, int kv_head, const int32_t* ta
     }
 }
 
+// Keys and values are scattered over the pool's blocks, which defeats the hardware's
+// prefetchers, and a lone row computes too little per key to hide a memory access: keys are
+// fetched to the level-2 cache kFarPrefetch ahead and to level 1 kPrefetch ahead, values to
+// level 2 kValuePrefetch ahead while the scores are computed.
+template <int RowBytes>  // a head's row, in bytes (0: ``row_bytes``)
+struct RowPrefetch {
+    const uint16_t* keys;
+    const uint16_t* values;
+    const int64_t* offsets;  // of the partition's keys (key_offsets)
+    int n, row_bytes;
+
+    template <bool near>  // to level 1, else to level 2
+    __attribute__((always_inline)) void row(const uint16_t* base, int j) const {
+        const char* row = (const char*)(base + offsets[j]);
+        for (int line = 0; line < (RowBytes ? RowBytes : row_bytes); line += 64)
+            near ? __builtin_prefetch(row + line) : __builtin_prefetch(row + line, 0, 1);
+    }
+    // Before the first key.
+    __attribute__((always_inline)) void start() const {
+        for (int j = 0; j < kPrefetch && j < n; ++j) row<true>(keys, j);
+        for (int j = kPrefetch; j < kFarPrefetch && j < n; ++j) row<false>(keys, j);
+        for (int j = 0; j < kValuePrefetch && j < n; ++j) row<false>(values, j);
+    }
+    // With key j.
+    __attribute__((always_inline)) void ahead_of(int j) const {
+        if (j + kPrefetch < n) row<true>(keys, j + kPrefetch);
+        if (j + kFarPrefetch < n) row<false>(keys, j + kFarPrefetch);
+        if (j + kValuePrefetch < n) row<false>(values, j + kValuePrefetch);
+    }
+};
+
 #if !SLOTSERVE_AVX512
 #include "attend_row_avx2.h"
 #endif
@@ -29,29 +60,14 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes, n = t.n[0];
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n, offsets);
-    // Keys and values are scattered over the pool's blocks, which defeats the hardware's
-    // prefetchers, and a lone row computes too little per key to hide a memory access: keys
-    // are fetched to the level-2 cache kFarPrefetch ahead and to level 1 kPrefetch ahead,
-    // values to level 2 kValuePrefetch ahead while the scores are computed.
-    auto prefetch = [&](const uint16_t* base, int j) {
-        const char* row = (const char*)(base + offsets[j]);
-        for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(row + line);
-    };
-    auto prefetch_far = [&](const uint16_t* base, int j) {
-        const char* row = (const char*)(base + offsets[j]);
-        for (int line = 0; line < d * 2; line += 64) __builtin_prefetch(row + line, 0, 1);
-    };
-    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j);
-    for (int j = kPrefetch; j < kFarPrefetch && j < n; ++j) prefetch_far(kv.keys, j);
-    for (int j = 0; j < kValuePrefetch && j < n; ++j) prefetch_far(kv.values, j);
+    const RowPrefetch<CH * kLanes * 2> prefetch{kv.keys, kv.values, offsets, n, d * 2};
+    prefetch.start();
     vf partial[kMaxGroup * kLanes];
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int jj = 0; jj < count; ++jj) {
             const int j = j0 + jj;
-            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch);
-            if (j + kFarPrefetch < n) prefetch_far(kv.keys, j + kFarPrefetch);
-            if (j + kValuePrefetch < n) prefetch_far(kv.values, j + kValuePrefetch);
+            prefetch.ahead_of(j);
             const uint16_t* key = kv.keys + offsets[j];
             vi k[kMaxPairChunks];
             for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);

@@ -43,16 +43,8 @@ static void attend_row_avx2(const PagedKv& kv, int kv_head, const int32_t* table
     const int n = t.n[0];
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n, offsets);
-    // The prefetches of attend_row_t: keys to level 2 kFarPrefetch ahead and to level 1
-    // kPrefetch ahead, values to level 2 kValuePrefetch ahead while the scores are computed.
-    auto prefetch = [&](const uint16_t* base, int j, int level) {
-        const char* row = (const char*)(base + offsets[j]);
-        for (int line = 0; line < d * 2; line += 64)
-            level == 0 ? __builtin_prefetch(row + line) : __builtin_prefetch(row + line, 0, 1);
-    };
-    for (int j = 0; j < kPrefetch && j < n; ++j) prefetch(kv.keys, j, 0);
-    for (int j = kPrefetch; j < kFarPrefetch && j < n; ++j) prefetch(kv.keys, j, 1);
-    for (int j = 0; j < kValuePrefetch && j < n; ++j) prefetch(kv.values, j, 1);
+    const RowPrefetch<d * 2> prefetch{kv.keys, kv.values, offsets, n, d * 2};
+    prefetch.start();
     const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
     // dot_pairs_halves takes, per eight pairs, the high bfloat16s' products, then the low ones'.
     __m256 q_high[G][halves], q_low[G][halves];
@@ -73,9 +65,7 @@ static void attend_row_avx2(const PagedKv& kv, int kv_head, const int32_t* table
                 continue;
             }
             const int j = j0 + jj;
-            if (j + kPrefetch < n) prefetch(kv.keys, j + kPrefetch, 0);
-            if (j + kFarPrefetch < n) prefetch(kv.keys, j + kFarPrefetch, 1);
-            if (j + kValuePrefetch < n) prefetch(kv.values, j + kValuePrefetch, 1);
+            prefetch.ahead_of(j);
             const __m256i* key = reinterpret_cast<const __m256i*>(kv.keys + offsets[j]);
             __m256 k_high[halves], k_low[halves];
             for (int h = 0; h < halves; ++h) {

@@ -25,7 +25,7 @@
 
 constexpr int kMaxChunks = 16;  // head_dim up to 256, in 16-dimension vectors
 constexpr int kMaxGroup = 16;   // query heads per KV head
-constexpr int kPrefetch = 16;       // keys ahead, to level 1, in a lone row (attend_row_t)
+constexpr int kPrefetch = 16;       // keys ahead, to level 1, in a lone row (RowPrefetch)
 constexpr int kFarPrefetch = 96;    // keys ahead, to level 2
 constexpr int kValuePrefetch = 32;  // values ahead, to level 2, during the scores
 
