@@ -36,9 +36,9 @@ bool runs_avx512_bf16() {
 }
 
 Kernels select_kernels() {
-    if (runs_avx512_bf16()) return avx512bf16_kernels();
-    if (runs_avx512()) return avx512_kernels();
-    if (runs_avx2()) return avx2_kernels();
+    if (runs_avx512_bf16()) return avx512bf16::table();
+    if (runs_avx512()) return avx512::table();
+    if (runs_avx2()) return avx2::table();
     return Kernels{"none",  nullptr, nullptr, nullptr, nullptr, nullptr,
                    nullptr, nullptr, nullptr, nullptr, nullptr};
 }
@@ -52,11 +52,11 @@ Kernels& kernels() {
 // machine. Call before serving, never during a call.
 std::string select_isa(const std::string& name) {
     if (name == "avx512bf16" && runs_avx512_bf16())
-        kernels() = avx512bf16_kernels();
+        kernels() = avx512bf16::table();
     else if (name == "avx512" && runs_avx512())
-        kernels() = avx512_kernels();
+        kernels() = avx512::table();
     else if (name == "avx2" && runs_avx2())
-        kernels() = avx2_kernels();
+        kernels() = avx2::table();
     else
         TORCH_CHECK(false, "this CPU does not run ", name);
     return kernels().name;

@@ -1,8 +1,9 @@
 // What every translation unit of the CPU kernels shares: the operands' layouts, the attention
-// constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp compiles
-// vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h, quant_pairs.h and quant_gemm.h inside its
-// own target region and namespace and hands out its table, with no torch header; cpu_kernels.cpp
-// chooses one at run time, and the ops (cpu_kernels.h) call it.
+// constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp names its
+// set and compiles isa_kernels.h (vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h,
+// quant_pairs.h, quant_gemm.h) inside its own target region and namespace, with no torch header,
+// and hands out its table; cpu_kernels.cpp chooses one at run time, and the ops (cpu_kernels.h)
+// call it.
 #pragma once
 
 #include <immintrin.h>
@@ -128,6 +129,6 @@ struct Kernels {
             &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of           \
     }
 
-Kernels avx512bf16_kernels();  // kernels_avx512bf16.cpp
-Kernels avx512_kernels();      // kernels_avx512.cpp
-Kernels avx2_kernels();        // kernels_avx2.cpp
+namespace avx512bf16 { Kernels table(); }  // kernels_avx512bf16.cpp
+namespace avx512 { Kernels table(); }      // kernels_avx512.cpp
+namespace avx2 { Kernels table(); }        // kernels_avx2.cpp

@@ -162,9 +162,9 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     else if (chosen == "amx" || chosen == "avx512bf16")
         spread(op, rows, blocks, &gemm512::blocks);
     else if (chosen == "avx512")
-        spread(op, rows, blocks, avx512_kernels().gemm_blocks);
+        spread(op, rows, blocks, avx512::table().gemm_blocks);
     else
-        spread(op, rows, blocks, avx2_kernels().gemm_blocks);
+        spread(op, rows, blocks, avx2::table().gemm_blocks);
     return out;
 }
 

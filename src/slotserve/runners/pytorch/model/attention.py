@@ -148,12 +148,8 @@ def attend(
             q, key_cache, value_cache, paged.block_tables, step.tiles, paged.positions,
             paged.block_size, window, config.attention_scale,
         )  # fmt: skip
-    key_rows = key_cache.view(-1, config.head_dim)
-    value_rows = value_cache.view(-1, config.head_dim)
-    outputs = []
-    for group in step.groups:
-        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
-        outputs.append(_group_attention(q, key_rows, value_rows, group, mask, config))
+    caches = key_cache, value_cache
+    outputs = [_group_attention(q, caches, group, sliding, config) for group in step.groups]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -169,24 +165,23 @@ def attend_images(
     """``out`` with the rows of ``step.image_groups`` attended again, each image token over
     its whole image (their K/V are in the caches already). Those rows always take this path,
     whatever else is in the step, so their bits never depend on the batch."""
-    key_rows = key_cache.view(-1, config.head_dim)
-    value_rows = value_cache.view(-1, config.head_dim)
     for group in step.image_groups:
-        mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
-        rows = _group_attention(q, key_rows, value_rows, group, mask, config)
+        rows = _group_attention(q, (key_cache, value_cache), group, sliding, config)
         out[group.start : group.start + group.q_len] = rows.to(out.dtype)
     return out
 
 
 def _group_attention(
     q: torch.Tensor,
-    key_rows: torch.Tensor,
-    value_rows: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
     group: AttentionGroup,
-    mask: torch.Tensor,
+    sliding: bool,
     config: ModelConfig,
 ) -> torch.Tensor:
-    """One group's attention, ``[batch * q_len, heads * head_dim]``."""
+    """One group's attention over the key and value caches, ``[batch * q_len, heads *
+    head_dim]``; a sliding layer masks by its window."""
+    key_rows, value_rows = (cache.view(-1, config.head_dim) for cache in caches)
+    mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
     if q.device.type == "cuda":  # no batch-invariance claim on GPUs: take SDPA's kernels
         return _sdpa(q, key_rows, value_rows, group, mask, config)
     kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim

@@ -1,0 +1,28 @@
+// The kernels of one instruction set, included once by each kernels_<isa>.cpp after it names
+// the set: SLOTSERVE_ISA (the namespace), SLOTSERVE_TARGET (GCC's target string),
+// SLOTSERVE_AVX512 and SLOTSERVE_BF16 (which vector forms vec.h defines). Every header below
+// compiles inside that target region and namespace; SLOTSERVE_ISA::table() hands out the result.
+#include "kernel_types.h"
+
+#define SLOTSERVE_PRAGMA(text) _Pragma(#text)
+#define SLOTSERVE_TARGET_PRAGMA(isa) SLOTSERVE_PRAGMA(GCC target(isa))
+// The namespace expanded before SLOTSERVE_KERNELS names the table after it.
+#define SLOTSERVE_TABLE_OF(ns) SLOTSERVE_KERNELS(ns)
+
+#pragma GCC push_options
+SLOTSERVE_TARGET_PRAGMA(SLOTSERVE_TARGET)
+namespace SLOTSERVE_ISA {
+#include "vec.h"
+#include "rowwise.h"
+#include "attention.h"
+#include "attend.h"
+#include "gemm_vec.h"
+#include "quant_pairs.h"
+#include "quant_gemm.h"
+
+static_assert(sizeof(ValuePair) * 8 <= kVectorScratch - kKeysBytes,
+              "a block of key pairs' values fits the vector scratch");
+}  // namespace SLOTSERVE_ISA
+#pragma GCC pop_options
+
+Kernels SLOTSERVE_ISA::table() { return SLOTSERVE_TABLE_OF(SLOTSERVE_ISA); }
