@@ -1,8 +1,10 @@
 """The PyTorch runner's paged attention kernel: this checkout's build against another git
 revision's, both loaded in one process, calls alternated (A B A B ...), on shapes of the
-embedded model's serving (prefill chunks at long contexts, decode rows):
+embedded model's serving (prefill chunks at long contexts, decode rows) and decode rows on
+Llama-3.2-1B's heads (the cases named ``1B:``):
 
     python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--layers 30]
+        [--only 'decode']
 
 Prints, per case, each build's median time per call and the median of the paired ratios
 base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
@@ -28,24 +30,30 @@ from kernel_revision import build_revision
 from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
 
 BLOCK = 16
-HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M
+SMOLLM2_135M, LLAMA_3_2_1B = (9, 3), (32, 8)  # query and KV heads, of 64 dimensions each
+DIM = 64
 
 
 def case(
-    lengths: list[int], rows: list[tuple[int, int]], shared: int = 0, seed: int = 0
+    lengths: list[int],
+    rows: list[tuple[int, int]],
+    shared: int = 0,
+    seed: int = 0,
+    heads: tuple[int, int] = SMOLLM2_135M,
 ) -> tuple[Any, ...]:
     """Sequences of ``lengths`` (the first ``shared`` positions in common blocks) and query
-    rows (sequence, position): the paged_attention arguments."""
+    rows (sequence, position), over ``heads``: the paged_attention arguments."""
+    num_heads, kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     blocks = sum(-(-n // BLOCK) for n in lengths) + 8
-    keys = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
-    values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+    keys = torch.randn(blocks * BLOCK, kv_heads, DIM, generator=gen).bfloat16()
+    values = torch.randn(blocks * BLOCK, kv_heads, DIM, generator=gen).bfloat16()
     free = torch.randperm(blocks, generator=gen).tolist()
     common = [free.pop() for _ in range(shared // BLOCK)]
     tables = [common + [free.pop() for _ in range(-(-n // BLOCK) - len(common))] for n in lengths]
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    q = torch.randn(len(rows), HEADS, DIM, generator=gen).bfloat16()
+    q = torch.randn(len(rows), num_heads, DIM, generator=gen).bfloat16()
     seqs = torch.tensor([s for s, _ in rows], dtype=torch.int32)
     positions = torch.tensor([p for _, p in rows], dtype=torch.int32)
     return (q, keys, values, table, seqs, positions, BLOCK, 0, 1 / math.sqrt(DIM))
@@ -85,6 +93,11 @@ CASES: dict[str, Callable[[int], tuple[Any, ...]]] = {  # a pool per seed
     "1 decode at 6.5k + 5 at 100": lambda seed: case(
         [6500] + [100] * 5, [(0, 6499)] + [(j, 99) for j in range(1, 6)], seed=seed
     ),
+    "1B: 1 decode at 4k": lambda seed: case([4000], [(0, 3999)], seed=seed, heads=LLAMA_3_2_1B),
+    "1B: 1 decode at 10k": lambda seed: case([10000], [(0, 9999)], seed=seed, heads=LLAMA_3_2_1B),
+    "1B: 4 decodes at 10k": lambda seed: case(
+        [10000] * 4, [(j, 9999) for j in range(4)], seed=seed, heads=LLAMA_3_2_1B
+    ),
 }
 
 
@@ -96,6 +109,7 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=1, help="pools per case, each call of a pass on the next"
     )
+    parser.add_argument("--only", default="", help="the cases whose names contain this text")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -105,6 +119,8 @@ def main() -> None:
         base = build_revision(args.base_rev, Path(folder), "attention_ab_base")
         print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
         for name, make in CASES.items():
+            if args.only not in name:
+                continue
             calls = [make(seed) for seed in range(args.layers)]
             same = all(
                 torch.equal(base.paged_attention(*call), kernels.paged_attention(*call))
