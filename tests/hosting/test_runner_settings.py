@@ -131,3 +131,30 @@ def test_a_sequence_s_room_is_read_in_either_runner_s_spelling(tmp_path: Path) -
         runner_factory(both, engine, tmp_path, "m")
     with pytest.raises(ValueError, match="--max-model-len: a PyTorch runner setting"):
         runner_factory(both, engine, gguf, "m")
+
+
+@pytest.mark.parametrize(
+    ("argv", "gguf", "expected"),
+    [
+        (
+            (),
+            True,
+            "m: served by the llama.cpp runner (--runner auto, a .gguf file; --runner torch",
+        ),
+        ((), False, "m: served by the PyTorch runner (--runner auto, an HF checkpoint)"),
+        (("--runner", "torch"), True, "m: served by the PyTorch runner (--runner torch)"),
+    ],
+)
+def test_the_log_says_which_runner_serves_and_why(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    argv: tuple[str, ...],
+    gguf: bool,
+    expected: str,
+) -> None:
+    path = tmp_path / "model.gguf" if gguf else tmp_path
+    if gguf:
+        path.write_bytes(b"")  # never read: the recipe is made without loading
+    with caplog.at_level("INFO", logger="slotserve.hosting.launch"):
+        runner_factory(_serve_config(*argv), EngineConfig(), path, "m")
+    assert any(record.getMessage().startswith(expected) for record in caplog.records)

@@ -5,6 +5,7 @@ with options of its own over the server's."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from slotserve.hosting.registry import LaunchFactory
     from slotserve.hosting.served import ModelLaunch
 
+logger = logging.getLogger(__name__)
+
 # Recurrent-state snapshots per slot by default (--prefix-cache-snapshots): a conversation's
 # next turn, a shared prefix's branch point and a few spaced points per running prompt.
 SNAPSHOTS_PER_SLOT = 4
@@ -35,10 +38,22 @@ def runner_factory(
     kind = runner.runner
     if kind == "auto":
         kind = "llama.cpp" if model_path.is_file() else "torch"
+        why = (
+            "--runner auto, a .gguf file; --runner torch serves it on the PyTorch runner, "
+            "docs/runners.md compares the two"
+            if kind == "llama.cpp"
+            else "--runner auto, an HF checkpoint"
+        )
+    else:
+        why = f"--runner {kind}"
     runner = runner_settings(runner, kind, engine.num_slots)
+    logger.info("%s: served by the %s runner (%s)", model_name, _RUNNER_NAMES[kind], why)
     if kind == "llama.cpp":
         return llama_cpp_spec(runner, engine, model_path, model_name)
     return torch_spec(runner, engine, model_path, model_name)
+
+
+_RUNNER_NAMES = {"llama.cpp": "llama.cpp", "torch": "PyTorch"}
 
 
 def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig:
