@@ -47,13 +47,18 @@ def runner_factory(
     else:
         why = f"--runner {kind}"
     runner = runner_settings(runner, kind, engine.num_slots)
+    spec: RunnerSpec = (
+        llama_cpp_spec(runner, engine, model_path, model_name)
+        if kind == "llama.cpp"
+        else torch_spec(runner, engine, model_path, model_name)
+    )
     logger.info("%s: served by the %s runner (%s)", model_name, _RUNNER_NAMES[kind], why)
-    if kind == "llama.cpp":
-        return llama_cpp_spec(runner, engine, model_path, model_name)
-    return torch_spec(runner, engine, model_path, model_name)
+    return spec
 
 
+# Each runner by its --runner value: its name as users read it, its own settings.
 _RUNNER_NAMES = {"llama.cpp": "llama.cpp", "torch": "PyTorch"}
+_RUNNER_CONFIGS = {"llama.cpp": LlamaCppConfig, "torch": TorchConfig}
 
 
 def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig:
@@ -65,27 +70,25 @@ def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig
         config = replace(config, ctx_size=config.max_model_len * slots, max_model_len=0)
     elif kind == "torch" and config.ctx_size and not config.max_model_len:
         config = replace(config, max_model_len=max(config.ctx_size // slots, 1), ctx_size=0)
-    own, other = (
-        (LlamaCppConfig, TorchConfig) if kind == "llama.cpp" else (TorchConfig, LlamaCppConfig)
-    )
-    own_options = options(own)
+    other_kind = "torch" if kind == "llama.cpp" else "llama.cpp"
+    own_options = options(_RUNNER_CONFIGS[kind])
     # A switch turned off is named as it was given: --no-flash-attn.
     unused = [
         "--no-" + declared.flag[2:] if getattr(config, name) is False else declared.flag
-        for name, declared in options(other).items()
+        for name, declared in options(_RUNNER_CONFIGS[other_kind]).items()
         if name not in own_options and getattr(config, name) != declared.default
     ]
     if unused:
         one = len(unused) == 1
-        names = {LlamaCppConfig: "llama.cpp", TorchConfig: "PyTorch"}
-        what = f"a {names[other]} runner setting" if one else f"{names[other]} runner settings"
+        other_name = _RUNNER_NAMES[other_kind]
+        what = f"a {other_name} runner setting" if one else f"{other_name} runner settings"
         fix = (
             "add --runner torch"
             if kind == "llama.cpp"
             else f"drop {'it' if one else 'them'}, or serve a .gguf file with --runner llama.cpp"
         )
         raise ValueError(
-            f"{', '.join(unused)}: {what}, unused by the {names[own]} runner serving this "
+            f"{', '.join(unused)}: {what}, unused by the {_RUNNER_NAMES[kind]} runner serving this "
             f"model: {fix}"
         )
     return config
