@@ -58,6 +58,10 @@ def test_filters_keep_what_their_fields_say() -> None:
     top3 = set(logits[0].topk(3).indices.tolist())
     s = _sampler(seed=2, temperature=2.0, top_k=3)
     assert {sample(logits, [s])[0].token_id for _ in range(60)} <= top3
+    # top_k off (0 or -1) beside another filter leaves that filter alone to decide.
+    for off in (0, -1):
+        s = _sampler(seed=3, temperature=2.0, top_k=off, top_p=0.95)
+        assert len({sample(logits, [s])[0].token_id for _ in range(60)}) > 3, off
 
 
 def test_bias_and_penalties_move_the_greedy_choice() -> None:

@@ -216,8 +216,9 @@ def _draw_filtered(
     device = probs.device
     vocab = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
-    keep = torch.arange(vocab, device=device)[None, :] < top_k
+    # top_k 0 and -1 both keep every token.
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
     keep &= before < _column([p.top_p for p in params], device)
     keep &= sorted_probs >= _column([p.min_p for p in params], device) * sorted_probs[:, :1]
