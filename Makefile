@@ -53,7 +53,8 @@ install-test: $(BIN)/python install-browser
 $(TEST_STAMP): pyproject.toml
 	$(MAKE) --no-print-directory install-test
 
-serve: install
+# --runner auto serves the embedded model on the PyTorch runner, which needs its extra.
+serve: install-torch
 	$(BIN)/slotserve serve $(ARGS)
 
 lint: install-test

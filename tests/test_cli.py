@@ -64,9 +64,11 @@ def test_prefix_cache_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_prefill_chunk_below_the_models_grain_is_refused() -> None:
-    # The grain is the model's, known once it is loaded: the load fails and the server exits.
+    # The grain is the model's on its runner (llama.cpp's 64), known once it is loaded: the
+    # load fails and the server exits.
+    serve = [sys.executable, "-m", "slotserve.cli", "serve", "--runner", "llama.cpp"]
     result = subprocess.run(
-        [sys.executable, "-m", "slotserve.cli", "serve", "--prefill-chunk", "32", "--port", "0"],
+        [*serve, "--prefill-chunk", "32", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,

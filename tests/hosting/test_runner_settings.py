@@ -1,7 +1,8 @@
 """Runner settings as ``serve`` parses them into each runner's recipe: ``--lora-modules`` as
 vLLM takes it (several at once or flag by flag, ``NAME=PATH`` or a JSON object), for both
 runners; llama.cpp's GPU offload, refused by a CPU-only build; each runner's settings the other
-refuses before any load, but for a sequence's room, read in either runner's spelling."""
+refuses before any load, but for a sequence's room, read in either runner's spelling; which
+runner ``--runner auto`` serves a .gguf file on, and the log line saying why."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def test_pytorch_runner_settings_are_refused_by_the_llama_cpp_runner(
 ) -> None:
     gguf = tmp_path / "model.gguf"  # never read: the refusal comes first
     gguf.write_bytes(b"")
+    config = _serve_config("--runner", "llama.cpp", *flags)
     with pytest.raises(ValueError, match=f"{flags[0]}: a PyTorch runner setting"):
-        runner_factory(_serve_config(*flags), EngineConfig(), gguf, "m")
+        runner_factory(config, EngineConfig(), gguf, "m")
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,8 @@ def test_a_sequence_s_room_is_read_in_either_runner_s_spelling(tmp_path: Path) -
         (
             (),
             True,
-            "m: served by the llama.cpp runner (--runner auto, a .gguf file; --runner torch",
+            "m: served by the llama.cpp runner (--runner auto, a .gguf file; not the PyTorch "
+            "runner: the file could not be read",
         ),
         ((), False, "m: served by the PyTorch runner (--runner auto, an HF checkpoint)"),
         (("--runner", "torch"), True, "m: served by the PyTorch runner (--runner torch)"),
@@ -158,3 +161,75 @@ def test_the_log_says_which_runner_serves_and_why(
     with caplog.at_level("INFO", logger="slotserve.hosting.launch"):
         runner_factory(_serve_config(*argv), EngineConfig(), path, "m")
     assert any(record.getMessage().startswith(expected) for record in caplog.records)
+
+
+def _header_only_gguf(path: Path, arch: str, matrix_type: str) -> Path:
+    """A small decoder's metadata and one matrix of ``matrix_type``: all the runner choice
+    reads of a file (no weights)."""
+    import gguf
+    import numpy as np
+
+    from slotserve.bench.hf_gguf import gguf_writer
+
+    shape: dict[str, float] = {"num_hidden_layers": 1, "vocab_size": 256}
+    shape |= {"max_position_embeddings": 512}
+    shape |= {"hidden_size": 256, "intermediate_size": 512, "rms_norm_eps": 1e-5}
+    shape |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    writer = gguf_writer(path, arch, shape)
+    kind = gguf.GGMLQuantizationType[matrix_type]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    codes = np.zeros((256, 256 // block * block_bytes), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", codes, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _chosen(caplog: pytest.LogCaptureFixture, path: Path, *argv: str) -> tuple[str, str]:
+    """(the runner, why) ``--runner auto`` serves ``path`` on, as the start-up log says."""
+    with caplog.at_level("INFO", logger="slotserve.hosting.launch"):
+        spec = runner_factory(_serve_config(*argv), EngineConfig(), path, "m")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("m: served by")]
+    return type(spec).__name__, said[-1]
+
+
+def test_auto_serves_a_gguf_on_the_pytorch_runner_where_its_kernels_take_it_as_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("torch", reason="the PyTorch runner is an extra: make install-torch")
+    from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("the CPU kernels cannot run on this machine (x86-64 with AVX2 only)")
+    q4_0 = _header_only_gguf(tmp_path / "q4_0.gguf", "llama", "Q4_0")
+    assert _chosen(caplog, q4_0) == (
+        "TorchSpec",
+        "m: served by the PyTorch runner (--runner auto, a .gguf file it serves from its "
+        "weights as stored; --runner llama.cpp serves it on llama.cpp, docs/runners.md "
+        "compares the two)",
+    )
+    q2_k = _header_only_gguf(tmp_path / "q2_k.gguf", "llama", "Q2_K")
+    assert _chosen(caplog, q2_k) == (
+        "LlamaCppSpec",
+        "m: served by the llama.cpp runner (--runner auto, a .gguf file; not the PyTorch "
+        "runner: its Q2_K matrices would be dequantized)",
+    )
+    phi2 = _header_only_gguf(tmp_path / "phi2.gguf", "phi2", "Q4_0")
+    assert _chosen(caplog, phi2)[1].endswith("no family for its architecture 'phi2')")
+
+
+def test_auto_serves_a_gguf_on_the_runner_whose_own_settings_are_given(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("torch", reason="the PyTorch runner is an extra: make install-torch")
+    q2_k = _header_only_gguf(tmp_path / "q2_k.gguf", "llama", "Q2_K")
+    runner, why = _chosen(caplog, q2_k, "--quantization", "none")
+    assert runner == "TorchSpec" and "--quantization, which only it reads" in why
+    q4_0 = _header_only_gguf(tmp_path / "q4_0.gguf", "llama", "Q4_0")
+    runner, why = _chosen(caplog, q4_0, "--no-flash-attn")
+    assert runner == "LlamaCppSpec" and "--no-flash-attn, which only it reads" in why
+    # llama.cpp's adapters are GGUF files; the PyTorch runner's PEFT folders.
+    runner, why = _chosen(caplog, q4_0, "--lora-modules", "a=/x.gguf")
+    assert runner == "LlamaCppSpec" and "GGUF adapters" in why

@@ -205,8 +205,9 @@ def test_a_dead_rank_restarts_the_whole_engine_by_itself(
 
 
 def test_the_llama_cpp_runner_refuses_tensor_parallel(model_path: Path) -> None:
+    serve = [sys.executable, "-m", "slotserve.cli", "serve", str(model_path)]
     result = subprocess.run(
-        [sys.executable, "-m", "slotserve.cli", "serve", str(model_path), "-tp", "2"],
+        [*serve, "-tp", "2", "--runner", "llama.cpp"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -115,11 +115,23 @@ def test_a_bad_adapter_is_a_400_and_the_server_keeps_serving(
         _complete(client, "bad")
 
 
+@pytest.fixture(scope="module")
+def llama_cpp_server(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    proc = start_server(
+        tmp_path_factory.mktemp("llama-cpp"), "--runner", "llama.cpp", "--slots", "2"
+    )
+    yield proc
+    stop_server(proc)
+
+
 def test_the_llama_cpp_runner_serves_gguf_adapters(
-    server: ServerProcess, folders: dict[str, Path], model_path: Path, tmp_path: Path
+    llama_cpp_server: ServerProcess, folders: dict[str, Path], model_path: Path, tmp_path: Path
 ) -> None:
-    """On the shared llama.cpp server: a PEFT folder is refused naming what it takes, a GGUF
-    adapter serves, and is unloaded again so the other tests see the server as it was."""
+    """A PEFT folder is refused naming what it takes, a GGUF adapter serves, and is unloaded
+    again."""
+    server = llama_cpp_server
     client = openai.OpenAI(base_url=server.api_url, api_key="none")
     (base,) = [m.id for m in client.models.list().data]
     load = f"{server.api_url}/load_lora_adapter"

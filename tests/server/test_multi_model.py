@@ -44,6 +44,8 @@ def multi(
         str(models_dir),
         "--models-max",
         "4",
+        "--runner",
+        "llama.cpp",
         "--slots",
         "2",
         "--api-key",
@@ -79,8 +81,10 @@ def test_one_gguf_on_both_runners_under_two_names(multi: ServerProcess, model_pa
     load_smol(multi, "smol-torch", model_path, runner="torch", slots=2)
     listed = cards(multi)
     assert listed["smol-cpp"]["runner"] == "llama.cpp" and listed["smol-torch"]["runner"] == "torch"
-    # Each names what serves it: ggml, or the PyTorch runner's CPU kernels.
-    assert listed["smol-cpp"]["compute"]["kernels"].startswith("ggml; ")
+    # Each names what serves it: ggml (with its weights' buffers), or the PyTorch runner's CPU
+    # kernels.
+    assert listed["smol-cpp"]["compute"]["kernels"].startswith("ggml; weights in ")
+    assert "extra buffer types" in listed["smol-cpp"]["compute"]["kernels"]
     assert listed["smol-torch"]["compute"]["kernels"].startswith("slotserve CPU kernels")
     assert listed["smol-torch"]["compute"]["batch_invariant"] is True
     for name in ("smol-cpp", "smol-torch"):

@@ -80,12 +80,13 @@ def test_slots_health_and_readiness(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.base_url}/ready").json() == {"status": "ready"}
     (entry,) = httpx.get(f"{server.api_url}/models").json()["data"]
-    assert entry["state"] == "ready" and entry["runner"] == "llama.cpp" and entry["slots"] == 8
-    # Which kernels serve, with which CPU features: ggml's own names for them.
+    # --runner auto: the embedded GGUF on the PyTorch runner, its weights kept as stored.
+    assert entry["state"] == "ready" and entry["runner"] == "torch" and entry["slots"] == 8
+    # Which kernels serve, with which CPU features.
     compute = entry["compute"]
     assert compute["device"] == "cpu" and compute["batch_invariant"] is True
-    assert compute["kernels"].startswith("ggml; weights in ")
-    assert "extra buffer types" in compute["kernels"]
+    assert compute["kernels"].startswith("slotserve CPU kernels (")
+    assert "weights kept quantized (Q4_1" in compute["kernels"]
     assert compute["cpu_features"] and all(f.isupper() for f in compute["cpu_features"])
 
 

@@ -1,5 +1,6 @@
 """The prefix cache seen from the API: ``cached_tokens`` in usage, ``/v1/prefix_cache_stats``,
-multi-turn hits, and the switch that turns it off."""
+multi-turn hits, and the switch that turns it off; on the llama.cpp runner, whose hits leave
+whole grains to compute, and the disk tier on both runners."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def _stats(server: ServerProcess) -> dict[str, Any]:
 
 def _chat(messages: list[ChatCompletionMessageParam]) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": SYSTEM}, *messages]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("server"), "--runner", "llama.cpp", "--slots", "8")
+    yield proc
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,8 @@ def test_stats_endpoint_reports_every_figure_and_a_clean_integrity_check(
     client: openai.OpenAI, server: ServerProcess
 ) -> None:
     checks_before = _stats(server)["integrity_checks"]
-    client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2)
+    for _ in range(2):  # the second hits what the first cached
+        client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2)
     stats = _stats(server)
     for key in (
         "enabled",
@@ -134,7 +143,9 @@ def uncached_server(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path
 ) -> Iterator[ServerProcess]:
     proc = start_server(
-        tmp_path_factory.mktemp("uncached"), "--slots", "2", env={"SLOTSERVE_PREFIX_CACHE": "0"}
+        tmp_path_factory.mktemp("uncached"),
+        *("--runner", "llama.cpp", "--slots", "2"),
+        env={"SLOTSERVE_PREFIX_CACHE": "0"},
     )
     yield proc
     stop_server(proc)
@@ -155,7 +166,8 @@ def test_a_busy_servers_prefix_comes_back_from_host_ram(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path
 ) -> None:
     busy = start_server(
-        tmp_path_factory.mktemp("host-ram"), "--slots", "2", "--prefix-cache-ram", "256MiB"
+        tmp_path_factory.mktemp("host-ram"),
+        *("--runner", "llama.cpp", "--slots", "2", "--prefix-cache-ram", "256MiB"),
     )
     try:
         client = openai.OpenAI(base_url=busy.api_url, api_key="unused", max_retries=0)

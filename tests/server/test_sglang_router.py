@@ -34,7 +34,10 @@ from tests.fake_runner import FakeRunner, FakeSpec
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SLOTS, CTX = 2, 4096
-WORKER_ARGS = ("--slots", str(SLOTS), "--ctx-size", str(CTX), "--threads", "1")
+# llama.cpp workers: a prefix cache whose hits come in whole grains of 64, so prompts that
+# share only a chat template's first tokens share nothing the lookups below would count.
+WORKER_ARGS: tuple[str, ...] = ("--runner", "llama.cpp", "--slots", str(SLOTS))
+WORKER_ARGS += ("--ctx-size", str(CTX), "--threads", "1")
 needs_router = pytest.mark.skipif(
     importlib.util.find_spec("sglang_router") is None,
     reason="sglang-router is not installed (it is in the `test` extra: pip install -e '.[test]')",

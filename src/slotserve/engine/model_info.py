@@ -92,7 +92,7 @@ class ModelInfo:
     # relevance score, not a normalised vector; served by /v1/rerank and /v1/score only.
     cross_encoder: bool = False
     # What a request gets for the sampling fields it leaves out: the model's own values over
-    # its runner's ecosystem's defaults (``engine/sampling_defaults.py``).
+    # its format's ecosystem's defaults (``engine/sampling_defaults.py``).
     sampling_defaults: SamplingDefaults = NEUTRAL
     compute: ComputePath = ComputePath()
     # LoRA adapters (``engine/adapters.py``): why none are served, and those loaded now.

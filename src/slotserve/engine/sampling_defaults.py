@@ -3,8 +3,8 @@
 Four layers, the first that sets a field wins: the request's own field, the server's flag
 (``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``, ``--repeat-penalty``), the model's
 own recommendation (an HF folder's ``generation_config.json``, a GGUF's ``general.sampling.*``
-keys), and the defaults its ecosystem's users know (llama-server's for the llama.cpp runner,
-vLLM's neutral ones for the PyTorch runner). The runner joins the last two into
+keys), and the defaults its format's users know (llama-server's for a GGUF file on either
+runner, vLLM's neutral ones for an HF folder). The runner joins the last two into
 ``ModelInfo.sampling_defaults``; the model host puts the flags over them.
 """
 

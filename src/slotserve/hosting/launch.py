@@ -35,17 +35,10 @@ def runner_factory(
 ) -> RunnerSpec:
     """What ``--runner`` (or the model's form) picks, sized by the engine's slots and batch;
     validates the choice before any load."""
-    kind = runner.runner
-    if kind == "auto":
-        kind = "llama.cpp" if model_path.is_file() else "torch"
-        why = (
-            "--runner auto, a .gguf file; --runner torch serves it on the PyTorch runner, "
-            "docs/runners.md compares the two"
-            if kind == "llama.cpp"
-            else "--runner auto, an HF checkpoint"
-        )
+    if runner.runner == "auto":
+        kind, why = auto_runner(runner, model_path)
     else:
-        why = f"--runner {kind}"
+        kind, why = runner.runner, f"--runner {runner.runner}"
     runner = runner_settings(runner, kind, engine.num_slots)
     spec: RunnerSpec = (
         llama_cpp_spec(runner, engine, model_path, model_name)
@@ -59,6 +52,53 @@ def runner_factory(
 # Each runner by its --runner value: its name as users read it, its own settings.
 _RUNNER_NAMES = {"llama.cpp": "llama.cpp", "torch": "PyTorch"}
 _RUNNER_CONFIGS = {"llama.cpp": LlamaCppConfig, "torch": TorchConfig}
+# A sequence's room, which either runner reads in its own spelling or the other's.
+_SEQUENCE_ROOM = frozenset({"ctx_size", "max_model_len"})
+
+
+def auto_runner(config: RunnerConfig, model_path: Path) -> tuple[str, str]:
+    """``--runner auto``'s choice, and why: an HF checkpoint on the PyTorch runner; a .gguf
+    file on the runner whose own settings were given, else on the PyTorch runner where it
+    serves the file's weights as stored (its architecture, its quantized types, its CPU
+    kernels or a GPU), else on llama.cpp."""
+    if not model_path.is_file():
+        return "torch", "--runner auto, an HF checkpoint"
+    compare = "docs/runners.md compares the two"
+    for kind, other in (("llama.cpp", "torch"), ("torch", "llama.cpp")):
+        own = _settings_only_for(config, kind, skip=_SEQUENCE_ROOM)
+        if own and not _settings_only_for(config, other, skip=_SEQUENCE_ROOM):
+            return kind, f"--runner auto, a .gguf file and {', '.join(own)}, which only it reads"
+    adapters = [parse_lora_module(text)[1] for text in config.lora_modules]
+    if any(path.endswith(".gguf") for path in adapters):
+        return "llama.cpp", f"--runner auto, a .gguf file and GGUF adapters; {compare}"
+    try:
+        from slotserve.runners.pytorch.load.format_choice import gguf_refusal
+    except ImportError as exc:
+        refusal: str | None = f"its dependencies are not installed ({exc.name}; make install-torch)"
+    else:
+        refusal = gguf_refusal(model_path, config.device)
+    if refusal is not None:
+        return "llama.cpp", f"--runner auto, a .gguf file; not the PyTorch runner: {refusal}"
+    return "torch", (
+        "--runner auto, a .gguf file it serves from its weights as stored; --runner llama.cpp "
+        f"serves it on llama.cpp, {compare}"
+    )
+
+
+def _settings_only_for(
+    config: RunnerConfig, kind: str, skip: frozenset[str] = frozenset()
+) -> list[str]:
+    """The flags given (away from their defaults) of settings only the ``kind`` runner reads;
+    a switch turned off named as it was given: --no-flash-attn."""
+    other = _RUNNER_CONFIGS["torch" if kind == "llama.cpp" else "llama.cpp"]
+    other_options = options(other)
+    return [
+        "--no-" + declared.flag[2:] if getattr(config, name) is False else declared.flag
+        for name, declared in options(_RUNNER_CONFIGS[kind]).items()
+        if name not in other_options
+        and name not in skip
+        and getattr(config, name) != declared.default
+    ]
 
 
 def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig:
@@ -71,13 +111,7 @@ def runner_settings(config: RunnerConfig, kind: str, slots: int) -> RunnerConfig
     elif kind == "torch" and config.ctx_size and not config.max_model_len:
         config = replace(config, max_model_len=max(config.ctx_size // slots, 1), ctx_size=0)
     other_kind = "torch" if kind == "llama.cpp" else "llama.cpp"
-    own_options = options(_RUNNER_CONFIGS[kind])
-    # A switch turned off is named as it was given: --no-flash-attn.
-    unused = [
-        "--no-" + declared.flag[2:] if getattr(config, name) is False else declared.flag
-        for name, declared in options(_RUNNER_CONFIGS[other_kind]).items()
-        if name not in own_options and getattr(config, name) != declared.default
-    ]
+    unused = _settings_only_for(config, other_kind)
     if unused:
         one = len(unused) == 1
         other_name = _RUNNER_NAMES[other_kind]

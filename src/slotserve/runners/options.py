@@ -34,7 +34,8 @@ class RunnerCommon:
     runner: str = option(
         "auto",
         choices=RUNNERS,
-        help="auto: llama.cpp for a .gguf file, torch for an HF folder or cached model id",
+        help="auto: torch for an HF folder or cached model id, and for a .gguf file whose "
+        "architecture and types its CPU kernels serve as stored (else llama.cpp)",
     )
     threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
     prefix_cache_snapshots: int | None = option(

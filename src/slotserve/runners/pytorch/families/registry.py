@@ -103,7 +103,7 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
         raise UnsupportedModelError(
             f"{name}: GGUF architecture {arch!r} is not supported by the PyTorch runner "
             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))}); serve this file with "
-            "the llama.cpp runner (--runner llama.cpp, the default for a .gguf)"
+            "the llama.cpp runner (--runner llama.cpp, or --runner auto)"
         )
     family, model_type = GGUF_ARCHITECTURES[arch]
     keys = GgufKeys(metadata, arch, name)

@@ -5,12 +5,16 @@ load."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
-from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.load.gguf_file import GgufFile
+import torch
+
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
+from slotserve.runners.pytorch.load.gguf_file import GgufFile, gguf_metadata
 from slotserve.runners.pytorch.load.quant_weights import QuantWeights
 from slotserve.runners.pytorch.load.weight_format import DenseWeights, WeightFormat
+from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.model.decoder import Decoder
 from slotserve.runners.pytorch.model.layers import Projection
 from slotserve.runners.pytorch.quant.formats import FORMATS
@@ -19,6 +23,8 @@ from slotserve.runners.pytorch.quant.tensor import QUANTIZE_TO
 logger = logging.getLogger(__name__)
 # The GGUF types the quantized kernels multiply.
 QUANTIZED_TYPES = {kind.name for kind in FORMATS}
+# The GGUF types a load stores as they are read, in the model's dtype (bfloat16).
+DENSE_TYPES = {"F32", "F16", "BF16"}
 
 
 def weight_format(
@@ -59,4 +65,28 @@ def _uneven_inputs(model: Decoder) -> str | None:
     for module in model.modules():
         if isinstance(module, Projection) and module.in_features % 32:
             return f"a projection's {module.in_features} inputs are not whole blocks of 32"
+    return None
+
+
+def gguf_refusal(path: Path, device: str) -> str | None:
+    """Why this runner would not serve the GGUF file at ``path`` on ``device`` (a ``--device``
+    value) from its weights as stored, or None: ``--runner auto``'s question of a .gguf file.
+    On a GPU its matrices are dequantized, and it serves any file whose architecture it has."""
+    checkpoint = GgufFile(path)
+    try:
+        config = checkpoint.config
+    except UnsupportedModelError:
+        architecture = gguf_metadata(checkpoint.reader).get("general.architecture")
+        return f"no family for its architecture {architecture!r}"
+    except Exception as exc:  # not a GGUF file it can read: llama.cpp's load will say more
+        return f"the file could not be read ({type(exc).__name__})"
+    if device != "cpu" and (device != "auto" or torch.cuda.is_available()):
+        return None
+    if config.head_dim % 16:
+        return f"its head size {config.head_dim} is not a multiple of 16, as the CPU kernels need"
+    if load_cpu_kernels() is None:
+        return "the CPU kernels cannot run here (the warning above says why)"
+    dequantized = checkpoint.quantized_types() - QUANTIZED_TYPES - DENSE_TYPES
+    if dequantized:
+        return f"its {', '.join(sorted(dequantized))} matrices would be dequantized"
     return None

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults, from_gguf
+from slotserve.engine.sampling_defaults import LLAMA_SERVER, SamplingDefaults, from_gguf
 from slotserve.runners.pytorch.families.registry import config_from_gguf, family_of
 from slotserve.runners.pytorch.families.vision.base import Vision
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
@@ -71,10 +71,11 @@ class GgufFile:
         return HfTokenizer.from_gguf(self.path)
 
     def sampling_defaults(self) -> SamplingDefaults:
-        """The ``general.sampling.*`` keys over vLLM's neutral defaults."""
+        """The ``general.sampling.*`` keys over llama-server's defaults: what users of a GGUF
+        file expect, whichever runner serves it."""
         fields = self.reader.fields
         own = from_gguf(lambda key: fields[key].contents() if key in fields else None)
-        return own.over(NEUTRAL)
+        return own.over(LLAMA_SERVER)
 
     def pooling(self) -> str | None:
         return None
