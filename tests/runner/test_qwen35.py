@@ -23,7 +23,8 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.llama_cpp.runner import LlamaCppRunner
 from slotserve.runners.pytorch.families.registry import config_from_gguf
 from slotserve.runners.pytorch.load.checkpoint import read_model_config
-from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors, open_gguf
+from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors
+from slotserve.runners.pytorch.load.gguf_header import GgufHeader
 from slotserve.runners.pytorch.load.hf_folder import safetensors_tensors
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
@@ -284,12 +285,12 @@ def test_a_gguf_as_llama_cpp_converts_it_loads_the_folders_weights_and_runs_on_l
     )
     path = qwen35_gguf(folder, tmp_path / "qwen35moe.gguf", model_path)
     from_hf = read_model_config(folder)
-    from_gguf = config_from_gguf(gguf_metadata(open_gguf(path)), folder.name)
+    from_gguf = config_from_gguf(gguf_metadata(GgufHeader(path)), folder.name)
     assert from_gguf.model_type == "qwen3_5_moe_text"
     assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)  # stored as float32
     assert replace(from_gguf, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
     loaded = []
-    for tensors in (safetensors_tensors(folder), gguf_tensors(open_gguf(path), from_gguf)):
+    for tensors in (safetensors_tensors(folder), gguf_tensors(GgufHeader(path), from_gguf)):
         model = Decoder(from_hf, torch.float32, 64)
         load_into(model, tensors)
         loaded.append(model.state_dict())

@@ -168,9 +168,8 @@ def test_mixture_of_experts_is_batch_invariant_in_bfloat16(
 def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
     hf_checkpoint: Path, tmp_path: Path
 ) -> None:
-    from gguf import GGUFReader
-
     from slotserve.runners.pytorch.load.gguf_file import gguf_metadata, gguf_tensors
+    from slotserve.runners.pytorch.load.gguf_header import GgufHeader
     from slotserve.runners.pytorch.load.hf_folder import safetensors_tensors
     from slotserve.runners.pytorch.load.weights import load_into
     from slotserve.runners.pytorch.model.decoder import Decoder
@@ -179,15 +178,15 @@ def test_qwen3_moe_gguf_stacked_experts_load_as_the_hf_folder(
     folder = tiny_random_checkpoint(
         "qwen3_moe", hf_checkpoint, tmp_path / "moe", mlp_only_layers=[], norm_topk_prob=True
     )
-    reader = GGUFReader(str(qwen3_moe_gguf(folder, tmp_path / "moe.gguf")))
-    from_gguf = config_from_gguf(gguf_metadata(reader), "moe")
+    header = GgufHeader(qwen3_moe_gguf(folder, tmp_path / "moe.gguf"))
+    from_gguf = config_from_gguf(gguf_metadata(header), "moe")
     from_hf = read_model_config(folder)
     assert from_gguf.model_type == "qwen3_moe"
     for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sparse_layers"):
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     assert from_gguf.norm_topk_prob and from_gguf.qk_norm
     models = []
-    for tensors in (safetensors_tensors(folder), gguf_tensors(reader, from_gguf)):
+    for tensors in (safetensors_tensors(folder), gguf_tensors(header, from_gguf)):
         model = Decoder(from_hf, torch.float32, 64)
         load_into(model, tensors)
         models.append(model.state_dict())

@@ -229,11 +229,13 @@ def compute_path(
 
 def build_directory() -> Path:
     """Where the kernels are built and cached: ``TORCH_EXTENSIONS_DIR`` (torch's own setting,
-    default ``~/.cache/torch_extensions``), one folder per source text and torch version (torch
-    keys its cache on the .cpp file alone, so the headers' text and the flags go into the
-    name)."""
+    default ``~/.cache/torch_extensions``), one folder per source text, source folder and torch
+    version (torch keys its cache on the .cpp file alone, so the headers' text and the flags go
+    into the name; ninja rebuilds whenever the compile command changes, and the command names
+    the sources' path, so two checkouts sharing a folder would rebuild each other's)."""
     digest = hashlib.sha256(
         b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]*")))
+        + str(SOURCES.resolve()).encode()
         + torch.__version__.encode()
         + " ".join(CFLAGS + LDFLAGS).encode()
     ).hexdigest()[:12]

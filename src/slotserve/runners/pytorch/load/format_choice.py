@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
-from slotserve.runners.pytorch.load.gguf_file import GgufFile, gguf_metadata
+from slotserve.runners.pytorch.load.gguf_file import GgufFile
 from slotserve.runners.pytorch.load.quant_weights import QuantWeights
 from slotserve.runners.pytorch.load.weight_format import DenseWeights, WeightFormat
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
@@ -76,7 +76,7 @@ def gguf_refusal(path: Path, device: str) -> str | None:
     try:
         config = checkpoint.config
     except UnsupportedModelError:
-        architecture = gguf_metadata(checkpoint.reader).get("general.architecture")
+        architecture = checkpoint.header.fields.get("general.architecture")
         return f"no family for its architecture {architecture!r}"
     except Exception as exc:  # not a GGUF file it can read: llama.cpp's load will say more
         return f"the file could not be read ({type(exc).__name__})"

@@ -20,6 +20,7 @@ import torch
 from slotserve.engine.sampling_defaults import LLAMA_SERVER, SamplingDefaults, from_gguf
 from slotserve.runners.pytorch.families.registry import config_from_gguf, family_of
 from slotserve.runners.pytorch.families.vision.base import Vision
+from slotserve.runners.pytorch.load.gguf_header import GgufHeader
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.quant.formats import FORMATS
@@ -46,26 +47,26 @@ class GgufFile:
         return None
 
     @cached_property
-    def reader(self) -> Any:
-        """The ``gguf.GGUFReader`` (opening one parses the whole header)."""
-        return open_gguf(self.path)
+    def header(self) -> GgufHeader:
+        """The metadata and the tensor table, parsed at the first use."""
+        return GgufHeader(self.path)
 
     @cached_property
     def config(self) -> ModelConfig:
-        return config_from_gguf(gguf_metadata(self.reader), self.name)
+        return config_from_gguf(gguf_metadata(self.header), self.name)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return gguf_tensors(self.reader, self.config)
+        return gguf_tensors(self.header, self.config)
 
     def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """As :meth:`tensors`, but matrices of a type the quantized kernels multiply stay
         their blocks (``quant/tensor.py``) wherever the family's undoing of the converter
         only reorders rows."""
-        return gguf_tensors(self.reader, self.config, keep_quantized=True)
+        return gguf_tensors(self.header, self.config, keep_quantized=True)
 
     def quantized_types(self) -> set[str]:
         """The quantization types of the file's matrices (``Q4_K``, ``F16``, ...)."""
-        return {t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2}
+        return {t.tensor_type.name for t in self.header.tensors if len(t.shape) >= 2}
 
     def tokenizer(self) -> HfTokenizer:
         return HfTokenizer.from_gguf(self.path)
@@ -73,47 +74,26 @@ class GgufFile:
     def sampling_defaults(self) -> SamplingDefaults:
         """The ``general.sampling.*`` keys over llama-server's defaults: what users of a GGUF
         file expect, whichever runner serves it."""
-        fields = self.reader.fields
-        own = from_gguf(lambda key: fields[key].contents() if key in fields else None)
+        own = from_gguf(self.header.fields.get)
         return own.over(LLAMA_SERVER)
 
     def pooling(self) -> str | None:
         return None
 
 
-def open_gguf(path: Path) -> Any:
-    from gguf import GGUFReader
-
-    class PlainViewReader(GGUFReader):
-        """Slices a plain ndarray view of the file's memory map: a slice of numpy's memmap
-        subclass costs several times a plain one, and the header is a slice per string of the
-        vocabulary and its merges (hundreds of thousands)."""
-
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-            if type(self.data) is np.memmap:  # still mapped: the view's base is the map
-                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]
-            return super()._get(offset, dtype, count, override_order)
-
-    return PlainViewReader(str(path))
-
-
-def gguf_metadata(reader: object) -> dict[str, object]:
+def gguf_metadata(header: GgufHeader) -> dict[str, object]:
     """GGUF key/value metadata as plain Python values (and the tensor names)."""
-    metadata: dict[str, object] = {}
-    for key, field in reader.fields.items():  # type: ignore[attr-defined]
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-        ):
-            continue  # the vocabulary: large, and the tokenizer reads it itself
-        try:
-            metadata[key] = field.contents()
-        except Exception:  # a field type this reader cannot turn into Python values
-            continue
-    metadata["_tensor_names"] = [t.name for t in reader.tensors]  # type: ignore[attr-defined]
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
+    metadata: dict[str, object] = {
+        key: header.fields[key]
+        for key in header.fields
+        # The vocabulary: large, and the tokenizer reads it itself.
+        if not key.startswith("tokenizer.ggml.")
+        or key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    }
+    metadata["_tensor_names"] = [t.name for t in header.tensors]
+    tokens = header.array_length("tokenizer.ggml.tokens")
     if tokens is not None:
-        metadata["_vocab_tokens"] = len(tokens.data)
+        metadata["_vocab_tokens"] = tokens
     return metadata
 
 
@@ -177,9 +157,9 @@ def _undoing(family: Any, template: str, c: ModelConfig) -> Callable[[torch.Tens
 
 
 def gguf_tensors(
-    reader: Any, c: ModelConfig, keep_quantized: bool = False
+    header: GgufHeader, c: ModelConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, Any]]:
-    """Dequantised tensors of a ``gguf.GGUFReader`` under HF names, with what llama.cpp's
+    """Dequantised tensors of a GGUF file under HF names, with what llama.cpp's
     converter changed undone by the model's family; ``keep_quantized``: matrices of the
     quantized kernels' types stay blocks where that undoing only reorders their rows."""
     from gguf.quants import dequantize
@@ -187,7 +167,7 @@ def gguf_tensors(
     family = family_of(c)
     names = {**GGUF_NAMES, **family.gguf_names}
     orders: dict[tuple[str, torch.Size], np.ndarray | None] = {}
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         template, layer = tensor.name, None
         match = _GGUF_BLOCK.match(tensor.name)
         if match:
