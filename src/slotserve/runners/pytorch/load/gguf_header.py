@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -95,7 +96,6 @@ class GgufHeader:
             (version,) = struct.unpack_from(">I", self._buffer, 4)
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is too old (2 or later is read)")
-        self.version = version
         try:
             tensor_count, field_count = self._unpack("QQ", 8)
             offset = 24
@@ -179,11 +179,8 @@ class GgufHeader:
         tensor_type = GGMLQuantizationType(kind)
         rows_first = tuple(reversed(shape))
         dtype = _TENSOR_DTYPES.get(tensor_type)
-        if dtype is None:
-            block, block_bytes = GGML_QUANT_SIZES[tensor_type]
-            if rows_first[-1] % block:
-                raise ValueError(f"{name}: a row of {rows_first[-1]} is not whole {block}-blocks")
-            rows_first = (*rows_first[:-1], rows_first[-1] // block * block_bytes)
+        if dtype is None:  # raises ValueError for a row that is not whole blocks
+            rows_first = quant_shape_to_byte_shape(rows_first, tensor_type)
             dtype = np.uint8
         item = np.dtype(dtype).newbyteorder(self._order)
         count = int(np.prod(rows_first))
