@@ -5,6 +5,7 @@ which model ``--models-max`` unloads, and requests during a load."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,27 @@ def test_the_restart_backoff_grows_only_with_deaths_soon_after_a_start() -> None
         assert policy.backoff_s(quick) == expected
     assert policy.backoff_s(policy.quick_deaths_after(quick, 0.0)) == 4.0  # a failed rebuild
     assert policy.backoff_s(20) == 30.0
+
+
+def test_a_small_request_is_prepared_while_large_ones_hold_their_threads(
+    tmp_path: Path,
+) -> None:
+    """Rendering and tokenizing run off the event loop; large requests have threads of their
+    own, so a small one is prepared at once however many large ones are under way."""
+
+    async def main() -> None:
+        models = registry(models_dir(tmp_path, "a"))
+        host = await models.acquire("a")
+        model = host.require_ready()
+        release = threading.Event()
+        large = [asyncio.create_task(host.off_loop(model, True, release.wait)) for _ in range(4)]
+        try:
+            small = host.off_loop(model, False, lambda: "prepared")
+            assert await asyncio.wait_for(small, timeout=30) == "prepared"
+            assert not any(task.done() for task in large)
+        finally:
+            release.set()
+        assert await asyncio.gather(*large) == [True] * 4
+        await models.stop()
+
+    asyncio.run(main())

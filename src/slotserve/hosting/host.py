@@ -59,8 +59,12 @@ _T = TypeVar("_T")
 
 # Tokenizing, rendering templates and compiling grammars for a large request takes long enough
 # to stall every other request if done on the event loop; a few threads bound how many such
-# jobs run at once (the tokenizers release the GIL while they work).
-_PREPARE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slotserve-prepare")
+# jobs run at once (the tokenizers release the GIL while they work). Large requests have threads
+# of their own, so a small one never queues behind a few prompts of megabytes.
+_PREPARE_POOLS = {
+    large: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"slotserve-prepare-{name}")
+    for large, name in ((False, "small"), (True, "large"))
+}
 LEASE_WAIT_S = 60.0  # how long retiring an engine waits for work that still uses its tokenizer
 
 
@@ -165,16 +169,24 @@ class ModelHost:
         raise ModelUnavailableError(f"{reason}; no new requests are accepted.")
 
     async def off_loop(
-        self, model: LoadedModel, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs
+        self,
+        model: LoadedModel,
+        large: bool,
+        fn: Callable[_P, _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
     ) -> _T:
-        """Runs ``fn`` (tokenizing, rendering) on the preparation threads. ``model`` is
+        """Runs ``fn`` (tokenizing, rendering) on the preparation threads, those of large
+        requests where ``large`` (the caller's judgement of its request's size). ``model`` is
         leased meanwhile: retiring it waits, so its tokenizer is not closed under ``fn``. The
         model may still be reloaded or unloaded by the time this returns: a caller that then
         submits gets the model again (:meth:`require_same`), with nothing awaited since."""
         self._leases[id(model)] += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(_PREPARE_POOL, functools.partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(
+                _PREPARE_POOLS[large], functools.partial(fn, *args, **kwargs)
+            )
         finally:
             self._leases[id(model)] -= 1
             if not self._leases[id(model)]:

@@ -32,7 +32,12 @@ from slotserve.server.generation import (
 )
 from slotserve.server.openai.completions import prompt_items
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import ServingContext, engine_request_id, request_adapter
+from slotserve.server.serving import (
+    ServingContext,
+    engine_request_id,
+    large_body,
+    request_adapter,
+)
 
 # Inputs of one request; each takes a place in the engine's queue (``--max-queue``).
 MAX_INPUTS = 64
@@ -101,7 +106,7 @@ async def create_embeddings(
             f"'dimensions' is only for Matryoshka embedding models; {host.name} is not one.",
             param="dimensions",
         )
-    prompts = await host.off_loop(model, _inputs, model, body)
+    prompts = await host.off_loop(model, large_body(raw), _inputs, model, body)
     finals = await pool_prompts(host, model, "embd", http_request_id, prompts, body.priority, raw)
     if finals is None:
         return Response(status_code=499)

@@ -23,7 +23,7 @@ from slotserve.hosting.served import LoadedModel
 from slotserve.protocol.score_pairs import carries_pair_roles, pair_prompt
 from slotserve.server.embeddings import MAX_INPUTS, pool_prompts
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, large_body
 
 
 class _ScoringFields(BaseModel):
@@ -100,7 +100,7 @@ async def _scores(
         )
     if len(pairs) > MAX_INPUTS:
         raise InvalidRequestError(f"At most {MAX_INPUTS} pairs per request.")
-    prompts = await host.off_loop(model, _score_pairs, model, pairs, route.params)
+    prompts = await host.off_loop(model, large_body(raw), _score_pairs, model, pairs, route.params)
     finals = await pool_prompts(
         host, model, route.prefix, http_request_id, prompts, body.priority, raw
     )

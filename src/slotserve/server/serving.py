@@ -23,6 +23,7 @@ from slotserve.server.tracing import RequestTracer
 # bytes a character) and for batches of prompts; the floor covers small contexts.
 REQUEST_BYTES_PER_TOKEN = 32
 MIN_REQUEST_BYTES = 8 * 2**20
+LARGE_BODY_BYTES = 2**20  # past this, a request is prepared on the large requests' threads
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,13 @@ def request_adapter(raw: Request) -> int:
 
 _DURATION_PART = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def large_body(raw: Request) -> bool:
+    """Whether ``raw`` is prepared (rendered, tokenized) as a large request
+    (``ModelHost.off_loop``): a body over ``LARGE_BODY_BYTES``, or one of no stated length."""
+    length = raw.headers.get("content-length", "")
+    return not length.isdigit() or int(length) > LARGE_BODY_BYTES
 
 
 def parse_keep_alive(value: float | str | None) -> float | None:

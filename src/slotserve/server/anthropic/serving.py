@@ -31,7 +31,7 @@ from slotserve.server.events import fold
 from slotserve.server.openai.chat_prompt import render_chat_off_loop, start_chat
 from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.pipeline import ChatGeneration
-from slotserve.server.serving import ServingContext, served_name
+from slotserve.server.serving import ServingContext, large_body, served_name
 
 # The engine ends a request with "abort" when the server shuts down under it.
 _SHUTDOWN = "The request was ended because the server is shutting down; retry it."
@@ -79,7 +79,9 @@ async def count_tokens(ctx: ServingContext, body: CountTokensRequest, raw: Reque
     host, model = await ctx.acquire(body.model, raw)
     chat = _chat_request(model, body)
     try:
-        prompt, _, _ = await render_chat_off_loop(host, model, chat, check_length=False)
+        prompt, _, _ = await render_chat_off_loop(
+            host, model, chat, large_body(raw), check_length=False
+        )
     except InvalidRequestError as exc:
         exc.param = anthropic_param(exc.param)
         raise

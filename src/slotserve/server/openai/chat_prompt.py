@@ -28,7 +28,12 @@ from slotserve.server.openai.protocol import ChatCompletionRequest
 from slotserve.server.openai.tool_calling import plan_tools, template_messages
 from slotserve.server.pipeline import ChatGeneration, submit_chat
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import engine_request_id, request_adapter, require_chat_template
+from slotserve.server.serving import (
+    engine_request_id,
+    large_body,
+    request_adapter,
+    require_chat_template,
+)
 from slotserve.server.tool_plan import ToolPlan
 
 
@@ -43,7 +48,7 @@ async def start_chat(
     ``InvalidRequestError`` naming the chat field at fault. The rendering runs off the event
     loop; the model is checked again after it, and nothing awaits from there to the
     submission, so the model cannot be unloaded in between."""
-    prompt, plan, images = await render_chat_off_loop(host, model, body)
+    prompt, plan, images = await render_chat_off_loop(host, model, body, large_body(raw))
     model = host.require_same(model)
     request_id = engine_request_id(model, "chatcmpl", http_request_id)
     params = _sampling_params(body, plan, model)
@@ -56,16 +61,18 @@ async def render_chat_off_loop(
     host: ModelHost,
     model: LoadedModel,
     body: ChatCompletionRequest,
+    large: bool,
     add_special_tokens: bool | None = None,
     check_length: bool = True,
 ) -> tuple[list[int], ToolPlan, list[ImageInput]]:
-    """:func:`render_chat` on the preparation threads, once the request's http(s) images are
-    fetched here, on the event loop, within the media policy's deadline."""
+    """:func:`render_chat` on the preparation threads (those of large requests where
+    ``large``), once the request's http(s) images are fetched here, on the event loop, within
+    the media policy's deadline."""
     policy = host.launch.media
     fetched = await fetch_images(accepted_image_urls(model, policy, body), policy)
     model = host.require_same(model)  # nothing awaits from here until off_loop leases it
     return await host.off_loop(
-        model, render_chat, host, model, body, fetched, add_special_tokens, check_length
+        model, large, render_chat, host, model, body, fetched, add_special_tokens, check_length
     )
 
 

@@ -27,7 +27,13 @@ from slotserve.server.openai.shapes import (
     vllm_prompt_logprobs,
 )
 from slotserve.server.prompt_bound import check_prompt_chars
-from slotserve.server.serving import ServingContext, engine_request_id, request_adapter, served_name
+from slotserve.server.serving import (
+    ServingContext,
+    engine_request_id,
+    large_body,
+    request_adapter,
+    served_name,
+)
 
 MAX_PROMPTS = 64
 
@@ -69,7 +75,7 @@ async def create_completion(
 ) -> Response:
     body.reject_unsupported()
     host, model = await ctx.acquire(body.model, raw, body.keep_alive)
-    prompts, prompt_texts = await host.off_loop(model, _prompts, model, body)
+    prompts, prompt_texts = await host.off_loop(model, large_body(raw), _prompts, model, body)
     model = host.require_same(model)  # nothing awaits from here to the submission
     request_id = engine_request_id(model, "cmpl", http_request_id, len(prompts))
     # echo + logprobs: the prompt's tokens are scored too (OpenAI's legacy completions).

@@ -17,7 +17,7 @@ from slotserve.engine.errors import InvalidRequestError
 from slotserve.engine.runner_interface import Tokenizer
 from slotserve.server.openai.chat_prompt import render_chat_off_loop
 from slotserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from slotserve.server.serving import ServingContext
+from slotserve.server.serving import ServingContext, large_body
 
 
 class _Strict(BaseModel):
@@ -82,11 +82,15 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest, raw: Request) -> 
         )
         chat.reject_unsupported()  # the chat route's checks of the template controls
         tokens, _, _ = await render_chat_off_loop(
-            host, model, chat, body.add_special_tokens, check_length=False
+            host, model, chat, large_body(raw), body.add_special_tokens, check_length=False
         )
     else:
         tokens = await host.off_loop(
-            model, model.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            model,
+            large_body(raw),
+            model.tokenizer.encode,
+            body.prompt,
+            add_special_tokens=body.add_special_tokens,
         )
     token_strs = None
     if body.return_token_strs:
@@ -111,7 +115,7 @@ async def detokenize(
                 f"(0 to {vocab_size - 1}).",
                 param="tokens",
             )
-    text = await host.off_loop(model, detokenized, model.tokenizer, body.tokens)
+    text = await host.off_loop(model, large_body(raw), detokenized, model.tokenizer, body.tokens)
     return DetokenizeResponse(prompt=text)
 
 
