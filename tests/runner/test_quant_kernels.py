@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.quant.formats import FORMATS, decode_rows
-from slotserve.runners.pytorch.quant.packing import pack_tensor
+from slotserve.runners.pytorch.quant.packing import CHUNK_ROWS, pack_tensor
 from tests.runner.conftest import instruction_set, instruction_sets
 
 KINDS = list(FORMATS)
@@ -92,6 +92,23 @@ def stated_arithmetic(
             factor = minimum[None, :] * step[:, first // 32, None]
             acc = fused(-qsum[:, first // 32, None].float(), factor, acc)
     return (acc + bias.float()).bfloat16()
+
+
+def test_a_tensor_of_many_chunks_packs_alike_on_any_thread_count() -> None:
+    """Chunks of rows are packed on several threads at once into their own records."""
+    kind, n, k = GGMLQuantizationType.Q4_K, 3 * CHUNK_ROWS + 5, 256
+    raw = random_tensor(kind, n, k, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = pack_tensor(kind, raw, k)
+        torch.set_num_threads(4)
+        together = pack_tensor(kind, raw, k)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+    by_chunk = [pack_tensor(kind, raw[s : s + CHUNK_ROWS], k) for s in range(0, n, CHUNK_ROWS)]
+    assert torch.equal(alone, torch.cat(by_chunk))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])

@@ -1,8 +1,10 @@
 """Decoded rows (formats.py) packed into the records csrc/quant_gemm.h streams: outputs in
 groups of 16, one record per group and super-block (the layout is stated there), written one
-chunk of rows at a time so a large tensor never exists unpacked in full."""
+chunk of rows per thread at a time, so a large tensor never exists unpacked in full."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -11,6 +13,7 @@ from gguf import GGMLQuantizationType
 from slotserve.runners.pytorch.quant.formats import FORMATS, Decoded, QuantFormat, decode_rows
 
 GROUP = 16  # outputs a record holds
+CHUNK_ROWS = GROUP * 16  # rows decoded at once: their float intermediates stay small
 
 
 def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
@@ -56,14 +59,14 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
 
 def pack_tensor(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> torch.Tensor:
     """A GGUF tensor of ``kind`` ([n, k / block · type size] uint8 rows) as the kernels' records
-    (a flat uint8 tensor); the last group's missing outputs are zeros."""
+    (a flat uint8 tensor); the last group's missing outputs are zeros. Chunks of rows are packed
+    on torch's intra-op thread count at once (numpy lets go of the GIL while it works)."""
     f = FORMATS[kind]
     n = raw.shape[0]
-    groups = -(-n // GROUP)
-    out = np.empty((groups, k // f.super, f.record_bytes), dtype=np.uint8)
-    step = GROUP * 16  # rows per chunk
-    for start in range(0, n, step):
-        rows = raw[start : start + step]
+    out = np.empty((-(-n // GROUP), k // f.super, f.record_bytes), dtype=np.uint8)
+
+    def pack_chunk(start: int) -> None:
+        rows = raw[start : start + CHUNK_ROWS]
         decoded = decode_rows(kind, rows, k)
         missing = -len(rows) % GROUP
         if missing:
@@ -76,6 +79,15 @@ def pack_tensor(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> torch.Te
             )
         first = start // GROUP
         out[first : first + (len(rows) + missing) // GROUP] = pack_rows(decoded, f)
+
+    starts = range(0, n, CHUNK_ROWS)
+    workers = min(torch.get_num_threads(), len(starts))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="slotserve-pack") as pool:
+            list(pool.map(pack_chunk, starts))  # list(): a chunk's error is raised here
+    else:
+        for start in starts:
+            pack_chunk(start)
     return torch.from_numpy(out.reshape(-1))
 
 
