@@ -4,6 +4,7 @@ GGUF type at one row (a decode step) and at 2, 4, 16 and 64 (batches, prefill ch
 
     python benchmarks/quant_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--json FILE]
     python benchmarks/quant_ab.py --base-isa avx2     # this build's AVX2 code as the base
+    python benchmarks/quant_ab.py --base-rev HEAD --isa avx2  # both builds' AVX2 code
     python benchmarks/quant_ab.py --base-sources DIR  # a copy of csrc/ with something changed
 
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
@@ -66,6 +67,7 @@ def main() -> None:
     base_arg.add_argument("--base-rev", help="git revision to compare against")
     base_arg.add_argument("--base-isa", help="this build's kernels for another instruction set")
     base_arg.add_argument("--base-sources", type=Path, help="kernel sources to build as the base")
+    parser.add_argument("--isa", help="the instruction set this build (and a base revision) runs")
     parser.add_argument("--types", help="comma-separated GGUF types (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=9, help="paired passes per case")
@@ -76,7 +78,8 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the CPU kernels do not run here")
     results: list[dict[str, Any]] = []
-    isas = {"base": args.base_isa or kernels.isa, "this": kernels.isa}
+    this_isa = args.isa or kernels.isa
+    isas = {"base": args.base_isa or this_isa, "this": this_isa}
     with tempfile.TemporaryDirectory() as folder:
         if args.base_rev is not None:
             base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))

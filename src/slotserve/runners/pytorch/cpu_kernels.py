@@ -187,7 +187,15 @@ class CpuKernels:
 
 
 # The CPU features that decide which kernels serve, as /proc/cpuinfo names them.
-_KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+_KERNEL_FEATURES = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+)
 
 
 @functools.cache

@@ -32,7 +32,8 @@ bool runs_avx2() {
 }
 
 bool runs_avx512_bf16() {
-    return runs_avx512() && __builtin_cpu_supports("avx512bf16");
+    return runs_avx512() && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vnni");
 }
 
 Kernels select_kernels() {

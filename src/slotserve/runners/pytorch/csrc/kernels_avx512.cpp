@@ -4,4 +4,5 @@
 #define SLOTSERVE_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
 #define SLOTSERVE_AVX512 1
 #define SLOTSERVE_BF16 0
+#define SLOTSERVE_VNNI 0
 #include "isa_kernels.h"

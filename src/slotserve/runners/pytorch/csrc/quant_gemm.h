@@ -22,13 +22,15 @@
 // Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | with sub-blocks (the K types):
-//   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes: per input pair
-//   the 32 codes in the order of vpmaddwd's words, outputs 0-7's (even, odd) pairs then
-//   outputs 8-15's ("lo" and "hi"):
-//   16 bytes (4 and 5 bits: byte w holds lo's word w in its low nibble, hi's in its high one)
-//   or 32 (8 bits: lo's 16 bytes, then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit
-//   2j: pair j's lo word, 2j+1: its hi word). Q6_K's six-bit codes are stored as bytes
-//   (quant/formats.py says why).
+//   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes:
+//   - 4 bits, per unit of 8 inputs, 64 bytes: byte 4j + i holds output j's code of input i in
+//     its low nibble and of input 4 + i in its high one (each nibble plane is vpdpbusd's
+//     operand: four inputs per output's 32-bit lane);
+//   - 5 and 8 bits, per input pair, the 32 codes in the order of vpmaddwd's words, outputs
+//     0-7's (even, odd) pairs then outputs 8-15's ("lo" and "hi"): 16 bytes (5 bits: byte w
+//     holds lo's word w in its low nibble, hi's in its high one) or 32 (8 bits: lo's 16 bytes,
+//     then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit 2j: pair j's lo word, 2j+1:
+//     its hi word). Q6_K's six-bit codes are stored as bytes (quant/formats.py says why).
 
 namespace quant {
 

@@ -47,6 +47,21 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
         return v;
     }
     const __m128i nibble = _mm_set1_epi8(0x0f);
+    if constexpr (BITS == 4) {  // from the pair's unit of 8 inputs, byte by byte: rows looked up
+        const uint8_t* unit = codes + pair / 4 * 64;
+        const int first = int(pair % 2) * 2, shift = int(pair % 4) / 2 * 4;
+        alignas(16) uint8_t bytes[32];  // outputs 0-7's (even, odd) codes, then 8-15's
+        for (int j = 0; j < 16; ++j)
+            for (int e = 0; e < 2; ++e) bytes[2 * j + e] = unit[4 * j + first + e] >> shift;
+        v.lo = _mm_and_si128(_mm_load_si128((const __m128i*)bytes), nibble);
+        v.hi = _mm_and_si128(_mm_load_si128((const __m128i*)(bytes + 16)), nibble);
+        if constexpr (OFFSET != 0 && !RAW) {
+            const __m128i offset = _mm_set1_epi8(char(OFFSET));
+            v.lo = _mm_sub_epi8(v.lo, offset);
+            v.hi = _mm_sub_epi8(v.hi, offset);
+        }
+        return v;
+    }
     const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
     v.lo = _mm_and_si128(both, nibble);
     v.hi = _mm_and_si128(_mm_srli_epi16(both, 4), nibble);
@@ -193,59 +208,61 @@ struct WordPairs {
 };
 
 #if SLOTSERVE_AVX512
-// The nibble path (AVX-512, codes of 4 bits): one 64-byte load holds four pairs' raw codes,
-// each 128-bit lane one pair's (`lo` its outputs 0-7's (even, odd) codes, `hi` 8-15's), met by
-// vpmaddubsw with that pair's two int8 inputs (four broadcast, one shuffle): an int16 lane sums
-// every fourth pair's products, 32 pairs before it must be widened (codes ≤ 15, |q| ≤ 127). Four
-// times the products per instruction of the word path, which the nibbles' unpacking outweighed;
-// the offset comes off once per sub-block as offset · Σ q.
+// The nibble path (AVX-512, codes of 4 bits): one 64-byte load holds a unit of 8 inputs, byte
+// 4j + i output j's codes of inputs i (low nibble) and 4 + i (high one), so each nibble plane
+// holds four inputs' codes in every output's 32-bit lane. With VNNI, vpdpbusd sums each
+// lane's four products into it as int32; without, vpmaddubsw sums two into each int16 half,
+// 32 pairs before they must be widened (codes ≤ 15, |q| ≤ 127). The offset comes off once per
+// sub-block as offset · Σ q.
 struct Nibbles {
-    __m512i lo, hi;
+    __m512i first, last;  // inputs 0-3's codes and 4-7's; output j in lane j
 };
 template <int OFFSET>
 struct NibblePairs {
     using Operand = Nibbles;
     struct Partial {
-        __m512i lo, hi;  // int16: pair p's, p + 1's, p + 2's, p + 3's sums; outputs 0-7, 8-15
+        __m512i first, last;  // each plane's sums: int32 with VNNI, else int16 halves
     };
     static constexpr bool kRawCodes = true;
     static constexpr int kPairsPerOperand = 4;
+#if SLOTSERVE_VNNI
+    static constexpr int kFlush = 1 << 20;  // int32 lanes: the sub-block never overflows one
+#else
     static constexpr int kFlush = 4 * (32767 / (2 * kLargestInput * 15));
+#endif
     template <int SUPER>
     static inline __attribute__((always_inline)) Operand decode(const uint8_t* codes,
                                                                 int64_t pair) {
-        const __m512i all = _mm512_loadu_si512((const void*)(codes + pair * 16));
+        const __m512i unit = _mm512_loadu_si512((const void*)(codes + pair * 16));
         const __m512i nibble = _mm512_set1_epi8(0x0f);
-        return {_mm512_and_si512(all, nibble),
-                _mm512_and_si512(_mm512_srli_epi16(all, 4), nibble)};
+        return {_mm512_and_si512(unit, nibble),
+                _mm512_and_si512(_mm512_srli_epi16(unit, 4), nibble)};
     }
     static inline __attribute__((always_inline)) Partial zero() {
         return {_mm512_setzero_si512(), _mm512_setzero_si512()};
     }
     static const int8_t* inputs(const Operands& op) { return op.xq8; }
-    // + the products with a row's eight inputs at x: lane L takes inputs 2L and 2L + 1.
+    // + the products with a row's eight inputs at x, four broadcast to each plane.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
                                                              const int8_t* x) {
-        const __m512i spread = _mm512_set_epi32(
-            0x07060706, 0x07060706, 0x07060706, 0x07060706, 0x05040504, 0x05040504, 0x05040504,
-            0x05040504, 0x03020302, 0x03020302, 0x03020302, 0x03020302, 0x01000100, 0x01000100,
-            0x01000100, 0x01000100);
-        const __m512i eight =
-            _mm512_shuffle_epi8(_mm512_set1_epi64(loaded<int64_t>(x)), spread);
-        return {_mm512_add_epi16(s.lo, _mm512_maddubs_epi16(w.lo, eight)),
-                _mm512_add_epi16(s.hi, _mm512_maddubs_epi16(w.hi, eight))};
-    }
-    // Eight outputs' int32 sums: the four lanes' int16 sums of each output added.
-    static inline __attribute__((always_inline)) __m256i lanes_summed(__m512i lanes) {
-        const __m512i wide = _mm512_add_epi32(
-            _mm512_cvtepi16_epi32(_mm512_castsi512_si256(lanes)),
-            _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lanes, 1)));
-        return _mm256_add_epi32(_mm512_castsi512_si256(wide),
-                                _mm512_extracti64x4_epi64(wide, 1));
+        const __m512i first = _mm512_set1_epi32(loaded<int32_t>(x));
+        const __m512i last = _mm512_set1_epi32(loaded<int32_t>(x + 4));
+#if SLOTSERVE_VNNI
+        return {_mm512_dpbusd_epi32(s.first, w.first, first),
+                _mm512_dpbusd_epi32(s.last, w.last, last)};
+#else
+        return {_mm512_add_epi16(s.first, _mm512_maddubs_epi16(w.first, first)),
+                _mm512_add_epi16(s.last, _mm512_maddubs_epi16(w.last, last))};
+#endif
     }
     static inline __attribute__((always_inline)) Sums widen(Partial p) {
-        return {_mm512_inserti64x4(_mm512_castsi256_si512(lanes_summed(p.lo)),
-                                   lanes_summed(p.hi), 1)};
+#if SLOTSERVE_VNNI
+        return {_mm512_add_epi32(p.first, p.last)};
+#else
+        const __m512i ones = _mm512_set1_epi16(1);  // a lane's two int16 halves: one output's
+        return {_mm512_add_epi32(_mm512_madd_epi16(p.first, ones),
+                                 _mm512_madd_epi16(p.last, ones))};
+#endif
     }
 };
 
@@ -290,50 +307,49 @@ struct BytePairs {
                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1))};
     }
 };
-// The nibble path (AVX2, codes of 4 bits): the byte path over two pairs at once, each 32-byte
-// load holding pair p's codes and pair p + 1's. `lo` is [p's outputs 0-7 | p + 1's], `hi` the
-// same for outputs 8-15; each half meets its own pair's inputs (one broadcast, one shuffle), so
-// an int16 lane sums every other pair's products, 16 pairs before it must be widened.
+// The nibble path (AVX2, codes of 4 bits): a unit of 8 inputs is two 32-byte loads, outputs
+// 0-7's and 8-15's, laid out as AVX-512's (byte 4j + i: output j's codes of inputs i and 4 + i).
+// vpmaddubsw sums two products into each int16 half of an output's 32-bit lane, both nibble
+// planes into the same halves, 16 pairs before they must be widened.
 struct Nibbles {
-    __m256i lo, hi;
+    __m256i first_lo, last_lo, first_hi, last_hi;  // inputs 0-3's and 4-7's; outputs 0-7, 8-15
 };
 template <int OFFSET>
 struct NibblePairs {
     using Operand = Nibbles;
     struct Partial {
-        __m256i lo, hi;  // int16: [pair p's sums | pair p + 1's], outputs 0-7 and 8-15
+        __m256i lo, hi;  // int16 halves of outputs 0-7's lanes and 8-15's
     };
     static constexpr bool kRawCodes = true;
-    static constexpr int kPairsPerOperand = 2;
-    static constexpr int kFlush = 2 * (32767 / (2 * kLargestInput * 15));
+    static constexpr int kPairsPerOperand = 4;
+    static constexpr int kFlush = 4 * (32767 / (2 * 2 * kLargestInput * 15));
     template <int SUPER>
     static inline __attribute__((always_inline)) Operand decode(const uint8_t* codes,
                                                                 int64_t pair) {
-        const __m256i both = _mm256_loadu_si256((const __m256i*)(codes + pair * 16));
+        const __m256i lo = _mm256_loadu_si256((const __m256i*)(codes + pair * 16));
+        const __m256i hi = _mm256_loadu_si256((const __m256i*)(codes + pair * 16 + 32));
         const __m256i nibble = _mm256_set1_epi8(0x0f);
-        return {_mm256_and_si256(both, nibble),
-                _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble)};
+        return {_mm256_and_si256(lo, nibble), _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
+                _mm256_and_si256(hi, nibble), _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble)};
     }
     static inline __attribute__((always_inline)) Partial zero() {
         return {_mm256_setzero_si256(), _mm256_setzero_si256()};
     }
     static const int8_t* inputs(const Operands& op) { return op.xq8; }
-    // + the products with a row's four inputs at x: the first two spread over the low half,
-    // the others over the high one.
+    // + the products with a row's eight inputs at x, four broadcast to each plane.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
                                                              const int8_t* x) {
-        const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-        const __m256i four = _mm256_shuffle_epi8(_mm256_set1_epi32(loaded<int32_t>(x)), spread);
-        return {_mm256_add_epi16(s.lo, _mm256_maddubs_epi16(w.lo, four)),
-                _mm256_add_epi16(s.hi, _mm256_maddubs_epi16(w.hi, four))};
-    }
-    static inline __attribute__((always_inline)) __m256i halves_summed(__m256i halves) {
-        return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves)),
-                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(halves, 1)));
+        const __m256i first = _mm256_set1_epi32(loaded<int32_t>(x));
+        const __m256i last = _mm256_set1_epi32(loaded<int32_t>(x + 4));
+        const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w.first_lo, first),
+                                            _mm256_maddubs_epi16(w.last_lo, last));
+        const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w.first_hi, first),
+                                            _mm256_maddubs_epi16(w.last_hi, last));
+        return {_mm256_add_epi16(s.lo, lo), _mm256_add_epi16(s.hi, hi)};
     }
     static inline __attribute__((always_inline)) Sums widen(Partial p) {
-        return {halves_summed(p.lo), halves_summed(p.hi)};
+        const __m256i ones = _mm256_set1_epi16(1);  // a lane's two int16 halves: one output's
+        return {_mm256_madd_epi16(p.lo, ones), _mm256_madd_epi16(p.hi, ones)};
     }
 };
 

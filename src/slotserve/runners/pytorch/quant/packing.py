@@ -35,26 +35,42 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
         if f.has_min:
             assert decoded.m is not None
             parts.append(per_output(decoded.m, subs))
-    # [groups, supers, pairs, 16 outputs, (even, odd)], then in vpmaddwd's word order: "lo",
-    # outputs 0-7's (even, odd) codes, and "hi", outputs 8-15's (csrc/quant_gemm.h).
-    codes = decoded.codes.reshape(g, GROUP, b, pairs, 2).transpose(0, 2, 3, 1, 4)
-    lo = codes[:, :, :, : GROUP // 2].reshape(g, b, pairs, GROUP)
-    hi = codes[:, :, :, GROUP // 2 :].reshape(g, b, pairs, GROUP)
-    if f.bits == 8:
-        parts.append(np.concatenate([lo, hi], axis=3).reshape(g, b, -1))
+    if f.bits == 4:
+        parts.append(_nibble_units(decoded.codes, g, b, f.super))
     else:
-        parts.append(((lo & 0x0F) | ((hi & 0x0F) << 4)).reshape(g, b, -1))
-    if f.bits == 5:  # per 4 pairs: bit 2j lo's fifth bit, 2j + 1 hi's
-        high_lo = ((lo >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
-        high_hi = ((hi >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
-        byte = sum(
-            (high_lo[:, :, :, j] << (2 * j)) | (high_hi[:, :, :, j] << (2 * j + 1))
-            for j in range(4)
-        )
-        parts.append(np.asarray(byte, dtype=np.uint8).reshape(g, b, -1))
+        parts.extend(_pair_codes(decoded.codes, g, b, pairs, f.bits))
     records = np.concatenate([p.astype(np.uint8, copy=False) for p in parts], axis=2)
     assert records.shape[2] == f.record_bytes
     return records
+
+
+def _nibble_units(codes: np.ndarray, g: int, b: int, super_: int) -> np.ndarray:
+    """Four-bit codes per unit of 8 inputs, 16 outputs: byte 4j + i holds output j's code of
+    input i in its low nibble and of input 4 + i in its high one (vpdpbusd's order)."""
+    units = codes.reshape(g, GROUP, b, super_ // 8, 2, 4).transpose(0, 2, 3, 4, 1, 5)
+    both: np.ndarray = units[:, :, :, 0] | (units[:, :, :, 1] << 4)
+    return both.reshape(g, b, -1)
+
+
+def _pair_codes(codes: np.ndarray, g: int, b: int, pairs: int, bits: int) -> list[np.ndarray]:
+    """Five- and eight-bit codes per input pair, in vpmaddwd's word order: "lo", outputs 0-7's
+    (even, odd) codes, then "hi", outputs 8-15's."""
+    # [groups, supers, pairs, 16 outputs, (even, odd)]
+    paired = codes.reshape(g, GROUP, b, pairs, 2).transpose(0, 2, 3, 1, 4)
+    lo = paired[:, :, :, : GROUP // 2].reshape(g, b, pairs, GROUP)
+    hi = paired[:, :, :, GROUP // 2 :].reshape(g, b, pairs, GROUP)
+    if bits == 8:
+        return [np.concatenate([lo, hi], axis=3).reshape(g, b, -1)]
+    # Five bits: the low four as nibbles, then per 4 pairs bit 2j lo's fifth bit, 2j + 1 hi's.
+    high_lo = ((lo >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
+    high_hi = ((hi >> 4) & 1).reshape(g, b, pairs // 4, 4, GROUP)
+    high = sum(
+        (high_lo[:, :, :, j] << (2 * j)) | (high_hi[:, :, :, j] << (2 * j + 1)) for j in range(4)
+    )
+    return [
+        ((lo & 0x0F) | ((hi & 0x0F) << 4)).reshape(g, b, -1),
+        np.asarray(high, dtype=np.uint8).reshape(g, b, -1),
+    ]
 
 
 def pack_tensor(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> torch.Tensor:
