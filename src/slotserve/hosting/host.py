@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
@@ -39,6 +37,7 @@ from slotserve.engine.client.async_engine import OutputListener
 from slotserve.engine.core.stats import EngineTotals
 from slotserve.engine.errors import EngineDeadError
 from slotserve.engine.outputs import STOPPED_REASON
+from slotserve.hosting.preparation import prepared
 from slotserve.hosting.served import (
     LOADING_RETRY_AFTER_S,
     RELOAD_HINT,
@@ -57,14 +56,6 @@ WATCH_INTERVAL_S = 0.1  # how often a host looks at its engine's health
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-# Tokenizing, rendering templates and compiling grammars for a large request takes long enough
-# to stall every other request if done on the event loop; a few threads bound how many such
-# jobs run at once (the tokenizers release the GIL while they work). Large requests have threads
-# of their own, so a small one never queues behind a few prompts of megabytes.
-_PREPARE_POOLS = {
-    large: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"slotserve-prepare-{name}")
-    for large, name in ((False, "small"), (True, "large"))
-}
 LEASE_WAIT_S = 60.0  # how long retiring an engine waits for work that still uses its tokenizer
 
 
@@ -183,10 +174,7 @@ class ModelHost:
         submits gets the model again (:meth:`require_same`), with nothing awaited since."""
         self._leases[id(model)] += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                _PREPARE_POOLS[large], functools.partial(fn, *args, **kwargs)
-            )
+            return await prepared(large, fn, *args, **kwargs)
         finally:
             self._leases[id(model)] -= 1
             if not self._leases[id(model)]:

@@ -55,21 +55,14 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
             for (int e = 0; e < 2; ++e) bytes[2 * j + e] = unit[4 * j + first + e] >> shift;
         v.lo = _mm_and_si128(_mm_load_si128((const __m128i*)bytes), nibble);
         v.hi = _mm_and_si128(_mm_load_si128((const __m128i*)(bytes + 16)), nibble);
-        if constexpr (OFFSET != 0 && !RAW) {
-            const __m128i offset = _mm_set1_epi8(char(OFFSET));
-            v.lo = _mm_sub_epi8(v.lo, offset);
-            v.hi = _mm_sub_epi8(v.hi, offset);
-        }
-        return v;
-    }
-    const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
-    v.lo = _mm_and_si128(both, nibble);
-    v.hi = _mm_and_si128(_mm_srli_epi16(both, 4), nibble);
-    // The high bits moved into place with one shift and one mask each: a shift within 16-bit
-    // lanes carries bits across the byte boundary only where the mask then drops them. `pair`'s
-    // place in its group is a constant once the caller's loop is unrolled.
-    const uint8_t* high = codes + SUPER / 2 * 16;  // the high bits' plane
-    if constexpr (BITS == 5) {
+    } else {  // five bits: the low four as the pair's nibbles, the fifth from the high bits
+        const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
+        v.lo = _mm_and_si128(both, nibble);
+        v.hi = _mm_and_si128(_mm_srli_epi16(both, 4), nibble);
+        // The high bits moved into place with one shift and one mask each: a shift within
+        // 16-bit lanes carries bits across the byte boundary only where the mask then drops
+        // them. `pair`'s place in its group is a constant once the caller's loop is unrolled.
+        const uint8_t* high = codes + SUPER / 2 * 16;  // the high bits' plane
         const __m128i h = _mm_loadu_si128((const __m128i*)(high + pair / 4 * 16));
         const __m128i bit4 = _mm_set1_epi8(0x10);
         const int j = int(pair % 4) * 2;  // lo at bit j, hi at bit j + 1; both go to bit 4

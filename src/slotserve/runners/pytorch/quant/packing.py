@@ -97,13 +97,9 @@ def pack_tensor(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> torch.Te
         out[first : first + (len(rows) + missing) // GROUP] = pack_rows(decoded, f)
 
     starts = range(0, n, CHUNK_ROWS)
-    workers = min(torch.get_num_threads(), len(starts))
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="slotserve-pack") as pool:
-            list(pool.map(pack_chunk, starts))  # list(): a chunk's error is raised here
-    else:
-        for start in starts:
-            pack_chunk(start)
+    workers = max(1, min(torch.get_num_threads(), len(starts)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="slotserve-pack") as pool:
+        list(pool.map(pack_chunk, starts))  # list(): a chunk's error is raised here
     return torch.from_numpy(out.reshape(-1))
 
 
