@@ -115,8 +115,8 @@ struct Kernels {
                              int group, int d, int ms_stride, int part_stride, uint16_t* out);
     void (*gemm_blocks)(const GemmOperands& op, int64_t rows, int64_t b0, int64_t b1);
     void (*quant_groups)(const QuantOperands& op, int64_t rows, int64_t g0, int64_t g1);
-    void (*quantize_row)(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8, float* step,
-                         int32_t* sum);
+    void (*quantize_row)(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8,
+                         const InputBlocks& blocks, int64_t row);
     void (*quant_rows)(const QuantOperands& op, const int64_t* rows, int64_t count,
                        uint16_t* out);
 };

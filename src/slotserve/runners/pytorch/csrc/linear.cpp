@@ -193,21 +193,24 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     if (rows == 0) return out;
     TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
     // The rounded inputs in one allocation (a decode step makes hundreds of these calls):
-    // [rows][k] int16, [rows][k] int8, [rows][k / 32] float steps, [rows][k / 16] int32 sums.
-    const int64_t values = rows * inputs;
-    const at::Tensor scratch = at::empty({values * 3 + values / 32 * 4 + values / 16 * 4},
+    // [rows][k] int16, [rows][k] int8, then per block of 32 a float step, −Σ q as a float and
+    // Σ q, and Σ q per 16 (InputBlocks).
+    const int64_t values = rows * inputs, blocks = values / 32;
+    const at::Tensor scratch = at::empty({values * 3 + blocks * 3 * 4 + blocks * 2 * 4},
                                          x.options().dtype(at::kByte));
     uint8_t* const base = scratch.data_ptr<uint8_t>();
     int16_t* const xq = reinterpret_cast<int16_t*>(base);
     int8_t* const xq8 = reinterpret_cast<int8_t*>(base + values * 2);
-    float* const xstep = reinterpret_cast<float*>(base + values * 3);
-    int32_t* const xsum = reinterpret_cast<int32_t*>(base + values * 3 + values / 32 * 4);
+    float* const per_block = reinterpret_cast<float*>(base + values * 3);
+    const InputBlocks in{per_block, per_block + blocks,
+                         reinterpret_cast<int32_t*>(per_block + 2 * blocks),
+                         reinterpret_cast<int32_t*>(per_block + 3 * blocks), rows};
     // Rows per task as the per-row kernels take them: a decode step's few rows are rounded
     // inline, not across a fork and join of every thread.
     at::parallel_for(0, rows, grain(inputs), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
             k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq + r * inputs, xq8 + r * inputs,
-                           xstep + r * (inputs / 32), xsum + r * (inputs / 16));
+                           in, r);
     });
     at::Tensor bias32;
     if (bias) {
@@ -217,8 +220,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     }
     const QuantOperands op{xq,
                            xq8,
-                           xstep,
-                           xsum,
+                           in,
                            inputs,
                            packed.data_ptr<uint8_t>(),
                            f,
@@ -248,7 +250,7 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t 
                                                         ids.max().item<int64_t>() < n)),
                 "row ids out of range");
     at::Tensor out = at::empty({ids.numel(), k}, packed.options().dtype(at::kBFloat16));
-    const QuantOperands op{nullptr, nullptr, nullptr, nullptr, k, packed.data_ptr<uint8_t>(),
+    const QuantOperands op{nullptr, nullptr, {},      k, packed.data_ptr<uint8_t>(),
                            f,       nullptr, nullptr, n};
     at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
         kern.quant_rows(op, ids.data_ptr<int64_t>() + begin, end - begin,

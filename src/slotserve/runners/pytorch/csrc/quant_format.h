@@ -25,11 +25,21 @@ struct QuantFormat {
     int64_t record_bytes() const { return header_bytes() + code_bytes(); }
 };
 
+// What each row's inputs hold per block of 32 (and per 16), block-major ([blocks][rows]): a
+// tile's rows side by side, so that the kernels find a block's values for all of them at one
+// address plus constant offsets.
+struct InputBlocks {
+    float* step;     // [k / 32][rows] each block's step
+    float* neg_sum;  // [k / 32][rows] −Σ q of each block, as a float (exact: |Σ q| < 2^24)
+    int32_t* sum32;  // [k / 32][rows] Σ q of each block
+    int32_t* sum16;  // [k / 16][rows] Σ q of each 16 inputs
+    int64_t rows;
+};
+
 struct QuantOperands {
     const int16_t* xq;    // [rows][k] the inputs as integers per block of 32 (quant_gemm.h)
     const int8_t* xq8;    // [rows][k] the same integers as bytes
-    const float* xstep;   // [rows][k / 32] each block's step
-    const int32_t* xsum;  // [rows][k / 16] Σ q of each 16 inputs
+    InputBlocks blocks;   // their steps and sums
     int64_t k;
     const uint8_t* w;     // [groups][k / super] records
     QuantFormat f;

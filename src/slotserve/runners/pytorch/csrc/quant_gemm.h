@@ -61,11 +61,11 @@ static void decode_group(const Operands& op, const uint8_t* group,
     }
 }
 
-// Row `row`'s Σ q over the SUB inputs from `first` (a sub-block; Σ q is kept per 16 inputs).
+// Σ q over the SUB inputs from `first` (a sub-block) of rows m0, m0 + 1, ...
 template <int SUB>
-static inline int32_t input_sum(const Operands& op, int64_t row, int64_t first) {
-    const int32_t* sums = op.xsum + row * (op.k / 16) + first / 16;
-    return SUB == 16 ? sums[0] : sums[0] + sums[1];
+static inline const int32_t* input_sums(const Operands& op, int64_t m0, int64_t first) {
+    const InputBlocks& in = op.blocks;
+    return SUB == 16 ? in.sum16 + first / 16 * in.rows + m0 : in.sum32 + first / 32 * in.rows + m0;
 }
 
 // Output group g (its records at `group`) for rows [m0, m0 + MR) over the whole input: each
@@ -78,7 +78,7 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                        const typename PairMath<BITS, OFFSET>::Operand* decoded) {
     using Math = PairMath<BITS, OFFSET>;
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
-    const int64_t supers = op.k / SUPER, blocks_per_row = op.k / kInputBlock;
+    const int64_t supers = op.k / SUPER;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
     Acc running[MR];  // in registers until the end: a tile's rows are few
     for (int r = 0; r < MR; ++r) running[r] = acc_zero();
@@ -92,11 +92,17 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             if (!DECODED && m0 == 0) {
                 // The weight stream ahead, asked for from memory now (the first tile streams it,
                 // the others find it cached): one core's own requests alone fetch too little of
-                // it at a time to keep up with a single row.
+                // it at a time to keep up with a single row. A tile of several rows computes
+                // long enough to wait on memory besides: it also asks for the next group's
+                // records into the level-2 cache, a whole group ahead.
                 const int64_t sub_bytes = (record_bytes + kSubBlocks - 1) / kSubBlocks;
-                for (int64_t line = 0; line < sub_bytes; line += 64)
-                    _mm_prefetch((const char*)(record + s * sub_bytes + line + kPrefetchAhead),
-                                 _MM_HINT_T0);
+                const uint8_t* sub = record + s * sub_bytes;
+                for (int64_t line = 0; line < sub_bytes; line += 64) {
+                    _mm_prefetch((const char*)(sub + line + kPrefetchAhead), _MM_HINT_T0);
+                    if constexpr (MR > 2)
+                        _mm_prefetch((const char*)(sub + line + supers * record_bytes),
+                                     _MM_HINT_T1);
+                }
             }
             Sums sums[MR];
             typename Math::Partial partial[MR];
@@ -121,9 +127,11 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                         partial[r] = Math::zero();
                     }
             }
-            if constexpr (Math::kRawCodes && OFFSET != 0)
+            if constexpr (Math::kCodeOffset != 0) {
+                const int32_t* input_sum = input_sums<SUB>(op, m0, first);
                 for (int r = 0; r < MR; ++r)
-                    sums[r] = sums_less(sums[r], OFFSET * input_sum<SUB>(op, m0 + r, first));
+                    sums[r] = sums_less(sums[r], Math::kCodeOffset * input_sum[r]);
+            }
             // Without sub-blocks sc and m are one: d and dmin are the scale and the minimum.
             Acc scale = d, min = acc_zero();
             if constexpr (kSubBlocks > 1)
@@ -136,14 +144,14 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                     min = acc_mul(min, widen_u8(m));
                 }
             }
-            const int64_t block = first / kInputBlock;
+            const int64_t at = first / kInputBlock * op.blocks.rows + m0;  // rows m0, m0 + 1, ...
+            const float *step = op.blocks.step + at, *neg_sum = op.blocks.neg_sum + at;
+            static_assert(!MIN || SUB == kInputBlock, "a minimum per block of inputs");
             for (int r = 0; r < MR; ++r) {
-                const float step = op.xstep[(m0 + r) * blocks_per_row + block];
-                Acc sum = acc_fma_v(acc_mul(scale, broadcast(step)), sums_float(sums[r]),
+                Acc sum = acc_fma_v(acc_mul(scale, broadcast(step[r])), sums_float(sums[r]),
                                     running[r]);
-                if constexpr (MIN)  // SUB is 32 in every format with a min
-                    sum = acc_fma(broadcast(-float(input_sum<SUB>(op, m0 + r, first))),
-                                  acc_mul(min, broadcast(step)), sum);
+                if constexpr (MIN)
+                    sum = acc_fma(broadcast(neg_sum[r]), acc_mul(min, broadcast(step[r])), sum);
                 running[r] = sum;
             }
         }
@@ -252,12 +260,13 @@ static inline int32_t lanes_summed(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
-// A row's inputs as integers of at most 127 per block of 32 (the module's comment), as int16
-// (q16, the word path's) and int8 (q8, the byte path's): q, each block's step and Σ q per 16.
+// Row `row`'s inputs as integers of at most 127 per block of 32 (the module's comment), as int16
+// (q16, the word path's) and int8 (q8, the byte path's): q, and each block's step and sums.
 // AVX2 instructions on every instruction set: the largest |x| is exact in any order, the
 // product rounds once and vcvtps2dq rounds it to nearest even, as std::nearbyint does.
-static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8, float* step,
-                         int32_t* sum) {
+static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8,
+                         const InputBlocks& blocks, int64_t row) {
+    const int64_t rows = blocks.rows;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i largest_q = _mm256_set1_epi32(kLargestInput);
     const __m256i smallest_q = _mm256_set1_epi32(-kLargestInput);
@@ -284,9 +293,13 @@ static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8,
         _mm256_storeu_si256((__m256i*)(q16 + b * kInputBlock + 16), w23);
         const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8);
         _mm256_storeu_si256((__m256i*)(q8 + b * kInputBlock), bytes);
-        step[b] = largest / float(kLargestInput);
-        sum[2 * b] = lanes_summed(_mm256_add_epi32(q[0], q[1]));
-        sum[2 * b + 1] = lanes_summed(_mm256_add_epi32(q[2], q[3]));
+        const int32_t first = lanes_summed(_mm256_add_epi32(q[0], q[1]));
+        const int32_t last = lanes_summed(_mm256_add_epi32(q[2], q[3]));
+        blocks.step[b * rows + row] = largest / float(kLargestInput);
+        blocks.sum16[2 * b * rows + row] = first;
+        blocks.sum16[(2 * b + 1) * rows + row] = last;
+        blocks.sum32[b * rows + row] = first + last;
+        blocks.neg_sum[b * rows + row] = -float(first + last);
     }
 }
 

@@ -182,7 +182,7 @@ template <int BITS, int OFFSET>
 struct WordPairs {
     using Operand = Words;
     using Partial = Sums;
-    static constexpr bool kRawCodes = false;  // the offset is taken off each code
+    static constexpr int kCodeOffset = 0;  // the offset is taken off each code
     static constexpr int kPairsPerOperand = 1;
     static constexpr int kFlush = 1 << 20;  // int32 lanes: the sub-block never overflows one
     template <int SUPER>
@@ -216,7 +216,7 @@ struct NibblePairs {
     struct Partial {
         __m512i first, last;  // each plane's sums: int32 with VNNI, else int16 halves
     };
-    static constexpr bool kRawCodes = true;
+    static constexpr int kCodeOffset = OFFSET;
     static constexpr int kPairsPerOperand = 4;
 #if SLOTSERVE_VNNI
     static constexpr int kFlush = 1 << 20;  // int32 lanes: the sub-block never overflows one
@@ -259,9 +259,52 @@ struct NibblePairs {
     }
 };
 
-// Five and eight bits take the word path: vpmaddwd's 512 bits decode them faster than bytes.
+#if SLOTSERVE_VNNI
+// The quad path (VNNI, codes of 8 bits): two input pairs' 64 bytes regrouped by one vpermw so
+// that each output's 32-bit lane holds its codes of four inputs (the first pair's even and odd,
+// then the second's), which vpdpbusd multiplies by the row's four int8 inputs and sums into the
+// lane. vpdpbusd's codes are unsigned: Q6_K's are (0-63), Q8_0's signed ones become so with their
+// sign bit flipped (+128). The offset comes off once per sub-block as offset · Σ q.
+template <int OFFSET>
+struct QuadPairs {
+    using Operand = __m512i;  // output j's four codes in lane j
+    using Partial = __m512i;  // sixteen int32
+    static constexpr bool kSigned = OFFSET == 0;  // Q8_0's codes
+    static constexpr int kCodeOffset = kSigned ? 128 : OFFSET;
+    static constexpr int kPairsPerOperand = 2;
+    static constexpr int kFlush = 1 << 20;  // int32 lanes: the sub-block never overflows one
+    template <int SUPER>
+    static inline __attribute__((always_inline)) Operand decode(const uint8_t* codes,
+                                                                int64_t pair) {
+        // Words 0-15: the first pair's (even, odd) codes of outputs 0-15; 16-31: the second's.
+        const __m512i words = _mm512_loadu_si512((const void*)(codes + pair * 32));
+        const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                               25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                               18, 2, 17, 1, 16, 0);
+        const __m512i quads = _mm512_permutexvar_epi16(order, words);
+        return kSigned ? _mm512_xor_si512(quads, _mm512_set1_epi8(char(0x80))) : quads;
+    }
+    static const int8_t* inputs(const Operands& op) { return op.xq8; }
+    static inline __attribute__((always_inline)) Partial zero() { return _mm512_setzero_si512(); }
+    // + the products with a row's four inputs at x.
+    static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
+                                                             const int8_t* x) {
+        return _mm512_dpbusd_epi32(s, w, _mm512_set1_epi32(loaded<int32_t>(x)));
+    }
+    static inline __attribute__((always_inline)) Sums widen(Partial p) { return {p}; }
+};
+#endif
+
+// Five bits take the word path (vpmaddwd's 512 bits decode them faster than bytes), and eight
+// without VNNI.
 template <int BITS, int OFFSET>
+#if SLOTSERVE_VNNI
+using PairMath = std::conditional_t<
+    BITS == 4, NibblePairs<OFFSET>,
+    std::conditional_t<BITS == 8, QuadPairs<OFFSET>, WordPairs<BITS, OFFSET>>>;
+#else
 using PairMath = std::conditional_t<BITS == 4, NibblePairs<OFFSET>, WordPairs<BITS, OFFSET>>;
+#endif
 #else
 // The byte path (AVX2, codes of 5 bits): the pair's 32 raw codes as unsigned bytes,
 // outputs 0-7's (even, odd) then 8-15's, met by vpmaddubsw with the row's two int8 inputs: each
@@ -276,7 +319,7 @@ template <int BITS, int OFFSET>
 struct BytePairs {
     using Operand = Bytes;
     using Partial = __m256i;  // sixteen int16
-    static constexpr bool kRawCodes = true;
+    static constexpr int kCodeOffset = OFFSET;
     static constexpr int kPairsPerOperand = 1;
     static constexpr int kLargestCode = (1 << BITS) - 1;
     static constexpr int kFlush = 32767 / (2 * kLargestInput * kLargestCode);
@@ -313,7 +356,7 @@ struct NibblePairs {
     struct Partial {
         __m256i lo, hi;  // int16 halves of outputs 0-7's lanes and 8-15's
     };
-    static constexpr bool kRawCodes = true;
+    static constexpr int kCodeOffset = OFFSET;
     static constexpr int kPairsPerOperand = 4;
     static constexpr int kFlush = 4 * (32767 / (2 * 2 * kLargestInput * 15));
     template <int SUPER>
