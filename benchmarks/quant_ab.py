@@ -31,9 +31,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kernel_revision import build_revision, packing_at
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, compile_module, load_cpu_kernels
-from slotserve.runners.pytorch.quant import packing
+from slotserve.runners.pytorch.quant import formats
 from slotserve.runners.pytorch.quant.formats import FORMATS
-from slotserve.runners.pytorch.quant.packing import pack_tensor
 
 OUTPUTS, INPUTS, COPIES = 2048, 8192, 8
 ROWS = (1, 2, 4, 16, 64)
@@ -81,16 +80,19 @@ def main() -> None:
     this_isa = args.isa or kernels.isa
     isas = {"base": args.base_isa or this_isa, "this": this_isa}
     with tempfile.TemporaryDirectory() as folder:
+        module: Any = None
         if args.base_rev is not None:
-            base = CpuKernels(build_revision(args.base_rev, Path(folder), "quant_ab_base"))
-            base_packing: Any = packing_at(args.base_rev, Path(folder))
+            module = build_revision(args.base_rev, Path(folder), "quant_ab_base")
         elif args.base_sources is not None:
             build_dir = Path(folder) / "build"
             build_dir.mkdir()
-            base = CpuKernels(compile_module(args.base_sources, "quant_ab_sources", build_dir))
-            base_packing = packing
-        else:
-            base, base_packing = kernels, packing
+            module = compile_module(args.base_sources, "quant_ab_sources", build_dir)
+        base = kernels if module is None else CpuKernels(module)
+        # A revision from before the kernels packed their own records: its numpy packing.
+        old_packing = module is not None and not hasattr(module, "quant_pack")
+        if old_packing and args.base_rev is None:
+            raise SystemExit("these base sources do not pack their records: use --base-rev")
+        base_packing: Any = packing_at(args.base_rev, Path(folder)) if old_packing else None
         print(f"instruction sets: base {isas['base']}, this {isas['this']}")
         header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
         print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
@@ -99,12 +101,17 @@ def main() -> None:
         )
         for kind in kinds:
             raw = random_blocks(kind, seed=1)
-            packed = pack_tensor(kind, raw, INPUTS)
+            packed = kernels.quant_pack(kind, raw, INPUTS)
             weights = {
-                "base": [base_packing.pack_tensor(kind, raw, INPUTS) for _ in range(COPIES)],
+                "base": [
+                    base_packing.pack_tensor(kind, raw, INPUTS)
+                    if base_packing is not None
+                    else base.quant_pack(kind, raw, INPUTS)
+                    for _ in range(COPIES)
+                ],
                 "this": [packed.clone() for _ in range(COPIES)],
             }
-            base_format = base_packing.FORMATS[kind]
+            base_format = (base_packing or formats).FORMATS[kind]
             for rows in ROWS:
                 x = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(rows))
                 x = x.bfloat16()

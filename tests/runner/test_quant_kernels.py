@@ -13,9 +13,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.quant.formats import FORMATS, decode_rows
-from slotserve.runners.pytorch.quant.packing import CHUNK_ROWS, pack_tensor
+from slotserve.runners.pytorch.quant.formats import FORMATS
 from tests.runner.conftest import instruction_set, instruction_sets
+from tests.runner.quant_reference import decode_rows, reference_pack
 
 KINDS = list(FORMATS)
 LEGACY = {
@@ -94,21 +94,32 @@ def stated_arithmetic(
     return (acc + bias.float()).bfloat16()
 
 
-def test_a_tensor_of_many_chunks_packs_alike_on_any_thread_count() -> None:
-    """Chunks of rows are packed on several threads at once into their own records."""
-    kind, n, k = GGMLQuantizationType.Q4_K, 3 * CHUNK_ROWS + 5, 256
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_the_kernels_pack_the_reference_records_on_any_thread_count(
+    kernels: CpuKernels, kind: GGMLQuantizationType
+) -> None:
+    """quant_pack reads each type's bit layout as gguf-py's decoder does: its records are the
+    reference packing's, byte for byte, a ragged last group's missing outputs zero; and each
+    group writes its own records, so the thread count changes no byte."""
+    n, k = 16 * 9 + 5, 512
     raw = random_tensor(kind, n, k, seed=7)
+    expected = torch.from_numpy(reference_pack(kind, raw, k))
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        alone = pack_tensor(kind, raw, k)
-        torch.set_num_threads(4)
-        together = pack_tensor(kind, raw, k)
+        for count in (1, 4):
+            torch.set_num_threads(count)
+            assert torch.equal(kernels.quant_pack(kind, raw, k), expected), count
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, together)
-    by_chunk = [pack_tensor(kind, raw[s : s + CHUNK_ROWS], k) for s in range(0, n, CHUNK_ROWS)]
-    assert torch.equal(alone, torch.cat(by_chunk))
+
+
+def test_blocks_the_packer_cannot_read_are_refused(kernels: CpuKernels) -> None:
+    kind = GGMLQuantizationType.Q4_K
+    raw = random_tensor(kind, 16, 256, seed=4)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        kernels.quant_pack(kind, raw[:, :100], 256)
+    with pytest.raises(RuntimeError, match="records' size"):
+        kernels.quant_pack(kind, raw, 256, out=torch.empty(10, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
@@ -134,7 +145,7 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
     rows, with remainders), with a bias; on every instruction set the CPU runs."""
     n, k = 40, 512
     raw = random_tensor(kind, n, k, seed=2)
-    packed = pack_tensor(kind, raw, k)
+    packed = kernels.quant_pack(kind, raw, k)
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(n, generator=gen).bfloat16()
     weights = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).double()
@@ -158,7 +169,7 @@ def test_rows_looked_up_are_the_dequantized_paths_values(
 ) -> None:
     n, k = 40, 512
     raw = random_tensor(kind, n, k, seed=5)
-    packed = pack_tensor(kind, raw, k)
+    packed = kernels.quant_pack(kind, raw, k)
     rows = torch.tensor([39, 0, 17, 17, 5])
     looked_up = kernels.quant_rows(packed, rows, FORMATS[kind], n, k)
     dequantized = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).bfloat16()
@@ -169,7 +180,7 @@ def test_rows_looked_up_are_the_dequantized_paths_values(
 
 def test_shapes_the_kernel_cannot_take_are_refused(kernels: CpuKernels) -> None:
     kind = GGMLQuantizationType.Q4_K
-    packed = pack_tensor(kind, random_tensor(kind, 16, 256, seed=4), 256)
+    packed = kernels.quant_pack(kind, random_tensor(kind, 16, 256, seed=4), 256)
     with pytest.raises(RuntimeError, match="super-blocks"):
         kernels.quant_linear(torch.ones(1, 288).bfloat16(), packed, FORMATS[kind], 16, None)
     with pytest.raises(RuntimeError, match="packed weight"):

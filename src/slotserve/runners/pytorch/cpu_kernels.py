@@ -26,14 +26,17 @@ import logging
 import os
 import platform
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from slotserve.engine.runner_interface import ComputePath
-from slotserve.runners.pytorch.quant.formats import QuantFormat
+from slotserve.runners.pytorch.quant.formats import FORMATS, QuantFormat
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class CpuKernels:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` in bfloat16 for a weight kept quantized (``packed`` by
-        ``quant/packing.py`` in ``format``), summed as csrc/quant_gemm.h states: a row's bits
+        :meth:`quant_pack` in ``format``), summed as csrc/quant_gemm.h states: a row's bits
         depend on neither the other rows, the thread count, nor the instruction set."""
         f = format
         return self._m.quant_linear(  # type: ignore[no-any-return]
@@ -165,6 +168,27 @@ class CpuKernels:
         return self._m.quant_rows(  # type: ignore[no-any-return]
             packed, rows, n, k, f.bits, f.offset, f.has_min, f.sub, f.super
         )
+
+    def quant_pack(
+        self,
+        kind: GGMLQuantizationType,
+        raw: np.ndarray,
+        k: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A GGUF tensor of ``kind`` (``raw``: [rows, k / block · type size] uint8, one row of
+        blocks per output, as gguf-py reads it) as the records :meth:`quant_linear` reads
+        (csrc/quant_pack.cpp), written into ``out`` (flat uint8 of the format's
+        ``packed_bytes``; by default a new tensor); a last group's missing outputs are zeros."""
+        f = FORMATS[kind]
+        with warnings.catch_warnings():
+            # A file's mapping is read-only; the packer only reads it.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            blocks = torch.from_numpy(np.ascontiguousarray(raw))
+        if out is None:
+            out = torch.empty(f.packed_bytes(blocks.shape[0], k), dtype=torch.uint8)
+        self._m.quant_pack(blocks, int(kind), k, f.bits, f.offset, f.has_min, f.sub, f.super, out)
+        return out
 
     def paged_attention(
         self,

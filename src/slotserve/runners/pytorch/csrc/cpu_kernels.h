@@ -77,4 +77,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
                       int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super);
 
+// quant_pack.cpp
+void quant_pack(const at::Tensor& raw, int64_t type, int64_t k, int64_t bits, int64_t offset,
+                bool has_min, int64_t sub, int64_t super, const at::Tensor& out);
+
 }  // namespace cpu

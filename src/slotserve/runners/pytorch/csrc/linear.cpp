@@ -173,7 +173,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     return linear_on(x, packed, bias, n, "");
 }
 
-// x [M, K] bfloat16 times a quantized weight of N outputs packed by quant/packing.py in the
+// x [M, K] bfloat16 times a quantized weight of N outputs packed by quant_pack.cpp in the
 // format described by the integers (quant_gemm.h's Format), plus an optional bias added in
 // float32 before the one rounding to bfloat16. On every instruction set the same bits.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
@@ -188,7 +188,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                 "the inputs must be whole super-blocks of whole sub-blocks");
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                     packed.numel() == groups * (inputs / super) * f.record_bytes(),
-                "packed weight: uint8 records of quant/packing.py for this shape and format");
+                "packed weight: uint8 records of quant_pack for this shape and format");
     at::Tensor out = at::empty({rows, n}, x.options());
     if (rows == 0) return out;
     TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
@@ -244,7 +244,7 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t 
     const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                     packed.numel() == (n + 15) / 16 * (k / super) * f.record_bytes(),
-                "packed weight: uint8 records of quant/packing.py for this shape and format");
+                "packed weight: uint8 records of quant_pack for this shape and format");
     const at::Tensor ids = rows.to(at::kLong).contiguous();
     TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
                                                         ids.max().item<int64_t>() < n)),

@@ -19,7 +19,7 @@
 // exact, whichever instructions form them: quant_pairs.h; the float steps are the same fused
 // operations lane by lane).
 //
-// Packed layout (quant/packing.py writes it): the outputs in groups of 16, each group's inputs in
+// Packed layout (quant_pack.cpp writes it): the outputs in groups of 16, each group's inputs in
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | with sub-blocks (the K types):
 //   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes:

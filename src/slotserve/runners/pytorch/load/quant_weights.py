@@ -25,8 +25,7 @@ from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.weight_format import ProjectionRows
 from slotserve.runners.pytorch.model.decoder import Decoder
 from slotserve.runners.pytorch.model.layers import Projection, QuantPart
-from slotserve.runners.pytorch.quant.formats import FORMATS
-from slotserve.runners.pytorch.quant.packing import GROUP, pack_tensor
+from slotserve.runners.pytorch.quant.formats import FORMATS, GROUP
 from slotserve.runners.pytorch.quant.tensor import QuantTensor, quantized
 
 # What a matrix given dense is rounded to where the format names none (--quantization auto).
@@ -50,19 +49,15 @@ class QuantEmbedding(nn.Module):
 
 @dataclass(frozen=True)
 class _Piece:
-    """A checkpoint tensor's rows of a projection, packed as it arrives (a file's blocks are
-    then read once, from its mapping)."""
+    """A checkpoint tensor's rows of a projection, as its blocks until the projection is packed
+    (a file's blocks are then read once, from its mapping)."""
 
     start: int
-    rows: int
-    kind: GGMLQuantizationType
-    packed: torch.Tensor
-    k: int
+    blocks: QuantTensor
 
-    @staticmethod
-    def of(start: int, blocks: QuantTensor) -> _Piece:
-        packed = pack_tensor(blocks.kind, blocks.raw, blocks.k)
-        return _Piece(start, blocks.shape[0], blocks.kind, packed, blocks.k)
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
 
 
 class QuantWeights:
@@ -92,12 +87,12 @@ class QuantWeights:
         if isinstance(place, ProjectionRows):
             kind = DENSE_AS if place.projection is self.head else self.dense_as
             blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, kind)
-            piece = _Piece.of(place.rows.start or 0, blocks)
+            piece = _Piece(place.rows.start or 0, blocks)
             self.pieces.setdefault(place.projection, []).append(piece)
             return
         # The one other matrix the load hands over: the embedding's table.
         blocks = tensor if isinstance(tensor, QuantTensor) else quantized(tensor, DENSE_AS)
-        self.embedding = _Piece.of(0, blocks)
+        self.embedding = _Piece(0, blocks)
 
     def head_rows(self, model: Decoder, rows: list[int]) -> torch.Tensor:
         head = model.lm_head
@@ -130,7 +125,7 @@ class QuantWeights:
         table = self.embedding
         part = self._parts(model.lm_head, [table], bias=False)[0]
         # The decoder calls its embedding as a module; this one keeps its table quantized.
-        model.embed = QuantEmbedding(self.kernels, part, table.k, model.dtype)  # type: ignore[assignment]
+        model.embed = QuantEmbedding(self.kernels, part, table.blocks.k, model.dtype)  # type: ignore[assignment]
         if model.config.tie_word_embeddings:
             model.lm_head.quantize(self.kernels, [part])
         self.embedding = None
@@ -138,33 +133,40 @@ class QuantWeights:
     def _parts(
         self, projection: Projection, pieces: list[_Piece], bias: bool = True
     ) -> list[QuantPart]:
-        """Runs of pieces of one type merged (where whole groups of 16 rows: packed records
-        of whole groups concatenate), each one part."""
-        runs: list[_Piece] = []
+        """Runs of pieces of one type (joined where whole groups of 16 rows: packed records of
+        whole groups concatenate), each packed into one buffer, one part."""
+        runs: list[list[_Piece]] = []
         covered = 0
         for piece in sorted(pieces, key=lambda p: p.start):
             if piece.start != covered:
                 raise ValueError(f"rows {covered}..{piece.start} of a projection never loaded")
-            covered += piece.rows
-            last = runs[-1] if runs else None
-            if last is not None and last.kind == piece.kind and last.rows % GROUP == 0:
-                packed = torch.cat([last.packed, piece.packed])
-                runs[-1] = _Piece(last.start, last.rows + piece.rows, piece.kind, packed, piece.k)
+            last = runs[-1] if runs else []
+            whole = sum(p.rows for p in last) % GROUP == 0
+            if last and last[0].blocks.kind == piece.blocks.kind and whole:
+                last.append(piece)
             else:
-                runs.append(piece)
+                runs.append([piece])
+            covered += piece.rows
         if covered != projection.out_features:
             raise ValueError(f"{covered} of a projection's {projection.out_features} rows loaded")
         parts = []
         for run in runs:
+            kind, k = run[0].blocks.kind, run[0].blocks.k
+            f, start, rows = FORMATS[kind], run[0].start, sum(p.rows for p in run)
+            packed = torch.empty(f.packed_bytes(rows, k), dtype=torch.uint8)
+            at = 0
+            for piece in run:  # every piece but the last of whole groups: its records' slice
+                size = f.packed_bytes(piece.rows, k)
+                self.kernels.quant_pack(kind, piece.blocks.raw, k, out=packed[at : at + size])
+                at += size
             b = projection.bias if bias else None
-            end = run.start + run.rows
-            part_bias = None if b is None else b.detach()[run.start : end].float().clone()
-            parts.append(QuantPart(run.packed, FORMATS[run.kind], run.rows, part_bias))
+            part_bias = None if b is None else b.detach()[start : start + rows].float().clone()
+            parts.append(QuantPart(packed, f, rows, part_bias))
         return parts
 
     def kinds(self) -> list[str]:
         """The types of the matrices stored so far (for the log)."""
-        kinds = {piece.kind.name for pieces in self.pieces.values() for piece in pieces}
+        kinds = {piece.blocks.kind.name for pieces in self.pieces.values() for piece in pieces}
         if self.embedding is not None:
-            kinds.add(self.embedding.kind.name)
+            kinds.add(self.embedding.blocks.kind.name)
         return sorted(kinds)

@@ -25,7 +25,7 @@ from slotserve.runners.pytorch.model.attention import (
 )
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
-from slotserve.runners.pytorch.model.layers import Projection, RmsNorm, activation
+from slotserve.runners.pytorch.model.layers import Embedding, Projection, RmsNorm, activation
 from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
 from slotserve.runners.pytorch.model.rotary import (
@@ -256,7 +256,7 @@ class Decoder(nn.Module):
         self.tp = tp
         c = config
         vocab_rows = tp.vocab_rows if tp is not None else c.vocab_size
-        self.embed = nn.Embedding(vocab_rows, c.hidden_size, dtype=dtype)
+        self.embed = Embedding(vocab_rows, c.hidden_size, dtype=dtype)
         self.decoder_layers = [DecoderLayer(c, dtype, i) for i in range(c.num_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; the list is typed
         self.norm = RmsNorm(c.hidden_size, c.rms_norm_eps, c.plus_one_norms, dtype)

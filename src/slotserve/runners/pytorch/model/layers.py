@@ -38,7 +38,7 @@ def _packed_linear(
 @dataclass(frozen=True)
 class QuantPart:
     """Consecutive output rows of a projection whose weight stays quantized: ``packed`` by
-    ``quant/packing.py`` in ``format`` for the CPU kernels' ``quant_linear``."""
+    ``quant_pack`` in ``format`` for the CPU kernels' ``quant_linear``."""
 
     packed: torch.Tensor
     format: QuantFormat
@@ -143,6 +143,14 @@ class Projection(nn.Linear):
             return kernels.quant_linear(x, part.packed, part.format, part.rows, part.bias)
         outs = [kernels.quant_linear(x, p.packed, p.format, p.rows, p.bias) for p in parts]
         return torch.cat(outs, dim=1)
+
+
+class Embedding(nn.Embedding):
+    """The token embedding, its table written by the load (or replaced by a quantized one)."""
+
+    def reset_parameters(self) -> None:
+        """Nothing, as :meth:`Projection.reset_parameters`: a random table would be written
+        (and made resident) only to be overwritten."""
 
 
 class RmsNorm(nn.Module):
