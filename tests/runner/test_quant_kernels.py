@@ -113,6 +113,18 @@ def test_the_kernels_pack_the_reference_records_on_any_thread_count(
         torch.set_num_threads(threads)
 
 
+def test_rows_packed_in_an_order_are_read_in_place(kernels: CpuKernels) -> None:
+    """A permutation of a file's rows (llama.cpp's converter reorders q and k) is packed from
+    the blocks where they lie: the records of the permuted copy, without the copy."""
+    kind, n, k = GGMLQuantizationType.Q4_K, 40, 512
+    raw = random_tensor(kind, n, k, seed=8)
+    order = np.random.default_rng(9).permutation(n)
+    expected = torch.from_numpy(reference_pack(kind, raw[order], k))
+    assert torch.equal(kernels.quant_pack(kind, raw, k, order=order), expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.quant_pack(kind, raw, k, order=np.array([0, n]))
+
+
 def test_blocks_the_packer_cannot_read_are_refused(kernels: CpuKernels) -> None:
     kind = GGMLQuantizationType.Q4_K
     raw = random_tensor(kind, 16, 256, seed=4)

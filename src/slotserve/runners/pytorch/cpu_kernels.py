@@ -175,19 +175,25 @@ class CpuKernels:
         raw: np.ndarray,
         k: int,
         out: torch.Tensor | None = None,
+        order: np.ndarray | None = None,
     ) -> torch.Tensor:
         """A GGUF tensor of ``kind`` (``raw``: [rows, k / block · type size] uint8, one row of
-        blocks per output, as gguf-py reads it) as the records :meth:`quant_linear` reads
-        (csrc/quant_pack.cpp), written into ``out`` (flat uint8 of the format's
-        ``packed_bytes``; by default a new tensor); a last group's missing outputs are zeros."""
+        blocks per output, as gguf-py reads it; ``order``: which row each output is, by default
+        all in order) as the records :meth:`quant_linear` reads (csrc/quant_pack.cpp), written
+        into ``out`` (flat uint8 of the format's ``packed_bytes``; by default a new tensor); a
+        last group's missing outputs are zeros."""
         f = FORMATS[kind]
         with warnings.catch_warnings():
             # A file's mapping is read-only; the packer only reads it.
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             blocks = torch.from_numpy(np.ascontiguousarray(raw))
+        rows = None if order is None else torch.from_numpy(np.asarray(order, dtype=np.int64))
+        outputs = blocks.shape[0] if rows is None else len(rows)
         if out is None:
-            out = torch.empty(f.packed_bytes(blocks.shape[0], k), dtype=torch.uint8)
-        self._m.quant_pack(blocks, int(kind), k, f.bits, f.offset, f.has_min, f.sub, f.super, out)
+            out = torch.empty(f.packed_bytes(outputs, k), dtype=torch.uint8)
+        self._m.quant_pack(
+            blocks, rows, int(kind), k, f.bits, f.offset, f.has_min, f.sub, f.super, out
+        )
         return out
 
     def paged_attention(

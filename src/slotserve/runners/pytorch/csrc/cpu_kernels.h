@@ -78,7 +78,8 @@ at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t 
                       int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super);
 
 // quant_pack.cpp
-void quant_pack(const at::Tensor& raw, int64_t type, int64_t k, int64_t bits, int64_t offset,
-                bool has_min, int64_t sub, int64_t super, const at::Tensor& out);
+void quant_pack(const at::Tensor& raw, const c10::optional<at::Tensor>& order, int64_t type,
+                int64_t k, int64_t bits, int64_t offset, bool has_min, int64_t sub,
+                int64_t super, const at::Tensor& out);
 
 }  // namespace cpu

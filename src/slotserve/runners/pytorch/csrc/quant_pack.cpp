@@ -179,11 +179,13 @@ void write_record(const Decoded* rows, const QuantFormat& f, uint8_t* r) {
 
 }  // namespace
 
-// raw [n, k / super · block bytes] uint8, one row of GGUF blocks of ``type`` per output, as the
-// records of ``format`` (whole groups of 16 outputs), written into ``out`` (uint8, exactly
-// their size: a slice of a larger buffer for a projection fused from several tensors).
-void quant_pack(const at::Tensor& raw, int64_t type, int64_t k, int64_t bits, int64_t offset,
-                bool has_min, int64_t sub, int64_t super, const at::Tensor& out) {
+// raw [rows, k / super · block bytes] uint8, rows of GGUF blocks of ``type``, as the records of
+// ``format`` (whole groups of 16 outputs), output j being row ``order[j]`` (int64; none: row
+// j), written into ``out`` (uint8, exactly their size: a slice of a larger buffer for a
+// projection fused from several tensors).
+void quant_pack(const at::Tensor& raw, const c10::optional<at::Tensor>& order, int64_t type,
+                int64_t k, int64_t bits, int64_t offset, bool has_min, int64_t sub,
+                int64_t super, const at::Tensor& out) {
     const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
     const int64_t bytes = block_bytes(type);
     TORCH_CHECK(bytes > 0, "GGML type ", type, " is not one the quantized kernels take");
@@ -191,7 +193,18 @@ void quant_pack(const at::Tensor& raw, int64_t type, int64_t k, int64_t bits, in
     TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() &&
                     raw.size(1) == k / super * bytes,
                 "raw: uint8 rows of whole blocks, contiguous");
-    const int64_t n = raw.size(0), groups = (n + 15) / 16, supers = k / super;
+    const int64_t* rows = nullptr;
+    if (order) {
+        TORCH_CHECK(order->scalar_type() == at::kLong && order->dim() == 1 &&
+                        order->is_contiguous(),
+                    "order: int64 row numbers, contiguous");
+        TORCH_CHECK(order->numel() == 0 || (order->min().item<int64_t>() >= 0 &&
+                                            order->max().item<int64_t>() < raw.size(0)),
+                    "order: row numbers out of range");
+        rows = order->data_ptr<int64_t>();
+    }
+    const int64_t n = rows ? order->numel() : raw.size(0), groups = (n + 15) / 16;
+    const int64_t supers = k / super;
     const int64_t record = f.record_bytes();
     TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
                     out.numel() == groups * supers * record,
@@ -199,13 +212,15 @@ void quant_pack(const at::Tensor& raw, int64_t type, int64_t k, int64_t bits, in
     const uint8_t* in = raw.data_ptr<uint8_t>();
     uint8_t* records = out.data_ptr<uint8_t>();
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-        Decoded rows[16];
+        Decoded outputs[16];
         for (int64_t g = begin; g < end; ++g)
             for (int64_t b = 0; b < supers; ++b) {
-                std::memset(rows, 0, sizeof(rows));
-                for (int64_t j = 0; j < 16 && g * 16 + j < n; ++j)
-                    decode_block(type, in + ((g * 16 + j) * supers + b) * bytes, rows[j]);
-                write_record(rows, f, records + (g * supers + b) * record);
+                std::memset(outputs, 0, sizeof(outputs));
+                for (int64_t j = 0; j < 16 && g * 16 + j < n; ++j) {
+                    const int64_t row = rows ? rows[g * 16 + j] : g * 16 + j;
+                    decode_block(type, in + (row * supers + b) * bytes, outputs[j]);
+                }
+                write_record(outputs, f, records + (g * supers + b) * record);
             }
     });
 }

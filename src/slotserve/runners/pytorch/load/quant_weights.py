@@ -157,7 +157,8 @@ class QuantWeights:
             at = 0
             for piece in run:  # every piece but the last of whole groups: its records' slice
                 size = f.packed_bytes(piece.rows, k)
-                self.kernels.quant_pack(kind, piece.blocks.raw, k, out=packed[at : at + size])
+                blocks, place = piece.blocks, packed[at : at + size]
+                self.kernels.quant_pack(kind, blocks.raw, k, out=place, order=blocks.order)
                 at += size
             b = projection.bias if bias else None
             part_bias = None if b is None else b.detach()[start : start + rows].float().clone()

@@ -16,19 +16,24 @@ from slotserve.runners.pytorch.quant.formats import FORMATS
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """``raw``: [rows, k / block · type size] uint8, one row of blocks per output."""
+    """``raw``: [rows, k / block · type size] uint8, one row of blocks per output; ``order``:
+    which of them each output is (None: in order), so a permutation of a file's rows is read
+    from its mapping when packed, never copied."""
 
     kind: GGMLQuantizationType
     raw: np.ndarray
     k: int
+    order: np.ndarray | None = None
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.raw.shape[0], self.k))
+        rows = self.raw.shape[0] if self.order is None else len(self.order)
+        return torch.Size((rows, self.k))
 
     def take_rows(self, order: np.ndarray) -> QuantTensor:
         """The rows in ``order`` (a row permutation leaves every block whole)."""
-        return QuantTensor(self.kind, np.ascontiguousarray(self.raw[order]), self.k)
+        taken = order if self.order is None else self.order[order]
+        return QuantTensor(self.kind, self.raw, self.k, np.asarray(taken, dtype=np.int64))
 
 
 # --quantization's choices: the types gguf-py can quantize to (llama.cpp's round-to-nearest).
