@@ -101,8 +101,9 @@ void decode_block(int64_t type, const uint8_t* b, Decoded& out) {
                 for (int h = 0; h < 2; ++h)
                     for (int l = 0; l < 32; ++l) {
                         const int sub = 2 * c + h;
+                        const int low = (qs[32 * c + l] >> (4 * h)) & 0x0F;
                         const int high = qh != nullptr ? ((qh[l] >> sub) & 1) << 4 : 0;
-                        out.codes[32 * sub + l] = uint8_t(((qs[32 * c + l] >> (4 * h)) & 0x0F) | high);
+                        out.codes[32 * sub + l] = uint8_t(low | high);
                     }
             break;
         }
