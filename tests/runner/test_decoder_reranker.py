@@ -13,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.protocol.chat_template import ChatTemplate
 from slotserve.protocol.score_pairs import carries_pair_roles, pair_prompt
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.conftest import require_batch_invariance
@@ -140,6 +142,25 @@ def test_a_score_is_the_same_alone_batched_and_behind_a_cache_hit(causal_lm: Pat
     finally:
         runner.close()
     assert first == solo and again == solo
+
+
+def test_quantized_classifier_rows_are_the_packed_heads_rows(
+    causal_lm: Path, kernels: CpuKernels
+) -> None:
+    """With the LM head kept quantized (``--quantization Q8_0``), the classifier tokens' rows
+    set aside are the rows the packed head gives for those tokens."""
+    runner = open_runner(causal_lm, quantization="Q8_0", classifier_from_token=("no", "yes"))
+    try:
+        ids = torch.tensor([runner.tokenizer.vocabulary_id(t) for t in ("no", "yes")])
+        parts = runner.shard.model.lm_head.quant_parts
+        kept = runner.shard.lm_head_rows
+    finally:
+        runner.close()
+    assert parts is not None and len(parts) == 1 and kept is not None
+    head = parts[0]
+    k = kept.shape[1]
+    expected = kernels.quant_rows(head.packed, ids, head.format, head.rows, k).float()
+    assert torch.equal(kept, expected)
 
 
 def test_wrong_classifier_tokens_are_refused_before_the_weights_load(

@@ -95,23 +95,21 @@ class QuantWeights:
         self.embedding = _Piece(0, blocks)
 
     def head_rows(self, model: Decoder, rows: list[int]) -> torch.Tensor:
+        """The LM head's vocabulary ``rows`` in float32, the dequantized path's values: only
+        those rows packed (the whole head is packed once, by :meth:`prepare`)."""
         head = model.lm_head
         pieces = [self.embedding] if model.config.tie_word_embeddings else self.pieces[head]
-        parts = self._parts(head, [p for p in pieces if p is not None], bias=False)
-        ids, first, found = torch.tensor(rows), 0, []
-        for part in parts:
-            mine = (ids >= first) & (ids < first + part.rows)
-            found.append(
-                (
-                    mine,
-                    self.kernels.quant_rows(
-                        part.packed, ids[mine] - first, part.format, part.rows, head.in_features
-                    ),
-                )
+        ids, out = torch.tensor(rows), torch.empty(len(rows), head.in_features)
+        for piece in [p for p in pieces if p is not None]:
+            mine = (ids >= piece.start) & (ids < piece.start + piece.rows)
+            if not mine.any():
+                continue
+            blocks = piece.blocks.take_rows((ids[mine] - piece.start).numpy())
+            packed = self.kernels.quant_pack(blocks.kind, blocks.raw, blocks.k, order=blocks.order)
+            count = blocks.shape[0]
+            values = self.kernels.quant_rows(
+                packed, torch.arange(count), FORMATS[blocks.kind], count, head.in_features
             )
-            first += part.rows
-        out = torch.empty(len(rows), head.in_features)
-        for mine, values in found:
             out[mine] = values.float()
         return out
 
