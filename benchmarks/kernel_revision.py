@@ -32,15 +32,16 @@ def build_revision(rev: str, folder: Path, name: str) -> Any:
     return compile_module(sources, name, build)
 
 
-def packing_at(rev: str, folder: Path) -> ModuleType:
-    """``quant/packing.py`` as it was at ``rev``, over that revision's ``formats.py``."""
+def quant_modules_at(rev: str, folder: Path, names: tuple[str, ...]) -> dict[str, ModuleType]:
+    """``quant/<name>.py`` as each was at ``rev`` (``formats``, and ``packing`` where the
+    revision packed in numpy), a later one importing the revision's ``formats``."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
     package = Path(formats.__file__).parent.relative_to(root / "src").as_posix()
     formats_name = formats.__name__
     modules = {}
     saved = sys.modules[formats_name]
     try:
-        for name in ("formats", "packing"):
+        for name in names:
             path = folder / f"{name}_at_rev.py"
             path.write_bytes(
                 subprocess.check_output(["git", "show", f"{rev}:src/{package}/{name}.py"], cwd=root)
@@ -54,4 +55,4 @@ def packing_at(rev: str, folder: Path) -> ModuleType:
                 sys.modules[formats_name] = modules[name]
     finally:
         sys.modules[formats_name] = saved
-    return modules["packing"]
+    return modules

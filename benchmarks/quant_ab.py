@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from kernel_revision import build_revision, packing_at
+from kernel_revision import build_revision, quant_modules_at
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, compile_module, load_cpu_kernels
 from slotserve.runners.pytorch.quant import formats
@@ -58,6 +58,16 @@ def random_blocks(kind: GGMLQuantizationType, seed: int) -> np.ndarray:
         scales = np.asarray(rng.uniform(1e-3, 4e-3, raw.shape[0]), dtype=np.float16)
         raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw.reshape(OUTPUTS, -1)
+
+
+def packed_as(build: CpuKernels, f: Any, kind: GGMLQuantizationType, raw: np.ndarray) -> Any:
+    """``raw`` packed by ``build``'s own packer in the format ``f`` of its revision."""
+    out = torch.empty(f.packed_bytes(raw.shape[0], INPUTS), dtype=torch.uint8)
+    blocks = torch.from_numpy(np.ascontiguousarray(raw))
+    build._m.quant_pack(
+        blocks, None, int(kind), INPUTS, f.bits, f.offset, f.has_min, f.sub, f.super, out
+    )
+    return out
 
 
 def main() -> None:
@@ -92,7 +102,15 @@ def main() -> None:
         old_packing = module is not None and not hasattr(module, "quant_pack")
         if old_packing and args.base_rev is None:
             raise SystemExit("these base sources do not pack their records: use --base-rev")
-        base_packing: Any = packing_at(args.base_rev, Path(folder)) if old_packing else None
+        at_rev = (
+            quant_modules_at(
+                args.base_rev, Path(folder), ("formats", "packing") if old_packing else ("formats",)
+            )
+            if args.base_rev is not None
+            else {}
+        )
+        base_packing: Any = at_rev.get("packing")
+        base_formats: Any = at_rev.get("formats", formats)
         print(f"instruction sets: base {isas['base']}, this {isas['this']}")
         header = ("case", "base ms", "this ms", "GB/s", "GFLOP/s", "base/this")
         print("{:14s} {:>9s} {:>9s} {:>6s} {:>8s} {:>9s}".format(*header))
@@ -106,12 +124,12 @@ def main() -> None:
                 "base": [
                     base_packing.pack_tensor(kind, raw, INPUTS)
                     if base_packing is not None
-                    else base.quant_pack(kind, raw, INPUTS)
+                    else packed_as(base, base_formats.FORMATS[kind], kind, raw)
                     for _ in range(COPIES)
                 ],
                 "this": [packed.clone() for _ in range(COPIES)],
             }
-            base_format = (base_packing or formats).FORMATS[kind]
+            base_format = base_formats.FORMATS[kind]
             for rows in ROWS:
                 x = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(rows))
                 x = x.bfloat16()

@@ -107,8 +107,10 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
         if f.has_min:
             assert decoded.m is not None
             parts.append(per_output(decoded.m, subs))
-    if f.bits == 4:
-        parts.append(_nibble_units(decoded.codes, g, b, f.super))
+    if f.bits in (4, 6):
+        parts.append(_nibble_units(decoded.codes & 0x0F, g, b, f.super))
+        if f.bits == 6:
+            parts.append(_high_plane(decoded.codes >> 4, g, b, f.super))
     else:
         parts.extend(_pair_codes(decoded.codes, g, b, pairs, f.bits))
     records = np.concatenate([p.astype(np.uint8, copy=False) for p in parts], axis=2)
@@ -117,10 +119,22 @@ def pack_rows(decoded: Decoded, f: QuantFormat) -> np.ndarray:
 
 
 def _nibble_units(codes: np.ndarray, g: int, b: int, super_: int) -> np.ndarray:
-    """Four-bit codes per unit of 8 inputs, 16 outputs: byte 4j + i holds output j's code of
-    input i in its low nibble and of input 4 + i in its high one (vpdpbusd's order)."""
+    """Four-bit codes (or six-bit codes' low four) per unit of 8 inputs, 16 outputs: byte 4j + i
+    holds output j's code of input i in its low nibble and of input 4 + i in its high one
+    (vpdpbusd's order)."""
     units = codes.reshape(g, GROUP, b, super_ // 8, 2, 4).transpose(0, 2, 3, 4, 1, 5)
     both: np.ndarray = units[:, :, :, 0] | (units[:, :, :, 1] << 4)
+    return both.reshape(g, b, -1)
+
+
+def _high_plane(high: np.ndarray, g: int, b: int, super_: int) -> np.ndarray:
+    """Six-bit codes' high two bits, per two units of 8 inputs 64 bytes: byte 4j + i holds
+    output j's of the even unit's input i at bits 4-5 and input 4 + i at 6-7, the odd unit's at
+    0-1 and 2-3."""
+    units = high.reshape(g, GROUP, b, super_ // 16, 2, 2, 4).transpose(0, 2, 3, 4, 5, 1, 6)
+    # [groups, supers, unit pairs, (even, odd), (inputs 0-3, 4-7), 16 outputs, 4 inputs]
+    per_unit = units[:, :, :, :, 0] | (units[:, :, :, :, 1] << 2)
+    both: np.ndarray = (per_unit[:, :, :, 0] << 4) | per_unit[:, :, :, 1]
     return both.reshape(g, b, -1)
 
 

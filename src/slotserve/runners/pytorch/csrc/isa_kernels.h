@@ -1,7 +1,7 @@
 // The kernels of one instruction set, included once by each kernels_<isa>.cpp after it names
 // the set: SLOTSERVE_ISA (the namespace), SLOTSERVE_TARGET (GCC's target string),
 // SLOTSERVE_AVX512 and SLOTSERVE_BF16 (which vector forms vec.h defines), SLOTSERVE_VNNI
-// (whether quant_pairs.h sums four-input products in one instruction). Every header below
+// (whether quant_byte_pairs.h sums four-input products in one instruction). Every header below
 // compiles inside that target region and namespace; SLOTSERVE_ISA::table() hands out the result.
 #include "kernel_types.h"
 
@@ -19,6 +19,7 @@ namespace SLOTSERVE_ISA {
 #include "attend.h"
 #include "gemm_vec.h"
 #include "quant_pairs.h"
+#include "quant_byte_pairs.h"
 #include "quant_gemm.h"
 
 static_assert(sizeof(ValuePair) * 8 <= kVectorScratch - kKeysBytes,

@@ -183,7 +183,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     check_rows(x, "x");
     const int64_t rows = x.size(0), inputs = x.size(1), groups = (n + 15) / 16;
     const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
-    TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "codes of 4, 5 or 8 bits");
+    TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "codes of 4, 5, 6 or 8 bits");
     TORCH_CHECK((sub == 16 || sub == 32) && super % sub == 0 && inputs % super == 0,
                 "the inputs must be whole super-blocks of whole sub-blocks");
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&

@@ -4,7 +4,7 @@
 #pragma once
 
 struct QuantFormat {
-    int bits;         // 4, 5 or 8
+    int bits;         // 4, 5, 6 or 8
     int offset;       // subtracted from a code: v = code − offset
     bool has_min;     // weights scale · v − dmin · m
     int sub;          // inputs per sub-block (one sc, m): 16 or 32
@@ -20,7 +20,9 @@ struct QuantFormat {
     int64_t code_bytes() const {
         const int64_t pairs = super / 2;
         if (bits == 8) return pairs * 32;
-        return pairs * 16 + (bits == 5 ? pairs / 4 * 16 : 0);
+        // The low four bits, then the high bits' plane: one bit a code per 4 pairs' 16 bytes,
+        // or two per 4 pairs' 32.
+        return pairs * 16 + (bits == 5 ? pairs / 4 * 16 : bits == 6 ? pairs / 4 * 32 : 0);
     }
     int64_t record_bytes() const { return header_bytes() + code_bytes(); }
 };

@@ -1,7 +1,7 @@
 // Projections whose weights stay quantized (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K), compiled once per instruction set after gemm_vec.h and quant_pairs.h
-// (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in bfloat16 and W read as the file stores it,
-// decoded in registers while it streams.
+// Q6_K), compiled once per instruction set after gemm_vec.h, quant_pairs.h and
+// quant_byte_pairs.h (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in bfloat16 and W read as
+// the file stores it, decoded in registers while it streams.
 //
 // Every weight is scale · v − min: v a small integer (a code less the format's offset), scale =
 // d · sc and min = dmin · m per sub-block of 16 or 32 inputs (exact in float32: an fp16 times an
@@ -23,14 +23,16 @@
 // super-blocks of `super` inputs, one record per (group, super-block):
 //   d[16] fp16 | dmin[16] fp16 (formats with a min) | with sub-blocks (the K types):
 //   sc[sub-blocks][16] int8 and m[sub-blocks][16] uint8 (with a min) | codes:
-//   - 4 bits, per unit of 8 inputs, 64 bytes: byte 4j + i holds output j's code of input i in
-//     its low nibble and of input 4 + i in its high one (each nibble plane is vpdpbusd's
-//     operand: four inputs per output's 32-bit lane);
+//   - 4 and 6 bits, per unit of 8 inputs, 64 bytes: byte 4j + i holds output j's code of input
+//     i in its low nibble and of input 4 + i in its high one (each nibble plane is vpdpbusd's
+//     operand: four inputs per output's 32-bit lane) | 6 bits: per two units 64 bytes of high
+//     bits, byte b for the units' bytes b: bits 4-5 the even unit's low nibble's code's, 6-7
+//     its high nibble's, 0-1 and 2-3 the odd unit's;
 //   - 5 and 8 bits, per input pair, the 32 codes in the order of vpmaddwd's words, outputs
 //     0-7's (even, odd) pairs then outputs 8-15's ("lo" and "hi"): 16 bytes (5 bits: byte w
 //     holds lo's word w in its low nibble, hi's in its high one) or 32 (8 bits: lo's 16 bytes,
 //     then hi's) | 5 bits: per 4 pairs 16 bytes of high bits (bit 2j: pair j's lo word, 2j+1:
-//     its hi word). Q6_K's six-bit codes are stored as bytes (quant/formats.py says why).
+//     its hi word).
 
 namespace quant {
 
@@ -190,7 +192,7 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
     alignas(64) float acc[kRowsPerPass * kLanes];
     const int64_t group_bytes = op.k / SUPER * op.f.record_bytes();
     // More rows than a tile: five-bit codes, whose decoding costs most, decoded once per
-    // group, not once per tile (four and eight bits decode faster than they load).
+    // group, not once per tile (the others decode faster than they load).
     const bool decode_once = BITS == 5 && rows > kRowsPerTile;
     // Raw aligned memory, not a std::vector: the vector's members would be compiled outside
     // this instruction set's target attribute.
@@ -333,8 +335,8 @@ static void in_format(const Format& f, Run&& run) {
     else if (is(5, 0, true, 32, 256))  // Q5_K
         run(integral_constant<int, 5>{}, integral_constant<int, 0>{}, std::true_type{},
             integral_constant<int, 32>{}, integral_constant<int, 256>{});
-    else if (is(8, 32, false, 16, 256))  // Q6_K, codes widened to bytes
-        run(integral_constant<int, 8>{}, integral_constant<int, 32>{}, std::false_type{},
+    else if (is(6, 32, false, 16, 256))  // Q6_K
+        run(integral_constant<int, 6>{}, integral_constant<int, 32>{}, std::false_type{},
             integral_constant<int, 16>{}, integral_constant<int, 256>{});
 }
 

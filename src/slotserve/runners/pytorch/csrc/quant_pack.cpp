@@ -128,16 +128,25 @@ void decode_block(int64_t type, const uint8_t* b, Decoded& out) {
 // The codes of 16 outputs over one super-block in the record's code area (quant_gemm.h).
 void write_codes(const Decoded* rows, const QuantFormat& f, uint8_t* r) {
     const int pairs = f.super / 2;
-    if (f.bits == 4) {  // per unit of 8 inputs: byte 4j + i, inputs i and 4 + i of output j
+    uint8_t* high = r + int64_t(pairs) * 16;  // five and six bits: the high bits after the nibbles
+    if (f.bits == 4 || f.bits == 6) {
+        // Per unit of 8 inputs: byte 4j + i, inputs i and 4 + i of output j; six bits' high two
+        // in byte 4j + i of the unit's pair's 64 high-plane bytes: an even unit's at bits 4-5
+        // (input i's) and 6-7, an odd one's at 0-1 and 2-3.
+        if (f.bits == 6) std::memset(high, 0, pairs / 4 * 32);
         for (int u = 0; u < f.super / 8; ++u)
             for (int j = 0; j < 16; ++j)
-                for (int i = 0; i < 4; ++i)
-                    r[64 * u + 4 * j + i] =
-                        uint8_t(rows[j].codes[8 * u + i] | (rows[j].codes[8 * u + 4 + i] << 4));
+                for (int i = 0; i < 4; ++i) {
+                    const int at = 4 * j + i;
+                    const uint8_t a = rows[j].codes[8 * u + i], b = rows[j].codes[8 * u + 4 + i];
+                    r[64 * u + at] = uint8_t((a & 0x0F) | ((b & 0x0F) << 4));
+                    if (f.bits == 6)
+                        high[64 * (u / 2) + at] |=
+                            uint8_t(((a >> 4) | ((b >> 4) << 2)) << (u % 2 == 0 ? 4 : 0));
+                }
         return;
     }
     // Per input pair, vpmaddwd's words: outputs 0-7's (even, odd) codes ("lo"), then 8-15's.
-    uint8_t* high = r + int64_t(pairs) * 16;  // five bits: the fifth bits after the nibbles
     if (f.bits == 5) std::memset(high, 0, pairs / 4 * 16);
     for (int p = 0; p < pairs; ++p)
         for (int j = 0; j < 8; ++j)

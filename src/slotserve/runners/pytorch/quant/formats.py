@@ -19,7 +19,7 @@ GROUP = 16  # outputs a record holds
 class QuantFormat:
     """What csrc/quant_format.h's ``QuantFormat`` holds, and where GGUF keeps each part."""
 
-    bits: int  # of a code as packed: 4, 5 or 8
+    bits: int  # of a code: 4, 5, 6 or 8
     offset: int  # subtracted from a code
     has_min: bool
     sub: int  # inputs per sub-block (one sc, m)
@@ -40,7 +40,7 @@ class QuantFormat:
         pairs = self.super // 2
         if self.bits == 8:
             return header + pairs * 32
-        high = pairs // 4 * 16 if self.bits == 5 else 0
+        high = {5: pairs // 4 * 16, 6: pairs // 4 * 32}.get(self.bits, 0)  # the high bits
         return header + pairs * 16 + high
 
     def packed_bytes(self, rows: int, k: int) -> int:
@@ -56,7 +56,5 @@ FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
     GGMLQuantizationType.Q8_0: QuantFormat(8, 0, False, 32, 32),
     GGMLQuantizationType.Q4_K: QuantFormat(4, 0, True, 32, 256),
     GGMLQuantizationType.Q5_K: QuantFormat(5, 0, True, 32, 256),
-    # Six-bit codes widened to a byte each at load (a quarter more bytes than the file's): the
-    # kernels stream bytes at the read rate, while pulling six bits apart costs more than that.
-    GGMLQuantizationType.Q6_K: QuantFormat(8, 32, False, 16, 256),
+    GGMLQuantizationType.Q6_K: QuantFormat(6, 32, False, 16, 256),
 }
