@@ -23,11 +23,12 @@ if TYPE_CHECKING:  # imported where used: a GPU machine may run the CUDA tests w
 FLASH_ATTN = True  # the server's default; references must use the same attention kernel
 # torch-reference: the PyTorch runner with its CPU kernels off, the plain-torch path they must
 # agree with on every behaviour (and which machines without the kernels run).
-RUNNER_KINDS = ["llama.cpp", "torch", "torch-reference"]
+RUNNER_KINDS = ["llama.cpp", "torch", "torch-reference", "torch-int8-kv"]
 RUNNER_FIXTURES = {
     "llama.cpp": "llama_runner",
     "torch": "torch_runner",
     "torch-reference": "torch_reference_runner",
+    "torch-int8-kv": "torch_int8_kv_runner",
 }
 
 
@@ -90,7 +91,7 @@ def runner(llama_runner: LlamaCppRunner) -> LlamaCppRunner:
     return llama_runner
 
 
-def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
+def _torch_runner(model_path: Path, cpu_kernels: bool, kv_cache_dtype: str = "auto") -> Runner:
     from slotserve.runners.pytorch.load.settings import TorchLoadConfig
     from slotserve.runners.pytorch.runner import TorchRunner
 
@@ -101,6 +102,7 @@ def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
             max_batch_tokens=512,
             max_model_len=2048,
             cpu_kernels=cpu_kernels,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
 
@@ -108,6 +110,14 @@ def _torch_runner(model_path: Path, cpu_kernels: bool) -> Runner:
 @pytest.fixture(scope="session")
 def torch_runner(model_path: Path) -> Iterator[Runner]:
     r = _torch_runner(model_path, cpu_kernels=True)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def torch_int8_kv_runner(model_path: Path) -> Iterator[Runner]:
+    """The CPU kernels over an int8 KV pool (``--kv-cache-dtype int8``)."""
+    r = _torch_runner(model_path, cpu_kernels=True, kv_cache_dtype="int8")
     yield r
     r.close()
 

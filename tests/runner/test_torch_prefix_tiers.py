@@ -1,17 +1,27 @@
-"""The prefix cache's host-RAM and disk tiers on the real PyTorch runner: positions copied out of
-the paged pool and written back into other blocks compute the same greedy tokens and
-log-probabilities as the cache off."""
+"""The prefix cache's host-RAM and disk tiers on the real PyTorch runner, over a bfloat16 and an
+int8 KV pool: positions copied out of the paged pool and written back into other blocks compute
+the same greedy tokens and log-probabilities as the cache off."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.prefix_cache.runner_kv import SavablePagedKv
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
+from tests.runner.conftest import RUNNER_FIXTURES
 from tests.runner.engine_runs import greedy, run_logprobs, through_host_and_disk
 from tests.runner.test_prefix_cache_llama_cpp import SYSTEM
+
+
+@pytest.fixture(params=["torch", "torch-int8-kv"])
+def torch_runner(request: pytest.FixtureRequest) -> Runner:
+    """The PyTorch runner over each KV pool type."""
+    runner: Runner = request.getfixturevalue(RUNNER_FIXTURES[request.param])
+    return runner
 
 
 def _savable(runner: Runner) -> SavablePagedKv:

@@ -25,6 +25,9 @@ QUANTIZATIONS = ("auto", "none", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # KV pool in place (``pytorch/gpu_kernels.py``) or torch's operators over gathered K/V
 # (``pytorch/model/attention.py``).
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --kv-cache-dtype: the model's own type, or int8 rows with a scale each
+# (``pytorch/model/kv_int8.py``).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,14 @@ class TorchConfig(RunnerCommon):
         help="torch on GPU: fraction of device memory weights and KV may use (default 0.9)",
     )
     block_size: int = option(16, ge=1, help="torch: positions per KV block (default 16)")
+    kv_cache_dtype: str = option(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="torch on CPU: the paged KV cache's type (vLLM's flag); auto: --dtype; int8: each "
+        "position's row of a KV head as 8-bit integers with a float32 scale (max |x| / 127), "
+        "about half the memory and the reads, every invariance kept within the mode; replies "
+        "may differ from auto's",
+    )
     cpu_kernels: bool = option(
         True,
         help="torch on CPU in bfloat16: C++ kernels for attention, norms, rotary and SiLU "

@@ -160,7 +160,7 @@ class TorchRunner:
         num_blocks = self.pool.tables.num_blocks
         logger.info(
             "loaded %s (%s) on %s%s in %s (%s): %d slots × %d tokens, KV pool %d blocks × %d "
-            "(%.0f MiB) in %.1f s",
+            "(%.0f MiB%s) in %.1f s",
             config.name,
             config.model_type,
             self.device,
@@ -172,6 +172,7 @@ class TorchRunner:
             num_blocks,
             load.block_size,
             num_blocks * load.block_size * bytes_per_token / 2**20,
+            ", int8" if load.kv_int8 else "",
             time.monotonic() - started,
         )
 
@@ -282,6 +283,7 @@ class TorchRunner:
                 weights_fingerprint(self.load.model_path),
                 f"load={self.load.load_format}",
                 str(self.dtype),
+                f"kv={self.load.kv_cache_dtype}",
                 self.device.type,
                 ("triton" if self.shard.triton else "torch ops")
                 if kernels is None

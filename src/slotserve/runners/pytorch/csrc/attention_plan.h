@@ -128,14 +128,21 @@ static SharedPartitions shared_partitions(const std::vector<int64_t>& unit_start
 // left it ~1.3x slower than this.)
 constexpr int kSweepStreams = 16;
 
-static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
-    const int64_t block_bytes = int64_t(kv.block_size) * kv.kv_heads * kv.head_dim * 2;
+// The pool's keys and values (`position_bytes` a position: every KV head's row) in blocks of
+// `block_size` positions.
+struct PoolBytes {
+    const char *keys, *values;
+    int64_t block_size, position_bytes;
+};
+
+static void touch_partition(const PoolBytes& pool, const int32_t* table, int part) {
+    const int64_t block_bytes = pool.block_size * pool.position_bytes;
     const char* regions[2 * kPartition];  // keys and values of each block
     int count = 0;
-    const auto [first_block, end_block] = partition_blocks(part, kv.block_size);
+    const auto [first_block, end_block] = partition_blocks(part, pool.block_size);
     for (int64_t b = first_block; b < end_block; ++b)
-        for (const uint16_t* base : {kv.keys, kv.values})
-            regions[count++] = reinterpret_cast<const char*>(base) + table[b] * block_bytes;
+        for (const char* base : {pool.keys, pool.values})
+            regions[count++] = base + table[b] * block_bytes;
     uint8_t sink = 0;
     for (int first = 0; first < count; first += kSweepStreams)
         for (int64_t line = 0; line < block_bytes; line += 64)
@@ -145,9 +152,10 @@ static void touch_partition(const PagedKv& kv, const int32_t* table, int part) {
 }
 
 // A thread's scratch for one call: ``tiles`` tiles' queries (zeroed: their padding past
-// head_dim is read), a tile's probabilities and scores, and the vector scratch of attend_tile
-// (attend.h), each from a 64-byte boundary (the others uninitialised: each is written before
-// it is read). The memory is the thread's own, kept for its later calls and grown when one
+// head_dim is read), a tile's probabilities and scores, the vector scratch of attend_tile
+// (attend.h) and, from an int8 pool (``kv_head_dim`` > 0), a partition's keys and values in
+// bfloat16, each from a 64-byte boundary (the others uninitialised: each is written before it
+// is read). The memory is the thread's own, kept for its later calls and grown when one
 // needs more: a decode step makes a call per layer, and allocating and zeroing ~300 KB per
 // thread each time cost as much as a short context's attention.
 struct AttentionScratch {
@@ -155,12 +163,15 @@ struct AttentionScratch {
     uint16_t* probs;
     float* scores;
     char* vectors;
-    AttentionScratch(int64_t row_heads, int q_stride, int64_t tiles) {
+    uint16_t *keys, *values;  // [kPartition][kv_head_dim]
+    AttentionScratch(int64_t row_heads, int q_stride, int64_t tiles, int64_t kv_head_dim = 0) {
         auto whole_lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
         const int64_t q_bytes = whole_lines(tiles * row_heads * q_stride * 2);
         const int64_t probs_bytes = whole_lines(row_heads * (kPartition + 2) * 2);
         const int64_t scores_bytes = whole_lines(row_heads * kScoreStride * 4);
-        const int64_t total = q_bytes + probs_bytes + scores_bytes + whole_lines(kVectorScratch);
+        const int64_t vector_bytes = whole_lines(kVectorScratch);
+        const int64_t kv_bytes = whole_lines(kPartition * kv_head_dim * 2);
+        const int64_t total = q_bytes + probs_bytes + scores_bytes + vector_bytes + 2 * kv_bytes;
         thread_local std::unique_ptr<char, decltype(&std::free)> kept(nullptr, &std::free);
         thread_local int64_t capacity = 0;
         if (capacity < total) {
@@ -173,8 +184,33 @@ struct AttentionScratch {
         std::memset(q, 0, q_bytes);
         probs = reinterpret_cast<uint16_t*>(at += q_bytes);
         scores = reinterpret_cast<float*>(at += probs_bytes);
-        vectors = at + scores_bytes;
+        vectors = at += scores_bytes;
+        keys = reinterpret_cast<uint16_t*>(at += vector_bytes);
+        values = reinterpret_cast<uint16_t*>(at + kv_bytes);
     }
 };
+
+// The block table of int8_partition's pool.
+constexpr int32_t kOneBlock[1] = {0};
+
+// A tile's partition of KV head h of a sequence (its block table) in an int8 pool, read back as
+// bfloat16 into the thread's scratch: a pool of one block (kOneBlock), kv_heads 1, that
+// attend_tile reads as it reads the bfloat16 pool, so every path sees the same values; the
+// tile's first key is then the block's first.
+static PagedKv int8_partition(const Kernels& k, const PoolBytes& pool, int64_t kv_heads,
+                              int64_t d, const int32_t* table, int64_t h, Tile& tile,
+                              AttentionScratch& w) {
+    const int64_t row_bytes = d + kKvScaleBytes, size = pool.block_size;
+    const int n = tile.n[tile.rows - 1];
+    int64_t offsets[kPartition];
+    for (int j = 0; j < n; ++j) {
+        const int64_t p = tile.start + j;
+        offsets[j] = ((int64_t(table[p / size]) * size + p % size) * kv_heads + h) * row_bytes;
+    }
+    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.keys), offsets, n, int(d), w.keys);
+    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.values), offsets, n, int(d), w.values);
+    tile.start = 0;
+    return PagedKv{w.keys, w.values, 1, int(d), kPartition};
+}
 
 }  // namespace cpu

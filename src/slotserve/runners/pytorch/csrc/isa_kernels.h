@@ -21,6 +21,7 @@ namespace SLOTSERVE_ISA {
 #include "quant_pairs.h"
 #include "quant_byte_pairs.h"
 #include "quant_gemm.h"
+#include "kv_rows.h"
 
 static_assert(sizeof(ValuePair) * 8 <= kVectorScratch - kKeysBytes,
               "a block of key pairs' values fits the vector scratch");

@@ -1,9 +1,9 @@
 // What every translation unit of the CPU kernels shares: the operands' layouts, the attention
 // constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp names its
 // set and compiles isa_kernels.h (vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h,
-// quant_pairs.h, quant_byte_pairs.h, quant_gemm.h) inside its own target region and namespace,
-// with no torch header, and hands out its table; cpu_kernels.cpp chooses one at run time, and the
-// ops (cpu_kernels.h) call it.
+// quant_pairs.h, quant_byte_pairs.h, quant_gemm.h, kv_rows.h) inside its own target region and
+// namespace, with no torch header, and hands out its table; cpu_kernels.cpp chooses one at run
+// time, and the ops (cpu_kernels.h) call it.
 #pragma once
 
 #include <immintrin.h>
@@ -32,6 +32,12 @@ struct PagedKv {
     const uint16_t* values;
     int kv_heads, head_dim, block_size;
 };
+
+// The int8 KV pool (--kv-cache-dtype int8): a head's row of one position holds head_dim int8
+// codes, then their float32 scale (kKvScaleBytes): value = bfloat16(code · scale), with scale =
+// max |x| / 127 and code = rne(x · (127 / max |x|)) at the write (row_ops.cpp). Attention reads
+// a partition's rows dequantized to bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
+constexpr int kKvScaleBytes = 4;
 
 // Keys are reduced in partitions of this many absolute positions (partition k holds positions
 // [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
@@ -119,6 +125,8 @@ struct Kernels {
                          const InputBlocks& blocks, int64_t row);
     void (*quant_rows)(const QuantOperands& op, const int64_t* rows, int64_t count,
                        uint16_t* out);
+    void (*kv_rows_bf16)(const uint8_t* pool, const int64_t* offsets, int n, int d,
+                         uint16_t* out);
 };
 
 // The table of namespace `ns`, inside the translation unit that compiled it.
@@ -126,7 +134,8 @@ struct Kernels {
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
             &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
-            &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of           \
+            &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of,          \
+            &ns::kv_rows_bf16                                                           \
     }
 
 namespace avx512bf16 { Kernels table(); }  // kernels_avx512bf16.cpp

@@ -30,8 +30,11 @@ public:
                    int64_t window, double scale)
         : k_(usable()), block_size_(block_size), window_(window), scale_(scale) {
         check(q, key_cache, value_cache, block_tables, token_seq, positions);
-        kv_ = PagedKv{bf16(key_cache), bf16(value_cache), int(kv_heads_), int(d_),
-                      int(block_size)};
+        const auto* keys = static_cast<const char*>(key_cache.data_ptr());
+        const auto* values = static_cast<const char*>(value_cache.data_ptr());
+        pool_ = {keys, values, block_size, kv_heads_ * (int8_ ? d_ + kKvScaleBytes : d_ * 2)};
+        kv_ = {reinterpret_cast<const uint16_t*>(keys), reinterpret_cast<const uint16_t*>(values),
+               int(kv_heads_), int(d_), int(block_size)};  // read as such from bfloat16 only
         out_ = at::empty({tokens_, heads_ * d_}, q.options());
         qin_ = bf16(q);
         o_ = bf16_mut(out_);
@@ -76,6 +79,10 @@ private:
                     "q must be contiguous bfloat16 [tokens, heads, head_dim]");
         TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
                     "caches: contiguous");
+        int8_ = key_cache.scalar_type() == at::kByte;  // uint8 rows: kernel_types.h
+        TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                        (int8_ || key_cache.scalar_type() == at::kBFloat16),
+                    "caches: both bfloat16, or both uint8 rows of int8 codes and a scale");
         TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                         block_tables.dim() == 2,
                     "block tables: int32 [sequences, blocks]");
@@ -85,7 +92,9 @@ private:
         kv_heads_ = key_cache.size(1);
         TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of ", kLanes,
                     " up to 256");
-        TORCH_CHECK(heads_ % kv_heads_ == 0 && key_cache.size(2) == d_, "head shapes disagree");
+        const int64_t row = d_ + (int8_ ? kKvScaleBytes : 0);
+        TORCH_CHECK(heads_ % kv_heads_ == 0 && key_cache.size(2) == row &&
+                        value_cache.sizes() == key_cache.sizes(), "head shapes disagree");
         group_ = int(heads_ / kv_heads_);
         TORCH_CHECK(group_ <= 16, "at most 16 query heads per KV head");
         const int64_t num_blocks = key_cache.size(0) / block_size_;
@@ -168,7 +177,14 @@ private:
         Tile tile{q, q_stride_, group_, int(rows), n, start, float(scale_),
                   w.scores, w.probs, w.vectors, keys_ready,
                   w.vectors + kKeysBytes, m + ms, s + ms, acc + ms * d_};
-        k_.attend_tile(kv_, int(h), table_of(t0), tile);
+        attend_tile(w, h, table_of(t0), tile);
+    }
+
+    // A tile's partition of KV head h (from an int8 pool: int8_partition's bfloat16 rows).
+    void attend_tile(AttentionScratch& w, int64_t h, const int32_t* table, Tile tile) const {
+        if (!int8_) return k_.attend_tile(kv_, int(h), table, tile);
+        const PagedKv rows = int8_partition(k_, pool_, kv_heads_, d_, table, h, tile, w);
+        k_.attend_tile(rows, 0, kOneBlock, tile);
     }
 
     void merge(int64_t u, int64_t h, const float* m, const float* s, const float* acc) const {
@@ -203,7 +219,7 @@ private:
         Tile tile{w.q, q_stride_, group_, int(st.rows), n, st.part * kPartition,
                   float(scale_), w.scores, w.probs, w.vectors, nullptr,
                   w.vectors + kKeysBytes, m, s, acc};
-        k_.attend_tile(kv_, int(h), table_of(unit_start_[tile_units[0]]), tile);
+        attend_tile(w, h, table_of(unit_start_[tile_units[0]]), tile);
     }
 
     // The shared tiles first, in runs of about equal cost (their rows' keys), a tile's KV heads
@@ -221,13 +237,13 @@ private:
             balanced_runs(cost, std::min<int64_t>(threads_, int64_t(tasks.size())));
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            AttentionScratch w(row_heads_, q_stride_, 1);
+            AttentionScratch w(row_heads_, q_stride_, 1, int8_ ? d_ : 0);
             std::vector<float> m(row_heads_), s(row_heads_), acc(row_heads_ * d_);
             for (int64_t task = first[begin], touched = -1; task < first[end]; ++task) {
                 const auto [h, i] = tasks[task];
                 const SharedTile& tile = shared_.tiles[i];
                 const int64_t* rows = shared_.units.data() + tile.first;
-                if (touched != i) touch_partition(kv_, table_of(unit_start_[rows[0]]), tile.part);
+                if (touched != i) touch_partition(pool_, table_of(unit_start_[rows[0]]), tile.part);
                 touched = i;
                 attend_shared(w, tile, rows, h, m.data(), s.data(), acc.data());
                 for (int64_t r = 0; r < tile.rows; ++r) {
@@ -275,7 +291,7 @@ private:
         const std::vector<int64_t> first = balanced_runs(cost, std::min(threads_, items_));
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            AttentionScratch w(row_heads_, q_stride_, longest);
+            AttentionScratch w(row_heads_, q_stride_, longest, int8_ ? d_ : 0);
             // Uninitialised: a unit's merge reads only what its partitions wrote.
             const std::unique_ptr<float[]> m(new float[longest * ms_slot_]),
                 s(new float[longest * ms_slot_]), acc(new float[longest * acc_slot_]);
@@ -331,7 +347,7 @@ private:
         const std::vector<int64_t> first = balanced_runs(cost, threads_);
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            AttentionScratch w(row_heads_, q_stride_, 1);
+            AttentionScratch w(row_heads_, q_stride_, 1, int8_ ? d_ : 0);
             for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
                 const auto [item, part] = tasks[task];
                 const int64_t h = item / units_, u = item % units_;
@@ -358,7 +374,9 @@ private:
     int64_t tokens_ = 0, heads_ = 0, d_ = 0, kv_heads_ = 0, table_width_ = 0;
     int group_ = 1;
     const int32_t *tables_ = nullptr, *seq_ = nullptr, *pos_ = nullptr;
+    bool int8_ = false;
     PagedKv kv_{};
+    PoolBytes pool_{};
     at::Tensor out_;
     const uint16_t* qin_ = nullptr;
     uint16_t* o_ = nullptr;

@@ -66,6 +66,31 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     return out;
 }
 
+namespace {
+
+// A head's K or V row of `d` bfloat16 values as the int8 pool's row: codes, then the scale
+// (kernel_types.h). Plain scalar code: a row is written once, and std::nearbyint rounds to
+// nearest even as torch.round does (model/kv_int8.py writes the same bytes).
+void int8_row(const uint16_t* x, int64_t d, uint8_t* row) {
+    const auto value = [x](int64_t i) {
+        const uint32_t bits = uint32_t(x[i]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        return v;
+    };
+    float top = 0.0f;
+    for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(value(i)));
+    const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        const float code = std::clamp(std::nearbyint(value(i) * inverse), -127.0f, 127.0f);
+        row[i] = uint8_t(int8_t(code));
+    }
+    const float scale = top / 127.0f;
+    std::memcpy(row + d, &scale, sizeof(scale));
+}
+
+}  // namespace
+
 at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, const at::Tensor& cache_rows,
                         at::Tensor& key_cache, at::Tensor& value_cache, int64_t heads,
@@ -82,6 +107,12 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
     TORCH_CHECK(positions.numel() == tokens && cache_rows.numel() == tokens,
                 "one position and one cache row per token");
     TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
+    // An int8 pool (uint8 rows of codes and a scale) or a bfloat16 one.
+    const bool int8 = key_cache.scalar_type() == at::kByte;
+    TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                    key_cache.size(2) == head_dim + (int8 ? kKvScaleBytes : 0),
+                "caches: bfloat16 [rows, kv_heads, head_dim], or uint8 rows of int8 codes and "
+                "a scale");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rotary tables: contiguous");
     const int64_t rotary_dim = cos.size(1);
     const int64_t cache_rows_total = key_cache.size(0);
@@ -96,7 +127,11 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                       plus_one};
     at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
     const uint16_t *in = bf16(qkv), *c = bf16(cos), *s = bf16(sin);
-    uint16_t *qo = bf16_mut(q), *kc = bf16_mut(key_cache), *vc = bf16_mut(value_cache);
+    uint16_t* qo = bf16_mut(q);
+    uint16_t* kc = int8 ? nullptr : bf16_mut(key_cache);
+    uint16_t* vc = int8 ? nullptr : bf16_mut(value_cache);
+    uint8_t* k8 = int8 ? key_cache.data_ptr<uint8_t>() : nullptr;
+    uint8_t* v8 = int8 ? value_cache.data_ptr<uint8_t>() : nullptr;
     const int32_t *pos = positions.data_ptr<int32_t>(), *rows = cache_rows.data_ptr<int32_t>();
     const int64_t stride = qkv.stride(0), row_size = kv_heads * head_dim;
     for (int64_t t = 0; t < tokens; ++t)
@@ -106,11 +141,22 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
     at::parallel_for(0, tokens, grain((heads + kv_heads) * head_dim * 4),
                      [&](int64_t begin, int64_t end) {
                          std::vector<float> scratch(2 * head_dim);
-                         for (int64_t t = begin; t < end; ++t)
+                         // An int8 pool's K and V rows, first in bfloat16.
+                         std::vector<uint16_t> staged(int8 ? 2 * row_size : 0);
+                         for (int64_t t = begin; t < end; ++t) {
+                             uint16_t* key = int8 ? staged.data() : kc + rows[t] * row_size;
+                             uint16_t* value =
+                                 int8 ? staged.data() + row_size : vc + rows[t] * row_size;
                              k.rotary_token(in + t * stride, layout, c + pos[t] * rotary_dim,
                                             s + pos[t] * rotary_dim, qo + t * heads * head_dim,
-                                            kc + rows[t] * row_size, vc + rows[t] * row_size,
-                                            scratch.data());
+                                            key, value, scratch.data());
+                             for (int64_t h = 0; h < kv_heads && int8; ++h) {
+                                 const int64_t at = (rows[t] * kv_heads + h) *
+                                                    (head_dim + kKvScaleBytes);
+                                 int8_row(key + h * head_dim, head_dim, k8 + at);
+                                 int8_row(value + h * head_dim, head_dim, v8 + at);
+                             }
+                         }
                      });
     return q;
 }

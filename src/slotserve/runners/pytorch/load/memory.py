@@ -93,7 +93,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     )
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
     weights = (embeddings + layers) * dtype_bytes
-    per_token = config.kv_bytes_per_token(dtype_bytes)
+    per_token = config.kv_bytes_per_token(dtype_bytes, load.kv_int8)
     on_gpu = load.torch_device.type == "cuda"
     if on_gpu and not load.kv_memory:
         kv = max_seq_len * per_token

@@ -55,6 +55,11 @@ class TorchLoadConfig(TorchConfig):
         return TORCH_DTYPES["bfloat16" if self.dtype == "auto" else self.dtype]
 
     @property
+    def kv_int8(self) -> bool:
+        """Whether the KV pool holds int8 rows (``--kv-cache-dtype int8``)."""
+        return self.kv_cache_dtype == "int8"
+
+    @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

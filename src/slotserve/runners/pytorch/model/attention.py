@@ -1,7 +1,8 @@
 """Attention over the paged KV pool, batch-invariant by construction.
 
-Each layer's cache is one tensor ``[(num_blocks + 1) * block_size, kv_heads, head_dim]``: row
-``block * block_size + offset`` holds one position; the last block is never allocated and stays
+Each layer's cache is one tensor ``[(num_blocks + 1) * block_size, kv_heads, head_dim]`` (int8
+rows with a scale each under ``--kv-cache-dtype int8``, read back as gathered: ``kv_int8.py``):
+row ``block * block_size + offset`` holds one position; the last block is never allocated and stays
 zero, so gathers can pad with it. Per step the runner builds :class:`StepAttention`: the tokens'
 cache rows (where new K/V go) and groups of sequences that attend together: all decode tokens
 in one group, each prefill chunk in its own.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from slotserve.runners.pytorch.gpu_kernels import RowTiles, paged_attention
 from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.kv_int8 import int8_rows, values_of
 
 
 @dataclass
@@ -139,6 +141,8 @@ def attend(
 ) -> torch.Tensor:
     """``q``: [tokens, heads, head_dim]; ``k``/``v``: [tokens, kv_heads, head_dim]. Writes the
     new K/V into the caches, returns [tokens, heads * head_dim]."""
+    if key_cache.dtype == torch.uint8:  # an int8 pool: each row as its codes and scale
+        k, v = int8_rows(k), int8_rows(v)
     key_cache.index_copy_(0, step.write_rows, k)
     value_cache.index_copy_(0, step.write_rows, v)
     if step.paged is not None and step.tiles is not None:
@@ -180,18 +184,17 @@ def _group_attention(
 ) -> torch.Tensor:
     """One group's attention over the key and value caches, ``[batch * q_len, heads *
     head_dim]``; a sliding layer masks by its window."""
-    key_rows, value_rows = (cache.view(-1, config.head_dim) for cache in caches)
     mask = group.sliding_mask if sliding and group.sliding_mask is not None else group.mask
     if q.device.type == "cuda":  # no batch-invariance claim on GPUs: take SDPA's kernels
-        return _sdpa(q, key_rows, value_rows, group, mask, config)
+        return _sdpa(q, *caches, group, mask, config)
+    keys, values = (_gathered(cache, group.gather, q.dtype) for cache in caches)
     kv_heads, groups, dim = config.num_kv_heads, config.num_query_groups, config.head_dim
     b, qn, kv_len = group.batch, group.q_len, group.kv_len
     query = q[group.start : group.start + b * qn]
     # [b*qn, heads, dim] → [b * kv_heads, groups * qn, dim]; head h reads kv head h // groups.
     query = query.view(b, qn, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
     query = query.reshape(b * kv_heads, groups * qn, dim)
-    keys = key_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
-    values = value_rows.index_select(0, group.gather).view(b * kv_heads, kv_len, dim)
+    keys, values = keys.view(b * kv_heads, kv_len, dim), values.view(b * kv_heads, kv_len, dim)
     scores = torch.bmm(query, keys.transpose(1, 2)) * config.attention_scale
     scores = scores.float().view(b, kv_heads, groups, qn, kv_len)
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
@@ -200,10 +203,17 @@ def _group_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(b * qn, kv_heads * groups * dim)
 
 
+def _gathered(cache: torch.Tensor, gather: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's rows ``gather`` (rows × KV heads) as ``[len(gather), head_dim]`` values;
+    an int8 pool's read back to ``dtype``."""
+    rows = cache.view(-1, cache.shape[-1]).index_select(0, gather)
+    return values_of(rows, dtype) if cache.dtype == torch.uint8 else rows
+
+
 def _sdpa(
     q: torch.Tensor,
-    key_rows: torch.Tensor,
-    value_rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     group: AttentionGroup,
     mask: torch.Tensor,
     config: ModelConfig,
@@ -212,8 +222,10 @@ def _sdpa(
     b, qn, kv_len = group.batch, group.q_len, group.kv_len
     kv_heads, dim = config.num_kv_heads, config.head_dim
     query = q[group.start : group.start + b * qn].view(b, qn, config.num_heads, dim)
-    keys = key_rows.index_select(0, group.gather).view(b, kv_heads, kv_len, dim)
-    values = value_rows.index_select(0, group.gather).view(b, kv_heads, kv_len, dim)
+    keys, values = (
+        _gathered(cache, group.gather, q.dtype).view(b, kv_heads, kv_len, dim)
+        for cache in (key_cache, value_cache)
+    )
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys,

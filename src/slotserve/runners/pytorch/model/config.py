@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.runners.pytorch.model.kv_int8 import SCALE_BYTES
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or configuration cannot be served by this runner."""
@@ -106,10 +108,12 @@ class ModelConfig:
     def num_attention_layers(self) -> int:
         return self.num_layers - sum(self.linear_layers)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one position in every full-attention layer (DeltaNet layers keep a
-        fixed-size state per sequence instead: ``linear_state_bytes``)."""
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, int8: bool = False) -> int:
+        """K and V of one position in every full-attention layer, in ``dtype_bytes`` a value
+        or as int8 rows with a scale each (``kv_int8.py``); DeltaNet layers keep a fixed-size
+        state per sequence instead: ``linear_state_bytes``."""
+        row = self.head_dim + SCALE_BYTES if int8 else self.head_dim * dtype_bytes
+        return 2 * self.num_attention_layers * self.num_kv_heads * row
 
     @property
     def linear_conv_channels(self) -> int:

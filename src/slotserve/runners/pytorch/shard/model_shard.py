@@ -71,6 +71,11 @@ class ModelShard:
         self.triton = triton_attention(
             "triton" if load.batch_invariant else load.attention_backend, device
         )
+        if load.kv_int8 and (device.type != "cpu" or self.triton):
+            raise ValueError(
+                "--kv-cache-dtype int8 is served on CPU (the CPU kernels or torch's operators), "
+                f"not on {device.type} with the {'Triton' if self.triton else 'torch'} attention"
+            )
         graphs = decode_graphs_apply(load, config, device, self.triton, tp)
         self.max_seq_len = load.sequence_length(config.max_position_embeddings)
         if self.max_seq_len > config.max_position_embeddings:
@@ -140,12 +145,14 @@ class ModelShard:
             if rank_config.linear_layers
             else None
         )
-        self.kv_bytes_per_token = rank_config.kv_bytes_per_token(dtype.itemsize)
+        self.kv_bytes_per_token = rank_config.kv_bytes_per_token(dtype.itemsize, load.kv_int8)
         reserved = decode_graph_bytes(rank_config, load.num_slots, dtype.itemsize) if graphs else 0
         num_blocks = kv_blocks(load, device, self.max_seq_len, self.kv_bytes_per_token, reserved)
         if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
             num_blocks = tp.min_across_ranks(num_blocks)
-        self.pool = KvPool(rank_config, num_blocks, load.block_size, load.num_slots, dtype, device)
+        self.pool = KvPool(
+            rank_config, num_blocks, load.block_size, load.num_slots, dtype, device, load.kv_int8
+        )
 
         self.graphs: DecodeGraphs | None = None
         if graphs:

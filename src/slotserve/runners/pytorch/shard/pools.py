@@ -8,9 +8,11 @@ Sized from a memory budget: ``num_blocks = budget // (block_size × bytes per po
 extra blocks at the end are never handed out: the first stays zero (attention pads gathers
 with it), the second takes the K/V of a CUDA graph's ballast rows (``cuda_graphs.py``).
 
-The prefix cache's host and disk tiers keep positions copied out of the pool
-(:meth:`KvPool.save_positions`) as one array ``[attention layer, K or V, position, KV head,
-head dim]`` in the pool's dtype, whatever blocks held them: a state restores into any blocks.
+With ``--kv-cache-dtype int8`` a position's row of a KV head is uint8: its int8 codes, then
+their scale (``model/kv_int8.py``). The prefix cache's host and disk tiers keep positions copied
+out of the pool (:meth:`KvPool.save_positions`) as one array ``[attention layer, K or V,
+position, KV head, row]`` in the pool's dtype, whatever blocks held them: a state restores into
+any blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from slotserve.engine.prefix_cache.block_table import PagedKvTables
 from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.model.kv_int8 import SCALE_BYTES
 
 
 class KvPool:
@@ -32,8 +35,11 @@ class KvPool:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        int8: bool = False,
     ) -> None:
         self.block_size = block_size
+        row = config.head_dim + SCALE_BYTES if int8 else config.head_dim
+        dtype = torch.uint8 if int8 else dtype
         self.tables = PagedKvTables(num_blocks, block_size, num_slots)
         self.zero_block = num_blocks
         self.ballast_row = (num_blocks + 1) * block_size
@@ -43,7 +49,7 @@ class KvPool:
         # no KV (an empty entry keeps the list indexed by layer).
         self.layers = []
         for layer in range(config.num_layers):
-            shape = (0 if config.is_linear(layer) else rows, config.num_kv_heads, config.head_dim)
+            shape = (0 if config.is_linear(layer) else rows, config.num_kv_heads, row)
             self.layers.append(
                 (
                     torch.zeros(shape, dtype=dtype, device=device),
@@ -52,7 +58,7 @@ class KvPool:
             )
         self._pending_copies: list[tuple[int, int]] = []
         self._attention = [kv for kv in self.layers if kv[0].shape[0]]
-        self._position_shape = (config.num_kv_heads, config.head_dim)
+        self._position_shape = (config.num_kv_heads, row)
         self._dtype = dtype
 
     def clear(self) -> None:

@@ -1,0 +1,44 @@
+// The int8 KV pool's rows read back as bfloat16 (kernel_types.h states the format), compiled
+// once per instruction set (kernels_<isa>.cpp): every set gives the same bits, one product
+// rounded once.
+
+// Rows at byte `offsets` of `pool`, each `d` int8 codes and their scale, as bfloat16 [n][d].
+static void kv_rows_bf16(const uint8_t* pool, const int64_t* offsets, int n, int d,
+                         uint16_t* out) {
+    // The rows are scattered over the pool's blocks, which defeats the hardware's prefetchers:
+    // each is asked for kKvRowsAhead rows before it is read.
+    constexpr int kKvRowsAhead = 32;
+    for (int j = 0; j < n; ++j) {
+        if (j + kKvRowsAhead < n) {
+            const char* ahead = (const char*)(pool + offsets[j + kKvRowsAhead]);
+            for (int line = 0; line < d + kKvScaleBytes; line += 64)
+                __builtin_prefetch(ahead + line);
+            __builtin_prefetch(ahead + d + kKvScaleBytes - 1);  // a row may end a line later
+        }
+        const uint8_t* row = pool + offsets[j];
+        float scale;
+        std::memcpy(&scale, row + d, sizeof(scale));
+        const vf s = splat(scale);
+        for (int c = 0; c < d; c += kLanes) {
+            const __m128i codes = _mm_loadu_si128((const __m128i*)(row + c));
+#if SLOTSERVE_BF16
+            // One rounding to nearest even, store_bf16's (denormals are flushed in attention
+            // on every set, and a NaN scale is no row's).
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
+                                           (__m512)s);
+            _mm256_storeu_si256((__m256i*)(out + int64_t(j) * d + c),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+            continue;
+#elif SLOTSERVE_AVX512
+            const vf v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+#else
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
+            vf v;
+            std::memcpy(&v, &lo, 32);
+            std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#endif
+            store_bf16(out + int64_t(j) * d + c, v * s);
+        }
+    }
+}
