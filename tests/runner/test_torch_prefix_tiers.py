@@ -19,7 +19,8 @@ from tests.runner.test_prefix_cache_llama_cpp import SYSTEM
 
 @pytest.fixture(params=["torch", "torch-int8-kv"])
 def torch_runner(request: pytest.FixtureRequest) -> Runner:
-    """The PyTorch runner over each KV pool type."""
+    """The PyTorch runner over each KV pool type: this module's tests take conftest's
+    ``torch_runner`` (which this one reaches by its name) and the int8 one in turn."""
     runner: Runner = request.getfixturevalue(RUNNER_FIXTURES[request.param])
     return runner
 
