@@ -99,16 +99,16 @@ def test_the_kernels_write_the_rows_torch_writes(kernels: CpuKernels) -> None:
     positions = torch.randint(0, 64, (tokens,), generator=gen, dtype=torch.int32)
     rows = torch.randperm(40, generator=gen)[:tokens].int()
 
-    def write(caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def write(caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        keys, values = caches
         return kernels.rotary_write(
-            qkv, cos, sin, positions, rows, *caches, HEADS, KV_HEADS, DIM, False, None, None,
+            qkv, cos, sin, positions, rows, keys, values, HEADS, KV_HEADS, DIM, False, None, None,
             1e-6, False,
         )  # fmt: skip
 
-    bf16 = (torch.zeros(40, KV_HEADS, DIM, dtype=torch.bfloat16),) * 2
-    bf16 = (bf16[0], bf16[1].clone())
+    bf16 = tuple(torch.zeros(40, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in "kv")
     int8 = tuple(torch.zeros(40, KV_HEADS, DIM + SCALE_BYTES, dtype=torch.uint8) for _ in "kv")
-    assert torch.equal(write(int8), write(bf16))  # type: ignore[arg-type]
+    assert torch.equal(write(int8), write(bf16))
     for written, reference in zip(int8, bf16, strict=True):
         assert torch.equal(written[rows.long()], int8_rows(reference[rows.long()]))
         untouched = torch.ones(40, dtype=torch.bool)
