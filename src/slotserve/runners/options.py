@@ -140,9 +140,9 @@ class TorchConfig(RunnerCommon):
         "auto",
         choices=KV_CACHE_DTYPES,
         help="torch on CPU: the paged KV cache's type (vLLM's flag); auto: --dtype; int8: each "
-        "position's row of a KV head as 8-bit integers with a float32 scale (max |x| / 127), "
-        "about half the memory and the reads, every invariance kept within the mode; replies "
-        "may differ from auto's",
+        "position's row of a KV head as 8-bit integers with a float32 scale (max |x| / 127): "
+        "about half the memory, every invariance kept within the mode, replies that may differ "
+        "from auto's and slower attention (docs/runners.md)",
     )
     cpu_kernels: bool = option(
         True,
