@@ -21,24 +21,24 @@ static void kv_rows_bf16(const uint8_t* pool, const int64_t* offsets, int n, int
         const vf s = splat(scale);
         for (int c = 0; c < d; c += kLanes) {
             const __m128i codes = _mm_loadu_si128((const __m128i*)(row + c));
-#if SLOTSERVE_BF16
-            // One rounding to nearest even, store_bf16's (denormals are flushed in attention
-            // on every set, and a NaN scale is no row's).
-            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
-                                           (__m512)s);
-            _mm256_storeu_si256((__m256i*)(out + int64_t(j) * d + c),
-                                (__m256i)_mm512_cvtneps_pbh(v));
-            continue;
-#elif SLOTSERVE_AVX512
-            const vf v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+#if SLOTSERVE_AVX512
+            const vf v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * s;
 #else
             const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
             const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
-            vf v;
-            std::memcpy(&v, &lo, 32);
-            std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+            vf codes_f;
+            std::memcpy(&codes_f, &lo, 32);
+            std::memcpy(reinterpret_cast<char*>(&codes_f) + 32, &hi, 32);
+            const vf v = codes_f * s;
 #endif
-            store_bf16(out + int64_t(j) * d + c, v * s);
+            uint16_t* to = out + int64_t(j) * d + c;
+#if SLOTSERVE_BF16
+            // vcvtneps2bf16 rounds to nearest even as store_bf16 does (denormals are flushed in
+            // attention on every set, and a NaN scale is no row's).
+            _mm256_storeu_si256((__m256i*)to, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
+            store_bf16(to, v);
+#endif
         }
     }
 }

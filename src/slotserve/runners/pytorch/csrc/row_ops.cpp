@@ -150,7 +150,8 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                              k.rotary_token(in + t * stride, layout, c + pos[t] * rotary_dim,
                                             s + pos[t] * rotary_dim, qo + t * heads * head_dim,
                                             key, value, scratch.data());
-                             for (int64_t h = 0; h < kv_heads && int8; ++h) {
+                             if (!int8) continue;
+                             for (int64_t h = 0; h < kv_heads; ++h) {
                                  const int64_t at = (rows[t] * kv_heads + h) *
                                                     (head_dim + kKvScaleBytes);
                                  int8_row(key + h * head_dim, head_dim, k8 + at);
