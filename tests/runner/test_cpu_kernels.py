@@ -65,6 +65,20 @@ def _norm_reference(x: torch.Tensor, weight: torch.Tensor, plus_one: bool) -> to
     return norm(x)  # type: ignore[no-any-return]
 
 
+def rotary_inputs(
+    gen: torch.Generator, tokens: int, q_cols: int, rotary_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """qkv rows, cos and sin tables of 64 positions, each token's position and its distinct
+    cache row among 40: rotary_write's inputs."""
+    qkv = torch.randn(tokens, q_cols + 2 * KV_HEADS * DIM, generator=gen).bfloat16()
+    angles = torch.rand(64, rotary_dim // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    positions = torch.randint(0, 64, (tokens,), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(40, generator=gen)[:tokens].int()
+    return qkv, cos, sin, positions, rows
+
+
 @pytest.mark.parametrize(
     ("gated", "qk_norm", "rotary_dim"),
     [(False, False, DIM), (False, True, DIM), (True, True, DIM // 2)],
@@ -76,12 +90,7 @@ def test_rotary_write_matches_the_torch_path_and_fills_the_pool(
     gen = torch.Generator().manual_seed(3)
     tokens = 11
     q_cols = HEADS * DIM * (2 if gated else 1)
-    qkv = torch.randn(tokens, q_cols + 2 * KV_HEADS * DIM, generator=gen).bfloat16()
-    angles = torch.rand(64, rotary_dim // 2, generator=gen) * 6
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    positions = torch.randint(0, 64, (tokens,), generator=gen, dtype=torch.int32)
-    rows = torch.randperm(40, generator=gen)[:tokens].int()
+    qkv, cos, sin, positions, rows = rotary_inputs(gen, tokens, q_cols, rotary_dim)
     key_cache = torch.zeros(40, KV_HEADS, DIM, dtype=torch.bfloat16)
     value_cache = torch.zeros_like(key_cache)
     q_norm = torch.randn(DIM, generator=gen).bfloat16() if qk_norm else None

@@ -21,7 +21,7 @@ from slotserve.runners.pytorch.model.kv_int8 import SCALE_BYTES, int8_rows, valu
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.conftest import instruction_set, instruction_sets, require_batch_invariance
 from tests.runner.engine_runs import alone_then_together, generate, greedy
-from tests.runner.test_cpu_kernels import BLOCK, DIM, HEADS, KV_HEADS, _Pool
+from tests.runner.test_cpu_kernels import BLOCK, DIM, HEADS, KV_HEADS, _Pool, rotary_inputs
 
 PROMPTS = ("The capital of France is", "Write a short poem about the sea.", "1, 2, 3, 4,")
 
@@ -91,13 +91,7 @@ def test_attention_over_int8_rows_is_attention_over_their_values(
 
 def test_the_kernels_write_the_rows_torch_writes(kernels: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(3)
-    tokens, q_cols = 11, HEADS * DIM
-    qkv = torch.randn(tokens, q_cols + 2 * KV_HEADS * DIM, generator=gen).bfloat16()
-    angles = torch.rand(64, DIM // 2, generator=gen) * 6
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    positions = torch.randint(0, 64, (tokens,), generator=gen, dtype=torch.int32)
-    rows = torch.randperm(40, generator=gen)[:tokens].int()
+    qkv, cos, sin, positions, rows = rotary_inputs(gen, 11, HEADS * DIM, DIM)
 
     def write(caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
         keys, values = caches
