@@ -4,6 +4,18 @@
 
 namespace quant {
 #if SLOTSERVE_AVX512
+#if SLOTSERVE_VNNI
+// acc + vpdpbusd(codes, the four int8 inputs at x in every lane), the broadcast read by the
+// instruction itself: GCC 12 loads each into a register first, and a step of several rows
+// issues one such load per vpdpbusd, as many instructions again.
+static inline __attribute__((always_inline)) __m512i dpbusd_broadcast(__m512i acc, __m512i codes,
+                                                                      const int8_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %g1, %g0"
+        : "+v"(acc)
+        : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+}
+#endif
 // The nibble path (AVX-512, codes of 4 and 6 bits): one 64-byte load holds a unit of 8 inputs,
 // byte 4j + i output j's codes of inputs i (low nibble) and 4 + i (high one), so each nibble
 // plane holds four inputs' codes in every output's 32-bit lane. Six-bit codes add their two
@@ -63,12 +75,11 @@ struct NibblePairs {
     // + the products with a row's eight inputs at x, four broadcast to each plane.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
                                                              const int8_t* x) {
+#if SLOTSERVE_VNNI
+        return {dpbusd_broadcast(s.first, w.first, x), dpbusd_broadcast(s.last, w.last, x + 4)};
+#else
         const __m512i first = _mm512_set1_epi32(loaded<int32_t>(x));
         const __m512i last = _mm512_set1_epi32(loaded<int32_t>(x + 4));
-#if SLOTSERVE_VNNI
-        return {_mm512_dpbusd_epi32(s.first, w.first, first),
-                _mm512_dpbusd_epi32(s.last, w.last, last)};
-#else
         return {_mm512_add_epi16(s.first, _mm512_maddubs_epi16(w.first, first)),
                 _mm512_add_epi16(s.last, _mm512_maddubs_epi16(w.last, last))};
 #endif
@@ -114,7 +125,7 @@ struct QuadPairs {
     // + the products with a row's four inputs at x.
     static inline __attribute__((always_inline)) Partial add(Partial s, Operand w,
                                                              const int8_t* x) {
-        return _mm512_dpbusd_epi32(s, w, _mm512_set1_epi32(loaded<int32_t>(x)));
+        return dpbusd_broadcast(s, w, x);
     }
     static inline __attribute__((always_inline)) Sums widen(Partial p) { return {p}; }
 };
