@@ -90,6 +90,7 @@ CASES: dict[str, Callable[[int], tuple[Any, ...]]] = {  # a pool per seed
     "1 decode at 200": lambda seed: case([200], [(0, 199)], seed=seed),
     "1 decode at 1k": lambda seed: case([1000], [(0, 999)], seed=seed),
     "1 decode at 4k": lambda seed: case([4000], [(0, 3999)], seed=seed),
+    "1 decode at 16k": lambda seed: case([16384], [(0, 16383)], seed=seed),
     "1 decode at 6.5k + 5 at 100": lambda seed: case(
         [6500] + [100] * 5, [(0, 6499)] + [(j, 99) for j in range(1, 6)], seed=seed
     ),
