@@ -11,8 +11,6 @@ to be kept in step with the engine's.
 
 from __future__ import annotations
 
-from typing import cast
-
 import msgspec
 
 from slotserve.engine.core.stats import EngineStats
@@ -110,8 +108,8 @@ FromEngine = (
 )
 
 _encoder = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
-_from_engine = msgspec.msgpack.Decoder(FromEngine)
+_to_engine: msgspec.msgpack.Decoder[ToEngine] = msgspec.msgpack.Decoder(ToEngine)
+_from_engine: msgspec.msgpack.Decoder[FromEngine] = msgspec.msgpack.Decoder(FromEngine)
 
 
 def encode(message: ToEngine | FromEngine) -> bytes:
@@ -119,8 +117,8 @@ def encode(message: ToEngine | FromEngine) -> bytes:
 
 
 def decode_to_engine(frame: bytes) -> ToEngine:
-    return cast(ToEngine, _to_engine.decode(frame))
+    return _to_engine.decode(frame)
 
 
 def decode_from_engine(frame: bytes) -> FromEngine:
-    return cast(FromEngine, _from_engine.decode(frame))
+    return _from_engine.decode(frame)
