@@ -50,6 +50,38 @@ struct RowPrefetch {
 #include "attend_row_avx2.h"
 #endif
 
+// Lane l of partial[g * kLanes + jj]: x_l (attention.h) of the key at ``key`` for the row's
+// query head g, each of ``group``.
+static inline __attribute__((always_inline)) void key_lanes(const Tile& t, int group,
+                                                            const uint16_t* key, int pairs,
+                                                            int jj, vf* partial) {
+    const int pair_chunks = (pairs + kLanes - 1) / kLanes;
+    vi k[kMaxPairChunks];
+    for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);
+#if SLOTSERVE_AVX512
+    for (int g = 0; g < group; ++g) {
+        const uint16_t* q = t.q + int64_t(g) * t.q_stride;
+        vf x = splat(0.0f);
+        for (int c = 0; c < pair_chunks; ++c) x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
+        partial[g * kLanes + jj] = x;
+    }
+#else
+    for (int g = 0; g < group; ++g)
+        partial[g * kLanes + jj] = dot_pairs_halves(t.q + int64_t(g) * t.q_stride, k, pair_chunks);
+#endif
+}
+
+// The scores of sixteen keys from j0 (``count`` of them real) from their lanes, for each of
+// the row's ``group`` query heads.
+static inline __attribute__((always_inline)) void store_scores(const Tile& t, int group, int j0,
+                                                               int count, vf* partial) {
+    for (int g = 0; g < group; ++g) {
+        for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
+        store_f32(t.scores + int64_t(g) * kScoreStride + j0,
+                  sum_lanes_of_16(partial + g * kLanes) * t.scale);
+    }
+}
+
 // One row (``t.rows`` == 1) of ``G`` query heads (0: ``t.group``) reading its keys in place.
 template <int CH, int G>
 static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
@@ -57,7 +89,7 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     if constexpr (CH > 0 && G > 0) return attend_row_avx2<CH, G>(kv, kv_head, table, t);
 #endif
     const int d = CH ? CH * kLanes : kv.head_dim, chunks = d / kLanes, group = G ? G : t.group;
-    const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes, n = t.n[0];
+    const int pairs = d / 2, n = t.n[0];
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n, offsets);
     const RowPrefetch<CH * kLanes * 2> prefetch{kv.keys, kv.values, offsets, n, d * 2};
@@ -68,28 +100,9 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
         for (int jj = 0; jj < count; ++jj) {
             const int j = j0 + jj;
             prefetch.ahead_of(j);
-            const uint16_t* key = kv.keys + offsets[j];
-            vi k[kMaxPairChunks];
-            for (int c = 0; c < pair_chunks; ++c) k[c] = pair_chunk(key, c, pairs);
-#if SLOTSERVE_AVX512
-            for (int g = 0; g < group; ++g) {
-                const uint16_t* q = t.q + int64_t(g) * t.q_stride;
-                vf x = splat(0.0f);
-                for (int c = 0; c < pair_chunks; ++c)
-                    x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
-                partial[g * kLanes + jj] = x;
-            }
-#else
-            for (int g = 0; g < group; ++g)
-                partial[g * kLanes + jj] =
-                    dot_pairs_halves(t.q + int64_t(g) * t.q_stride, k, pair_chunks);
-#endif
+            key_lanes(t, group, kv.keys + offsets[j], pairs, jj, partial);
         }
-        for (int g = 0; g < group; ++g) {
-            for (int jj = count; jj < kLanes; ++jj) partial[g * kLanes + jj] = splat(0.0f);
-            store_f32(t.scores + int64_t(g) * kScoreStride + j0,
-                      sum_lanes_of_16(partial + g * kLanes) * t.scale);
-        }
+        store_scores(t, group, j0, count, partial);
     }
     softmax_rows(t.scores, t.probs, group, group, t.n, d, t.m, t.s, t.acc);
     ValuePair v;

@@ -17,6 +17,7 @@ namespace SLOTSERVE_ISA {
 #include "rowwise.h"
 #include "attention.h"
 #include "attend.h"
+#include "attend_heads.h"
 #include "gemm_vec.h"
 #include "quant_pairs.h"
 #include "quant_byte_pairs.h"

@@ -75,6 +75,7 @@ struct Tile {
     float* m;           // [rows * group]
     float* s;
     float* acc;         // [rows * group][head_dim]
+    int beyond = 0;     // a lone row's keys past this partition (prefetched on the way there)
 };
 
 // The projections' GEMM operands (gemm_vec.h, gemm_avx512.h, gemm_amx.h): x [rows, k] bfloat16
@@ -117,6 +118,7 @@ struct Kernels {
                          const uint16_t* sin, uint16_t* q_out, uint16_t* key_row,
                          uint16_t* value_row, float* scratch);
     void (*attend_tile)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t);
+    void (*attend_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
     void (*merge_partitions)(const float* m, const float* s, const float* acc, int parts,
                              int group, int d, int ms_stride, int part_stride, uint16_t* out);
     void (*gemm_blocks)(const GemmOperands& op, int64_t rows, int64_t b0, int64_t b1);
@@ -133,7 +135,8 @@ struct Kernels {
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::merge_partitions, &ns::gemmv::blocks,                \
+            &ns::attend_tile, &ns::attend_row_heads, &ns::merge_partitions,             \
+            &ns::gemmv::blocks,                                                         \
             &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of,          \
             &ns::kv_rows_bf16                                                           \
     }

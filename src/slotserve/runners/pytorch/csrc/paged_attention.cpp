@@ -1,20 +1,24 @@
 // Paged attention over the pool, reading every key and value where it lies.
 //
 // Work unit: up to kTileRows consecutive positions of one sequence (a prefill chunk's rows, with
-// no sliding window), or one row, times one KV head; its partitions computed by attend_tile
-// (attend.h; attention.h states the arithmetic of a row) and merged per row in partition order.
-// Units run token-major, so a cached prefix that rows share stays in the last-level cache between
-// them, each thread taking a run of units' KV heads of about equal cost (keys read); a chunk's
-// next tiles of one KV head on one thread share each partition's transposed keys. With few
-// units and long contexts, the partitions themselves are spread over the threads that way and
-// merged afterwards by the same merge. Lone rows whose sequences hold a whole partition in the
-// same blocks (a prefix the cache shares) compute it as one tile of those rows, its keys read
-// once for all. A row's bits do not depend on its unit, its thread, the split or its tile.
+// no sliding window), or one row, times one KV head (a lone row past one partition: every KV
+// head, attend_heads.h); its partitions computed by attend_tile (attend.h; attention.h states
+// the arithmetic of a row) and merged per row in partition order. Units run token-major, so a
+// cached prefix that rows share stays in the last-level cache between them, each thread taking
+// a run of units' KV heads of about equal cost (keys read); a chunk's next tiles of one KV head
+// on one thread share each partition's transposed keys. With few units, long contexts or one
+// unit past a thread's share, the partitions themselves are spread over the threads that way
+// and merged afterwards by the same merge. Lone rows whose sequences hold a whole partition in
+// the same blocks (a prefix the cache shares) compute it as one tile of those rows, its keys
+// read once for all. A row's bits do not depend on its unit, its thread, the split or its tile.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <numeric>
+
+#include "attention_call.h"
 #include "attention_plan.h"
 #include "cpu_kernels.h"
 
@@ -22,14 +26,16 @@ namespace cpu {
 
 // One paged_attention call: its checked inputs, its tokens cut into units, the shared tiles'
 // results, and the two ways of spreading the units over the threads (see above).
-class PagedAttention {
+class PagedAttention : AttentionCall {
 public:
     PagedAttention(const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& token_seq, const at::Tensor& positions, int64_t block_size,
                    int64_t window, double scale)
-        : k_(usable()), block_size_(block_size), window_(window), scale_(scale) {
-        check(q, key_cache, value_cache, block_tables, token_seq, positions);
+        : AttentionCall(q, key_cache, value_cache, block_tables, token_seq, positions, block_size,
+                        window),
+          k_(usable()),
+          scale_(scale) {
         const auto* keys = static_cast<const char*>(key_cache.data_ptr());
         const auto* values = static_cast<const char*>(value_cache.data_ptr());
         pool_ = {keys, values, block_size, kv_heads_ * (int8_ ? d_ + kKvScaleBytes : d_ * 2)};
@@ -38,7 +44,6 @@ public:
         out_ = at::empty({tokens_, heads_ * d_}, q.options());
         qin_ = bf16(q);
         o_ = bf16_mut(out_);
-        cut_units();
         row_heads_ = int64_t(kTileRows) * group_;
         acc_size_ = int64_t(group_) * d_;
         q_stride_ = int((d_ / 2 + kLanes - 1) / kLanes * kLanes * 2);
@@ -58,13 +63,17 @@ public:
         shared_m_.reset(new float[shared_floats]);
         shared_s_.reset(new float[shared_floats]);
         shared_acc_.reset(new float[shared_floats * d_]);
-        items_ = kv_heads_ * units_;
+        for (int64_t u = 0; u < units_; ++u)
+            if (whole_positions(u)) items_.push_back({u, -1});
+        for (int64_t h = 0; h < kv_heads_; ++h)
+            for (int64_t u = 0; u < units_; ++u)
+                if (!whole_positions(u)) items_.push_back({u, h});
         threads_ = at::get_num_threads();
     }
 
     at::Tensor run() {
         if (!shared_.tiles.empty()) run_shared_tiles();
-        if (max_parts_ > 1 && items_ < 4 * threads_)
+        if (max_parts_ > 1 && (int64_t(items_.size()) < 4 * threads_ || lopsided()))
             run_by_partitions();
         else
             run_by_items();
@@ -72,73 +81,13 @@ public:
     }
 
 private:
-    void check(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-               const at::Tensor& block_tables, const at::Tensor& token_seq,
-               const at::Tensor& positions) {
-        TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
-                    "q must be contiguous bfloat16 [tokens, heads, head_dim]");
-        TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-                    "caches: contiguous");
-        int8_ = key_cache.scalar_type() == at::kByte;  // uint8 rows: kernel_types.h
-        TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
-                        (int8_ || key_cache.scalar_type() == at::kBFloat16),
-                    "caches: both bfloat16, or both uint8 rows of int8 codes and a scale");
-        TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                        block_tables.dim() == 2,
-                    "block tables: int32 [sequences, blocks]");
-        TORCH_CHECK(token_seq.scalar_type() == at::kInt && positions.scalar_type() == at::kInt,
-                    "token sequences and positions must be int32");
-        tokens_ = q.size(0), heads_ = q.size(1), d_ = q.size(2);
-        kv_heads_ = key_cache.size(1);
-        TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of ", kLanes,
-                    " up to 256");
-        const int64_t row = d_ + (int8_ ? kKvScaleBytes : 0);
-        TORCH_CHECK(heads_ % kv_heads_ == 0 && key_cache.size(2) == row &&
-                        value_cache.sizes() == key_cache.sizes(), "head shapes disagree");
-        group_ = int(heads_ / kv_heads_);
-        TORCH_CHECK(group_ <= 16, "at most 16 query heads per KV head");
-        const int64_t num_blocks = key_cache.size(0) / block_size_;
-        table_width_ = block_tables.size(1);
-        tables_ = block_tables.data_ptr<int32_t>();
-        seq_ = token_seq.data_ptr<int32_t>();
-        pos_ = positions.data_ptr<int32_t>();
-        // Every block a token may read exists: checked per sequence up to its furthest token.
-        std::vector<int64_t> furthest(block_tables.size(0), -1);
-        for (int64_t t = 0; t < tokens_; ++t) {
-            TORCH_CHECK(seq_[t] >= 0 && seq_[t] < block_tables.size(0),
-                        "token sequence out of range");
-            TORCH_CHECK(pos_[t] >= 0 && pos_[t] / block_size_ < table_width_,
-                        "position past its table");
-            furthest[seq_[t]] = std::max<int64_t>(furthest[seq_[t]], pos_[t]);
-        }
-        for (size_t sq = 0; sq < furthest.size(); ++sq)
-            for (int64_t b = 0; b <= furthest[sq] / block_size_ && furthest[sq] >= 0; ++b) {
-                const int32_t block = tables_[sq * table_width_ + b];
-                TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
-            }
+    // Whether one item would take more than a thread's share of the work.
+    bool lopsided() const {
+        std::vector<int64_t> cost;
+        for (const auto& [u, h] : items_) cost.push_back(unit_cost(u) * (h < 0 ? kv_heads_ : 1));
+        return *std::max_element(cost.begin(), cost.end()) * threads_ >
+               std::accumulate(cost.begin(), cost.end(), int64_t(0));
     }
-
-    // Units of rows [unit_start_[u], unit_start_[u + 1]).
-    void cut_units() {
-        unit_start_.push_back(0);
-        for (int64_t t = 0; t < tokens_;) {
-            int64_t end = t + 1;
-            while (window_ <= 0 && end < tokens_ && end - t < kTileRows && seq_[end] == seq_[t] &&
-                   pos_[end] == pos_[t] + (end - t))
-                ++end;
-            unit_start_.push_back(end);
-            t = end;
-        }
-        units_ = int64_t(unit_start_.size()) - 1;
-    }
-
-    int first_key(int64_t t) const {
-        return window_ > 0 ? int(std::max<int64_t>(0, pos_[t] - window_ + 1)) : 0;
-    }
-
-    int parts_of(int64_t t) const { return pos_[t] / kPartition - first_key(t) / kPartition + 1; }
-
-    const int32_t* table_of(int64_t t) const { return tables_ + seq_[t] * table_width_; }
 
     // Token t's query heads of KV head h as row r of the tile at ``q``.
     void load_query(uint16_t* q, int64_t t, int64_t r, int64_t h) const {
@@ -180,6 +129,32 @@ private:
         attend_tile(w, h, table_of(t0), tile);
     }
 
+    // A lone row's (unit u's) partition ``part`` for every KV head, head h's results at
+    // ``m + h * step``, ``s + h * step`` and ``acc + h * step * d``.
+    void attend_heads(AttentionScratch& w, int64_t u, int64_t part, float* m, float* s,
+                      float* acc, int64_t step) const {
+        const int64_t t0 = unit_start_[u];
+        if (shared_.covers(u, int(part))) {
+            for (int64_t h = 0; h < kv_heads_; ++h)
+                attend(w, u, h, part, m + h * step, s + h * step, acc + h * step * d_, w.q,
+                       nullptr);
+            return;
+        }
+        const int start = int(part) * kPartition;
+        const int n[1] = {std::clamp(pos_[t0] + 1 - start, 0, kPartition)};
+        if (n[0] == 0) return;
+        Tile tiles[kTileRows];
+        for (int64_t h = 0; h < kv_heads_; ++h) {
+            const int64_t rh = h * group_, ms = h * step + part * group_;
+            load_query(w.q, t0, h, h);
+            tiles[h] = Tile{w.q + rh * q_stride_, q_stride_, group_, 1, n, start, float(scale_),
+                            w.scores + rh * kScoreStride, w.probs + rh * (kPartition + 2),
+                            w.vectors, nullptr, w.vectors + kKeysBytes, m + ms, s + ms,
+                            acc + ms * d_, pos_[t0] + 1 - start - n[0]};
+        }
+        k_.attend_row_heads(kv_, table_of(t0), tiles);
+    }
+
     // A tile's partition of KV head h (from an int8 pool: int8_partition's bfloat16 rows).
     void attend_tile(AttentionScratch& w, int64_t h, const int32_t* table, Tile tile) const {
         if (!int8_) return k_.attend_tile(kv_, int(h), table, tile);
@@ -205,6 +180,13 @@ private:
             keys += std::clamp<int64_t>(pos_[t] + 1 - std::max<int64_t>(lo, first_key(t)), 0,
                                         kPartition) + 32;
         return keys;
+    }
+
+    int64_t unit_cost(int64_t u) const {  // one KV head's
+        int64_t cost = 0;
+        for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part)
+            cost += part_cost(u, part);
+        return cost;
     }
 
     // A shared tile: its lone rows' queries, one tile over the partition's keys, results
@@ -277,18 +259,20 @@ private:
         for (int64_t u = 0; u < units_;) {
             int64_t end = u + 1;
             while (end < units_ && continues[end] && end - u < kRunTiles) ++end;
-            for (int64_t h = 0; h < kv_heads_; ++h)
-                for (int64_t v = u; v < end; ++v) order.emplace_back(v, h);
+            if (whole_positions(u))
+                order.emplace_back(u, -1);  // every KV head
+            else
+                for (int64_t h = 0; h < kv_heads_; ++h)
+                    for (int64_t v = u; v < end; ++v) order.emplace_back(v, h);
             longest = std::max(longest, end - u);
             u = end;
         }
         std::vector<int64_t> cost{0};  // a unit's KV heads cost the same
-        std::vector<int64_t> unit_cost(units_, 0);
-        for (int64_t u = 0; u < units_; ++u)
-            for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part)
-                unit_cost[u] += part_cost(u, part);
-        for (const auto& [u, h] : order) cost.push_back(cost.back() + unit_cost[u]);
-        const std::vector<int64_t> first = balanced_runs(cost, std::min(threads_, items_));
+        for (const auto& [u, h] : order)
+            cost.push_back(cost.back() + unit_cost(u) * (h < 0 ? kv_heads_ : 1));
+        const std::vector<int64_t> first =
+            balanced_runs(cost, std::min(threads_, int64_t(order.size())));
+        if (items_[0].second < 0) longest = std::max(longest, kv_heads_);  // a row's every head
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
             AttentionScratch w(row_heads_, q_stride_, longest, int8_ ? d_ : 0);
@@ -307,6 +291,13 @@ private:
                       int64_t item, int64_t end, const std::vector<char>& continues, float* m,
                       float* s, float* acc) const {
         const auto [u, h] = order[item];
+        if (h < 0) {  // a lone row, every KV head
+            for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part)
+                attend_heads(w, u, part, m, s, acc, ms_slot_);
+            for (int64_t x = 0; x < kv_heads_; ++x)
+                merge(u, x, m + x * ms_slot_, s + x * ms_slot_, acc + x * acc_slot_);
+            return 1;
+        }
         int64_t run = 1;
         while (item + run < end && order[item + run].first == u + run &&
                order[item + run].second == h && continues[u + run])
@@ -337,11 +328,11 @@ private:
         std::vector<float> acc(kv_heads_ * head_floats * d_);
         std::vector<std::pair<int64_t, int>> tasks;  // (item, partition)
         std::vector<int64_t> cost{0};
-        for (int64_t item = 0; item < items_; ++item) {
-            const int64_t u = item % units_;
+        for (int64_t item = 0; item < int64_t(items_.size()); ++item) {
+            const auto [u, h] = items_[item];
             for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part) {
                 tasks.emplace_back(item, part);
-                cost.push_back(cost.back() + part_cost(u, part));
+                cost.push_back(cost.back() + part_cost(u, part) * (h < 0 ? kv_heads_ : 1));
             }
         }
         const std::vector<int64_t> first = balanced_runs(cost, threads_);
@@ -350,7 +341,14 @@ private:
             AttentionScratch w(row_heads_, q_stride_, 1, int8_ ? d_ : 0);
             for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
                 const auto [item, part] = tasks[task];
-                const int64_t h = item / units_, u = item % units_;
+                const auto [u, h] = items_[item];
+                if (h < 0) {
+                    const int64_t at = slot_of(0, u);
+                    attend_heads(w, u, part, m.data() + at, s.data() + at, acc.data() + at * d_,
+                                 head_floats);
+                    loaded = -1;  // the queries' scratch now holds every head's
+                    continue;
+                }
                 if (loaded != item) load_queries(w.q, u, h);
                 loaded = item;
                 const int64_t at = slot_of(h, u);
@@ -358,31 +356,28 @@ private:
                        w.q, nullptr);
             }
         });
-        at::parallel_for(0, items_, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, int64_t(items_.size()), 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
             for (int64_t item = begin; item < end; ++item) {
-                const int64_t h = item / units_, u = item % units_;
-                const int64_t at = slot_of(h, u);
-                merge(u, h, m.data() + at, s.data() + at, acc.data() + at * d_);
+                const auto [u, one] = items_[item];
+                for (int64_t h = std::max<int64_t>(one, 0); h < (one < 0 ? kv_heads_ : one + 1); ++h) {
+                    const int64_t at = slot_of(h, u);
+                    merge(u, h, m.data() + at, s.data() + at, acc.data() + at * d_);
+                }
             }
         });
     }
 
     const Kernels& k_;
-    const int64_t block_size_, window_;
     const double scale_;
-    int64_t tokens_ = 0, heads_ = 0, d_ = 0, kv_heads_ = 0, table_width_ = 0;
-    int group_ = 1;
-    const int32_t *tables_ = nullptr, *seq_ = nullptr, *pos_ = nullptr;
-    bool int8_ = false;
     PagedKv kv_{};
     PoolBytes pool_{};
     at::Tensor out_;
     const uint16_t* qin_ = nullptr;
     uint16_t* o_ = nullptr;
-    std::vector<int64_t> unit_start_;
-    int64_t units_ = 0, row_heads_ = 0, acc_size_ = 0, max_parts_ = 0, ms_slot_ = 0;
-    int64_t acc_slot_ = 0, shared_per_head_ = 0, items_ = 0, threads_ = 1;
+    int64_t row_heads_ = 0, acc_size_ = 0, max_parts_ = 0, ms_slot_ = 0;
+    int64_t acc_slot_ = 0, shared_per_head_ = 0, threads_ = 1;
+    std::vector<std::pair<int64_t, int64_t>> items_;  // (unit, KV head, or -1: every one)
     int q_stride_ = 0;
     SharedPartitions shared_;
     std::unique_ptr<float[]> shared_m_, shared_s_, shared_acc_;

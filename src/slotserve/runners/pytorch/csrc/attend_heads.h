@@ -1,0 +1,100 @@
+// A lone row's partition for every KV head at once (included by isa_kernels.h after attend.h).
+//
+// A position's keys (and values) of all KV heads lie side by side in the pool, so one head's
+// rows are a few cache lines out of every position's: read head by head, a lone row's pass
+// strides through each block once per head, and memory streams it worse than whole positions
+// in order. Here every head computes its part of sixteen keys (its scores) or of kValueKeys
+// keys (its values) in turn, each fetching its rows kWholeAhead positions ahead, so a
+// position's rows are all requested within one such pass and used while they sit in the
+// level-1 and level-2 caches. Each head's arithmetic is attend_row_t's, step for step, so a
+// row has the same bits by either path.
+
+constexpr int kWholeAhead = 96;  // positions ahead, keys to level 2 (values half as far)
+constexpr int kValueKeys = 32;   // keys a head's value sums take at a time
+
+// The ``bytes`` from ``row`` on, to level 2.
+static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int bytes) {
+    for (int line = 0; line < bytes; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 1);
+}
+
+// ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
+// beyond and scale the same).
+template <int CH, int G>
+static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+    constexpr int d = CH * kLanes, pairs = d / 2;
+    const Tile& first = tiles[0];
+    const int heads = kv.kv_heads, n = first.n[0], bytes = heads * d * 2;
+    const int reach = n + std::min(first.beyond, kWholeAhead);
+    int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
+    key_offsets(kv, 0, table, first.start, reach, offsets);
+    for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
+    for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
+    vf partial[G * kLanes];
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+        const int count = std::min(kLanes, n - j0);
+        for (int h = 0; h < heads; ++h) {
+            const Tile& t = tiles[h];
+            for (int jj = 0; jj < count; ++jj) {
+                const int j = j0 + jj;
+                if (j + kWholeAhead < reach)
+                    fetch(kv.keys + offsets[j + kWholeAhead] + int64_t(h) * d, d * 2);
+                if (j + kWholeAhead / 2 < n)
+                    fetch(kv.values + offsets[j + kWholeAhead / 2] + int64_t(h) * d, d * 2);
+                key_lanes(t, G, kv.keys + offsets[j] + int64_t(h) * d, pairs, jj, partial);
+            }
+            store_scores(t, G, j0, count, partial);
+        }
+    }
+    for (int h = 0; h < heads; ++h) {
+        const Tile& t = tiles[h];
+        softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);  // acc zeroed
+    }
+    // Each head's sums over kValueKeys keys at a time, in registers, from its zeroed acc.
+    constexpr int kRowGroup = G * CH <= 24 ? G : 1;  // heads whose sums fit the registers
+    ValuePairOf<CH> v;
+    for (int j0 = 0; j0 < n; j0 += kValueKeys) {
+        const int end = std::min(n, j0 + kValueKeys);
+        for (int h = 0; h < heads; ++h) {
+            const Tile& t = tiles[h];
+            const uint16_t* values = kv.values + int64_t(h) * d;
+            for (int g0 = 0; g0 < G; g0 += kRowGroup) {
+                vf out[kRowGroup][CH];
+                for (int g = 0; g < kRowGroup; ++g)
+                    for (int c = 0; c < CH; ++c)
+                        out[g][c] = load_f32(t.acc + (g0 + g) * d + c * kLanes);
+                for (int j = j0; j < end; j += 2) {
+                    load_value_pair(values + offsets[j],
+                                    j + 1 < n ? values + offsets[j + 1] : nullptr, CH, v);
+                    for (int g = 0; g < kRowGroup; ++g)
+                        value_pair(out[g], CH, t.probs + (g0 + g) * (kPartition + 2) + j, v);
+                }
+                for (int g = 0; g < kRowGroup; ++g)
+                    for (int c = 0; c < CH; ++c)
+                        store_f32(t.acc + (g0 + g) * d + c * kLanes, out[g][c]);
+            }
+        }
+    }
+}
+
+// One lone row's partition, every KV head (``tiles``: kv.kv_heads of them). The AVX2 build
+// and the shapes without a specialization run attend_tile head by head.
+static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+#if SLOTSERVE_AVX512
+    switch (kv.head_dim / kLanes * 100 + tiles[0].group) {
+        case 401: return attend_row_heads_t<4, 1>(kv, table, tiles);
+        case 402: return attend_row_heads_t<4, 2>(kv, table, tiles);
+        case 403: return attend_row_heads_t<4, 3>(kv, table, tiles);
+        case 404: return attend_row_heads_t<4, 4>(kv, table, tiles);
+        case 405: return attend_row_heads_t<4, 5>(kv, table, tiles);
+        case 406: return attend_row_heads_t<4, 6>(kv, table, tiles);
+        case 801: return attend_row_heads_t<8, 1>(kv, table, tiles);
+        case 802: return attend_row_heads_t<8, 2>(kv, table, tiles);
+        case 803: return attend_row_heads_t<8, 3>(kv, table, tiles);
+        case 804: return attend_row_heads_t<8, 4>(kv, table, tiles);
+        case 1601: return attend_row_heads_t<16, 1>(kv, table, tiles);
+        default: break;
+    }
+#endif
+    for (int h = 0; h < kv.kv_heads; ++h) attend_tile(kv, h, table, tiles[h]);
+}
