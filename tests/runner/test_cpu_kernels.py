@@ -311,6 +311,12 @@ def test_out_of_range_metadata_is_refused_not_read(kernels: CpuKernels) -> None:
         pool.attend(kernels, q, [3], [5])
 
 
+def test_a_call_without_tokens_returns_no_rows(kernels: CpuKernels) -> None:
+    pool = _Pool([20], seed=11)
+    out = pool.attend(kernels, torch.zeros(0, HEADS, DIM).bfloat16(), [], [])
+    assert out.shape == (0, HEADS * DIM)
+
+
 def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     """One source, three builds: AVX512-BF16 (attention's dot products in one instruction),
     AVX-512 and AVX2 (the same dot products as two fused steps, AVX2 in 256-bit halves) must

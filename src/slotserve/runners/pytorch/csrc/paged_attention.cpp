@@ -272,7 +272,7 @@ private:
             cost.push_back(cost.back() + unit_cost(u) * (h < 0 ? kv_heads_ : 1));
         const std::vector<int64_t> first =
             balanced_runs(cost, std::min(threads_, int64_t(order.size())));
-        if (items_[0].second < 0) longest = std::max(longest, kv_heads_);  // a row's every head
+        if (!items_.empty() && items_[0].second < 0) longest = std::max(longest, kv_heads_);
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
             AttentionScratch w(row_heads_, q_stride_, longest, int8_ ? d_ : 0);
