@@ -62,7 +62,8 @@ static inline __attribute__((always_inline)) void key_lanes(const Tile& t, int g
     for (int g = 0; g < group; ++g) {
         const uint16_t* q = t.q + int64_t(g) * t.q_stride;
         vf x = splat(0.0f);
-        for (int c = 0; c < pair_chunks; ++c) x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
+        for (int c = 0; c < pair_chunks; ++c)
+            x = dot_pairs(x, load_pairs(q + 2 * c * kLanes), k[c]);
         partial[g * kLanes + jj] = x;
     }
 #else
@@ -292,27 +293,26 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     }
 }
 
+// The shapes compiled with head_dim (CH vectors of sixteen) and group (G) known, as
+// X(CH, G); every other shape runs the generic <0, 0> code. attend_heads.h dispatches on it too.
+#define SLOTSERVE_ATTENTION_SHAPES(X) \
+    X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(4, 5) X(4, 6) X(8, 1) X(8, 2) X(8, 3) X(8, 4) X(16, 1)
+#define SLOTSERVE_SHAPE_CODE(head_dim, group) ((head_dim) / kLanes * 100 + (group))
+
 #define SLOTSERVE_ATTEND(CH, G) \
     return t.rows == 1 ? attend_row_t<CH, G>(kv, kv_head, table, t) \
                        : attend_tile_t<CH, G>(kv, kv_head, table, t)
+#define SLOTSERVE_ATTEND_CASE(CH, G) \
+    case CH * 100 + G: SLOTSERVE_ATTEND(CH, G);
 
 // One partition of a tile or a lone row: every row-head's m, s and acc (see Tile).
 static void attend_tile(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
-    switch (kv.head_dim / kLanes * 100 + t.group) {
-        case 401: SLOTSERVE_ATTEND(4, 1);
-        case 402: SLOTSERVE_ATTEND(4, 2);
-        case 403: SLOTSERVE_ATTEND(4, 3);
-        case 404: SLOTSERVE_ATTEND(4, 4);
-        case 405: SLOTSERVE_ATTEND(4, 5);
-        case 406: SLOTSERVE_ATTEND(4, 6);
-        case 801: SLOTSERVE_ATTEND(8, 1);
-        case 802: SLOTSERVE_ATTEND(8, 2);
-        case 803: SLOTSERVE_ATTEND(8, 3);
-        case 804: SLOTSERVE_ATTEND(8, 4);
-        case 1601: SLOTSERVE_ATTEND(16, 1);
+    switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, t.group)) {
+        SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_ATTEND_CASE)
         default: SLOTSERVE_ATTEND(0, 0);
     }
 }
+#undef SLOTSERVE_ATTEND_CASE
 #undef SLOTSERVE_ATTEND
 
 // Merges a token's partitions in their order: out = Σ e^(m_i - M) acc_i / Σ e^(m_i - M) s_i.

@@ -81,20 +81,13 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
 // and the shapes without a specialization run attend_tile head by head.
 static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
 #if SLOTSERVE_AVX512
-    switch (kv.head_dim / kLanes * 100 + tiles[0].group) {
-        case 401: return attend_row_heads_t<4, 1>(kv, table, tiles);
-        case 402: return attend_row_heads_t<4, 2>(kv, table, tiles);
-        case 403: return attend_row_heads_t<4, 3>(kv, table, tiles);
-        case 404: return attend_row_heads_t<4, 4>(kv, table, tiles);
-        case 405: return attend_row_heads_t<4, 5>(kv, table, tiles);
-        case 406: return attend_row_heads_t<4, 6>(kv, table, tiles);
-        case 801: return attend_row_heads_t<8, 1>(kv, table, tiles);
-        case 802: return attend_row_heads_t<8, 2>(kv, table, tiles);
-        case 803: return attend_row_heads_t<8, 3>(kv, table, tiles);
-        case 804: return attend_row_heads_t<8, 4>(kv, table, tiles);
-        case 1601: return attend_row_heads_t<16, 1>(kv, table, tiles);
+#define SLOTSERVE_HEADS_CASE(CH, G) \
+    case CH * 100 + G: return attend_row_heads_t<CH, G>(kv, table, tiles);
+    switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
+        SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_HEADS_CASE)
         default: break;
     }
+#undef SLOTSERVE_HEADS_CASE
 #endif
     for (int h = 0; h < kv.kv_heads; ++h) attend_tile(kv, h, table, tiles[h]);
 }

@@ -63,6 +63,10 @@ public:
         shared_m_.reset(new float[shared_floats]);
         shared_s_.reset(new float[shared_floats]);
         shared_acc_.reset(new float[shared_floats * d_]);
+        unit_cost_.assign(units_, 0);  // one KV head's
+        for (int64_t u = 0; u < units_; ++u)
+            for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part)
+                unit_cost_[u] += part_cost(u, part);
         for (int64_t u = 0; u < units_; ++u)
             if (whole_positions(u)) items_.push_back({u, -1});
         for (int64_t h = 0; h < kv_heads_; ++h)
@@ -84,7 +88,7 @@ private:
     // Whether one item would take more than a thread's share of the work.
     bool lopsided() const {
         std::vector<int64_t> cost;
-        for (const auto& [u, h] : items_) cost.push_back(unit_cost(u) * (h < 0 ? kv_heads_ : 1));
+        for (const auto& [u, h] : items_) cost.push_back(unit_cost_[u] * (h < 0 ? kv_heads_ : 1));
         return *std::max_element(cost.begin(), cost.end()) * threads_ >
                std::accumulate(cost.begin(), cost.end(), int64_t(0));
     }
@@ -182,13 +186,6 @@ private:
         return keys;
     }
 
-    int64_t unit_cost(int64_t u) const {  // one KV head's
-        int64_t cost = 0;
-        for (int part = 0; part < parts_of(unit_start_[u + 1] - 1); ++part)
-            cost += part_cost(u, part);
-        return cost;
-    }
-
     // A shared tile: its lone rows' queries, one tile over the partition's keys, results
     // [row * group + g] (acc times head_dim).
     void attend_shared(AttentionScratch& w, const SharedTile& st, const int64_t* tile_units,
@@ -269,7 +266,7 @@ private:
         }
         std::vector<int64_t> cost{0};  // a unit's KV heads cost the same
         for (const auto& [u, h] : order)
-            cost.push_back(cost.back() + unit_cost(u) * (h < 0 ? kv_heads_ : 1));
+            cost.push_back(cost.back() + unit_cost_[u] * (h < 0 ? kv_heads_ : 1));
         const std::vector<int64_t> first =
             balanced_runs(cost, std::min(threads_, int64_t(order.size())));
         if (!items_.empty() && items_[0].second < 0) longest = std::max(longest, kv_heads_);
@@ -359,8 +356,9 @@ private:
         at::parallel_for(0, int64_t(items_.size()), 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
             for (int64_t item = begin; item < end; ++item) {
-                const auto [u, one] = items_[item];
-                for (int64_t h = std::max<int64_t>(one, 0); h < (one < 0 ? kv_heads_ : one + 1); ++h) {
+                const auto [u, one] = items_[item];  // one KV head, or -1: every one
+                const int64_t first_head = std::max<int64_t>(one, 0);
+                for (int64_t h = first_head; h < (one < 0 ? kv_heads_ : one + 1); ++h) {
                     const int64_t at = slot_of(h, u);
                     merge(u, h, m.data() + at, s.data() + at, acc.data() + at * d_);
                 }
@@ -378,6 +376,7 @@ private:
     int64_t row_heads_ = 0, acc_size_ = 0, max_parts_ = 0, ms_slot_ = 0;
     int64_t acc_slot_ = 0, shared_per_head_ = 0, threads_ = 1;
     std::vector<std::pair<int64_t, int64_t>> items_;  // (unit, KV head, or -1: every one)
+    std::vector<int64_t> unit_cost_;                   // one KV head's partitions, by unit
     int q_stride_ = 0;
     SharedPartitions shared_;
     std::unique_ptr<float[]> shared_m_, shared_s_, shared_acc_;
