@@ -188,6 +188,17 @@ def instruction_set(kernels: CpuKernels, isa: str) -> Iterator[None]:
         kernels.select_isa(default)
 
 
+@contextlib.contextmanager
+def attention_arithmetic(kernels: CpuKernels, arithmetic: str) -> Iterator[None]:
+    """Runs attention in ``arithmetic`` inside the block, the default one after it."""
+    default = kernels.attention
+    kernels.select_attention(arithmetic)
+    try:
+        yield
+    finally:
+        kernels.select_attention(default)
+
+
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """torch's thread pool at 1, then 2 threads (the kernels' threads are torch's)."""

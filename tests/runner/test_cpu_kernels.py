@@ -23,7 +23,7 @@ from slotserve.runners.pytorch.cpu_kernels import (
 )
 from slotserve.runners.pytorch.model.layers import RmsNorm
 from slotserve.runners.pytorch.model.rotary import apply_rotary
-from tests.runner.conftest import instruction_set, instruction_sets
+from tests.runner.conftest import attention_arithmetic, instruction_set, instruction_sets
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -350,8 +350,8 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
         ]
 
     results = {}
-    for isa in runs:
-        with instruction_set(kernels, isa):
+    for isa in runs:  # the vector arithmetic (AMX tiles sum otherwise: test_cpu_attention_amx.py)
+        with instruction_set(kernels, isa), attention_arithmetic(kernels, "vector"):
             results[isa] = run()
     for isa in runs[1:]:
         for a, b in zip(results[runs[0]], results[isa], strict=True):

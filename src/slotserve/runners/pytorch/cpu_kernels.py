@@ -62,11 +62,20 @@ class CpuKernels:
         # "avx512bf16" (csrc/gemm_amx.h, csrc/gemm_avx512.h), else "avx512" or "avx2"
         # (csrc/gemm_vec.h: avx512bf16's bits, its dot products in two fused steps).
         self.gemm: str = module.gemm() if self.has_gemm else "none"
+        # Attention's arithmetic: "amx" (csrc/attend_amx.h: tiles, where the unit gives its
+        # documented bits) or "vector" (csrc/attention.h, the same bits on every instruction set).
+        self.attention: str = module.attention()
 
     def select_isa(self, isa: str) -> None:
         """Runs the kernels compiled for ``isa`` (avx512bf16, avx512, avx2) from now on, if the
         CPU runs it (the tests' way to the narrower builds on one machine)."""
         self.isa = self._m.select_isa(isa)
+
+    def select_attention(self, arithmetic: str) -> None:
+        """Attention runs in ``arithmetic`` from now on: ``amx``, ``vector``, or ``amx-emulated``
+        (the tile code over tiles emulated in scalar code, on any CPU with AVX512-BF16; tests
+        only), if this CPU runs it."""
+        self.attention = self._m.select_attention(arithmetic)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool
@@ -254,9 +263,8 @@ def compute_path(
     if dtype != torch.bfloat16:
         return ComputePath("cpu", features, f"torch ops ({dtype})", batch_invariant=False)
     if kernels is not None and kernels.has_gemm:
-        return ComputePath(
-            "cpu", features, f"slotserve CPU kernels ({kernels.isa}), {kernels.gemm} GEMM"
-        )
+        served = f"{kernels.gemm} GEMM, {kernels.attention} attention"
+        return ComputePath("cpu", features, f"slotserve CPU kernels ({kernels.isa}), {served}")
     onednn = "oneDNN projections (prepacked, split-K)"
     if kernels is not None:
         return ComputePath("cpu", features, f"slotserve CPU kernels ({kernels.isa}), {onednn}")

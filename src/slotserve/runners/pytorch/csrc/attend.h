@@ -180,6 +180,20 @@ static inline __attribute__((always_inline)) void score_keys(const uint16_t* q, 
     for (int r = 0; r < R; ++r) store_f32(out + r * kScoreStride, (w0[r] + (w1[r] + t[r])) * scale);
 }
 
+// Keys j0 .. j0 + 15 (the first ``count`` of them real, the rest zero) transposed into ``kt``:
+// vector 16c + l holds pair 16c + l of each key.
+static inline __attribute__((always_inline)) void transpose_keys(const uint16_t* keys,
+                                                                 const int64_t* offsets, int j0,
+                                                                 int count, int pairs, vi* kt) {
+    for (int c = 0; c < (pairs + kLanes - 1) / kLanes; ++c) {
+        vi block[kLanes];
+        for (int jj = 0; jj < kLanes; ++jj)
+            block[jj] = jj < count ? pair_chunk(keys + offsets[j0 + jj], c, pairs) : vi{};
+        transpose_16(block);
+        for (int l = 0; l < kLanes; ++l) kt[c * kLanes + l] = block[l];
+    }
+}
+
 // A tile of rows (see Tile), ``G`` query heads each (0: ``t.group``).
 template <int CH, int G>
 static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
@@ -215,13 +229,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
         const int count = std::min(kLanes, n_max - j0);
         vi* kt = t.keys_ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
         if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes);
-        for (int c = 0; c < pair_chunks && j0 >= ready; ++c) {
-            vi block[kLanes];
-            for (int jj = 0; jj < kLanes; ++jj)
-                block[jj] = jj < count ? pair_chunk(kv.keys + offsets[j0 + jj], c, pairs) : vi{};
-            transpose_16(block);
-            for (int l = 0; l < kLanes; ++l) kt[c * kLanes + l] = block[l];
-        }
+        if (j0 >= ready) transpose_keys(kv.keys, offsets, j0, count, pairs, kt);
         while (t.n[first] <= j0) ++first;
         int rh = first * group;
         const uint16_t* q = t.q + int64_t(rh) * t.q_stride;
@@ -339,6 +347,9 @@ static void merge_partitions(const float* m, const float* s, const float* acc, i
                     sum[c] += w[i] * load_f32(acc + part * part_stride + g * d + c * kLanes);
             }
         }
-        for (int c = 0; c < chunks; ++c) store_bf16(out + g * d + c * kLanes, sum[c] / total);
+        // + 0: a zero result has one sign, whatever zeros its tile's other rows added
+        // (attend_amx.h).
+        for (int c = 0; c < chunks; ++c)
+            store_bf16(out + g * d + c * kLanes, sum[c] / total + splat(0.0f));
     }
 }

@@ -14,6 +14,7 @@ struct AttentionCall {
                   const at::Tensor& positions, int64_t block_size, int64_t window)
         : block_size_(block_size), window_(window) {
         check(q, key_cache, value_cache, block_tables, token_seq, positions);
+        amx_ = amx_attention(usable(), d_);
         cut_units();
     }
 
@@ -87,11 +88,12 @@ struct AttentionCall {
 
     // Whether unit u is a lone row that reads its partitions for every KV head at once
     // (attend_heads.h): past one partition (a shorter context is spread over the threads by
-    // its heads), from a bfloat16 pool (an int8 one is dequantized head by head), no window.
+    // its heads), from a bfloat16 pool (an int8 one is dequantized head by head), no window,
+    // not on AMX tiles (which take every row as attend_amx.h).
     bool whole_positions(int64_t u) const {
         const int64_t t = unit_start_[u];
-        return !int8_ && window_ <= 0 && kv_heads_ > 1 && kv_heads_ <= kTileRows &&
-               unit_start_[u + 1] - t == 1 && pos_[t] >= kPartition;
+        return !int8_ && amx_ == AmxAttention::none && window_ <= 0 && kv_heads_ > 1 &&
+               kv_heads_ <= kTileRows && unit_start_[u + 1] - t == 1 && pos_[t] >= kPartition;
     }
 
     const int64_t block_size_, window_;
@@ -99,6 +101,7 @@ struct AttentionCall {
     int group_ = 1;
     const int32_t *tables_ = nullptr, *seq_ = nullptr, *pos_ = nullptr;
     bool int8_ = false;
+    AmxAttention amx_ = AmxAttention::none;
     std::vector<int64_t> unit_start_;
     int64_t units_ = 0;
 };

@@ -1,6 +1,7 @@
 // How a paged_attention call cuts its work: balanced runs of jobs, the blocks of a partition,
 // the partitions that decode rows of several sequences share, the sweep that brings a shared
-// partition into the cache, and each thread's scratch (included once, by paged_attention.cpp).
+// partition into the cache, and each thread's scratch (paged_attention.cpp;
+// attention_choice.cpp for its scratch).
 #pragma once
 
 #include <c10/util/Exception.h>

@@ -40,8 +40,8 @@ Kernels select_kernels() {
     if (runs_avx512_bf16()) return avx512bf16::table();
     if (runs_avx512()) return avx512::table();
     if (runs_avx2()) return avx2::table();
-    return Kernels{"none",  nullptr, nullptr, nullptr, nullptr, nullptr,
-                   nullptr, nullptr, nullptr, nullptr, nullptr};
+    return Kernels{"none",  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
 Kernels& kernels() {
@@ -83,6 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_mul", &cpu::silu_mul);
     m.def("rotary_write", &cpu::rotary_write);
     m.def("paged_attention", &cpu::paged_attention);
+    m.def("attention", [] { return cpu::attention_name(); }, "attention's arithmetic");
+    m.def("select_attention", &cpu::select_attention);
     m.def(
         "has_gemm", [] { return cpu::kernels().gemm_blocks != nullptr; }, "a GEMM of ours serves");
     m.def("pack_weight", &cpu::pack_weight);

@@ -55,6 +55,14 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                         const c10::optional<at::Tensor>& q_norm,
                         const c10::optional<at::Tensor>& k_norm, double eps, bool plus_one);
 
+// attention_choice.cpp
+enum class AmxAttention { none, tiles, emulated };
+std::string& attention_name();
+bool runs_attention(const std::string& name);
+std::string select_attention(const std::string& name);
+// How a call with heads of ``head_dim`` runs its partitions on kernels ``k``.
+AmxAttention amx_attention(const Kernels& k, int64_t head_dim);
+
 // paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -71,6 +79,7 @@ std::string& gemm_name();
 bool runs_gemm(const std::string& name);
 std::string select_gemm(const std::string& name);
 bool runs_amx();
+bool amx_verified();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
                         int64_t offset, bool has_min, int64_t sub, int64_t super,
                         const c10::optional<at::Tensor>& bias);

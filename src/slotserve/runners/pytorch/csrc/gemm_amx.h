@@ -18,125 +18,19 @@
 // That is not VDPBF16PS's order (each product added in turn), so an AMX host's last bits may
 // differ from an AVX512-BF16 host's; each path is batch-invariant on its own.
 //
-// Tiles: `Tiles` is the real unit (inline assembly: GCC 12's `_tile_loadconfig` declares an
-// 8-byte memory operand and drops the stores of the 64-byte configuration as dead, the bug that
-// crashes ggml's AMX kernel) or `EmulatedTiles`, the SDM's arithmetic in scalar fused steps:
-// the same kernel code runs on any CPU for the tests, and at load the real unit must give the
-// emulation's bits on a small problem before it serves (`amx_verified`).
+// Tiles, real or emulated (amx_tiles.h): at load the real unit must give the emulation's bits
+// on a small problem before it serves (`amx_verified`).
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cpuid.h>
+#include "amx_tiles.h"
 
 namespace amx {
 
-constexpr int kRows = 16;       // rows of an A or C tile
-constexpr int kPairs = 16;      // input pairs one instruction reduces (A: 16 x 64 bytes)
-constexpr int kLanes = 16;      // outputs of a block: columns of a C tile
 constexpr int kRowTiles = 2;    // C tiles 0..3 are [row tile][block]; A tiles 4, 5; B tiles 6, 7
 constexpr int kBlockTiles = 2;
 constexpr int kGroupRows = kRows * kRowTiles;
 
 using Operands = gemm512::Operands;  // the same packed weight, inputs and outputs
-
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved0[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes: the only shape this kernel uses.
-inline TileConfig full_tiles() {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = kRows;
-    }
-    return config;
-}
-
-// The hardware unit. Tile numbers are immediates (`%c`); each instruction is volatile with a
-// memory clobber, so loads see the padding written before them.
-struct Tiles {
-    Tiles() {
-        static const TileConfig config = full_tiles();
-        asm volatile("ldtilecfg %0" ::"m"(config));
-    }
-    ~Tiles() { asm volatile("tilerelease" ::: "memory"); }
-    Tiles(const Tiles&) = delete;
-    Tiles& operator=(const Tiles&) = delete;
-    template <int T>
-    void zero() {
-        asm volatile("tilezero %%tmm%c0" ::"i"(T));
-    }
-    template <int T>
-    void load(const void* p, int64_t stride) {
-        asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
-    }
-    template <int T>
-    void store(void* p, int64_t stride) {
-        asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
-    }
-    template <int C, int A, int B>
-    void dot() {
-        asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
-    }
-};
-
-static inline float bf16_in(uint16_t bits) {  // input denormals are zero, as the unit reads them
-    const uint32_t word =
-        (bits & 0x7f80) == 0 ? uint32_t(bits & 0x8000) << 16 : uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &word, sizeof(f));
-    return f;
-}
-
-static inline float flushed(float f) {  // output denormals are zero
-    return std::fabs(f) < 1.17549435e-38f ? std::copysign(0.0f, f) : f;
-}
-
-// The SDM's TDPBF16PS in scalar fused steps, on tiles held in memory.
-struct EmulatedTiles {
-    alignas(64) uint8_t reg[8][kRows][64];
-
-    template <int T>
-    void zero() {
-        std::memset(reg[T], 0, sizeof(reg[T]));
-    }
-    template <int T>
-    void load(const void* p, int64_t stride) {
-        for (int r = 0; r < kRows; ++r)
-            std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64);
-    }
-    template <int T>
-    void store(void* p, int64_t stride) {
-        for (int r = 0; r < kRows; ++r)
-            std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64);
-    }
-    template <int C, int A, int B>
-    void dot() {
-        for (int m = 0; m < kRows; ++m) {
-            uint16_t a[2 * kPairs];
-            float c[kLanes], even[kLanes] = {}, odd[kLanes] = {};
-            std::memcpy(a, reg[A][m], sizeof(a));
-            std::memcpy(c, reg[C][m], sizeof(c));
-            for (int k = 0; k < kPairs; ++k) {
-                uint16_t b[2 * kLanes];
-                std::memcpy(b, reg[B][k], sizeof(b));
-                for (int n = 0; n < kLanes; ++n) {
-                    even[n] = flushed(std::fma(bf16_in(a[2 * k]), bf16_in(b[2 * n]), even[n]));
-                    odd[n] =
-                        flushed(std::fma(bf16_in(a[2 * k + 1]), bf16_in(b[2 * n + 1]), odd[n]));
-                }
-            }
-            for (int n = 0; n < kLanes; ++n) c[n] = flushed(c[n] + flushed(even[n] + odd[n]));
-            std::memcpy(reg[C][m], c, sizeof(c));
-        }
-    }
-};
 
 // Round to nearest even, as c10::BFloat16 does (NaN becomes the canonical quiet NaN).
 static inline uint16_t round_bf16(float f) {
@@ -224,27 +118,6 @@ static void blocks(const Operands& op, int64_t rows, int64_t b0, int64_t b1) {
                 group<T, 1>(t, op, a, stride, m, n_rows, b);
         }
     }
-}
-
-// AMX-BF16 present, enabled by the OS, and this process allowed to use its tile data (Linux
-// asks every process to request it: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
-inline bool runs_amx() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-        if (!tile || !bf16 || !__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;
-        uint32_t lo, hi;
-        asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-        if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA
-#ifdef SYS_arch_prctl
-        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-        return false;
-#endif
-    }();
-    return ok;
 }
 
 }  // namespace amx

@@ -18,6 +18,9 @@ namespace SLOTSERVE_ISA {
 #include "attention.h"
 #include "attend.h"
 #include "attend_heads.h"
+#if SLOTSERVE_BF16
+#include "attend_amx.h"
+#endif
 #include "gemm_vec.h"
 #include "quant_pairs.h"
 #include "quant_byte_pairs.h"
@@ -29,4 +32,9 @@ static_assert(sizeof(ValuePair) * 8 <= kVectorScratch - kKeysBytes,
 }  // namespace SLOTSERVE_ISA
 #pragma GCC pop_options
 
+#if SLOTSERVE_BF16
+#define SLOTSERVE_ATTEND_AMX(ns) &ns::attend_amx
+#else
+#define SLOTSERVE_ATTEND_AMX(ns) nullptr
+#endif
 Kernels SLOTSERVE_ISA::table() { return SLOTSERVE_TABLE_OF(SLOTSERVE_ISA); }

@@ -119,6 +119,9 @@ struct Kernels {
                          uint16_t* value_row, float* scratch);
     void (*attend_tile)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t);
     void (*attend_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
+    // attend_tile on AMX tiles (attend_amx.h), real or emulated; null where not compiled.
+    void (*attend_amx)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
+                       bool emulated);
     void (*merge_partitions)(const float* m, const float* s, const float* acc, int parts,
                              int group, int d, int ms_stride, int part_stride, uint16_t* out);
     void (*gemm_blocks)(const GemmOperands& op, int64_t rows, int64_t b0, int64_t b1);
@@ -131,11 +134,13 @@ struct Kernels {
                          uint16_t* out);
 };
 
-// The table of namespace `ns`, inside the translation unit that compiled it.
+// The table of namespace `ns`, inside the translation unit that compiled it (after
+// isa_kernels.h defined SLOTSERVE_ATTEND_AMX).
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::attend_row_heads, &ns::merge_partitions,             \
+            &ns::attend_tile, &ns::attend_row_heads, SLOTSERVE_ATTEND_AMX(ns),          \
+            &ns::merge_partitions,                                                      \
             &ns::gemmv::blocks,                                                         \
             &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of,          \
             &ns::kv_rows_bf16                                                           \

@@ -6,4 +6,5 @@
 #define SLOTSERVE_AVX512 1
 #define SLOTSERVE_BF16 1
 #define SLOTSERVE_VNNI 1
+#include "amx_tiles.h"  // attention on AMX tiles (attend_amx.h), at file scope
 #include "isa_kernels.h"

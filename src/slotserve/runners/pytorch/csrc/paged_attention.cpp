@@ -161,9 +161,14 @@ private:
 
     // A tile's partition of KV head h (from an int8 pool: int8_partition's bfloat16 rows).
     void attend_tile(AttentionScratch& w, int64_t h, const int32_t* table, Tile tile) const {
-        if (!int8_) return k_.attend_tile(kv_, int(h), table, tile);
+        if (!int8_) return partition(kv_, int(h), table, tile);
         const PagedKv rows = int8_partition(k_, pool_, kv_heads_, d_, table, h, tile, w);
-        k_.attend_tile(rows, 0, kOneBlock, tile);
+        partition(rows, 0, kOneBlock, tile);
+    }
+
+    void partition(const PagedKv& kv, int h, const int32_t* table, const Tile& tile) const {
+        if (amx_ == AmxAttention::none) return k_.attend_tile(kv, h, table, tile);
+        k_.attend_amx(kv, h, table, tile, amx_ == AmxAttention::emulated);  // attend_amx.h
     }
 
     void merge(int64_t u, int64_t h, const float* m, const float* s, const float* acc) const {

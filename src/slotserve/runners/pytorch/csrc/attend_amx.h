@@ -1,0 +1,162 @@
+// A partition of a tile of rows, or of a lone row, on AMX tiles (amx_tiles.h; the AVX512-BF16
+// build only). On a host whose unit gives its documented bits, every partition of a model whose
+// head_dim is a multiple of 32 runs here, lone rows included, so that each row has one
+// arithmetic whatever its batch; the pool is read in place as attend_tile_t reads it.
+//
+// The arithmetic of a row (in place of attention.h's lane tree and value pairs):
+//
+//   score_j = scale * S_j, S summed over the head's chunks of sixteen pairs in order: S += the
+//             chunk's even products fused from zero plus its odd ones (TDPBF16PS)
+//   p_j, m, s: as attention.h
+//   acc     = summed over chunks of sixteen key pairs from the partition's first key, each
+//             chunk's even keys' products p_j v_j fused from zero plus its odd keys', per
+//             dimension
+//
+// A row's keys past its end carry p = 0, so a chunk it shares with longer rows (or that pads a
+// tile) adds zeros to it: its sums change at most in the sign of a zero, which the merge drops
+// (merge_partitions adds +0). Keys past the tile's last are zero. Row-heads are taken sixteen to
+// an A tile, the last ones beside zero rows; every C row depends on its A row only.
+
+constexpr int kAmxKeyPairs = amx::kPairs;  // key pairs of one value chunk
+constexpr int kAmxKeys = 2 * kAmxKeyPairs;  // keys of one value chunk
+static_assert(kMaxChunks * kAmxKeyPairs * 64 <= kVectorScratch - kKeysBytes,
+              "a value chunk's B tiles fit the vector scratch");
+
+// The last A tile's rows when ``heads`` is not a multiple of sixteen (from row-head ``last``):
+// its queries, a value chunk's probabilities and the accumulators, zero past the real rows,
+// filled once a partition.
+struct AmxPads {
+    alignas(64) uint16_t q[amx::kRows * kMaxChunks * kLanes];
+    alignas(64) uint16_t probs[amx::kRows][kAmxKeys];
+    alignas(64) float acc[amx::kRows * kMaxChunks * kLanes];
+    int last;
+
+    AmxPads(const Tile& t, int heads, int d) : last(heads / amx::kRows * amx::kRows) {
+        if (last == heads) return;
+        std::memset(q, 0, sizeof(uint16_t) * amx::kRows * d);
+        std::memset(probs, 0, sizeof(probs));
+        std::memset(acc, 0, sizeof(float) * amx::kRows * d);  // softmax_rows zeroed t.acc
+        for (int r = last; r < heads; ++r)
+            std::memcpy(q + (r - last) * d, t.q + int64_t(r) * t.q_stride, 2 * d);
+    }
+};
+
+// Scores of sixteen keys from j0 (transposed: vector 16c + l holds pair 16c + l of each key, an
+// AMX B tile per sixteen pairs) for every row-head.
+template <class T>
+static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const vi* kt,
+                       const AmxPads& pads) {
+    alignas(64) float c[amx::kRows][kLanes];
+    for (int rh = 0; rh < heads; rh += amx::kRows) {
+        const bool whole = rh < pads.last;
+        const uint16_t* q = whole ? t.q + int64_t(rh) * t.q_stride : pads.q;
+        const int64_t stride = whole ? int64_t(t.q_stride) * 2 : 2 * d;
+        tiles.template zero<0>();
+        for (int chunk = 0; chunk < d / (2 * kLanes); ++chunk) {
+            tiles.template load<4>(q + 2 * kLanes * chunk, stride);
+            tiles.template load<6>(kt + chunk * kLanes, 64);
+            tiles.template dot<0, 4, 6>();
+        }
+        tiles.template store<0>(&c[0][0], sizeof(c[0]));
+        for (int r = 0; r < std::min(amx::kRows, heads - rh); ++r)
+            store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0, load_f32(c[r]) * t.scale);
+    }
+}
+
+// The value chunk from key j0 as B tiles: ``vb[oc * 16 + i]`` holds dimensions 16 oc .. of key
+// pair i, (v_j0+2i, v_j0+2i+1) per lane; keys from ``n`` on are zero.
+static void amx_value_tiles(const PagedKv& kv, const int64_t* offsets, int j0, int n, int d,
+                            vi* vb) {
+    alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
+    const int chunks = d / kLanes;
+    ValuePair pair;
+    for (int i = 0; i < kAmxKeyPairs; ++i) {
+        const int j = j0 + 2 * i;
+        load_value_pair(j < n ? kv.values + offsets[j] : zeros,
+                        j + 1 < n ? kv.values + offsets[j + 1] : nullptr, chunks, pair);
+        for (int oc = 0; oc < chunks; ++oc) vb[oc * kAmxKeyPairs + i] = pair.pairs[oc];
+    }
+}
+
+// acc of every row-head advanced by the value chunk from key j0 (``vb``).
+template <class T>
+static void amx_values(T& tiles, const Tile& t, int heads, int d, int j0, const vi* vb,
+                       AmxPads& pads) {
+    for (int rh = 0; rh < heads; rh += amx::kRows) {
+        const bool whole = rh < pads.last;
+        const uint16_t* p = t.probs + int64_t(rh) * (kPartition + 2) + j0;
+        if (!whole)
+            for (int r = rh; r < heads; ++r)
+                std::memcpy(pads.probs[r - rh], p + int64_t(r - rh) * (kPartition + 2),
+                            sizeof(pads.probs[0]));
+        float* acc = whole ? t.acc + int64_t(rh) * d : pads.acc;
+        if (whole)
+            tiles.template load<4>(p, (kPartition + 2) * 2);
+        else
+            tiles.template load<4>(&pads.probs[0][0], sizeof(pads.probs[0]));
+        for (int oc = 0; oc < d / kLanes; ++oc) {
+            tiles.template load<0>(acc + oc * kLanes, int64_t(d) * 4);
+            tiles.template load<6>(vb + oc * kAmxKeyPairs, 64);
+            tiles.template dot<0, 4, 6>();
+            tiles.template store<0>(acc + oc * kLanes, int64_t(d) * 4);
+        }
+    }
+}
+
+// Every row-head's probabilities zero from its last key's sixteen up to ``end``: the value
+// chunks read whole chunks of 32.
+static void amx_zero_probs(const Tile& t, int heads, int end) {
+    for (int rh = 0; rh < heads; ++rh) {
+        const int keys = t.n[rh / t.group];
+        const int from = keys <= 0 ? 0 : (keys + kLanes - 1) / kLanes * kLanes;
+        uint16_t* p = t.probs + int64_t(rh) * (kPartition + 2);
+        if (from < end) std::memset(p + from, 0, sizeof(uint16_t) * (end - from));
+    }
+}
+
+// One partition of ``t`` for KV head ``kv_head`` (attend_tile's contract; head_dim a multiple
+// of 32).
+template <class T>
+static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    const int d = kv.head_dim, pairs = d / 2, pair_chunks = pairs / kLanes;
+    const int heads = t.rows * t.group, n_max = t.n[t.rows - 1];
+    vi* const keys_t = static_cast<vi*>(t.keys_t);
+    const int ready = t.keys_ready ? *t.keys_ready : 0;
+    int64_t offsets[kPartition];
+    key_offsets(kv, kv_head, table, t.start, n_max, offsets);
+    auto prefetch = [&](const uint16_t* base, int j0, int count) {
+        for (int j = j0; j < std::min(j0 + count, n_max); ++j)
+            for (int line = 0; line < d * 2; line += 64)
+                __builtin_prefetch((const char*)(base + offsets[j]) + line);
+    };
+    T tiles;
+    AmxPads pads(t, heads, d);
+    for (int j0 = 0; j0 < n_max; j0 += kLanes) {
+        const int count = std::min(kLanes, n_max - j0);
+        vi* kt = t.keys_ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
+        if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes, kLanes);
+        if (j0 >= ready) transpose_keys(kv.keys, offsets, j0, count, pairs, kt);
+        amx_scores(tiles, t, heads, d, j0, kt, pads);
+    }
+    if (t.keys_ready) *t.keys_ready = std::max(ready, n_max / kLanes * kLanes);
+    softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, t.acc);
+    const int end = (n_max + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+    amx_zero_probs(t, heads, end);
+    vi* const vb = static_cast<vi*>(t.values);
+    prefetch(kv.values, 0, kAmxKeys);
+    for (int j0 = 0; j0 < n_max; j0 += kAmxKeys) {
+        prefetch(kv.values, j0 + kAmxKeys, kAmxKeys);
+        amx_value_tiles(kv, offsets, j0, n_max, d, vb);
+        amx_values(tiles, t, heads, d, j0, vb, pads);
+    }
+    if (pads.last < heads)
+        std::memcpy(t.acc + int64_t(pads.last) * d, pads.acc,
+                    sizeof(float) * (heads - pads.last) * d);
+}
+
+// attend_tile on AMX tiles, real or (``emulated``) in scalar code.
+static void attend_amx(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
+                       bool emulated) {
+    if (emulated) return attend_amx_t<amx::EmulatedTiles>(kv, kv_head, table, t);
+    attend_amx_t<amx::Tiles>(kv, kv_head, table, t);
+}
