@@ -123,6 +123,17 @@ struct EmulatedTiles {
     }
 };
 
+// The inputs of the checks at load (a fixed linear congruential sequence): bfloat16 values
+// with exponents near 1 and mixed signs, so every product matters to a sum and a unit that
+// sums otherwise shows it.
+struct CheckValues {
+    uint32_t state;
+    uint32_t next() { return state = state * 1664525u + 1013904223u; }
+    uint16_t bf16() {
+        return uint16_t(uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000));
+    }
+};
+
 // AMX-BF16 present, enabled by the OS, and this process allowed to use its tile data (Linux
 // asks every process to request it: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
 inline bool runs_amx() {

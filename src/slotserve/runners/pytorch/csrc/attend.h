@@ -194,6 +194,16 @@ static inline __attribute__((always_inline)) void transpose_keys(const uint16_t*
     }
 }
 
+// Rows [j0, end) of ``base`` (a head's rows of ``d`` dimensions at ``offsets``) asked into the
+// level-1 cache.
+static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t* base,
+                                                                const int64_t* offsets, int j0,
+                                                                int end, int d) {
+    for (int j = j0; j < end; ++j)
+        for (int line = 0; line < d * 2; line += 64)
+            __builtin_prefetch((const char*)(base + offsets[j]) + line);
+}
+
 // A tile of rows (see Tile), ``G`` query heads each (0: ``t.group``).
 template <int CH, int G>
 static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
@@ -219,9 +229,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     // Keys and values are scattered over the pool's blocks: each pass prefetches the next
     // sixteen rows it reads.
     auto prefetch = [&](const uint16_t* base, int j0) {
-        for (int j = j0; j < std::min(j0 + kLanes, n_max); ++j)
-            for (int line = 0; line < d * 2; line += 64)
-                __builtin_prefetch((const char*)(base + offsets[j]) + line);
+        prefetch_rows(base, offsets, j0, std::min(j0 + kLanes, n_max), d);
     };
     if (ready == 0) prefetch(kv.keys, 0);
     // Scores, sixteen keys at a time (rows that end before a group skip it).

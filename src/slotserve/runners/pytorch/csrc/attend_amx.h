@@ -85,15 +85,16 @@ static void amx_values(T& tiles, const Tile& t, int heads, int d, int j0, const 
     for (int rh = 0; rh < heads; rh += amx::kRows) {
         const bool whole = rh < pads.last;
         const uint16_t* p = t.probs + int64_t(rh) * (kPartition + 2) + j0;
-        if (!whole)
+        int64_t p_stride = (kPartition + 2) * 2;
+        if (!whole) {
             for (int r = rh; r < heads; ++r)
                 std::memcpy(pads.probs[r - rh], p + int64_t(r - rh) * (kPartition + 2),
                             sizeof(pads.probs[0]));
-        float* acc = whole ? t.acc + int64_t(rh) * d : pads.acc;
-        if (whole)
-            tiles.template load<4>(p, (kPartition + 2) * 2);
-        else
-            tiles.template load<4>(&pads.probs[0][0], sizeof(pads.probs[0]));
+            p = &pads.probs[0][0];
+            p_stride = sizeof(pads.probs[0]);
+        }
+        float* const acc = whole ? t.acc + int64_t(rh) * d : pads.acc;
+        tiles.template load<4>(p, p_stride);
         for (int oc = 0; oc < d / kLanes; ++oc) {
             tiles.template load<0>(acc + oc * kLanes, int64_t(d) * 4);
             tiles.template load<6>(vb + oc * kAmxKeyPairs, 64);
@@ -125,9 +126,7 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n_max, offsets);
     auto prefetch = [&](const uint16_t* base, int j0, int count) {
-        for (int j = j0; j < std::min(j0 + count, n_max); ++j)
-            for (int line = 0; line < d * 2; line += 64)
-                __builtin_prefetch((const char*)(base + offsets[j]) + line);
+        prefetch_rows(base, offsets, j0, std::min(j0 + count, n_max), d);
     };
     T tiles;
     AmxPads pads(t, heads, d);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "attention_plan.h"
 #include "cpu_kernels.h"
 
@@ -20,17 +21,13 @@ namespace {
 std::vector<float> amx_sample(const Kernels& k, bool emulated) {
     constexpr int kDim = 64, kGroup = 3, kRowsOf = 3, kKeys = 48, kHeads = kGroup * kRowsOf;
     std::vector<uint16_t> keys(4 * 16 * kDim), values(4 * 16 * kDim);
-    uint32_t state = 2024;
-    auto next = [&state] { return state = state * 1664525u + 1013904223u; };
-    auto bf16_near_one = [&] {
-        return uint16_t(uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000));
-    };
-    for (auto& v : keys) v = bf16_near_one();
-    for (auto& v : values) v = bf16_near_one();
+    amx::CheckValues sample{2024};
+    for (auto& v : keys) v = sample.bf16();
+    for (auto& v : values) v = sample.bf16();
     const int32_t table[3] = {2, 0, 3};
     const PagedKv kv{keys.data(), values.data(), 1, kDim, 16};
     AttentionScratch w(kHeads, kDim, 1);
-    for (int i = 0; i < kHeads * kDim; ++i) w.q[i] = bf16_near_one();
+    for (int i = 0; i < kHeads * kDim; ++i) w.q[i] = sample.bf16();
     const int n[kRowsOf] = {kKeys - 7, kKeys - 2, kKeys};
     std::vector<float> result(kHeads * (kDim + 2));
     float* m = result.data();

@@ -87,12 +87,11 @@ bool amx_verified() {
         std::vector<uint16_t> x(m * k), w(n * k), packed(blocks * 16 * k, 0);
         std::vector<uint16_t> real(m * n), emulated(m * n);
         std::vector<float> bias(blocks * 16, 0.0f);
-        uint32_t state = 12345;
-        auto next = [&state] { return state = state * 1664525u + 1013904223u; };
-        // bfloat16 with exponents near 1 and mixed signs: every product matters to the sum.
-        for (auto& v : x) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
-        for (auto& v : w) v = uint16_t(0x3c00 + (next() >> 20) % 0x0400) | (next() & 0x8000);
-        for (int64_t o = 0; o < n; ++o) bias[o] = float(int(next() % 17) - 8) / 8.0f;
+        amx::CheckValues values{12345};
+        for (auto& v : x) v = values.bf16();
+        for (auto& v : w) v = values.bf16();
+        for (int64_t o = 0; o < n; ++o)  // the padding past n stays zero
+            bias[o] = float(int(values.next() % 17) - 8) / 8.0f;
         pack_rows(w.data(), n, k, packed.data());
         gemm512::Operands op{x.data(), k, k, packed.data(), k / 2 * 32, bias.data(), real.data(), n};
         amx::blocks<amx::Tiles>(op, m, 0, blocks);
