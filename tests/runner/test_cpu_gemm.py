@@ -1,4 +1,4 @@
-"""The projections' own GEMMs (csrc/gemm_avx512.h, csrc/gemm_vec.h, csrc/gemm_amx.h): every
+"""The projections' own GEMMs (csrc/gemm_vec.h, csrc/gemm_amx.h): every
 row the same bits in any batch and on any thread count, within bfloat16 rounding of a float32
 matmul; all but AMX's give vdpbf16ps' bits in input order, so every x86 host without AMX
 computes alike. The AMX kernel's structure (tiles, padding, blocking, threads) runs on every CPU

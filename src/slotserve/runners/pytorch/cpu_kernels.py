@@ -58,9 +58,9 @@ class CpuKernels:
         self.isa: str = module.isa()
         # The projections' own GEMM: on every CPU the kernels run on.
         self.has_gemm: bool = module.has_gemm()
-        # Which of ours: "amx" (tiles, on CPUs with AMX-BF16 that give their documented bits),
-        # "avx512bf16" (csrc/gemm_amx.h, csrc/gemm_avx512.h), else "avx512" or "avx2"
-        # (csrc/gemm_vec.h: avx512bf16's bits, its dot products in two fused steps).
+        # Which of ours: "amx" (csrc/gemm_amx.h: tiles, on CPUs with AMX-BF16 that give their
+        # documented bits), else "avx512bf16", "avx512" or "avx2" (csrc/gemm_vec.h: the same
+        # bits, the dot products in two fused steps where vdpbf16ps is missing).
         self.gemm: str = module.gemm() if self.has_gemm else "none"
         # Attention's arithmetic: "amx" (csrc/attend_amx.h: tiles, where the unit gives its
         # documented bits) or "vector" (csrc/attention.h, the same bits on every instruction set).

@@ -1,7 +1,7 @@
 // The projections' GEMM on AMX tiles (Intel Xeon, Sapphire Rapids and later; included once, by
 // linear.cpp).
 //
-// The weight is packed as for gemm512: [N/16][K/2][16 outputs][2 inputs], which is already the
+// The weight is packed as for gemm_vec.h: [N/16][K/2][16 outputs][2 inputs], which is already the
 // layout of an AMX B tile: sixteen input pairs (rows) of sixteen outputs (64 bytes each), one
 // tile every sixteen pairs of a block. Each `tdpbf16ps` takes a 16-row A tile (32 inputs of
 // sixteen rows) and a B tile and adds to a 16x16 float32 C tile; C waits in its tile across
@@ -13,7 +13,7 @@
 // even and the odd products of the tile summed apart from zero in fused steps, then their sum
 // added to C; denormals flushed). Rows are padded to whole tiles with zeros (a padded row never
 // touches a real one), never computed another way. Only K decides whether a layer runs here (a
-// multiple of 32, else gemm512 serves it): a fixed choice per layer, never by M.
+// multiple of 32, else gemm_vec.h serves it): a fixed choice per layer, never by M.
 //
 // That is not VDPBF16PS's order (each product added in turn), so an AMX host's last bits may
 // differ from an AVX512-BF16 host's; each path is batch-invariant on its own.
@@ -30,7 +30,7 @@ constexpr int kRowTiles = 2;    // C tiles 0..3 are [row tile][block]; A tiles 4
 constexpr int kBlockTiles = 2;
 constexpr int kGroupRows = kRows * kRowTiles;
 
-using Operands = gemm512::Operands;  // the same packed weight, inputs and outputs
+using Operands = GemmOperands;  // the same packed weight, inputs and outputs
 
 // Round to nearest even, as c10::BFloat16 does (NaN becomes the canonical quiet NaN).
 static inline uint16_t round_bf16(float f) {

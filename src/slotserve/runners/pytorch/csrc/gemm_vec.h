@@ -1,15 +1,16 @@
-// The projections' GEMM over vec.h, compiled once per instruction set (kernels_<isa>.cpp): what
-// serves y = x Wᵀ (+ bias) on CPUs without AVX512-BF16 (AVX-512, AVX2 with FMA).
+// The projections' GEMM, y = x Wᵀ (+ bias), over vec.h, compiled once per instruction set
+// (kernels_<isa>.cpp): AVX512-BF16, AVX-512, AVX2 with FMA (gemm_amx.h serves where AMX is).
 //
-// It reads gemm512's packed weight ([N/16][K/2][16 outputs][2 inputs]) and computes what
-// gemm512 computes, bit for bit: every output one float32 accumulator fed k-pair by k-pair
-// from k = 0 upwards by `dot_pairs` (vdpbf16ps where the CPU has it, else its two fused steps
-// under FlushDenormals, which round as the instruction does), the bias added, rounded once to
-// bfloat16. A host with AVX2 alone gives the tokens an AVX512-BF16 host gives.
+// The weight is packed once as [N/16][K/2][16 outputs][2 inputs] (zero-padded), the operand
+// layout of `vdpbf16ps`: one 64-byte load holds two k-steps of sixteen outputs. Every output is
+// one float32 accumulator fed k-pair by k-pair from k = 0 upwards by `dot_pairs` (vdpbf16ps
+// where the CPU has it, else its two fused steps under FlushDenormals, which round as the
+// instruction does), the bias added, rounded once to bfloat16. A host with AVX2 alone gives the
+// tokens an AVX512-BF16 host gives.
 //
-// Invariance is gemm512's: a row's accumulation order depends on K alone; tiles, passes,
-// panels (partial sums stored and reloaded exactly) and threads (splitting outputs or rows,
-// never K) decide only which instructions run when.
+// Invariant by construction, for every K (no split-K): a row's accumulation order depends on K
+// alone; tiles, passes, panels (partial sums stored and reloaded exactly) and threads
+// (splitting outputs or rows, never K) decide only which instructions run when.
 
 namespace gemmv {
 
@@ -26,7 +27,7 @@ constexpr int kMaxBlocksPerTile = 4;  // the partial sums' row stride, whatever 
 constexpr int kRowsPerPass = 96;       // rows whose inputs stay in L2 while a panel is reused
 constexpr int64_t kPairsPerPanel = 1024;
 
-using Operands = GemmOperands;  // gemm512's: the same packed weight, inputs and outputs
+using Operands = GemmOperands;
 
 // Sixteen float32 accumulators in registers: one zmm, or two ymm (GCC's 64-byte vector types
 // go through memory on AVX2, so the inner loop spells its instructions out).
@@ -117,8 +118,10 @@ static void tile(const Operands& op, int64_t m, int64_t b, int64_t kp0, int64_t 
         vi wv[NB];
         for (int j = 0; j < NB; ++j) wv[j] = load_pairs(w + j * op.block_stride + kp * 32);
         for (int r = 0; r < MR; ++r) {
-            const uint16_t* pair = pair_at(x + r * op.x_stride, kp, op.k, spare[r]);
-            for (int j = 0; j < NB; ++j) acc[r][j] = dot_pairs_splat(acc[r][j], pair, wv[j]);
+            // The pair broadcast to a register, not dot_pairs_splat's asm memory operand: the
+            // asm statements keep GCC from scheduling this tile's 24 dot products well.
+            const vi a = splat_pair(pair_at(x + r * op.x_stride, kp, op.k, spare[r]));
+            for (int j = 0; j < NB; ++j) acc[r][j] = dot_pairs(acc[r][j], a, wv[j]);
         }
     }
 #else
@@ -199,7 +202,7 @@ static void any_tile(int nb, int rows, const Operands& op, int64_t m, int64_t b,
 }
 
 // Output blocks [b0, b1) for every row: passes of rows, and within a pass each tile's weight
-// panel reused by every row of the pass (gemm512::blocks' schedule).
+// panel (up to kPairsPerPanel input pairs) reused by every row of the pass.
 static void blocks(const Operands& op, int64_t rows, int64_t b0, int64_t b1) {
     FlushDenormals flush;  // the emulated dot product's rounding rule (vec.h)
     const int64_t k_pairs = (op.k + 1) / 2;

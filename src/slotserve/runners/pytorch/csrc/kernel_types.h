@@ -78,7 +78,7 @@ struct Tile {
     int beyond = 0;     // a lone row's keys past this partition (prefetched on the way there)
 };
 
-// The projections' GEMM operands (gemm_vec.h, gemm_avx512.h, gemm_amx.h): x [rows, k] bfloat16
+// The projections' GEMM operands (gemm_vec.h, gemm_amx.h): x [rows, k] bfloat16
 // rows `x_stride` apart, the weight packed as [N/16][K/2][16 outputs][2 inputs] (pack_weight),
 // an optional float32 bias padded to whole blocks, and the bfloat16 output [rows, n].
 struct GemmOperands {

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#include "gemm_avx512.h"
 #include "gemm_amx.h"
 
 namespace cpu {
@@ -23,7 +22,7 @@ bool runs_bf16_gemm() {
     return runs_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
-// [n, k] bfloat16 rows → gemm512's packed layout at `dst` (zeroed, whole blocks).
+// [n, k] bfloat16 rows → the GEMMs' packed layout (kernel_types.h) at `dst` (zeroed, whole blocks).
 void pack_rows(const uint16_t* src, int64_t n, int64_t k, uint16_t* dst) {
     const int64_t blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -49,22 +48,25 @@ at::Tensor pack_weight(const at::Tensor& weight) {
     return packed;
 }
 
-using BlocksFn = void (*)(const gemm512::Operands&, int64_t rows, int64_t b0, int64_t b1);
+// The widest register tile of any GEMM (gemm_vec.h): threads never take less than its blocks.
+constexpr int64_t kTileRows = 6, kTileBlocks = 4;
+
+using BlocksFn = void (*)(const GemmOperands&, int64_t rows, int64_t b0, int64_t b1);
 
 // Rows times every block over torch's threads: threads take runs of whole 16-output blocks, at
 // least a tile's worth each, or for a layer of few outputs and many rows whole rows and every
 // output (no thread left a ragged share of a few blocks). A row's bits depend on neither.
-void spread(const gemm512::Operands& op, int64_t rows, int64_t blocks, BlocksFn run) {
+void spread(const GemmOperands& op, int64_t rows, int64_t blocks, BlocksFn run) {
     const int64_t work = rows * op.k * 16;  // multiply-adds per block
-    const int64_t grain = std::max<int64_t>(gemm512::kBlocksPerTile, (1 << 16) / work);
+    const int64_t grain = std::max<int64_t>(kTileBlocks, (1 << 16) / work);
     const int64_t threads = at::get_num_threads();
-    if (blocks < 32 * threads && rows >= 2 * gemm512::kRowsPerTile * threads) {
+    if (blocks < 32 * threads && rows >= 2 * kTileRows * threads) {
         const int64_t per_thread = (rows + threads - 1) / threads;
         at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
             for (int64_t part = begin; part < end; ++part) {
                 const int64_t m0 = part * per_thread, m1 = std::min(rows, m0 + per_thread);
                 if (m0 >= m1) continue;
-                gemm512::Operands rows_op = op;
+                GemmOperands rows_op = op;
                 rows_op.x = op.x + m0 * op.x_stride;
                 rows_op.out = op.out + m0 * op.n;
                 run(rows_op, m1 - m0, 0, blocks);
@@ -93,7 +95,7 @@ bool amx_verified() {
         for (int64_t o = 0; o < n; ++o)  // the padding past n stays zero
             bias[o] = float(int(values.next() % 17) - 8) / 8.0f;
         pack_rows(w.data(), n, k, packed.data());
-        gemm512::Operands op{x.data(), k, k, packed.data(), k / 2 * 32, bias.data(), real.data(), n};
+        GemmOperands op{x.data(), k, k, packed.data(), k / 2 * 32, bias.data(), real.data(), n};
         amx::blocks<amx::Tiles>(op, m, 0, blocks);
         op.out = emulated.data();
         amx::blocks<amx::EmulatedTiles>(op, m, 0, blocks);
@@ -147,7 +149,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
         if (blocks * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, blocks * 16 - n});
     }
     const float* b = bias ? bias32.data_ptr<float>() : nullptr;
-    const gemm512::Operands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
+    const GemmOperands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
                                b,       bf16_mut(out), n};
     const std::string& chosen = path.empty() ? gemm_name() : path;
     if (chosen == "amx-emulated") {
@@ -159,7 +161,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     if (chosen == "amx" && k % 32 == 0)
         spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
     else if (chosen == "amx" || chosen == "avx512bf16")
-        spread(op, rows, blocks, &gemm512::blocks);
+        spread(op, rows, blocks, avx512bf16::table().gemm_blocks);
     else if (chosen == "avx512")
         spread(op, rows, blocks, avx512::table().gemm_blocks);
     else
