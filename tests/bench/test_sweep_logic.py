@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from slotserve.bench.plots import write_plots
+from slotserve.bench.read_floor import bytes_per_token
 from slotserve.bench.sweep import _markdown, _summarize, add_sweep_arguments
 
 
@@ -17,15 +20,17 @@ def _args(*extra: str) -> argparse.Namespace:
     return parser.parse_args(["--slots", "1", "4", "--rounds", "3", *extra])
 
 
+_THROUGHPUT = {
+    "slotserve": {1: [100.0, 90.0, 110.0], 4: [200.0, 150.0, 210.0]},
+    "llama-server": {1: [100.0, 100.0, 100.0], 4: [190.0, 200.0, 200.0]},
+}
+
+
 def _result() -> dict:  # type: ignore[type-arg]
-    throughput = {
-        "slotserve": {1: [100.0, 90.0, 110.0], 4: [200.0, 150.0, 210.0]},
-        "llama-server": {1: [100.0, 100.0, 100.0], 4: [190.0, 200.0, 200.0]},
-    }
     ceiling = {1: [120.0, 110.0, 100.0], 4: [210.0, 200.0, 220.0]}
     samples = {"slotserve": {"ttft_ms": [10.0, 20.0], "itl_ms": [5.0, 6.0, 7.0]}}
     return _summarize(
-        _args(), ["slotserve", "llama-server"], throughput, ceiling, [300.0], [], 4, samples
+        _args(), ["slotserve", "llama-server"], _THROUGHPUT, ceiling, [300.0], [], 4, samples
     )
 
 
@@ -46,3 +51,40 @@ def test_sweep_plots_are_written(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["throughput_vs_concurrency.png", "latency_distributions.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_holds_one_stream_tpot_against_the_read_floor() -> None:
+    reports = [
+        {"server": "slotserve", "read_rate_gb_s": 30.0, "share_of_read_floor": 0.9},
+        {"server": "slotserve", "read_rate_gb_s": 50.0, "share_of_read_floor": 0.7},
+        {"server": "llama-server", "read_rate_gb_s": 40.0, "share_of_read_floor": 0.6},
+        {"server": "llama-server", "read_rate_gb_s": 45.0, "share_of_read_floor": 0.5},
+    ]
+    result = _summarize(_args(), ["slotserve", "llama-server"], _THROUGHPUT, {}, [], reports, 4, {})
+    assert result["share_of_read_floor"] == {
+        "slotserve": pytest.approx(0.8),
+        "llama-server": pytest.approx(0.55),
+    }
+    assert "at the 30-50 GB/s measured beside each run): slotserve 80%, llama-server 55%" in (
+        _markdown(result)
+    )
+
+
+def test_a_token_reads_every_tensor_but_an_untied_embedding(
+    model_path: Path, tmp_path: Path
+) -> None:
+    from slotserve.runners.pytorch.load.gguf_header import GgufHeader
+
+    tied = sum(t.data.nbytes for t in GgufHeader(model_path).tensors)
+    assert bytes_per_token(model_path) == tied  # the LM head reads the embedding
+    path = tmp_path / "untied.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((8, 4), np.float32))
+    writer.add_tensor("output.weight", np.ones((8, 4), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert bytes_per_token(path) == 8 * 4 * 4 + 4 * 4
+    assert bytes_per_token(tmp_path) is None

