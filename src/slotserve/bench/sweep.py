@@ -77,7 +77,9 @@ def _sweep(session: ab.Session, args: argparse.Namespace) -> int:
             num = max(4, slots * args.requests_per_slot)
             for name in ab.alternate(names, round_index):
                 dataset = dataset_from_args(args, num)
-                rate = read_rate_gb_s(threads) if weight_bytes and slots == 1 else None
+                # vLLM reads the weights in bfloat16, not the file: no floor of the file's.
+                on_file = weight_bytes and slots == 1 and name not in VLLM_PEERS
+                rate = read_rate_gb_s(threads) if on_file else None
                 with session.start(servers.spec(name, slots)) as server:
                     report = session.measure(
                         server,
@@ -149,7 +151,12 @@ def _summarize(
     }
     raw = {n: ab.median(v) for n, v in ceiling.items() if v}
     floor_shares = {
-        name: [r["share_of_read_floor"] for r in reports if r["server"] == name] for name in servers
+        name: [
+            r["share_of_read_floor"]
+            for r in reports
+            if r["server"] == name and r.get("share_of_read_floor")
+        ]
+        for name in servers
     }
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
