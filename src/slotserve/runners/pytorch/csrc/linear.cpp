@@ -22,7 +22,7 @@ bool runs_bf16_gemm() {
     return runs_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
-// [n, k] bfloat16 rows → the GEMMs' packed layout (kernel_types.h) at `dst` (zeroed, whole blocks).
+// [n, k] bfloat16 rows → the packed layout of kernel_types.h at `dst` (zeroed, whole blocks).
 void pack_rows(const uint16_t* src, int64_t n, int64_t k, uint16_t* dst) {
     const int64_t blocks = (n + 15) / 16, k_pairs = (k + 1) / 2;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
