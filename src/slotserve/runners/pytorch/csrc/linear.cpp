@@ -150,7 +150,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     }
     const float* b = bias ? bias32.data_ptr<float>() : nullptr;
     const GemmOperands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
-                               b,       bf16_mut(out), n};
+                          b,       bf16_mut(out), n};
     const std::string& chosen = path.empty() ? gemm_name() : path;
     if (chosen == "amx-emulated") {
         TORCH_CHECK(k % 32 == 0, "the AMX GEMM takes K a multiple of 32");
