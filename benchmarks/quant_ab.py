@@ -6,10 +6,13 @@ GGUF type at one row (a decode step) and at 2, 4, 16 and 64 (batches, prefill ch
     python benchmarks/quant_ab.py --base-isa avx2     # this build's AVX2 code as the base
     python benchmarks/quant_ab.py --base-rev HEAD --isa avx2  # both builds' AVX2 code
     python benchmarks/quant_ab.py --base-sources DIR  # a copy of csrc/ with something changed
+    python benchmarks/quant_ab.py --base-small-pages  # this build, weights on 4 KiB pages as base
 
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
 copies called in turn so the weights come from memory, as a forward's layers do; each build's
-copies are packed as its revision packs them. Prints each build's median time per call, this
+copies are packed as its revision packs them, and held where the runner holds them (the
+kernels' weight buffers, on huge pages where Linux grants them; ``--base-small-pages``: the
+base's in torch's own memory). Prints each build's median time per call, this
 build's GB/s of weights and GFLOP/s, and the median of the paired ratios base ÷ this one. The
 two builds' bits may differ where the stated arithmetic changed between the revisions (inputs
 rounded to other steps).
@@ -70,12 +73,20 @@ def packed_as(build: CpuKernels, f: Any, kind: GGMLQuantizationType, raw: np.nda
     return out
 
 
+def held(kernels: CpuKernels, packed: torch.Tensor) -> torch.Tensor:
+    """A copy of ``packed`` where the runner holds packed weights."""
+    return kernels.weight_buffer(packed.numel()).copy_(packed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     base_arg = parser.add_mutually_exclusive_group(required=True)
     base_arg.add_argument("--base-rev", help="git revision to compare against")
     base_arg.add_argument("--base-isa", help="this build's kernels for another instruction set")
     base_arg.add_argument("--base-sources", type=Path, help="kernel sources to build as the base")
+    base_arg.add_argument(
+        "--base-small-pages", action="store_true", help="this build, its weights on 4 KiB pages"
+    )
     parser.add_argument("--isa", help="the instruction set this build (and a base revision) runs")
     parser.add_argument("--types", help="comma-separated GGUF types (default: all)")
     parser.add_argument("--threads", type=int, default=2)
@@ -120,14 +131,17 @@ def main() -> None:
         for kind in kinds:
             raw = random_blocks(kind, seed=1)
             packed = kernels.quant_pack(kind, raw, INPUTS)
+            base_packed = (
+                base_packing.pack_tensor(kind, raw, INPUTS)
+                if base_packing is not None
+                else packed_as(base, base_formats.FORMATS[kind], kind, raw)
+            )
             weights = {
                 "base": [
-                    base_packing.pack_tensor(kind, raw, INPUTS)
-                    if base_packing is not None
-                    else packed_as(base, base_formats.FORMATS[kind], kind, raw)
+                    base_packed.clone() if args.base_small_pages else held(kernels, base_packed)
                     for _ in range(COPIES)
                 ],
-                "this": [packed.clone() for _ in range(COPIES)],
+                "this": [held(kernels, packed) for _ in range(COPIES)],
             }
             base_format = base_formats.FORMATS[kind]
             for rows in ROWS:

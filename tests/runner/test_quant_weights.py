@@ -14,6 +14,7 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.load.quant_weights import QuantEmbedding
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.layers import Projection
 from slotserve.runners.pytorch.runner import TorchRunner
@@ -57,6 +58,40 @@ def test_a_gguf_file_is_served_from_its_own_blocks(
     assert packed <= 1.1 * model_path.stat().st_size
     assert all(p.quant_parts is None for p in _projections(dequantized))
     assert "quantized" not in dequantized.model_info.compute.kernels
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The flags of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(bound, 16) for bound in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="this kernel has no transparent huge pages",
+)
+def test_packed_weights_ask_for_huge_pages(kernels: CpuKernels, torch_runner: TorchRunner) -> None:
+    """A one-row step streams the weights from memory: their whole 2 MiB pages are advised
+    huge (``hg``), the embedded model's Q8_0 table and a bfloat16 GEMM's weight among them; a
+    buffer under one page is a plain one."""
+    embed = torch_runner.shard.model.embed
+    assert isinstance(embed, QuantEmbedding)
+    table = embed.part.packed
+    assert table.numel() >= 2 << 20
+    assert "hg" in _vm_flags(table.data_ptr())
+    bf16 = kernels.pack_weight(torch.ones(2047, 1024, dtype=torch.bfloat16))
+    assert "hg" in _vm_flags(bf16.data_ptr())
+    assert bf16.float().sum() == 2047 * 1024  # the last block's missing row is zeros
+    small = kernels.weight_buffer(4096)
+    small.fill_(7)
+    assert small.numel() == 4096 and int(small.sum()) == 7 * 4096
 
 
 def test_quantized_and_dequantized_paths_agree_on_what_comes_first(

@@ -151,7 +151,7 @@ class QuantWeights:
         for run in runs:
             kind, k = run[0].blocks.kind, run[0].blocks.k
             f, start, rows = FORMATS[kind], run[0].start, sum(p.rows for p in run)
-            packed = torch.empty(f.packed_bytes(rows, k), dtype=torch.uint8)
+            packed = self.kernels.weight_buffer(f.packed_bytes(rows, k))
             at = 0
             for piece in run:  # every piece but the last of whole groups: its records' slice
                 size = f.packed_bytes(piece.rows, k)
