@@ -115,43 +115,33 @@ class QuantWeights:
 
     def prepare(self, model: Decoder, invariant_matmul: bool) -> None:
         assert not invariant_matmul, "the quantized kernels are the CPU's"
-        for projection in list(self.pieces):
-            pieces = self.pieces.pop(projection)
-            projection.quantize(self.kernels, self._parts(projection, pieces))
         if self.embedding is None:
             raise ValueError("the checkpoint's embedding never reached the quantized format")
-        table = self.embedding
-        part = self._parts(model.lm_head, [table], bias=False)[0]
+        runs = {p: _runs(p, pieces) for p, pieces in self.pieces.items()}
+        table_runs = _runs(model.lm_head, [self.embedding])
+        self.pieces, self.embedding = {}, None
+        # One buffer for every part: small matrices then sit on huge pages too
+        # (CpuKernels.weight_buffer), and a step streams the weights in the order packed.
+        sizes = [_packed_bytes(run) for some in [*runs.values(), table_runs] for run in some]
+        memory = _Memory(self.kernels.weight_buffer(sum(_aligned(n) for n in sizes)))
+        for projection in list(runs):  # each projection's blocks dropped once packed
+            projection.quantize(self.kernels, self._pack(projection, runs.pop(projection), memory))
+        part = self._pack(model.lm_head, table_runs, memory, bias=False)[0]
         # The decoder calls its embedding as a module; this one keeps its table quantized.
-        model.embed = QuantEmbedding(self.kernels, part, table.blocks.k, model.dtype)  # type: ignore[assignment]
+        k = table_runs[0][0].blocks.k
+        model.embed = QuantEmbedding(self.kernels, part, k, model.dtype)  # type: ignore[assignment]
         if model.config.tie_word_embeddings:
             model.lm_head.quantize(self.kernels, [part])
-        self.embedding = None
 
-    def _parts(
-        self, projection: Projection, pieces: list[_Piece], bias: bool = True
+    def _pack(
+        self, projection: Projection, runs: list[list[_Piece]], memory: _Memory, bias: bool = True
     ) -> list[QuantPart]:
-        """Runs of pieces of one type (joined where whole groups of 16 rows: packed records of
-        whole groups concatenate), each packed into one buffer, one part."""
-        runs: list[list[_Piece]] = []
-        covered = 0
-        for piece in sorted(pieces, key=lambda p: p.start):
-            if piece.start != covered:
-                raise ValueError(f"rows {covered}..{piece.start} of a projection never loaded")
-            last = runs[-1] if runs else []
-            whole = sum(p.rows for p in last) % GROUP == 0
-            if last and last[0].blocks.kind == piece.blocks.kind and whole:
-                last.append(piece)
-            else:
-                runs.append([piece])
-            covered += piece.rows
-        if covered != projection.out_features:
-            raise ValueError(f"{covered} of a projection's {projection.out_features} rows loaded")
+        """Each run of pieces (``_runs``) packed into its own stretch of ``memory``, one part."""
         parts = []
         for run in runs:
             kind, k = run[0].blocks.kind, run[0].blocks.k
             f, start, rows = FORMATS[kind], run[0].start, sum(p.rows for p in run)
-            packed = self.kernels.weight_buffer(f.packed_bytes(rows, k))
+            packed = memory.take(_packed_bytes(run))
             at = 0
             for piece in run:  # every piece but the last of whole groups: its records' slice
                 size = f.packed_bytes(piece.rows, k)
@@ -169,3 +159,45 @@ class QuantWeights:
         if self.embedding is not None:
             kinds.add(self.embedding.blocks.kind.name)
         return sorted(kinds)
+
+
+def _runs(projection: Projection, pieces: list[_Piece]) -> list[list[_Piece]]:
+    """Runs of pieces of one type (joined where whole groups of 16 rows: packed records of
+    whole groups concatenate), each to be packed into one part."""
+    runs: list[list[_Piece]] = []
+    covered = 0
+    for piece in sorted(pieces, key=lambda p: p.start):
+        if piece.start != covered:
+            raise ValueError(f"rows {covered}..{piece.start} of a projection never loaded")
+        last = runs[-1] if runs else []
+        whole = sum(p.rows for p in last) % GROUP == 0
+        if last and last[0].blocks.kind == piece.blocks.kind and whole:
+            last.append(piece)
+        else:
+            runs.append([piece])
+        covered += piece.rows
+    if covered != projection.out_features:
+        raise ValueError(f"{covered} of a projection's {projection.out_features} rows loaded")
+    return runs
+
+
+def _packed_bytes(run: list[_Piece]) -> int:
+    blocks = run[0].blocks
+    return FORMATS[blocks.kind].packed_bytes(sum(p.rows for p in run), blocks.k)
+
+
+def _aligned(size: int) -> int:
+    """Each part from a cache line's start, as a buffer of its own would be."""
+    return -(-size // 64) * 64
+
+
+class _Memory:
+    """Consecutive stretches of one buffer, handed out in order."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.used = buffer, 0
+
+    def take(self, size: int) -> torch.Tensor:
+        stretch = self.buffer[self.used : self.used + size]
+        self.used += _aligned(size)
+        return stretch
