@@ -1,9 +1,9 @@
 // Memory for what every decode step streams end to end: the packed weights. A one-row step
 // reads each weight once, from memory, in address order; on 4 KiB pages the stream crosses a
 // page every 64 cache lines, where the hardware prefetchers stop and a TLB miss (two-level in
-// a VM) is paid, and two threads read ~25-30% below the box's rate. On 2 MiB pages (Linux's
+// a VM) is paid, and two threads read well below the box's rate. On 2 MiB pages (Linux's
 // transparent huge pages, asked for with madvise; granted in its default `madvise` mode) they
-// read at it. Only whole 2 MiB pages are asked for: a buffer's tail stays on small pages, so
+// read near it. Only whole 2 MiB pages are asked for: a buffer's tail stays on small pages, so
 // resident memory is what the weights take.
 
 #include <ATen/ATen.h>
