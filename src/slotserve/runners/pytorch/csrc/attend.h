@@ -98,6 +98,13 @@ static void attend_row_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     vf partial[kMaxGroup * kLanes];
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
+#if SLOTSERVE_AVX512
+        if constexpr (CH > 0 && G > 0) {
+            for (int j = j0; j < j0 + count; ++j) prefetch.ahead_of(j);
+            score_sixteen<CH, G>(t, kv.keys, offsets + j0, j0, count);
+            continue;
+        }
+#endif
         for (int jj = 0; jj < count; ++jj) {
             const int j = j0 + jj;
             prefetch.ahead_of(j);

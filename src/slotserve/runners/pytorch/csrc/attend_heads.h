@@ -18,11 +18,12 @@ static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int
         __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 1);
 }
 
+#if SLOTSERVE_AVX512
 // ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
 // beyond and scale the same).
 template <int CH, int G>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes, pairs = d / 2;
+    constexpr int d = CH * kLanes;
     const Tile& first = tiles[0];
     const int heads = kv.kv_heads, n = first.n[0], bytes = heads * d * 2;
     const int reach = n + std::min(first.beyond, kWholeAhead);
@@ -30,20 +31,16 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
     key_offsets(kv, 0, table, first.start, reach, offsets);
     for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
     for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
-    vf partial[G * kLanes];
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int h = 0; h < heads; ++h) {
-            const Tile& t = tiles[h];
-            for (int jj = 0; jj < count; ++jj) {
-                const int j = j0 + jj;
+            for (int j = j0; j < j0 + count; ++j) {
                 if (j + kWholeAhead < reach)
                     fetch(kv.keys + offsets[j + kWholeAhead] + int64_t(h) * d, d * 2);
                 if (j + kWholeAhead / 2 < n)
                     fetch(kv.values + offsets[j + kWholeAhead / 2] + int64_t(h) * d, d * 2);
-                key_lanes(t, G, kv.keys + offsets[j] + int64_t(h) * d, pairs, jj, partial);
             }
-            store_scores(t, G, j0, count, partial);
+            score_sixteen<CH, G>(tiles[h], kv.keys + int64_t(h) * d, offsets + j0, j0, count);
         }
     }
     for (int h = 0; h < heads; ++h) {
@@ -76,6 +73,7 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
         }
     }
 }
+#endif
 
 // One lone row's partition, every KV head (``tiles``: kv.kv_heads of them). The AVX2 build
 // and the shapes without a specialization run attend_tile head by head.

@@ -16,6 +16,7 @@ namespace SLOTSERVE_ISA {
 #include "vec.h"
 #include "rowwise.h"
 #include "attention.h"
+#include "attend_scores.h"
 #include "attend.h"
 #include "attend_heads.h"
 #if SLOTSERVE_BF16
