@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <vector>
+
 #include "kernel_types.h"
 
 namespace cpu {
@@ -212,6 +214,30 @@ static PagedKv int8_partition(const Kernels& k, const PoolBytes& pool, int64_t k
     k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.values), offsets, n, int(d), w.values);
     tile.start = 0;
     return PagedKv{w.keys, w.values, 1, int(d), kPartition};
+}
+
+// A lone row's partition (its ``n`` keys from position ``start``) of every KV head of an int8
+// pool, read back as bfloat16 into the thread's scratch as int8_partition reads one head's:
+// position by position, each position's rows side by side as the pool holds them (one stream
+// through memory, not one per head), into a pool of one block (kOneBlock) of kv_heads heads.
+// The scratch holds kPartition * kv_heads * d values.
+static PagedKv int8_positions(const Kernels& k, const PoolBytes& pool, int64_t kv_heads,
+                              int64_t d, const int32_t* table, int start, int n,
+                              AttentionScratch& w) {
+    const int64_t row_bytes = d + kKvScaleBytes, size = pool.block_size;
+    thread_local std::vector<int64_t> offsets;
+    offsets.resize(size_t(n * kv_heads));
+    for (int j = 0; j < n; ++j) {
+        const int64_t p = start + j;
+        const int64_t first = (int64_t(table[p / size]) * size + p % size) * kv_heads;
+        for (int64_t h = 0; h < kv_heads; ++h) offsets[j * kv_heads + h] = (first + h) * row_bytes;
+    }
+    const int rows = int(n * kv_heads);
+    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.keys), offsets.data(), rows, int(d),
+                   w.keys);
+    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.values), offsets.data(), rows, int(d),
+                   w.values);
+    return PagedKv{w.keys, w.values, int(kv_heads), int(d), kPartition};
 }
 
 }  // namespace cpu

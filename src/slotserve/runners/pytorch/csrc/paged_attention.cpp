@@ -147,16 +147,25 @@ private:
         const int start = int(part) * kPartition;
         const int n[1] = {std::clamp(pos_[t0] + 1 - start, 0, kPartition)};
         if (n[0] == 0) return;
+        // An int8 pool's partition is read back into the scratch first: its keys start there.
+        PagedKv kv = kv_;
+        const int32_t* table = table_of(t0);
+        int first = start, beyond = pos_[t0] + 1 - start - n[0];
+        if (int8_) {
+            kv = int8_positions(k_, pool_, kv_heads_, d_, table, start, n[0], w);
+            table = kOneBlock;
+            first = beyond = 0;
+        }
         Tile tiles[kTileRows];
         for (int64_t h = 0; h < kv_heads_; ++h) {
             const int64_t rh = h * group_, ms = h * step + part * group_;
             load_query(w.q, t0, h, h);
-            tiles[h] = Tile{w.q + rh * q_stride_, q_stride_, group_, 1, n, start, float(scale_),
+            tiles[h] = Tile{w.q + rh * q_stride_, q_stride_, group_, 1, n, first, float(scale_),
                             w.scores + rh * kScoreStride, w.probs + rh * (kPartition + 2),
                             w.vectors, nullptr, w.vectors + kKeysBytes, m + ms, s + ms,
-                            acc + ms * d_, pos_[t0] + 1 - start - n[0]};
+                            acc + ms * d_, beyond};
         }
-        k_.attend_row_heads(kv_, table_of(t0), tiles);
+        k_.attend_row_heads(kv, table, tiles);
     }
 
     // A tile's partition of KV head h (from an int8 pool: int8_partition's bfloat16 rows).
@@ -277,7 +286,7 @@ private:
         if (!items_.empty() && items_[0].second < 0) longest = std::max(longest, kv_heads_);
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            AttentionScratch w(row_heads_, q_stride_, longest, int8_ ? d_ : 0);
+            AttentionScratch w(row_heads_, q_stride_, longest, int8_ ? kv_heads_ * d_ : 0);
             // Uninitialised: a unit's merge reads only what its partitions wrote.
             const std::unique_ptr<float[]> m(new float[longest * ms_slot_]),
                 s(new float[longest * ms_slot_]), acc(new float[longest * acc_slot_]);
@@ -340,7 +349,7 @@ private:
         const std::vector<int64_t> first = balanced_runs(cost, threads_);
         at::parallel_for(0, int64_t(first.size()) - 1, 1, [&](int64_t begin, int64_t end) {
             const FlushDenormals flush;
-            AttentionScratch w(row_heads_, q_stride_, 1, int8_ ? d_ : 0);
+            AttentionScratch w(row_heads_, q_stride_, 1, int8_ ? kv_heads_ * d_ : 0);
             for (int64_t task = first[begin], loaded = -1; task < first[end]; ++task) {
                 const auto [item, part] = tasks[task];
                 const auto [u, h] = items_[item];
