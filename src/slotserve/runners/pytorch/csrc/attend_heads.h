@@ -9,6 +9,7 @@
 // level-1 and level-2 caches. Each head's arithmetic is attend_row_t's, step for step, so a
 // row has the same bits by either path.
 
+#if SLOTSERVE_AVX512
 constexpr int kWholeAhead = 96;  // positions ahead, keys to level 2 (values half as far)
 constexpr int kValueKeys = 32;   // keys a head's value sums take at a time
 
@@ -18,7 +19,6 @@ static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int
         __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 1);
 }
 
-#if SLOTSERVE_AVX512
 // ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
 // beyond and scale the same).
 template <int CH, int G>

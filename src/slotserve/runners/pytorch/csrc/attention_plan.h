@@ -193,51 +193,43 @@ struct AttentionScratch {
     }
 };
 
-// The block table of int8_partition's pool.
+// The block table of int8_rows' pool.
 constexpr int32_t kOneBlock[1] = {0};
 
-// A tile's partition of KV head h of a sequence (its block table) in an int8 pool, read back as
-// bfloat16 into the thread's scratch: a pool of one block (kOneBlock), kv_heads 1, that
-// attend_tile reads as it reads the bfloat16 pool, so every path sees the same values; the
-// tile's first key is then the block's first.
-static PagedKv int8_partition(const Kernels& k, const PoolBytes& pool, int64_t kv_heads,
-                              int64_t d, const int32_t* table, int64_t h, Tile& tile,
-                              AttentionScratch& w) {
-    const int64_t row_bytes = d + kKvScaleBytes, size = pool.block_size;
-    const int n = tile.n[tile.rows - 1];
-    int64_t offsets[kPartition];
-    for (int j = 0; j < n; ++j) {
-        const int64_t p = tile.start + j;
-        offsets[j] = ((int64_t(table[p / size]) * size + p % size) * kv_heads + h) * row_bytes;
-    }
-    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.keys), offsets, n, int(d), w.keys);
-    k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.values), offsets, n, int(d), w.values);
-    tile.start = 0;
-    return PagedKv{w.keys, w.values, 1, int(d), kPartition};
-}
-
-// A lone row's partition (its ``n`` keys from position ``start``) of every KV head of an int8
-// pool, read back as bfloat16 into the thread's scratch as int8_partition reads one head's:
-// position by position, each position's rows side by side as the pool holds them (one stream
-// through memory, not one per head), into a pool of one block (kOneBlock) of kv_heads heads.
-// The scratch holds kPartition * kv_heads * d values.
-static PagedKv int8_positions(const Kernels& k, const PoolBytes& pool, int64_t kv_heads,
-                              int64_t d, const int32_t* table, int start, int n,
-                              AttentionScratch& w) {
+// Positions start .. start + n - 1 of a sequence (its block table) in an int8 pool, KV heads
+// first_head .. first_head + heads - 1, read back as bfloat16 into the thread's scratch: a pool
+// of one block (kOneBlock) of ``heads`` heads, that the kernels read as they read the bfloat16
+// pool, so every path sees the same values. Position by position, each position's rows in the
+// order the pool holds them: a lone row's partition reads every head in one stream through
+// memory. The scratch holds kPartition * heads * d values.
+static PagedKv int8_rows(const Kernels& k, const PoolBytes& pool, int64_t kv_heads, int64_t d,
+                         const int32_t* table, int start, int n, int64_t first_head,
+                         int64_t heads, AttentionScratch& w) {
     const int64_t row_bytes = d + kKvScaleBytes, size = pool.block_size;
     thread_local std::vector<int64_t> offsets;
-    offsets.resize(size_t(n * kv_heads));
+    offsets.resize(size_t(n * heads));
     for (int j = 0; j < n; ++j) {
         const int64_t p = start + j;
-        const int64_t first = (int64_t(table[p / size]) * size + p % size) * kv_heads;
-        for (int64_t h = 0; h < kv_heads; ++h) offsets[j * kv_heads + h] = (first + h) * row_bytes;
+        const int64_t first = (int64_t(table[p / size]) * size + p % size) * kv_heads + first_head;
+        for (int64_t h = 0; h < heads; ++h) offsets[j * heads + h] = (first + h) * row_bytes;
     }
-    const int rows = int(n * kv_heads);
+    const int rows = int(n * heads);
     k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.keys), offsets.data(), rows, int(d),
                    w.keys);
     k.kv_rows_bf16(reinterpret_cast<const uint8_t*>(pool.values), offsets.data(), rows, int(d),
                    w.values);
-    return PagedKv{w.keys, w.values, int(kv_heads), int(d), kPartition};
+    return PagedKv{w.keys, w.values, int(heads), int(d), kPartition};
+}
+
+// A tile's partition of KV head h in an int8 pool (int8_rows): the tile's first key is then
+// the block's first.
+static PagedKv int8_partition(const Kernels& k, const PoolBytes& pool, int64_t kv_heads,
+                              int64_t d, const int32_t* table, int64_t h, Tile& tile,
+                              AttentionScratch& w) {
+    const PagedKv rows =
+        int8_rows(k, pool, kv_heads, d, table, tile.start, tile.n[tile.rows - 1], h, 1, w);
+    tile.start = 0;
+    return rows;
 }
 
 }  // namespace cpu

@@ -152,7 +152,7 @@ private:
         const int32_t* table = table_of(t0);
         int first = start, beyond = pos_[t0] + 1 - start - n[0];
         if (int8_) {
-            kv = int8_positions(k_, pool_, kv_heads_, d_, table, start, n[0], w);
+            kv = int8_rows(k_, pool_, kv_heads_, d_, table, start, n[0], 0, kv_heads_, w);
             table = kOneBlock;
             first = beyond = 0;
         }
