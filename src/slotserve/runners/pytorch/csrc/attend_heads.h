@@ -6,12 +6,17 @@
 // in order. Here every head computes its part of sixteen keys (its scores) or of kValueKeys
 // keys (its values) in turn, each fetching its rows kWholeAhead positions ahead, so a
 // position's rows are all requested within one such pass and used while they sit in the
-// level-1 and level-2 caches. Each head's arithmetic is attend_row_t's, step for step, so a
-// row has the same bits by either path.
+// level-1 and level-2 caches. A core holds only so many fetches in flight, and not every row
+// asked for arrives: the scores ask for their keys again kKeysAgain positions ahead, the value
+// sums for their values kValueAhead ahead.
+// Each head's arithmetic is attend_row_t's, step for step, so a row has the same bits by
+// either path.
 
 #if SLOTSERVE_AVX512
 constexpr int kWholeAhead = 96;  // positions ahead, keys to level 2 (values half as far)
 constexpr int kValueKeys = 32;   // keys a head's value sums take at a time
+constexpr int kKeysAgain = 24;   // positions ahead the scores ask for their keys again
+constexpr int kValueAhead = 32;  // positions ahead the value sums ask for theirs again
 
 // The ``bytes`` from ``row`` on, to level 2.
 static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int bytes) {
@@ -37,6 +42,8 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
             for (int j = j0; j < j0 + count; ++j) {
                 if (j + kWholeAhead < reach)
                     fetch(kv.keys + offsets[j + kWholeAhead] + int64_t(h) * d, d * 2);
+                if (j + kKeysAgain < reach)
+                    fetch(kv.keys + offsets[j + kKeysAgain] + int64_t(h) * d, d * 2);
                 if (j + kWholeAhead / 2 < n)
                     fetch(kv.values + offsets[j + kWholeAhead / 2] + int64_t(h) * d, d * 2);
             }
@@ -52,6 +59,8 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
     ValuePairOf<CH> v;
     for (int j0 = 0; j0 < n; j0 += kValueKeys) {
         const int end = std::min(n, j0 + kValueKeys);
+        for (int j = j0 + kValueAhead; j < std::min(n, end + kValueAhead); ++j)
+            fetch(kv.values + offsets[j], bytes);
         for (int h = 0; h < heads; ++h) {
             const Tile& t = tiles[h];
             const uint16_t* values = kv.values + int64_t(h) * d;
