@@ -1,7 +1,8 @@
 """The engine alone, no HTTP: decode throughput of a runner at several batch sizes.
 
 Builds the runner and an ``EngineCore`` in this process, admits B sequences at once (random
-64-token prompts, greedy, ``ignore_eos``) and steps until all have ``--max-tokens`` tokens.
+prompts of ``--prompt-len`` tokens, 64 unless told; greedy, ``ignore_eos``) and steps until all
+have ``--max-tokens`` tokens.
 Reports decode tokens/s (prefill steps excluded) per batch size; with ``--profile`` the torch
 profiler's top operators for the largest batch, and with ``--step-times`` where a decode step's
 time goes (each CPU kernel and the projections timed around their Python calls: the profiler
@@ -65,13 +66,13 @@ def build(
     return EngineCore(spec(), config)
 
 
-def admit(core: EngineCore, batch: int, max_tokens: int, seed: int) -> None:
-    """``batch`` requests at once: random 64-token prompts, greedy, ``ignore_eos``."""
+def admit(core: EngineCore, batch: int, max_tokens: int, seed: int, prompt_len: int = 64) -> None:
+    """``batch`` requests at once: random ``prompt_len``-token prompts, greedy, ``ignore_eos``."""
     rng = random.Random(seed)
     vocab = core.model_info.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        prompt = [rng.randrange(100, vocab - 100) for _ in range(64)]
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(prompt_len)]
         core.add_request(EngineCoreRequest(f"r{seed}-{i}", prompt, params))
 
 
@@ -82,11 +83,16 @@ def all_decoding(core: EngineCore, batch: int) -> bool:
 
 
 def run(
-    core: EngineCore, batch: int, max_tokens: int, seed: int, profile: bool = False
+    core: EngineCore,
+    batch: int,
+    max_tokens: int,
+    seed: int,
+    profile: bool = False,
+    prompt_len: int = 64,
 ) -> dict[str, float]:
     """With ``profile``: the torch profiler's top operators over the decode steps only (the
     prompts' prefill would otherwise dominate the table)."""
-    admit(core, batch, max_tokens, seed)
+    admit(core, batch, max_tokens, seed, prompt_len)
     decode_tokens, decode_seconds = 0, 0.0
     profiler = None
     while core.has_work:
@@ -135,7 +141,9 @@ def timed_calls(calls: Sequence[tuple[type, str, str]], spent: dict[str, float])
             setattr(owner, name, original)
 
 
-def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float]:
+def step_times(
+    core: EngineCore, batch: int, max_tokens: int, prompt_len: int = 64
+) -> dict[str, float]:
     """Milliseconds per decode step spent in each kernel call and in the projections, and the
     rest, over ``batch`` sequences once all of them decode."""
     from slotserve.runners.pytorch.cpu_kernels import CpuKernels
@@ -145,7 +153,7 @@ def step_times(core: EngineCore, batch: int, max_tokens: int) -> dict[str, float
     kernels = ("rms_norm", "add_rms_norm", "silu_mul", "rotary_write", "paged_attention")
     calls: list[tuple[type, str, str]] = [(CpuKernels, name, name) for name in kernels]
     calls.append((Projection, "forward", "projections"))
-    admit(core, batch, max_tokens, seed=7)
+    admit(core, batch, max_tokens, 7, prompt_len)
     with timed_calls(calls, spent):
         while not all_decoding(core, batch):
             core.step()
@@ -166,6 +174,9 @@ def main() -> None:
     parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompt-len", type=int, default=64, help="prompt tokens (a long context: 16384)"
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
@@ -185,6 +196,7 @@ def main() -> None:
         slots,
         args.threads,
         not args.no_cpu_kernels,
+        max_seq_len=max(512, args.prompt_len + args.max_tokens + 1),
         model=args.model,
         quantization=args.quantization,
     )
@@ -192,14 +204,16 @@ def main() -> None:
     results = []
     for round_index in range(args.rounds):
         for batch in args.batch_sizes:
-            result = run(core, batch, args.max_tokens, seed=round_index * 1000 + batch)
+            seed = round_index * 1000 + batch
+            result = run(core, batch, args.max_tokens, seed, prompt_len=args.prompt_len)
             results.append(result)
             print(json.dumps(result), flush=True)
     if args.profile:
         run(core, args.batch_sizes[-1], 24, seed=99, profile=True)
     if args.step_times:
         for batch in args.batch_sizes:
-            print(json.dumps(step_times(core, batch, args.max_tokens)), flush=True)
+            times = step_times(core, batch, args.max_tokens, args.prompt_len)
+            print(json.dumps(times), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
 
