@@ -8,9 +8,8 @@
 // position's rows are all requested within one such pass and used while they sit in the
 // level-1 and level-2 caches. A core holds only so many fetches in flight, and not every row
 // asked for arrives: the scores ask for their keys again kKeysAgain positions ahead, the value
-// sums for their values kValueAhead ahead.
-// Each head's arithmetic is attend_row_t's, step for step, so a row has the same bits by
-// either path.
+// sums for their values kValueAhead ahead. Each head's arithmetic is attend_row_t's, step for
+// step, so a row has the same bits by either path.
 
 #if SLOTSERVE_AVX512
 constexpr int kWholeAhead = 96;  // positions ahead, keys to level 2 (values half as far)
