@@ -4,7 +4,7 @@ embedded model's serving (prefill chunks at long contexts, decode rows) and deco
 Llama-3.2-1B's heads (the cases named ``1B:``):
 
     python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--layers 30]
-        [--only 'decode']
+        [--only 'decode'] [--isa avx2]
 
 Prints, per case, each build's median time per call and the median of the paired ratios
 base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
@@ -111,6 +111,7 @@ def main() -> None:
         "--layers", type=int, default=1, help="pools per case, each call of a pass on the next"
     )
     parser.add_argument("--only", default="", help="the cases whose names contain this text")
+    parser.add_argument("--isa", help="the instruction set both builds run (e.g. avx2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -118,6 +119,9 @@ def main() -> None:
         raise SystemExit("the CPU kernels do not run here")
     with tempfile.TemporaryDirectory() as folder:
         base = build_revision(args.base_rev, Path(folder), "attention_ab_base")
+        if args.isa:
+            kernels.select_isa(args.isa)
+            base.select_isa(args.isa)
         print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
         for name, make in CASES.items():
             if args.only not in name:

@@ -356,3 +356,41 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     for isa in runs[1:]:
         for a, b in zip(results[runs[0]], results[isa], strict=True):
             assert torch.equal(a, b), isa
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (32, 8, 64), (32, 8, 128), (8, 2, 256), (12, 2, 64)],
+    ids=["smollm2", "llama-3.2-1b", "llama-3.1-8b", "qwen3.5", "group-6"],
+)
+def test_lone_long_rows_give_the_same_bits_on_every_instruction_set(
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+) -> None:
+    """A decode row alone past one partition reads each partition for every KV head at once
+    (attend_heads.h, one kernel per instruction set): its bits on every set, against the same
+    row beside others (read head by head), and against dense attention."""
+    runs = instruction_sets(kernels)
+    if len(runs) < 2:
+        pytest.skip("the CPU runs one instruction set only")
+    lengths = [1300, 700, 257]
+    gen = torch.Generator().manual_seed(heads + dim)
+    pool = _Pool(lengths, seed=dim, kv_heads=kv_heads, dim=dim)
+    rows = [(0, 1299), (1, 699), (2, 256), (0, 511)]
+    q = (torch.randn(len(rows), heads, dim, generator=gen) * 3).bfloat16()
+    results: dict[str, list[torch.Tensor]] = {}
+    for isa in runs:
+        with instruction_set(kernels, isa), attention_arithmetic(kernels, "vector"):
+            together = pool.attend(kernels, q, [s for s, _ in rows], [p for _, p in rows])
+            alone = [
+                pool.attend(kernels, q[i : i + 1], [seq], [position])[0]
+                for i, (seq, position) in enumerate(rows)
+            ]
+        for i, row in enumerate(alone):
+            assert torch.equal(row, together[i]), (isa, rows[i])
+        results[isa] = alone
+    for isa in runs[1:]:
+        for i, (a, b) in enumerate(zip(results[runs[0]], results[isa], strict=True)):
+            assert torch.equal(a, b), (isa, rows[i])
+    for i, (seq, position) in enumerate(rows):
+        expected = _dense(pool, q[i], seq, position, 0)
+        torch.testing.assert_close(results[runs[0]][i].float(), expected, atol=1e-2, rtol=1.6e-2)

@@ -8,10 +8,9 @@
 // position's rows are all requested within one such pass and used while they sit in the
 // level-1 and level-2 caches. A core holds only so many fetches in flight, and not every row
 // asked for arrives: the scores ask for their keys again kKeysAgain positions ahead, the value
-// sums for their values kValueAhead ahead. Each head's arithmetic is attend_row_t's, step for
-// step, so a row has the same bits by either path.
+// sums for their values kValueAhead ahead. Each head's arithmetic is attend_row_t's (on the AVX2
+// build attend_row_avx2's), step for step, so a row has the same bits by either path.
 
-#if SLOTSERVE_AVX512
 constexpr int kWholeAhead = 96;  // positions ahead, keys to level 2 (values half as far)
 constexpr int kValueKeys = 32;   // keys a head's value sums take at a time
 constexpr int kKeysAgain = 24;   // positions ahead the scores ask for their keys again
@@ -23,29 +22,56 @@ static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int
         __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 1);
 }
 
+// What head h's scores of keys [j, j + step) ask for (its rows: ``D`` dimensions): its keys
+// kWholeAhead and kKeysAgain positions ahead, its values kWholeAhead / 2 ahead (``n``: the
+// partition's keys; ``reach``: the positions with offsets, the next partition's first ones too).
+template <int D>
+static inline __attribute__((always_inline)) void fetch_head_ahead(const PagedKv& kv,
+                                                                   const int64_t* offsets, int h,
+                                                                   int j, int step, int n,
+                                                                   int reach) {
+    const int64_t head = int64_t(h) * D;
+    constexpr int bytes = D * 2;
+    for (int i = j; i < j + step; ++i) {
+        if (i + kWholeAhead < reach) fetch(kv.keys + offsets[i + kWholeAhead] + head, bytes);
+        if (i + kKeysAgain < reach) fetch(kv.keys + offsets[i + kKeysAgain] + head, bytes);
+        if (i + kWholeAhead / 2 < n) fetch(kv.values + offsets[i + kWholeAhead / 2] + head, bytes);
+    }
+}
+
+// A partition's first fetches, every head's rows: keys up to kWholeAhead positions ahead, values
+// half as far.
+static inline void fetch_whole_start(const PagedKv& kv, const int64_t* offsets, int n, int reach) {
+    const int bytes = kv.kv_heads * kv.head_dim * 2;
+    for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
+    for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
+}
+
+// What the value sums of keys [j0, end) ask for: every head's values kValueAhead ahead.
+static inline __attribute__((always_inline)) void fetch_values_past(const PagedKv& kv,
+                                                                    const int64_t* offsets,
+                                                                    int j0, int end, int n) {
+    const int bytes = kv.kv_heads * kv.head_dim * 2;
+    for (int j = j0 + kValueAhead; j < std::min(n, end + kValueAhead); ++j)
+        fetch(kv.values + offsets[j], bytes);
+}
+
+#if SLOTSERVE_AVX512
 // ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
 // beyond and scale the same).
 template <int CH, int G>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
     constexpr int d = CH * kLanes;
     const Tile& first = tiles[0];
-    const int heads = kv.kv_heads, n = first.n[0], bytes = heads * d * 2;
+    const int heads = kv.kv_heads, n = first.n[0];
     const int reach = n + std::min(first.beyond, kWholeAhead);
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     key_offsets(kv, 0, table, first.start, reach, offsets);
-    for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
-    for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
+    fetch_whole_start(kv, offsets, n, reach);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int h = 0; h < heads; ++h) {
-            for (int j = j0; j < j0 + count; ++j) {
-                if (j + kWholeAhead < reach)
-                    fetch(kv.keys + offsets[j + kWholeAhead] + int64_t(h) * d, d * 2);
-                if (j + kKeysAgain < reach)
-                    fetch(kv.keys + offsets[j + kKeysAgain] + int64_t(h) * d, d * 2);
-                if (j + kWholeAhead / 2 < n)
-                    fetch(kv.values + offsets[j + kWholeAhead / 2] + int64_t(h) * d, d * 2);
-            }
+            fetch_head_ahead<d>(kv, offsets, h, j0, count, n, reach);
             score_sixteen<CH, G>(tiles[h], kv.keys + int64_t(h) * d, offsets + j0, j0, count);
         }
     }
@@ -58,8 +84,7 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
     ValuePairOf<CH> v;
     for (int j0 = 0; j0 < n; j0 += kValueKeys) {
         const int end = std::min(n, j0 + kValueKeys);
-        for (int j = j0 + kValueAhead; j < std::min(n, end + kValueAhead); ++j)
-            fetch(kv.values + offsets[j], bytes);
+        fetch_values_past(kv, offsets, j0, end, n);
         for (int h = 0; h < heads; ++h) {
             const Tile& t = tiles[h];
             const uint16_t* values = kv.values + int64_t(h) * d;
@@ -81,12 +106,42 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
         }
     }
 }
+#else
+// The AVX2 build's: attend_row_avx2's pieces, eight keys of a head at a time.
+template <int CH, int G>
+static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+    constexpr int d = CH * kLanes;
+    const Tile& first = tiles[0];
+    const int heads = kv.kv_heads, n = first.n[0];
+    const int reach = n + std::min(first.beyond, kWholeAhead);
+    int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
+    key_offsets(kv, 0, table, first.start, reach, offsets);
+    fetch_whole_start(kv, offsets, n, reach);
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+        for (int h = 0; h < heads; ++h) {
+            const QueryHalves<CH, G> q(tiles[h]);
+            const uint16_t* keys = kv.keys + int64_t(h) * d;
+            fetch_head_ahead<d>(kv, offsets, h, j0, std::min(kLanes, n - j0), n, reach);
+            for (int j = j0; j < std::min(n, j0 + kLanes); j += 8)
+                score_eight<CH, G>(tiles[h], q, keys, offsets, j, std::min(8, n - j), [](int) {});
+        }
+    }
+    for (int h = 0; h < heads; ++h) {
+        const Tile& t = tiles[h];
+        softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);  // acc zeroed
+    }
+    for (int j0 = 0; j0 < n; j0 += kValueKeys) {
+        const int end = std::min(n, j0 + kValueKeys);
+        fetch_values_past(kv, offsets, j0, end, n);
+        for (int h = 0; h < heads; ++h)
+            value_span<CH, G>(tiles[h], kv.values + int64_t(h) * d, offsets, j0, end, n);
+    }
+}
 #endif
 
-// One lone row's partition, every KV head (``tiles``: kv.kv_heads of them). The AVX2 build
-// and the shapes without a specialization run attend_tile head by head.
+// One lone row's partition, every KV head (``tiles``: kv.kv_heads of them). The shapes without
+// a specialization run attend_tile head by head.
 static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-#if SLOTSERVE_AVX512
 #define SLOTSERVE_HEADS_CASE(CH, G) \
     case CH * 100 + G: return attend_row_heads_t<CH, G>(kv, table, tiles);
     switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
@@ -94,6 +149,5 @@ static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile
         default: break;
     }
 #undef SLOTSERVE_HEADS_CASE
-#endif
     for (int h = 0; h < kv.kv_heads; ++h) attend_tile(kv, h, table, tiles[h]);
 }
