@@ -4,13 +4,14 @@ embedded model's serving (prefill chunks at long contexts, decode rows) and deco
 Llama-3.2-1B's heads (the cases named ``1B:``):
 
     python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--layers 30]
-        [--only 'decode'] [--isa avx2]
+        [--only 'decode'] [--isa avx2] [--kv-int8]
 
 Prints, per case, each build's median time per call and the median of the paired ratios
 base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
 blocks of 16 positions, as the runner keeps them. With ``--layers 1`` (the default) every call
 reads the same pool, which stays in the caches; with ``--layers 30`` a timed pass calls each of
 30 pools once, as a forward calls its layers, so the KV comes from memory as in the engine.
+``--kv-int8``: the pools hold int8 rows (``--kv-cache-dtype int8``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from kernel_revision import build_revision
 
 from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels
+from slotserve.runners.pytorch.model.kv_int8 import int8_rows
 
 BLOCK = 16
 SMOLLM2_135M, LLAMA_3_2_1B = (9, 3), (32, 8)  # query and KV heads, of 64 dimensions each
@@ -112,6 +114,7 @@ def main() -> None:
     )
     parser.add_argument("--only", default="", help="the cases whose names contain this text")
     parser.add_argument("--isa", help="the instruction set both builds run (e.g. avx2)")
+    parser.add_argument("--kv-int8", action="store_true", help="pools of int8 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -127,6 +130,8 @@ def main() -> None:
             if args.only not in name:
                 continue
             calls = [make(seed) for seed in range(args.layers)]
+            if args.kv_int8:
+                calls = [(c[0], int8_rows(c[1]), int8_rows(c[2]), *c[3:]) for c in calls]
             same = all(
                 torch.equal(base.paged_attention(*call), kernels.paged_attention(*call))
                 for call in calls

@@ -6,14 +6,15 @@
 static void kv_rows_bf16(const uint8_t* pool, const int64_t* offsets, int n, int d,
                          uint16_t* out) {
     // The rows are scattered over the pool's blocks, which defeats the hardware's prefetchers:
-    // each is asked for kKvRowsAhead rows before it is read.
-    constexpr int kKvRowsAhead = 32;
+    // each is asked for kKvRowsAhead rows before it is read, into level 2 (into level 1, or
+    // nearer, fewer fetches are in flight and the read-back waits on memory).
+    constexpr int kKvRowsAhead = 64;
     for (int j = 0; j < n; ++j) {
         if (j + kKvRowsAhead < n) {
             const char* ahead = (const char*)(pool + offsets[j + kKvRowsAhead]);
             for (int line = 0; line < d + kKvScaleBytes; line += 64)
-                __builtin_prefetch(ahead + line);
-            __builtin_prefetch(ahead + d + kKvScaleBytes - 1);  // a row may end a line later
+                __builtin_prefetch(ahead + line, 0, 1);
+            __builtin_prefetch(ahead + d + kKvScaleBytes - 1, 0, 1);  // a row may end a line later
         }
         const uint8_t* row = pool + offsets[j];
         float scale;
