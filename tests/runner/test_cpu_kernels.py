@@ -360,8 +360,8 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(9, 3, 64), (32, 8, 64), (32, 8, 128), (8, 2, 256), (12, 2, 64)],
-    ids=["smollm2", "llama-3.2-1b", "llama-3.1-8b", "qwen3.5", "group-6"],
+    [(9, 3, 64), (32, 8, 64), (32, 8, 128), (8, 2, 256), (12, 2, 64), (16, 8, 128), (4, 4, 64)],
+    ids=["smollm2", "llama-3.2-1b", "llama-3.1-8b", "qwen3.5", "group-6", "qwen3", "no-grouping"],
 )
 def test_lone_long_rows_give_the_same_bits_on_every_instruction_set(
     kernels: CpuKernels, heads: int, kv_heads: int, dim: int
