@@ -39,12 +39,18 @@ static inline __attribute__((always_inline)) void fetch_head_ahead(const PagedKv
     }
 }
 
-// A partition's first fetches, every head's rows: keys up to kWholeAhead positions ahead, values
-// half as far.
-static inline void fetch_whole_start(const PagedKv& kv, const int64_t* offsets, int n, int reach) {
+// A lone row's partition by whole positions (``first``: its first head's tile): the pool offset of
+// each position's first head's row into ``offsets``, the next partition's first ones too (how
+// many in all is returned), and the first fetches, every head's rows: keys up to kWholeAhead
+// positions ahead, values half as far.
+static inline int start_whole_positions(const PagedKv& kv, const int32_t* table, const Tile& first,
+                                        int64_t* offsets) {
+    const int n = first.n[0], reach = n + std::min(first.beyond, kWholeAhead);
+    key_offsets(kv, 0, table, first.start, reach, offsets);
     const int bytes = kv.kv_heads * kv.head_dim * 2;
     for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
     for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
+    return reach;
 }
 
 // What the value sums of keys [j0, end) ask for: every head's values kValueAhead ahead.
@@ -62,12 +68,9 @@ static inline __attribute__((always_inline)) void fetch_values_past(const PagedK
 template <int CH, int G>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
     constexpr int d = CH * kLanes;
-    const Tile& first = tiles[0];
-    const int heads = kv.kv_heads, n = first.n[0];
-    const int reach = n + std::min(first.beyond, kWholeAhead);
+    const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
-    key_offsets(kv, 0, table, first.start, reach, offsets);
-    fetch_whole_start(kv, offsets, n, reach);
+    const int reach = start_whole_positions(kv, table, tiles[0], offsets);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int h = 0; h < heads; ++h) {
@@ -111,12 +114,9 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
 template <int CH, int G>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
     constexpr int d = CH * kLanes;
-    const Tile& first = tiles[0];
-    const int heads = kv.kv_heads, n = first.n[0];
-    const int reach = n + std::min(first.beyond, kWholeAhead);
+    const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
-    key_offsets(kv, 0, table, first.start, reach, offsets);
-    fetch_whole_start(kv, offsets, n, reach);
+    const int reach = start_whole_positions(kv, table, tiles[0], offsets);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         for (int h = 0; h < heads; ++h) {
             const QueryHalves<CH, G> q(tiles[h]);
