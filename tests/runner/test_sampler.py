@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from slotserve.engine.sampling_params import SamplingParams
-from slotserve.runners.pytorch.step.sampler import SequenceSampler, new_sequence_sampler, sample
+from slotserve.runners.pytorch.step.sampler import (
+    PREFIX_TOKENS,
+    SequenceSampler,
+    new_sequence_sampler,
+    sample,
+)
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -89,3 +94,44 @@ def test_logprobs_come_from_the_raw_logits_with_the_asked_alternatives() -> None
     assert tokens[0].logprob == float(expected[0, tokens[0].token_id])
     assert [t for t, _ in tokens[0].top_logprobs] == expected[0].topk(2).indices.tolist()
     assert tokens[1].logprob is None and tokens[2].top_logprobs == ()
+
+
+def _whole_sort_draw(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor) -> int:
+    """The filters over the whole vocabulary sorted at once: what a filtered draw means."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = torch.arange(len(ordered)) < (params.top_k if params.top_k > 0 else len(ordered))
+    keep &= ordered.cumsum(0) - ordered < params.top_p
+    keep &= ordered >= params.min_p * ordered[0]
+    keep[0] = True
+    cdf = torch.where(keep, ordered, torch.zeros_like(ordered)).cumsum(0)
+    return int(order[torch.searchsorted(cdf, uniform * cdf[-1:])])
+
+
+def test_filtered_draws_over_a_large_vocabulary_are_those_of_a_whole_sort() -> None:
+    # Past PREFIX_TOKENS: peaked rows are settled by their most likely tokens, flat ones
+    # (top_p, min_p keeping thousands) sort the whole row; alone or batched alike.
+    vocab = 4 * PREFIX_TOKENS
+    generator = torch.Generator().manual_seed(5)
+    peaked = torch.randn(4, vocab, generator=generator) * 4
+    flat = torch.randn(4, vocab, generator=generator) * 0.1
+    logits = torch.cat([peaked, flat])
+    fields: list[dict[str, Any]] = [
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+        {"temperature": 1.0, "top_p": 0.9},
+        {"temperature": 1.2, "min_p": 0.01},
+        {"temperature": 0.7, "top_k": 2000, "top_p": 0.99},
+    ]
+    rows = [(row, fields[row % len(fields)]) for row in range(len(logits))]
+    expected = []
+    for row, f in rows:
+        uniform = torch.rand(1, generator=torch.Generator().manual_seed(row))
+        expected.append(_whole_sort_draw(logits[row], SamplingParams(max_tokens=1, **f), uniform))
+    samplers = [
+        new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, vocab, CPU)
+        for row, f in rows
+    ]
+    assert [t.token_id for t in sample(logits, samplers)] == expected
+    for row, f in rows:
+        alone = new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, vocab, CPU)
+        assert sample(logits[row : row + 1], [alone])[0].token_id == expected[row]

@@ -11,7 +11,7 @@ into tensors), not a loop over rows: a GPU launches a handful of kernels per ste
 batch, and the results come back in one copy. The draw is an inverse-CDF lookup of one uniform
 number: from the sequence's own generator when it has a seed (``seed + choice index``), so a
 seeded sequence draws the same tokens alone or batched; unseeded rows share one draw. Every
-row's arithmetic is its own (row-wise softmax, sort and scans).
+row's arithmetic is its own (row-wise softmax, top-k or sort, and scans).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
+
+PREFIX_TOKENS = 1024  # the most likely tokens a filtered draw orders before the whole row
 
 
 @dataclass
@@ -86,10 +88,13 @@ def sample(
         keep = np.stack([allowed_mask(allowed[row], vocab) for row in masked])  # type: ignore[arg-type]
         keep_rows = torch.from_numpy(keep).to(device)
         adjusted[masked] = adjusted[masked].masked_fill(~keep_rows, float("-inf"))
-    chosen = adjusted.argmax(dim=-1)
     drawn = [i for i, s in enumerate(samplers) if not s.params.is_greedy]
-    if drawn:
-        chosen[drawn] = _draw(adjusted[drawn], [samplers[i] for i in drawn])
+    if len(drawn) == len(samplers):
+        chosen = _draw(adjusted, samplers)
+    else:
+        chosen = adjusted.argmax(dim=-1)
+        if drawn:
+            chosen[drawn] = _draw(adjusted[drawn], [samplers[i] for i in drawn])
     token_ids = chosen.tolist()
     _count(samplers, token_ids)
     return _with_logprobs(logits, samplers, token_ids)
@@ -194,14 +199,19 @@ def _draw(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Te
     filtered = [i for i, s in enumerate(samplers) if _filters(s.params)]
     plain = [i for i, s in enumerate(samplers) if not _filters(s.params)]
     if plain:
-        cdf = probs[plain].cumsum(dim=-1)
+        cdf = _rows(probs, plain).cumsum(dim=-1)
         target = uniforms[plain, None] * cdf[:, -1:]
         choices[plain] = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=vocab - 1)
     if filtered:
         choices[filtered] = _draw_filtered(
-            probs[filtered], uniforms[filtered], [samplers[i].params for i in filtered]
+            _rows(probs, filtered), uniforms[filtered], [samplers[i].params for i in filtered]
         )
     return choices
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, without copying a batch's rows when they are all of them in order."""
+    return t if rows == list(range(len(t))) else t[rows]
 
 
 def _filters(params: SamplingParams) -> bool:
@@ -211,21 +221,60 @@ def _filters(params: SamplingParams) -> bool:
 def _draw_filtered(
     probs: torch.Tensor, uniforms: torch.Tensor, params: Sequence[SamplingParams]
 ) -> torch.Tensor:
-    """Top-k, then top-p, then min-p over each row's probabilities sorted once, the row's
-    most likely token always kept; then the inverse-CDF draw over what is kept."""
-    device = probs.device
+    """Top-k, then top-p, then min-p over each row's probabilities in descending order, the
+    row's most likely token always kept; then the inverse-CDF draw over what is kept.
+
+    Sorting a whole vocabulary costs milliseconds a row, while the filters keep a few tokens:
+    a row first orders only its ``top_k`` most likely tokens (``PREFIX_TOKENS`` without one),
+    and only where its filters would keep tokens past those is the whole row sorted. Either way
+    the kept tokens, their order and the sums over them are the same, so the draw is too
+    (tokens of equal probability aside, which either order may take first); how far a row
+    looks depends on its own parameters and probabilities alone, never on its batch."""
     vocab = probs.shape[-1]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    choices = torch.empty(len(params), dtype=torch.int64, device=probs.device)
+    widths: dict[int, list[int]] = {}
+    for row, p in enumerate(params):
+        width = p.top_k if 0 < p.top_k < PREFIX_TOKENS else PREFIX_TOKENS
+        widths.setdefault(min(width, vocab), []).append(row)
+    unsorted: list[int] = []
+    for width, rows in widths.items():
+        top_probs, order = _rows(probs, rows).topk(width, dim=-1)
+        chosen, settled = _draw_ordered(top_probs, order, uniforms[rows], [params[r] for r in rows])
+        done = [i for i, ok in enumerate(settled.tolist()) if ok or width == vocab]
+        if done:
+            choices[[rows[i] for i in done]] = chosen[done]
+        unsorted += [row for i, row in enumerate(rows) if i not in done]
+    if unsorted:
+        sorted_probs, order = probs[unsorted].sort(dim=-1, descending=True)
+        choices[unsorted], _ = _draw_ordered(
+            sorted_probs, order, uniforms[unsorted], [params[r] for r in unsorted]
+        )
+    return choices
+
+
+def _draw_ordered(
+    sorted_probs: torch.Tensor,
+    order: torch.Tensor,
+    uniforms: torch.Tensor,
+    params: Sequence[SamplingParams],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draws over each row's most likely tokens in descending order (``sorted_probs``,
+    their ids ``order``), and whether that settles the row: its filters drop every less likely
+    token (its ``top_k`` is within them, or they drop the last one, and each filter that drops
+    a token drops every less likely one), so the draw is the whole vocabulary's."""
+    device = sorted_probs.device
+    width = sorted_probs.shape[-1]
     # top_k 0 and -1 both keep every token.
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 2**62 for p in params], device=device)
+    keep = torch.arange(width, device=device)[None, :] < top_k[:, None]
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
     keep &= before < _column([p.top_p for p in params], device)
     keep &= sorted_probs >= _column([p.min_p for p in params], device) * sorted_probs[:, :1]
+    settled = ~keep[:, -1] | (top_k <= width)
     keep[:, 0] = True
     cdf = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).cumsum(dim=-1)
-    index = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:]).clamp_(max=vocab - 1)
-    return order.gather(1, index).squeeze(-1)
+    index = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:]).clamp_(max=width - 1)
+    return order.gather(1, index).squeeze(-1), settled
 
 
 def _count(samplers: Sequence[SequenceSampler], token_ids: list[int]) -> None:
