@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.pytorch.step.penalties import Penalties, apply_penalties
 from slotserve.runners.pytorch.step.sampler import (
     PREFIX_TOKENS,
     SequenceSampler,
@@ -22,9 +23,7 @@ CPU = torch.device("cpu")
 
 def _sampler(seed: int | None = None, **fields: Any) -> SequenceSampler:
     prompt = fields.pop("prompt", ())
-    return new_sequence_sampler(
-        SamplingParams(max_tokens=8, **fields), list(prompt), seed, VOCAB, CPU
-    )
+    return new_sequence_sampler(SamplingParams(max_tokens=8, **fields), list(prompt), seed, CPU)
 
 
 def _logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -128,10 +127,35 @@ def test_filtered_draws_over_a_large_vocabulary_are_those_of_a_whole_sort() -> N
         uniform = torch.rand(1, generator=torch.Generator().manual_seed(row))
         expected.append(_whole_sort_draw(logits[row], SamplingParams(max_tokens=1, **f), uniform))
     samplers = [
-        new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, vocab, CPU)
-        for row, f in rows
+        new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, CPU) for row, f in rows
     ]
     assert [t.token_id for t in sample(logits, samplers)] == expected
     for row, f in rows:
-        alone = new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, vocab, CPU)
+        alone = new_sequence_sampler(SamplingParams(max_tokens=1, **f), [], row, CPU)
         assert sample(logits[row : row + 1], [alone])[0].token_id == expected[row]
+
+
+def test_penalties_touch_only_their_tokens_with_the_whole_row_arithmetic() -> None:
+    # The sparse update gives every logit the bits of the dense definition over the row.
+    vocab, prompt = 4 * PREFIX_TOKENS, [5, 9, 9, 700, 4000]
+    generated = [9, 12, 12, 12, 3000]
+    params = SamplingParams(
+        max_tokens=8, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=-0.7
+    )
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    penalties = Penalties.of(params, prompt, CPU)
+    assert penalties is not None
+    for token in generated:
+        penalties.add(token)
+    adjusted = logits.clone()
+    apply_penalties(adjusted, [None, penalties])
+    expected = logits[1].clone()
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[prompt + generated] = True
+    penalty = torch.tensor(1.3)
+    expected = torch.where(
+        seen, torch.where(expected > 0, expected / penalty, expected * penalty), expected
+    )
+    counts = torch.bincount(torch.tensor(generated), minlength=vocab).float()
+    expected = expected - torch.tensor(-0.7) * counts - torch.tensor(0.4) * (counts > 0).float()
+    assert torch.equal(adjusted[0], logits[0]) and torch.equal(adjusted[1], expected)

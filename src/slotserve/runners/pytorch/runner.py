@@ -226,9 +226,7 @@ class TorchRunner:
         if params.embed:  # pooled, never sampled
             self._samplers.pop(slot, None)
             return
-        self._samplers[slot] = new_sequence_sampler(
-            params, prompt_token_ids, seed, self.config.vocab_size, self.device
-        )
+        self._samplers[slot] = new_sequence_sampler(params, prompt_token_ids, seed, self.device)
 
     def remove_sequence(self, slot: int) -> None:
         self._samplers.pop(slot, None)

@@ -1,10 +1,8 @@
 """Batched sampling on the device, one row per sequence that needs a token.
 
 Order, as vLLM applies it: logit bias → penalties → structured-output mask → (greedy: argmax)
-→ temperature → top-k → top-p → min-p → draw. Penalties follow OpenAI / vLLM: presence and
-frequency count generated tokens; the repetition penalty (divide positive logits, multiply
-negative ones) counts prompt and generated tokens. Log-probabilities come from the raw
-logits, before any of this.
+→ temperature → top-k → top-p → min-p → draw; the penalties are ``penalties.py``'s.
+Log-probabilities come from the raw logits, before any of this.
 
 Every stage is one batched operation over the rows that need it (a row's parameters gathered
 into tensors), not a loop over rows: a GPU launches a handful of kernels per step whatever the
@@ -27,6 +25,7 @@ from slotserve.engine.decoding.structured_output import allowed_mask
 from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
+from slotserve.runners.pytorch.step.penalties import Penalties, apply_penalties
 
 PREFIX_TOKENS = 1024  # the most likely tokens a filtered draw orders before the whole row
 
@@ -37,8 +36,7 @@ class SequenceSampler:
 
     params: SamplingParams
     generator: torch.Generator | None  # a seeded sequence's own stream; None: the shared one
-    output_counts: torch.Tensor | None  # [vocab] generated-token counts (presence/frequency)
-    seen: torch.Tensor | None  # [vocab] bool: in the prompt or generated (repetition)
+    penalties: Penalties | None
     bias_ids: torch.Tensor | None
     bias_values: torch.Tensor | None
 
@@ -47,24 +45,18 @@ def new_sequence_sampler(
     params: SamplingParams,
     prompt_token_ids: Sequence[int],
     seed: int | None,
-    vocab_size: int,
     device: torch.device,
 ) -> SequenceSampler:
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed % (2**63))
-    counts = seen = bias_ids = bias_values = None
-    if params.presence_penalty or params.frequency_penalty:
-        counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        if prompt_token_ids:
-            seen[torch.tensor(list(prompt_token_ids), device=device)] = True
+    bias_ids = bias_values = None
     if params.logit_bias:
         bias_ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
         bias_values = torch.tensor([b for _, b in params.logit_bias], device=device)
-    return SequenceSampler(params, generator, counts, seen, bias_ids, bias_values)
+    penalties = Penalties.of(params, prompt_token_ids, device)
+    return SequenceSampler(params, generator, penalties, bias_ids, bias_values)
 
 
 def sample(
@@ -82,7 +74,7 @@ def sample(
     if masked or any(_modifies(s.params) for s in samplers):
         adjusted = logits.clone()
         _apply_bias(adjusted, samplers)
-        _apply_penalties(adjusted, samplers)
+        apply_penalties(adjusted, [s.penalties for s in samplers])
     if masked:
         vocab = logits.shape[-1]
         keep = np.stack([allowed_mask(allowed[row], vocab) for row in masked])  # type: ignore[arg-type]
@@ -156,24 +148,6 @@ def _apply_bias(adjusted: torch.Tensor, samplers: Sequence[SequenceSampler]) -> 
     ids = torch.cat([s.bias_ids for _, s in biased])  # type: ignore[misc]
     values = torch.cat([s.bias_values for _, s in biased])  # type: ignore[misc]
     adjusted.index_put_((rows, ids), values.to(adjusted.dtype), accumulate=True)
-
-
-def _apply_penalties(adjusted: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
-    device = adjusted.device
-    repeating = [row for row, s in enumerate(samplers) if s.seen is not None]
-    if repeating:
-        seen = torch.stack([samplers[row].seen for row in repeating])  # type: ignore[misc]
-        penalty = _column([samplers[row].params.repetition_penalty for row in repeating], device)
-        part = adjusted[repeating]
-        penalised = torch.where(part > 0, part / penalty, part * penalty)
-        adjusted[repeating] = torch.where(seen, penalised, part)
-    counting = [row for row, s in enumerate(samplers) if s.output_counts is not None]
-    if counting:
-        counts = torch.stack([samplers[row].output_counts for row in counting])  # type: ignore[misc]
-        frequency = _column([samplers[row].params.frequency_penalty for row in counting], device)
-        presence = _column([samplers[row].params.presence_penalty for row in counting], device)
-        part = adjusted[counting] - frequency * counts
-        adjusted[counting] = part - presence * (counts > 0).float()
 
 
 def _uniforms(samplers: Sequence[SequenceSampler], device: torch.device) -> torch.Tensor:
@@ -279,11 +253,9 @@ def _draw_ordered(
 
 def _count(samplers: Sequence[SequenceSampler], token_ids: list[int]) -> None:
     """The penalties' state takes each sampled token."""
-    for row, s in enumerate(samplers):
-        if s.output_counts is not None:
-            s.output_counts[token_ids[row]] += 1
-        if s.seen is not None:
-            s.seen[token_ids[row]] = True
+    for s, token in zip(samplers, token_ids, strict=True):
+        if s.penalties is not None:
+            s.penalties.add(token)
 
 
 def _with_logprobs(
