@@ -113,7 +113,9 @@ class Projection(nn.Linear):
         if self.invariant:
             return invariant_linear(x, self.weight, self.bias)
         if self.kernels is not None:
-            rows = x.reshape(-1, x.shape[-1])
+            # The decoder's rows come flat: each of a step's hundred-odd calls then skips a
+            # reshape and a view back, a fair share of a small projection's time.
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
             if self.quant_parts is not None:
@@ -123,7 +125,7 @@ class Projection(nn.Linear):
                 out = self.kernels.linear(
                     rows, self.kernel_weight, self.kernel_bias, self.out_features
                 )
-            return out.view(*x.shape[:-1], self.out_features)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         if self.chunks is None:
