@@ -266,7 +266,7 @@ def _with_logprobs(
     asking = [row for row, s in enumerate(samplers) if s.params.logprobs is not None]
     if not asking:
         return [SampledToken(t) for t in token_ids]
-    logprobs = torch.log_softmax(logits[asking], dim=-1)
+    logprobs = torch.log_softmax(_rows(logits, asking), dim=-1)
     picked = logprobs.gather(
         1, torch.tensor([token_ids[r] for r in asking], device=logits.device)[:, None]
     )
