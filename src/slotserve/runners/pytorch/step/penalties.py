@@ -10,6 +10,7 @@ arithmetic as over the whole row.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,37 +21,35 @@ from slotserve.engine.sampling_params import SamplingParams
 
 @dataclass
 class TokenIds:
-    """Distinct token ids in the order first met (``ids``, a device tensor to index with) and
-    how many times each was met (``counts``, float32, aligned with ``ids``)."""
+    """Distinct token ids in the order first met (``ids``, a device tensor to index with) and,
+    where they are counted (presence and frequency), how many times each was met (``counts``,
+    float32, aligned with ``ids``; None for the repetition penalty, which only asks whether)."""
 
     positions: dict[int, int]  # token id → its place in ids
     ids: torch.Tensor
-    counts: torch.Tensor
+    counts: torch.Tensor | None
 
     @classmethod
-    def of(cls, tokens: Sequence[int], device: torch.device) -> TokenIds:
-        positions: dict[int, int] = {}
-        counts: list[float] = []
-        for token in tokens:
-            at = positions.setdefault(token, len(positions))
-            if at == len(counts):
-                counts.append(0.0)
-            counts[at] += 1.0
-        return cls(
-            positions,
-            torch.tensor(list(positions), dtype=torch.int64, device=device),
-            torch.tensor(counts, dtype=torch.float32, device=device),
-        )
+    def of(cls, tokens: Sequence[int], device: torch.device, counted: bool = False) -> TokenIds:
+        times = Counter(tokens)
+        positions = {token: at for at, token in enumerate(times)}
+        counts = None
+        if counted:
+            counts = torch.tensor(list(times.values()), dtype=torch.float32, device=device)
+        return cls(positions, torch.tensor(list(times), dtype=torch.int64, device=device), counts)
 
     def add(self, token: int) -> None:
         at = self.positions.get(token)
-        if at is not None:
+        if at is None:
+            self.positions[token] = len(self.positions)
+            device = self.ids.device
+            new = torch.tensor([token], dtype=torch.int64, device=device)
+            self.ids = torch.cat([self.ids, new])
+            if self.counts is not None:
+                one = torch.ones(1, dtype=torch.float32, device=device)
+                self.counts = torch.cat([self.counts, one])
+        elif self.counts is not None:
             self.counts[at] += 1.0
-            return
-        self.positions[token] = len(self.positions)
-        device = self.ids.device
-        self.ids = torch.cat([self.ids, torch.tensor([token], dtype=torch.int64, device=device)])
-        self.counts = torch.cat([self.counts, torch.ones(1, dtype=torch.float32, device=device)])
 
 
 @dataclass
@@ -77,7 +76,7 @@ class Penalties:
             params.presence_penalty,
             params.frequency_penalty,
             TokenIds.of(prompt_token_ids, device) if repeating else None,
-            TokenIds.of((), device) if counting else None,
+            TokenIds.of((), device, counted=True) if counting else None,
         )
 
     def add(self, token: int) -> None:
@@ -94,11 +93,16 @@ def apply_penalties(adjusted: torch.Tensor, penalties: Sequence[Penalties | None
     device = adjusted.device
     repeating: list[tuple[int, Penalties, TokenIds]] = []
     counting: list[tuple[int, Penalties, TokenIds]] = []
+    counted: list[torch.Tensor] = []  # counting's counts, in its order
     for row, p in enumerate(penalties):
-        if p is not None and p.seen is not None and p.seen.positions:
+        if p is None:
+            continue
+        if p.seen is not None and p.seen.positions:
             repeating.append((row, p, p.seen))
-        if p is not None and p.generated is not None and p.generated.positions:
-            counting.append((row, p, p.generated))
+        generated = p.generated
+        if generated is not None and generated.positions and generated.counts is not None:
+            counting.append((row, p, generated))
+            counted.append(generated.counts)
     if repeating:
         rows, ids = _places(repeating)
         penalty = _spread([(p.repetition, seen) for _, p, seen in repeating], device)
@@ -106,7 +110,7 @@ def apply_penalties(adjusted: torch.Tensor, penalties: Sequence[Penalties | None
         adjusted[rows, ids] = torch.where(part > 0, part / penalty, part * penalty)
     if counting:
         rows, ids = _places(counting)
-        counts = torch.cat([generated.counts for _, _, generated in counting])
+        counts = torch.cat(counted)
         frequency = _spread([(p.frequency, generated) for _, p, generated in counting], device)
         presence = _spread([(p.presence, generated) for _, p, generated in counting], device)
         part = adjusted[rows, ids] - frequency * counts
