@@ -96,11 +96,13 @@ def run(
     decode_tokens, decode_seconds = 0, 0.0
     profiler = None
     while core.has_work:
+        # Known before the step: the one that ends the last prompt also yields its first token.
+        decoding = all_decoding(core, batch)
         started = time.perf_counter()
         outputs = core.step()
         elapsed = time.perf_counter() - started
         produced = sum(len(d.token_ids) for o in outputs for d in o.deltas)
-        if all_decoding(core, batch):
+        if decoding:
             decode_tokens += produced
             decode_seconds += elapsed
             if profile and profiler is None:
