@@ -6,12 +6,15 @@ have ``--max-tokens`` tokens.
 Reports decode tokens/s (prefill steps excluded) per batch size; with ``--profile`` the torch
 profiler's top operators for the largest batch, and with ``--step-times`` where a decode step's
 time goes (each CPU kernel and the projections timed around their Python calls: the profiler
-sees neither the kernels nor, inside them, the GEMM). Used to A/B runner changes before the
-server-level benchmarks (``slotserve bench runners``).
+sees neither the kernels nor, inside them, the GEMM); with ``--paired-sum`` one sequence's
+steps each beside a sum of the bytes it reads (``--rounds 0`` skips the throughput runs).
+Used to A/B runner changes before the server-level benchmarks (``slotserve bench runners``).
 
     python benchmarks/engine_steps.py --runner torch --batch-sizes 1 16 64 --max-tokens 64
     python benchmarks/engine_steps.py --model ~/.cache/slotserve/models/llama-3.2-1b-Q4_K_M.gguf \
         --batch-sizes 1 16 --max-tokens 32 [--quantization none]
+    python benchmarks/engine_steps.py --model FILE --batch-sizes 1 --prompt-len 16384 \
+        --max-tokens 64 --rounds 0 --paired-sum
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
@@ -171,6 +177,43 @@ def step_times(
     return {"batch": batch, **{k: round(v, 2) for k, v in result.items()}}
 
 
+def weight_bytes(model: Path) -> int:
+    """The bytes of a GGUF file or of an HF folder's safetensors: what one decode row reads."""
+    if model.is_file():
+        return model.stat().st_size
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def paired_sum(core: EngineCore, model: Path, max_tokens: int, prompt_len: int) -> dict[str, float]:
+    """One sequence's decode steps, each after a float32 sum over as many bytes as the step
+    reads (the weights and its context's KV): the share of the read floor a step reaches,
+    measured beside the box's read rate of the moment (a shared VM's swings by 2×)."""
+    context = prompt_len + max_tokens // 2
+    step_bytes = weight_bytes(model) + context * core.model_info.kv_bytes_per_token
+    block = torch.ones(step_bytes // 4)
+    admit(core, 1, max_tokens, 11, prompt_len)
+    while not all_decoding(core, 1):
+        core.step()
+    block.sum()
+    sums, steps = [], []
+    while core.has_work:
+        started = time.perf_counter()
+        block.sum()
+        sums.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        core.step()
+        steps.append(time.perf_counter() - started)
+    shares = sorted(s / d for s, d in zip(sums, steps, strict=True))
+    return {
+        "step_gb": round(step_bytes / 1e9, 3),
+        "step_ms": round(1e3 * statistics.median(steps), 2),
+        "sum_gb_s": round(step_bytes / 1e9 / statistics.median(sums), 1),
+        "floor_share": round(statistics.median(shares), 3),
+        "floor_share_p10": round(shares[len(shares) // 10], 3),
+        "floor_share_p90": round(shares[len(shares) * 9 // 10], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runner", choices=["torch", "llama.cpp"], default="torch")
@@ -187,6 +230,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch: the plain-torch path (reference)"
+    )
+    parser.add_argument(
+        "--paired-sum",
+        action="store_true",
+        help="one sequence's steps against a sum of the bytes each reads (the floor's share)",
     )
     parser.add_argument("--model", type=Path, help="a GGUF file or HF folder (default: embedded)")
     parser.add_argument("--quantization", default="auto", help="torch: as serve's flag")
@@ -216,6 +264,10 @@ def main() -> None:
         for batch in args.batch_sizes:
             times = step_times(core, batch, args.max_tokens, args.prompt_len)
             print(json.dumps(times), flush=True)
+    if args.paired_sum:
+        model = args.model or embedded_model_path()
+        floor = paired_sum(core, model, args.max_tokens, args.prompt_len)
+        print(json.dumps(floor), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
 
