@@ -7,6 +7,8 @@ Nothing here imports a backend."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
 
 from slotserve.options import option, parse_bytes, repeated_option
@@ -28,6 +30,17 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # --kv-cache-dtype: the model's own type, or int8 rows with a scale each
 # (``pytorch/model/kv_int8.py``).
 KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def parse_json_object(text: str) -> str:
+    """``text`` if it is a JSON object (kept as text: options stay plain and hashable)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +134,17 @@ class TorchConfig(RunnerCommon):
         aliases=("--context-length",),
         help="torch: tokens one sequence may hold (default: min(trained context, 4096), or "
         "--ctx-size / slots); on the llama.cpp runner it sets --ctx-size to slots × this",
+    )
+    hf_overrides: str | None = option(
+        None,
+        parse=parse_json_object,
+        aliases=("--json-model-override-args",),
+        metavar="JSON",
+        help="torch: a JSON object laid over the model's configuration before it is read "
+        "(vLLM's flag; SGLang's --json-model-override-args), as HF's config.json names it "
+        '(a GGUF\'s settings read as those names): \'{"rope_scaling": {"rope_type": '
+        '"yarn", "factor": 2.0}}\' stretches RoPE past the trained context for a longer '
+        "--max-model-len",
     )
     kv_memory: int | None = option(
         None,

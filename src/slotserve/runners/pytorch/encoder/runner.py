@@ -40,7 +40,7 @@ from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.pooling import PromptPools
 from slotserve.runners.pytorch.encoder import cross_encoder
 from slotserve.runners.pytorch.families.base import score_activation
-from slotserve.runners.pytorch.families.registry import ENCODERS
+from slotserve.runners.pytorch.families.registry import ENCODERS, with_overrides
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.settings import TORCH_DTYPES, TorchLoadConfig
 
@@ -63,7 +63,7 @@ class EncoderRunner:
         started = time.monotonic()
         path = load.model_path
         checkpoint = HfFolder(path)
-        raw = checkpoint.raw_config
+        raw = with_overrides(checkpoint.raw_config, json.loads(load.hf_overrides or "{}"))
         family = ENCODERS.get(str(raw.get("model_type")))
         if family is None:
             raise ValueError(

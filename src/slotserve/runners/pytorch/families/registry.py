@@ -72,8 +72,27 @@ def vision_of(raw: Mapping[str, Any]) -> Vision | None:
     return family.vision
 
 
-def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
-    """Validates an HF ``config.json`` (already parsed) without touching any weight."""
+def with_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``overrides``' keys laid over it (``--hf-overrides``). A ``rope_scaling``
+    given where the config keeps its rotary settings as transformers 5's ``rope_parameters``
+    joins those, which would otherwise be read first (and hold its ``rope_theta``)."""
+    merged = {**raw, **overrides}
+    parameters = raw.get("rope_parameters")
+    if "rope_scaling" in overrides and "rope_parameters" not in overrides and parameters:
+        if "full_attention" not in parameters:
+            merged["rope_parameters"] = {**parameters, **overrides["rope_scaling"]}
+        else:  # per layer type (Gemma 3): the full-attention layers' settings
+            full = {**parameters["full_attention"], **overrides["rope_scaling"]}
+            merged["rope_parameters"] = {**parameters, "full_attention": full}
+    return merged
+
+
+def config_from_hf(
+    raw: Mapping[str, Any], name: str, overrides: Mapping[str, Any] | None = None
+) -> ModelConfig:
+    """Validates an HF ``config.json`` (already parsed) without touching any weight;
+    ``overrides`` (``--hf-overrides``) are laid over the decoder's settings (a multimodal
+    checkpoint's ``text_config``)."""
     model_type = raw.get("model_type")
     family = DECODERS.get(str(model_type))
     if family is None:
@@ -88,6 +107,8 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
         raw = {**raw["text_config"], "model_type": model_type}
         if tied is not None:
             raw["tie_word_embeddings"] = tied
+    if overrides:
+        raw = with_overrides(raw, overrides)
     if is_sequence_classifier(raw):
         # A sequence classifier has a score head instead of an LM head (``step/score_head.py``);
         # the head tied to the embeddings costs nothing and is never read.
@@ -95,7 +116,9 @@ def config_from_hf(raw: Mapping[str, Any], name: str) -> ModelConfig:
     return family.config(HfConfig(raw, name, str(model_type)))
 
 
-def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
+def config_from_gguf(
+    metadata: Mapping[str, Any], name: str, overrides: Mapping[str, Any] | None = None
+) -> ModelConfig:
     """The same, from GGUF metadata (``general.architecture`` and ``<arch>.*`` keys): read as
     the ``config.json`` it was converted from."""
     arch = str(metadata.get("general.architecture"))
@@ -109,4 +132,4 @@ def config_from_gguf(metadata: Mapping[str, Any], name: str) -> ModelConfig:
     keys = GgufKeys(metadata, arch, name)
     raw = gguf_common_keys(keys, model_type)
     raw |= family.gguf_config(keys, raw)
-    return config_from_hf(raw, name)
+    return config_from_hf(raw, name, overrides)

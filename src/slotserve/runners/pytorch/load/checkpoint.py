@@ -59,14 +59,14 @@ class Checkpoint(Protocol):
         ...
 
 
-def open_checkpoint(path: Path) -> Checkpoint:
-    """``path``: a ``.gguf`` file, or an HF folder."""
-    return GgufFile(path) if path.is_file() else HfFolder(path)
+def open_checkpoint(path: Path, overrides: str = "") -> Checkpoint:
+    """``path``: a ``.gguf`` file, or an HF folder; ``overrides``: ``--hf-overrides``."""
+    return GgufFile(path, overrides) if path.is_file() else HfFolder(path, overrides)
 
 
-def read_model_config(path: Path) -> ModelConfig:
+def read_model_config(path: Path, overrides: str = "") -> ModelConfig:
     """The checkpoint's configuration, checked, without reading a weight."""
-    return open_checkpoint(path).config
+    return open_checkpoint(path, overrides).config
 
 
 def sampling_defaults(path: Path) -> SamplingDefaults:

@@ -7,6 +7,7 @@ there."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class GgufFile:
     """Nothing is read until it is asked for; the header is parsed once."""
 
     path: Path
+    overrides: str = ""  # --hf-overrides: a JSON object laid over the settings, by HF names
 
     @property
     def name(self) -> str:
@@ -53,7 +55,8 @@ class GgufFile:
 
     @cached_property
     def config(self) -> ModelConfig:
-        return config_from_gguf(gguf_metadata(self.header), self.name)
+        overrides = json.loads(self.overrides or "{}")
+        return config_from_gguf(gguf_metadata(self.header), self.name, overrides)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return gguf_tensors(self.header, self.config)

@@ -86,8 +86,8 @@ class ModelShard:
                 config.name,
                 ""
                 if config.rope_scaling.kind != "default"
-                else ": its config sets no rope_scaling (such as YaRN), so replies past them "
-                "may degrade",
+                else ": its config sets no rope_scaling (such as YaRN, which --hf-overrides "
+                "can lay over it), so replies past them may degrade",
             )
 
         with torch.device(device):
