@@ -159,3 +159,21 @@ def test_penalties_touch_only_their_tokens_with_the_whole_row_arithmetic() -> No
     counts = torch.bincount(torch.tensor(generated), minlength=vocab).float()
     expected = expected - torch.tensor(-0.7) * counts - torch.tensor(0.4) * (counts > 0).float()
     assert torch.equal(adjusted[0], logits[0]) and torch.equal(adjusted[1], expected)
+
+
+def test_greedy_rows_take_torch_s_argmax_ties_and_nan_included() -> None:
+    # The first of tied largest values, a NaN as the largest, rows of -inf: as torch.argmax.
+    logits = torch.randn(8, 4096, generator=torch.Generator().manual_seed(3))
+    logits[1, [10, 900, 4000]] = 50.0
+    logits[2, [5, 77]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 4095] = float("inf")
+    logits[5, :] = 0.0
+    logits[5, 7] = -0.0
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[1:4] == [10, 5, 0]
+    greedy = [_sampler(temperature=0.0) for _ in range(8)]
+    assert [t.token_id for t in sample(logits, greedy)] == expected
+    # Beside a drawing row, the greedy ones still take the argmax.
+    mixed = [*greedy[:7], _sampler(seed=1, temperature=1.0)]
+    assert [t.token_id for t in sample(logits, mixed)][:7] == expected[:7]

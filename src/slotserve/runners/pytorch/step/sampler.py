@@ -68,7 +68,7 @@ def sample(
     given and not None, is row ``i``'s structured-output bitmask (``ScheduledChunk``)."""
     masked = [row for row, mask in enumerate(allowed) if mask is not None]
     if not masked and all(_plain_greedy(s) for s in samplers):
-        return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+        return [SampledToken(t) for t in _first_largest(logits).tolist()]
     device = logits.device
     adjusted = logits
     if masked or any(_modifies(s.params) for s in samplers):
@@ -84,12 +84,22 @@ def sample(
     if len(drawn) == len(samplers):
         chosen = _draw(adjusted, samplers)
     else:
-        chosen = adjusted.argmax(dim=-1)
+        chosen = _first_largest(adjusted)
         if drawn:
             chosen[drawn] = _draw(adjusted[drawn], [samplers[i] for i in drawn])
     token_ids = chosen.tolist()
     _count(samplers, token_ids)
     return _with_logprobs(logits, samplers, token_ids)
+
+
+def _first_largest(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the index of its first largest value (a NaN counting as the largest),
+    as torch gives it. On the CPU through numpy, whose reduction is vectorized where torch's
+    CPU argmax walks each row element by element: a greedy step's largest cost past the
+    forward at many rows."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def sample_chunks(
