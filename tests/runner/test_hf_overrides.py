@@ -1,13 +1,13 @@
 """``--hf-overrides`` (vLLM's flag): a JSON object laid over a checkpoint's configuration before
 the PyTorch runner reads it, an HF folder's or a GGUF file's alike; a bad one is a usage error;
-YaRN laid over the embedded model serves a context past the one it was trained on."""
+YaRN laid over the embedded model serves a context past the one it was trained on
+(test_rotary_scaling.py: how a rope_scaling joins transformers 5's rope_parameters)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.core_request import EngineCoreRequest
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.runners.options import parse_json_object
-from slotserve.runners.pytorch.families.registry import config_from_hf, with_overrides
 from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
 from slotserve.runners.pytorch.model.config import RopeScaling, UnsupportedModelError
 from slotserve.runners.pytorch.model.rotary import rotary_tables
@@ -44,30 +43,6 @@ def test_a_gguf_file_reads_the_overrides_by_hf_names(model_path: Path) -> None:
 def test_an_hf_folder_reads_them_too(hf_checkpoint: Path) -> None:
     config = open_checkpoint(hf_checkpoint, json.dumps(YARN)).config
     assert config.rope_scaling.kind == "yarn" and config.rope_scaling.factor == 2.0
-
-
-def _llama(**rest: Any) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 1,
-        "vocab_size": 128,
-        "max_position_embeddings": 4096,
-        **rest,
-    }
-
-
-def test_rope_scaling_joins_transformers_5_rope_parameters() -> None:
-    # Read first, rope_parameters would hide a rope_scaling laid beside it; its theta stays.
-    raw = _llama(rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    config = config_from_hf(raw, "m", YARN)
-    assert config.rope_scaling.kind == "yarn" and config.rope_theta == 50000.0
-    per_layer = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
-    merged = with_overrides({"rope_parameters": per_layer}, YARN)
-    assert merged["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
-    assert merged["rope_parameters"]["sliding_attention"] == {"rope_theta": 1e4}
 
 
 def test_an_unknown_scaling_laid_over_is_refused_by_name(model_path: Path) -> None:
