@@ -93,16 +93,11 @@ def apply_penalties(adjusted: torch.Tensor, penalties: Sequence[Penalties | None
     device = adjusted.device
     repeating: list[tuple[int, Penalties, TokenIds]] = []
     counting: list[tuple[int, Penalties, TokenIds]] = []
-    counted: list[torch.Tensor] = []  # counting's counts, in its order
     for row, p in enumerate(penalties):
-        if p is None:
-            continue
-        if p.seen is not None and p.seen.positions:
+        if p is not None and p.seen is not None and p.seen.positions:
             repeating.append((row, p, p.seen))
-        generated = p.generated
-        if generated is not None and generated.positions and generated.counts is not None:
-            counting.append((row, p, generated))
-            counted.append(generated.counts)
+        if p is not None and p.generated is not None and p.generated.positions:
+            counting.append((row, p, p.generated))
     if repeating:
         rows, ids = _places(repeating)
         penalty = _spread([(p.repetition, seen) for _, p, seen in repeating], device)
@@ -110,11 +105,18 @@ def apply_penalties(adjusted: torch.Tensor, penalties: Sequence[Penalties | None
         adjusted[rows, ids] = torch.where(part > 0, part / penalty, part * penalty)
     if counting:
         rows, ids = _places(counting)
-        counts = torch.cat(counted)
+        counts = torch.cat([_counts(generated) for _, _, generated in counting])
         frequency = _spread([(p.frequency, generated) for _, p, generated in counting], device)
         presence = _spread([(p.presence, generated) for _, p, generated in counting], device)
         part = adjusted[rows, ids] - frequency * counts
-        adjusted[rows, ids] = part - presence * (counts > 0).float()
+        # Every generated token was met at least once: the dense form's presence · (count > 0)
+        # is presence · 1, the same bits.
+        adjusted[rows, ids] = part - presence
+
+
+def _counts(tokens: TokenIds) -> torch.Tensor:
+    assert tokens.counts is not None, "presence and frequency count their tokens"
+    return tokens.counts
 
 
 def _places(
