@@ -59,12 +59,12 @@ class Checkpoint(Protocol):
         ...
 
 
-def open_checkpoint(path: Path, overrides: str = "") -> Checkpoint:
+def open_checkpoint(path: Path, overrides: str | None = None) -> Checkpoint:
     """``path``: a ``.gguf`` file, or an HF folder; ``overrides``: ``--hf-overrides``."""
     return GgufFile(path, overrides) if path.is_file() else HfFolder(path, overrides)
 
 
-def read_model_config(path: Path, overrides: str = "") -> ModelConfig:
+def read_model_config(path: Path, overrides: str | None = None) -> ModelConfig:
     """The checkpoint's configuration, checked, without reading a weight."""
     return open_checkpoint(path, overrides).config
 

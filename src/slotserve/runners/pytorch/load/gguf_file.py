@@ -33,7 +33,7 @@ class GgufFile:
     """Nothing is read until it is asked for; the header is parsed once."""
 
     path: Path
-    overrides: str = ""  # --hf-overrides: a JSON object laid over the settings, by HF names
+    overrides: str | None = None  # --hf-overrides: JSON laid over the settings, by HF names
 
     @property
     def name(self) -> str:
@@ -55,7 +55,7 @@ class GgufFile:
 
     @cached_property
     def config(self) -> ModelConfig:
-        overrides = json.loads(self.overrides or "{}")
+        overrides = json.loads(self.overrides) if self.overrides else None
         return config_from_gguf(gguf_metadata(self.header), self.name, overrides)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

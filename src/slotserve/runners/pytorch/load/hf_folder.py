@@ -30,7 +30,7 @@ class HfFolder:
     """Nothing is read until it is asked for."""
 
     path: Path
-    overrides: str = ""  # --hf-overrides: a JSON object laid over config.json's settings
+    overrides: str | None = None  # --hf-overrides: a JSON object laid over config.json's settings
 
     @property
     def name(self) -> str:
@@ -46,7 +46,8 @@ class HfFolder:
 
     @cached_property
     def config(self) -> ModelConfig:
-        return config_from_hf(self.raw_config, self.name, json.loads(self.overrides or "{}"))
+        overrides = json.loads(self.overrides) if self.overrides else None
+        return config_from_hf(self.raw_config, self.name, overrides)
 
     @property
     def vision(self) -> Vision | None:
