@@ -219,3 +219,11 @@ def require_batch_invariance(runner: Runner) -> None:
         pytest.skip(
             f"{compute.kernels} is not batch-invariant on this CPU ({compute.cpu_features})"
         )
+
+
+@pytest.fixture(scope="session")
+def vl_folder(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL folder on the SmolLM2 checkpoint's text weights."""
+    from slotserve.bench.vision_model import qwen_vl_folder
+
+    return qwen_vl_folder(hf_checkpoint, tmp_path_factory.mktemp("qwen-vl"))

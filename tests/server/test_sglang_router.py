@@ -3,13 +3,12 @@ calls, in SGLang's shapes, against real servers; then the real gateway (``cache_
 front of two real workers, with a multi-prefix workload sent through it by the openai client.
 
 The first worker runs its engine in a process (the default), the second on a thread of the
-server (``--no-engine-process``), so both ways a flush reaches the engine core are exercised;
-the fake runner checks them too, with either kind of prefix cache, without a model.
+server (``--no-engine-process``), so both ways a flush reaches the engine core are exercised
+(``tests/engine/test_flush_prefix_cache.py`` checks them without a model).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import subprocess
 from collections.abc import Iterator
@@ -22,15 +21,7 @@ import openai
 import pytest
 
 from slotserve import parent_death
-from slotserve.engine.client.async_engine import AsyncEngine
-from slotserve.engine.client.mp_client import MPClient
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.engine_core import EngineCore
-from slotserve.engine.core_request import EngineCoreRequest
-from slotserve.engine.errors import EngineDeadError
-from slotserve.engine.sampling_params import SamplingParams
 from tests.conftest import ServerProcess, _free_port, start_server, stop_server, wait_until
-from tests.fake_runner import FakeRunner, FakeSpec
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SLOTS, CTX = 2, 4096
@@ -130,45 +121,6 @@ def router(
         yield proc
     finally:
         stop_server(proc)  # terminate, wait, kill after 20 s
-
-
-# ---- the flush's path to the engine core, over the fake runner ----------------------------
-
-
-@pytest.mark.parametrize("options", [{}, {"kv_pool_blocks": 64}], ids=["slot-streams", "paged"])
-@pytest.mark.parametrize("where", ["thread", "process"])
-def test_a_flush_reaches_the_core_and_is_refused_once_it_stops(
-    options: dict[str, Any], where: str
-) -> None:
-    config = EngineConfig(num_slots=2)
-
-    async def main() -> tuple[int, int, int]:
-        if where == "thread":
-            runner = FakeRunner(**options)
-            engine = await AsyncEngine.launch(lambda: EngineCore(runner, config))
-        else:
-            spec = FakeSpec(options)
-            engine = await AsyncEngine.connect(
-                lambda deliver: MPClient.launch(spec, config, deliver)
-            )
-        try:
-            prompt = list(b"a prompt long enough to be worth caching")
-            async for _ in engine.generate(
-                EngineCoreRequest("a", prompt, SamplingParams(max_tokens=3))
-            ):
-                pass
-            cached = engine.stats.prefix_cache.cached_tokens
-            freed = await engine.flush_prefix_cache()
-            left = engine.stats.prefix_cache.cached_tokens  # published before the answer
-            assert engine.stats.integrity_failures == 0
-        finally:
-            await engine.shutdown()
-        with pytest.raises(EngineDeadError):
-            await engine.flush_prefix_cache()
-        return cached, freed, left
-
-    cached, freed, left = asyncio.run(asyncio.wait_for(main(), timeout=60))
-    assert cached > 0 and freed == cached and left == 0
 
 
 # ---- the worker routes, raw HTTP against a real server ------------------------------------
