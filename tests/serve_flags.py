@@ -120,6 +120,10 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("replica_routing", ("--replica-routing",), "REPLICA_ROUTING", "prefix"),
     ("replicas", ("--replicas",), "REPLICAS", 0),
     ("request_timeout", ("--request-timeout",), "REQUEST_TIMEOUT", 600.0),
+    ("rope_freq_base", ("--rope-freq-base",), "ROPE_FREQ_BASE", 0.0),
+    ("rope_scale", ("--rope-scale",), "ROPE_SCALE", 0.0),
+    ("rope_scaling", ("--rope-scaling",), "ROPE_SCALING", None),
+    ("yarn_orig_ctx", ("--yarn-orig-ctx",), "YARN_ORIG_CTX", 0),
     (
         "routing_imbalance_threshold",
         ("--routing-imbalance-threshold",),
@@ -171,6 +175,7 @@ ENV_VALUES: dict[str, tuple[str, Any]] = {
     "LOAD_FORMAT": ("dummy", "dummy"),
     "KV_CACHE_DTYPE": ("int8", "int8"),
     "HF_OVERRIDES": ('{"rope_theta": 5e5}', '{"rope_theta": 5e5}'),
+    "ROPE_SCALING": ("yarn", "yarn"),
     "LOG_LEVEL": ("debug", "debug"),
     "REPLICA_ROUTING": ("pow2", "pow2"),
     "TOOL_CALL_PARSER": ("hermes", "hermes"),

@@ -90,7 +90,6 @@ def test_offloaded_layers_take_their_share_of_the_estimate(
         ("--attention-backend", "triton"),
         ("--batch-invariant",),
         ("--enforce-eager",),
-        ("--hf-overrides", '{"rope_theta": 500000}'),
     ],
 )
 def test_pytorch_runner_settings_are_refused_by_the_llama_cpp_runner(

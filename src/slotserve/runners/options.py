@@ -30,6 +30,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # --kv-cache-dtype: the model's own type, or int8 rows with a scale each
 # (``pytorch/model/kv_int8.py``).
 KV_CACHE_DTYPES = ("auto", "int8")
+# --rope-scaling: llama-server's methods (``rope.py``).
+ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
 def parse_json_object(text: str) -> str:
@@ -45,7 +47,9 @@ def parse_json_object(text: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RunnerCommon:
-    """What every runner takes: which runner, its threads, its recurrent-state snapshots."""
+    """What every runner takes: which runner, its threads, its recurrent-state snapshots, its
+    adapters, and what it lays over the model's configuration (RoPE's settings above all:
+    ``rope.py``)."""
 
     runner: str = option(
         "auto",
@@ -66,6 +70,36 @@ class RunnerCommon:
         help="LoRA adapters loaded with the model, each served as model NAME (vLLM's flag; a "
         "JSON object with name and path works too): PEFT folders on torch, GGUF adapter files "
         "on llama.cpp; more load at run time through POST /v1/load_lora_adapter",
+    )
+    hf_overrides: str | None = option(
+        None,
+        parse=parse_json_object,
+        aliases=("--json-model-override-args",),
+        metavar="JSON",
+        help="a JSON object laid over the model's configuration before it is read (vLLM's "
+        "flag; SGLang's --json-model-override-args), as HF's config.json names it (a GGUF's "
+        'settings read as those names): \'{"rope_scaling": {"rope_type": "yarn", "factor": '
+        "2.0}}' stretches RoPE past the trained context for a longer --max-model-len; the "
+        "llama.cpp runner takes only rope_scaling (linear, yarn) and rope_theta",
+    )
+    rope_scaling: str | None = option(
+        None,
+        choices=ROPE_SCALINGS,
+        help="RoPE scaling laid over the model's (llama-server's flag; in HF's words, "
+        "--hf-overrides' rope_scaling): linear or yarn, stretching by --rope-scale; none: "
+        "no scaling",
+    )
+    rope_scale: float = option(
+        0.0, ge=0, help="the factor --rope-scaling stretches the context by (llama-server's flag)"
+    )
+    rope_freq_base: float = option(
+        0.0, ge=0, help="RoPE's base frequency, theta (llama-server's flag; default: the model's)"
+    )
+    yarn_orig_ctx: int = option(
+        0,
+        ge=0,
+        help="YaRN: the context the model was trained on (llama-server's flag; default: the "
+        "model's own)",
     )
     max_loras: int = option(8, ge=1, help="LoRA adapters held at once (default 8)")
     max_lora_rank: int = option(
@@ -134,17 +168,6 @@ class TorchConfig(RunnerCommon):
         aliases=("--context-length",),
         help="torch: tokens one sequence may hold (default: min(trained context, 4096), or "
         "--ctx-size / slots); on the llama.cpp runner it sets --ctx-size to slots × this",
-    )
-    hf_overrides: str | None = option(
-        None,
-        parse=parse_json_object,
-        aliases=("--json-model-override-args",),
-        metavar="JSON",
-        help="torch: a JSON object laid over the model's configuration before it is read "
-        "(vLLM's flag; SGLang's --json-model-override-args), as HF's config.json names it "
-        '(a GGUF\'s settings read as those names): \'{"rope_scaling": {"rope_type": '
-        '"yarn", "factor": 2.0}}\' stretches RoPE past the trained context for a longer '
-        "--max-model-len",
     )
     kv_memory: int | None = option(
         None,

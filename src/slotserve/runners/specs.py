@@ -18,6 +18,7 @@ from slotserve.engine.memory_need import MemoryNeed
 from slotserve.engine.runner_interface import Runner, RunnerFrontend
 from slotserve.options import check_declared, declared_as
 from slotserve.runners.options import LlamaCppConfig
+from slotserve.runners.rope import llama_cpp_rope
 
 if TYPE_CHECKING:
     from slotserve.runners.pytorch.load.settings import TorchLoadConfig
@@ -34,6 +35,7 @@ class LlamaCppSpec(LlamaCppConfig):
 
     def __post_init__(self) -> None:
         check_declared(self)
+        llama_cpp_rope(self)  # a usage error here, before any process starts
         if self.n_gpu_layers:  # refused before any process starts, on a CPU-only build
             from slotserve.runners.llama_cpp.backend import check_gpu_offload
 
@@ -56,6 +58,7 @@ class LlamaCppSpec(LlamaCppConfig):
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             n_gpu_layers=self.n_gpu_layers,
+            rope=llama_cpp_rope(self),
         )
 
     def frontend(self) -> RunnerFrontend:

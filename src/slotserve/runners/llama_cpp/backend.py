@@ -12,6 +12,7 @@ from typing import Any
 import llama_cpp as llama
 
 from slotserve.runners.llama_cpp.cpu import BUFFER_LOG
+from slotserve.runners.rope import MODEL_ROPE, RopeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +31,24 @@ def default_ctx_size(num_slots: int, n_ctx_train: int) -> int:
     return num_slots * min(n_ctx_train, 4096)
 
 
+_ROPE_SCALING_TYPES = {
+    "none": llama.LLAMA_ROPE_SCALING_TYPE_NONE,
+    "linear": llama.LLAMA_ROPE_SCALING_TYPE_LINEAR,
+    "yarn": llama.LLAMA_ROPE_SCALING_TYPE_YARN,
+}
+
+
 def context_params(
-    ctx_size: int, max_batch_tokens: int, num_slots: int, threads: int, flash_attn: bool
+    ctx_size: int,
+    max_batch_tokens: int,
+    num_slots: int,
+    threads: int,
+    flash_attn: bool,
+    rope: RopeSettings = MODEL_ROPE,
 ) -> Any:
     """The runner's context: one KV stream per sequence (``kv_unified = false``; why: the
-    runner's docstring), a whole step in one micro-batch, no pooling."""
+    runner's docstring), a whole step in one micro-batch, no pooling; ``rope``: RoPE settings
+    laid over the file's (each one left unset keeps the file's)."""
     params = llama.llama_context_default_params()
     params.n_ctx = ctx_size
     params.n_batch = max_batch_tokens
@@ -50,6 +64,18 @@ def context_params(
     params.flash_attn_type = (
         llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
+    if rope.scaling is not None:
+        params.rope_scaling_type = _ROPE_SCALING_TYPES[rope.scaling]
+    if rope.factor is not None:  # llama.cpp's frequency scale is the stretch's inverse
+        params.rope_freq_scale = 1.0 / rope.factor
+    if rope.original_context is not None:
+        params.yarn_orig_ctx = rope.original_context
+    if rope.theta is not None:
+        params.rope_freq_base = rope.theta
+    if rope.beta_fast is not None:
+        params.yarn_beta_fast = rope.beta_fast
+    if rope.beta_slow is not None:
+        params.yarn_beta_slow = rope.beta_slow
     return params
 
 

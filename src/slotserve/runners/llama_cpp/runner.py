@@ -50,6 +50,7 @@ from slotserve.runners.llama_cpp.states import RECURRENT_PART, SequenceStates
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
 from slotserve.runners.options import LlamaCppConfig
 from slotserve.runners.pooling import PromptPools
+from slotserve.runners.rope import MODEL_ROPE, RopeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class LlamaCppRunner:
         max_loras: int = LlamaCppConfig.max_loras,
         max_lora_rank: int = LlamaCppConfig.max_lora_rank,
         n_gpu_layers: int = LlamaCppConfig.n_gpu_layers,
+        rope: RopeSettings = MODEL_ROPE,
     ) -> None:
         init_llama_backend()
         check_gpu_offload(n_gpu_layers)
@@ -88,7 +90,9 @@ class LlamaCppRunner:
         if ctx_size <= 0:
             ctx_size = default_ctx_size(num_slots, n_ctx_train)
         threads = n_threads or os.cpu_count() or 1
-        ctx_params = context_params(ctx_size, max_batch_tokens, num_slots, threads, flash_attn)
+        ctx_params = context_params(
+            ctx_size, max_batch_tokens, num_slots, threads, flash_attn, rope
+        )
         self._ctx = llama.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama.llama_model_free(self._model)
@@ -129,7 +133,7 @@ class LlamaCppRunner:
         self._snapshot_bytes = self._recurrent_state_bytes() if self._states.capacity else 0
         logger.info(
             "loaded %s: %d slots × %d tokens, batch %d, %d threads, flash_attn=%s; %s; CPU "
-            "features: %s",
+            "features: %s%s",
             path.name,
             num_slots,
             self.model_info.max_seq_len,
@@ -138,6 +142,7 @@ class LlamaCppRunner:
             flash_attn,
             self.model_info.compute.kernels,
             " ".join(self.model_info.compute.cpu_features),
+            "" if rope == MODEL_ROPE else f"; RoPE laid over the file's: {rope}",
         )
 
     @property

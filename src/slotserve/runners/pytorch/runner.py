@@ -81,7 +81,7 @@ class TorchRunner:
             torch.set_num_threads(load.rank_threads)
         self.dtype = load.torch_dtype
 
-        checkpoint = open_checkpoint(load.model_path, load.hf_overrides)
+        checkpoint = open_checkpoint(load.model_path, load.model_overrides)
         self.config = config = checkpoint.config
         # This rank's shape of the model: refused here, before any process starts.
         rank_config = shard_config(config, ranks)

@@ -63,7 +63,7 @@ class EncoderRunner:
         started = time.monotonic()
         path = load.model_path
         checkpoint = HfFolder(path)
-        raw = with_overrides(checkpoint.raw_config, json.loads(load.hf_overrides or "{}"))
+        raw = with_overrides(checkpoint.raw_config, json.loads(load.model_overrides or "{}"))
         family = ENCODERS.get(str(raw.get("model_type")))
         if family is None:
             raise ValueError(

@@ -72,7 +72,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit. Tensor
     parallel ranks on one machine: their slices add up to the whole model, each rank a process
     of its own (``--kv-memory`` is each rank's)."""
-    config = read_model_config(load.model_path, load.hf_overrides)
+    config = read_model_config(load.model_path, load.model_overrides)
     ranks = load.tensor_parallel_size
     shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
     dtype_bytes = load.torch_dtype.itemsize

@@ -14,6 +14,7 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.options import check_declared, declared_as
 from slotserve.runners.options import DTYPES, TorchConfig
+from slotserve.runners.rope import torch_overrides
 
 # --dtype's choices as torch's types ("auto" is bfloat16, or float32 for an encoder).
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +38,7 @@ class TorchLoadConfig(TorchConfig):
 
     def __post_init__(self) -> None:
         check_declared(self)
+        torch_overrides(self)  # a usage error here, before any process starts
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("--gpu-memory-fraction must be in (0, 1]")
         if len(self.lora_modules) > self.max_loras:
@@ -49,6 +51,11 @@ class TorchLoadConfig(TorchConfig):
             ):
                 if given:
                     raise ValueError(f"{flag} not served under tensor parallelism")
+
+    @property
+    def model_overrides(self) -> str | None:
+        """``--hf-overrides`` with llama-server's RoPE flags joined, as HF names them."""
+        return torch_overrides(self)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -150,7 +150,7 @@ def run_rank(load: TorchLoadConfig, rank: int, store_port: int, plans: str, pare
     size = load.tensor_parallel_size
     torch.set_num_threads(load.rank_threads)
     device = rank_device(load.torch_device, rank, size)
-    checkpoint = open_checkpoint(load.model_path, load.hf_overrides)
+    checkpoint = open_checkpoint(load.model_path, load.model_overrides)
     rank_config = shard_config(checkpoint.config, size)
     store = open_store(rank, size, store_port)
     tp = join_group(store, rank, size, device, checkpoint.config.vocab_size)
