@@ -1,6 +1,7 @@
-"""Command lines brought from vLLM and SGLang: their spellings of our options are aliases of the
-option (``option(aliases=...)``), and their flags that turn on what is always on here are
-accepted and change nothing (``serve_config.ACCEPTED_FLAGS``)."""
+"""Command lines brought from vLLM, SGLang and llama-server: their spellings of our options are
+aliases of the option (``option(aliases=...)``), their flags that turn on what is always on
+here are accepted and change nothing (``serve_config.ACCEPTED_FLAGS``), and no flag is taken
+by a prefix of its name."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def test_a_bad_value_under_an_alias_is_refused_as_under_the_flag(
 )
 def test_each_alias_sets_its_option(argv: tuple[str, ...], field: str, value: object) -> None:
     assert getattr(serve_config(*argv).launch.engine, field) == value
+
+
+def test_a_llama_server_command_line_means_what_it_means_there() -> None:
+    theirs = serve_config(
+        "-m", "model.gguf", "-c", "16384", "-np", "4", "-t", "2", "-b", "1024", "-a", "coder",
+        "--jinja", "--cont-batching", "--metrics",
+    )  # fmt: skip
+    ours = serve_config(
+        "--model", "model.gguf", "--ctx-size", "16384", "--slots", "4", "--threads", "2",
+        "--max-batch-tokens", "1024", "--served-model-name", "coder",
+    )  # fmt: skip
+    assert theirs == ours
+    assert ours.launch.runner.threads == 2
+    assert ours.launch.runner.tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("prefix", ["--thr", "--max-batch", "--served"])
+def test_a_prefix_of_a_flag_is_refused(prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", prefix, "2"])
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err
 
 
 def test_the_last_spelling_given_wins() -> None:

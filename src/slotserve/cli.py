@@ -17,13 +17,20 @@ from slotserve.options import env
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: a prefix would take whichever flag it begins today (llama-server's
+    # "-t 2", threads, read as -tp 2), and a new flag could change what it means.
     parser = argparse.ArgumentParser(
-        prog="slotserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="slotserve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"slotserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
-        "serve", help="serve a model over the OpenAI API (GGUF: llama.cpp; HF folder: PyTorch)"
+        "serve",
+        help="serve a model over the OpenAI API (GGUF: llama.cpp; HF folder: PyTorch)",
+        allow_abbrev=False,
     )
     from slotserve.serve_config import add_serve_arguments
 
@@ -31,12 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat",
         help="chat with a model in the terminal (in-process, or a running server with --url)",
+        allow_abbrev=False,
     )
     from slotserve.chat.command import add_chat_arguments
 
     add_chat_arguments(chat)
     reload = commands.add_parser(
-        "reload", help="ask a running server to reload its model (recovers an unhealthy one)"
+        "reload",
+        help="ask a running server to reload its model (recovers an unhealthy one)",
+        allow_abbrev=False,
     )
     reload.add_argument("--url", default=env("URL", "http://127.0.0.1:8000"))
     reload.add_argument("--api-key", default=env("API_KEY"))

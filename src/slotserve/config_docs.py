@@ -63,7 +63,8 @@ def _row(opt: Option, per_model: bool) -> str:
 
 
 def _other_servers() -> str:
-    """vLLM's and SGLang's spellings of our options, and their flags that change nothing."""
+    """vLLM's, SGLang's and llama-server's spellings of our options, and their flags that
+    change nothing."""
     aliases = [
         f"| `{alias}` | `{opt.flag}` |"
         for _, _, config in SERVE_GROUPS
@@ -72,10 +73,11 @@ def _other_servers() -> str:
     ]
     accepted = [f"| `{flag}` | {about} |" for flag, about in ACCEPTED_FLAGS.items()]
     return (
-        "## `serve`: command lines from vLLM and SGLang\n\n"
-        "`serve` takes these spellings of vLLM's and SGLang's flags beside its own, each "
-        "meaning what its flag here does (with `--no-` for a switch); the variable and the "
-        "`POST /models/load` field keep the name here.\n\n"
+        "## `serve`: command lines from vLLM, SGLang and llama-server\n\n"
+        "`serve` takes these spellings of vLLM's, SGLang's and llama-server's flags beside its "
+        "own, each meaning what its flag here does (with `--no-` for a switch); the variable "
+        "and the `POST /models/load` field keep the name here. A flag is never taken by a "
+        "prefix of its name.\n\n"
         "| Their flag | Here |\n|---|---|\n" + "\n".join(aliases) + "\n\n"
         "These flags of theirs are accepted and change nothing: what they turn on is always "
         "on here.\n\n"

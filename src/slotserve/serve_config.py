@@ -42,6 +42,13 @@ ACCEPTED_FLAGS: dict[str, str] = {
     "(--lora-modules, POST /v1/load_lora_adapter)",
     "--trust-remote-code": "accepted for vLLM and SGLang compatibility: no code from a "
     "model's folder is ever run (the model families are built in)",
+    "--jinja": "accepted for llama-server compatibility: chat templates are always rendered "
+    "with Jinja (the model's own, or --chat-template)",
+    "--cont-batching": "accepted for llama-server compatibility: batching is always continuous",
+    "--metrics": "accepted for llama-server compatibility: GET /metrics always serves "
+    "Prometheus metrics",
+    "--enable-metrics": "accepted for SGLang compatibility: GET /metrics always serves "
+    "Prometheus metrics",
 }
 
 

@@ -107,18 +107,19 @@ class EngineConfig:
     ``speculative``: speculative decoding (``decoding/speculative.py``); None: off.
     """
 
-    # aliases: vLLM's and SGLang's spellings of the same setting (docs/configuration.md).
+    # aliases: vLLM's, SGLang's and llama-server's spellings of the same setting
+    # (docs/configuration.md).
     num_slots: int = option(
         8,
         flag="--slots",
         ge=1,
-        aliases=("--max-num-seqs", "--max-running-requests"),
+        aliases=("--max-num-seqs", "--max-running-requests", "--parallel", "-np"),
         help="sequences decoded together (default 8)",
     )
     max_batch_tokens: int = option(
         512,
         ge=1,
-        aliases=("--max-num-batched-tokens",),
+        aliases=("--max-num-batched-tokens", "--batch-size", "-b"),
         help="tokens in one forward pass (default 512)",
     )
     prefill_chunk: int = option(

@@ -48,6 +48,7 @@ class ModelsConfig:
     models: tuple[str, ...] = option(
         (),
         flag="--model",
+        aliases=("-m",),
         dest="models",
         env=None,
         metavar="PATH[=NAME]",
@@ -55,7 +56,9 @@ class ModelsConfig:
         "Each has its own engine, slots and runner, built from the per-model options",
     )
     served_model_name: str | None = option(
-        None, help="model id clients use for MODEL_PATH (default: the GGUF file name)"
+        None,
+        aliases=("--alias", "-a"),
+        help="model id clients use for MODEL_PATH (default: the GGUF file name)",
     )
     models_dir: str | None = option(
         None,

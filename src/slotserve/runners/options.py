@@ -57,7 +57,9 @@ class RunnerCommon:
         help="auto: torch for an HF folder or cached model id, and for a .gguf file whose "
         "architecture and types its CPU kernels serve as stored (else llama.cpp)",
     )
-    threads: int = option(0, ge=0, help="CPU threads for the runner (default: all cores)")
+    threads: int = option(
+        0, ge=0, aliases=("-t",), help="CPU threads for the runner (default: all cores)"
+    )
     prefix_cache_snapshots: int | None = option(
         None,
         ge=0,
@@ -114,6 +116,7 @@ class LlamaCppConfig(RunnerCommon):
     ctx_size: int = option(
         0,
         ge=0,
+        aliases=("-c",),
         help="llama.cpp: KV cache tokens for all slots together; each slot gets "
         "ctx-size / slots (default: slots × min(trained context, 4096), or slots × "
         "--max-model-len); on the PyTorch runner it sets --max-model-len to ctx-size / slots",
