@@ -38,6 +38,8 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("classifier_from_token", ("--classifier-from-token",), None, None),
     ("cpu_kernels", ("--cpu-kernels", "--no-cpu-kernels"), "CPU_KERNELS", True),
     ("ctx_size", ("--ctx-size", "-c"), "CTX_SIZE", 0),
+    ("cache_type_k", ("--cache-type-k", "-ctk"), "CACHE_TYPE_K", "f16"),
+    ("cache_type_v", ("--cache-type-v", "-ctv"), "CACHE_TYPE_V", "f16"),
     ("device", ("--device",), "DEVICE", "auto"),
     ("dtype", ("--dtype",), "DTYPE", "auto"),
     ("enable_auto_tool_choice", ("--enable-auto-tool-choice",), None, False),

@@ -30,6 +30,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # --kv-cache-dtype: the model's own type, or int8 rows with a scale each
 # (``pytorch/model/kv_int8.py``).
 KV_CACHE_DTYPES = ("auto", "int8")
+# --cache-type-k / --cache-type-v: llama-server's KV cache types (``llama_cpp/metadata.py``).
+KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 # --rope-scaling: llama-server's methods (``rope.py``).
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
@@ -123,6 +125,20 @@ class LlamaCppConfig(RunnerCommon):
     )
     flash_attn: bool = option(
         True, help="flash attention kernels (default on: faster batched decode on CPU)"
+    )
+    cache_type_k: str = option(
+        "f16",
+        short="-ctk",
+        choices=KV_CACHE_TYPES,
+        help="llama.cpp: the KV cache's type for keys (llama-server's flag; default f16); "
+        "q8_0 takes about half of f16's memory, q4_0 about a quarter",
+    )
+    cache_type_v: str = option(
+        "f16",
+        short="-ctv",
+        choices=KV_CACHE_TYPES,
+        help="llama.cpp: the KV cache's type for values (llama-server's flag; default f16); a "
+        "quantized one needs flash attention",
     )
     n_gpu_layers: int = option(
         0,

@@ -36,6 +36,11 @@ class LlamaCppSpec(LlamaCppConfig):
     def __post_init__(self) -> None:
         check_declared(self)
         llama_cpp_rope(self)  # a usage error here, before any process starts
+        if self.cache_type_v not in ("f16", "f32") and not self.flash_attn:
+            raise ValueError(
+                f"--cache-type-v {self.cache_type_v}: llama.cpp reads a quantized value cache "
+                "only with flash attention; drop --no-flash-attn"
+            )
         if self.n_gpu_layers:  # refused before any process starts, on a CPU-only build
             from slotserve.runners.llama_cpp.backend import check_gpu_offload
 
@@ -59,6 +64,7 @@ class LlamaCppSpec(LlamaCppConfig):
             max_lora_rank=self.max_lora_rank,
             n_gpu_layers=self.n_gpu_layers,
             rope=llama_cpp_rope(self),
+            kv_types=(self.cache_type_k, self.cache_type_v),
         )
 
     def frontend(self) -> RunnerFrontend:
@@ -70,7 +76,12 @@ class LlamaCppSpec(LlamaCppConfig):
         from slotserve.runners.llama_cpp.frontend import estimate_memory
 
         return estimate_memory(
-            self.model_path, self.num_slots, self.ctx_size, self.max_batch_tokens, self.n_gpu_layers
+            self.model_path,
+            self.num_slots,
+            self.ctx_size,
+            self.max_batch_tokens,
+            self.n_gpu_layers,
+            (self.cache_type_k, self.cache_type_v),
         )
 
 

@@ -31,6 +31,17 @@ def default_ctx_size(num_slots: int, n_ctx_train: int) -> int:
     return num_slots * min(n_ctx_train, 4096)
 
 
+# ggml's types of each KV cache type llama-server offers (``options.KV_CACHE_TYPES``).
+_KV_GGML_TYPES = {
+    "f32": llama.GGML_TYPE_F32,
+    "f16": llama.GGML_TYPE_F16,
+    "q8_0": llama.GGML_TYPE_Q8_0,
+    "q4_0": llama.GGML_TYPE_Q4_0,
+    "q4_1": llama.GGML_TYPE_Q4_1,
+    "iq4_nl": llama.GGML_TYPE_IQ4_NL,
+    "q5_0": llama.GGML_TYPE_Q5_0,
+    "q5_1": llama.GGML_TYPE_Q5_1,
+}
 _ROPE_SCALING_TYPES = {
     "none": llama.LLAMA_ROPE_SCALING_TYPE_NONE,
     "linear": llama.LLAMA_ROPE_SCALING_TYPE_LINEAR,
@@ -45,10 +56,12 @@ def context_params(
     threads: int,
     flash_attn: bool,
     rope: RopeSettings = MODEL_ROPE,
+    kv_types: tuple[str, str] = ("f16", "f16"),
 ) -> Any:
     """The runner's context: one KV stream per sequence (``kv_unified = false``; why: the
     runner's docstring), a whole step in one micro-batch, no pooling; ``rope``: RoPE settings
-    laid over the file's (each one left unset keeps the file's)."""
+    laid over the file's (each one left unset keeps the file's); ``kv_types``: the KV cache's
+    key and value types."""
     params = llama.llama_context_default_params()
     params.n_ctx = ctx_size
     params.n_batch = max_batch_tokens
@@ -64,6 +77,7 @@ def context_params(
     params.flash_attn_type = (
         llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
+    params.type_k, params.type_v = (_KV_GGML_TYPES[kind] for kind in kv_types)
     if rope.scaling is not None:
         params.rope_scaling_type = _ROPE_SCALING_TYPES[rope.scaling]
     if rope.factor is not None:  # llama.cpp's frequency scale is the stretch's inverse

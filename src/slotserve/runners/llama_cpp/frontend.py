@@ -40,11 +40,17 @@ COMPUTE_BUFFER_BYTES = 128 * 2**20
 
 
 def estimate_memory(
-    model_path: Path, num_slots: int, ctx_size: int, max_batch_tokens: int, n_gpu_layers: int = 0
+    model_path: Path,
+    num_slots: int,
+    ctx_size: int,
+    max_batch_tokens: int,
+    n_gpu_layers: int = 0,
+    kv_types: tuple[str, str] = ("f16", "f16"),
 ) -> MemoryNeed:
-    """Weights (the file, memory-mapped), the KV cache of every slot's context and the
-    compute buffers, from the GGUF's metadata (a ``vocab_only`` load: no weight is read);
-    offloaded layers (``n_gpu_layers``, -1: all) hold their share of both on the GPU."""
+    """Weights (the file, memory-mapped), the KV cache of every slot's context (keys and
+    values of ``kv_types``) and the compute buffers, from the GGUF's metadata (a
+    ``vocab_only`` load: no weight is read); offloaded layers (``n_gpu_layers``, -1: all)
+    hold their share of both on the GPU."""
     init_llama_backend()
     params = llama.llama_model_default_params()
     params.vocab_only = True
@@ -53,7 +59,7 @@ def estimate_memory(
     if not model:
         raise RuntimeError(f"llama.cpp could not read the GGUF metadata of {model_path}")
     try:
-        shape = kv_shape(model)
+        shape = kv_shape(model, *kv_types)
         n_vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
     except RuntimeError as exc:
         raise RuntimeError(f"{model_path}: {exc}") from None

@@ -34,10 +34,12 @@ def describe(
     buffers: list[str],
     layout: WeightLayout,
     adapters: tuple[AdapterInfo, ...],
+    kv_types: tuple[str, str] = ("f16", "f16"),
 ) -> ModelInfo:
     """The model's ``ModelInfo``; ``snapshots`` is how many recurrent-state snapshots the
     runner keeps, ``buffers`` the weight buffer types llama.cpp reported while loading,
-    ``adapters`` the LoRA adapters loaded with it."""
+    ``adapters`` the LoRA adapters loaded with it, ``kv_types`` its KV cache's key and value
+    types."""
     vocab = llama.llama_model_get_vocab(model)
     hybrid = bool(llama.llama_model_is_hybrid(model))
     template = llama.llama_model_chat_template(model, None)
@@ -57,7 +59,7 @@ def describe(
             anchored=hybrid,
             odd_part_alone=hybrid,
         ),
-        kv_bytes_per_token=kv_shape(model).bytes_per_token,
+        kv_bytes_per_token=kv_shape(model, *kv_types).bytes_per_token,
         prefix_cache_unsupported=_why_no_prefix_sharing(model, hybrid, snapshots),
         speculative_unsupported=(
             RECURRENT_STATE_NO_ROLLBACK if llama.llama_model_is_recurrent(model) or hybrid else None

@@ -12,7 +12,17 @@ import llama_cpp as llama
 
 from slotserve.engine.sampling_defaults import LLAMA_SERVER, SamplingDefaults, from_gguf
 
-KV_BYTES_PER_VALUE = 2  # llama.cpp's default KV type is f16
+# Bytes of a block of values, and its values, of each KV cache type (ggml's blocks).
+KV_TYPE_BLOCKS = {
+    "f32": (4, 1),
+    "f16": (2, 1),
+    "q8_0": (34, 32),
+    "q4_0": (18, 32),
+    "q4_1": (20, 32),
+    "iq4_nl": (18, 32),
+    "q5_0": (22, 32),
+    "q5_1": (24, 32),
+}
 
 
 def metadata(model: Any, key: str) -> str | None:
@@ -31,7 +41,8 @@ class KvShape:
     n_layer: int
 
 
-def kv_shape(model: Any) -> KvShape:
+def kv_shape(model: Any, type_k: str = "f16", type_v: str = "f16") -> KvShape:
+    """The shape of the model's KV cache with keys of ``type_k`` and values of ``type_v``."""
     arch = metadata(model, "general.architecture")
     if arch is None:
         raise RuntimeError("the GGUF names no architecture")
@@ -48,8 +59,13 @@ def kv_shape(model: Any) -> KvShape:
     n_head_kv = number("attention.head_count_kv") or n_head
     key_length = number("attention.key_length") or (number("embedding_length") or 0) // n_head
     value_length = number("attention.value_length") or key_length
-    per_token = n_layer * n_head_kv * (key_length + value_length) * KV_BYTES_PER_VALUE
-    return KvShape(per_token, number("context_length") or 4096, n_layer)
+
+    def row_bytes(values: int, kind: str) -> int:  # in whole blocks
+        block_bytes, block_values = KV_TYPE_BLOCKS[kind]
+        return -(-values // block_values) * block_bytes
+
+    per_head = row_bytes(key_length, type_k) + row_bytes(value_length, type_v)
+    return KvShape(n_layer * n_head_kv * per_head, number("context_length") or 4096, n_layer)
 
 
 def sampling_defaults(model: Any) -> SamplingDefaults:

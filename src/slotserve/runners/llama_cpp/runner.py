@@ -74,6 +74,7 @@ class LlamaCppRunner:
         max_lora_rank: int = LlamaCppConfig.max_lora_rank,
         n_gpu_layers: int = LlamaCppConfig.n_gpu_layers,
         rope: RopeSettings = MODEL_ROPE,
+        kv_types: tuple[str, str] = ("f16", "f16"),
     ) -> None:
         init_llama_backend()
         check_gpu_offload(n_gpu_layers)
@@ -91,7 +92,7 @@ class LlamaCppRunner:
             ctx_size = default_ctx_size(num_slots, n_ctx_train)
         threads = n_threads or os.cpu_count() or 1
         ctx_params = context_params(
-            ctx_size, max_batch_tokens, num_slots, threads, flash_attn, rope
+            ctx_size, max_batch_tokens, num_slots, threads, flash_attn, rope, kv_types
         )
         self._ctx = llama.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
@@ -129,6 +130,7 @@ class LlamaCppRunner:
             buffers=buffers,
             layout=layout,
             adapters=tuple(self.lora.adapters),
+            kv_types=kv_types,
         )
         self._snapshot_bytes = self._recurrent_state_bytes() if self._states.capacity else 0
         logger.info(
