@@ -85,7 +85,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("models_max", ("--models-max",), "MODELS_MAX", 4),
     ("n_gpu_layers", ("--n-gpu-layers", "-ngl"), "N_GPU_LAYERS", 0),
     ("port", ("--port",), "PORT", 8000),
-    ("prefill_chunk", ("--prefill-chunk",), "PREFILL_CHUNK", 512),
+    ("prefill_chunk", ("--prefill-chunk", "--chunked-prefill-size"), "PREFILL_CHUNK", 512),
     (
         "prefix_cache",
         (

@@ -52,6 +52,7 @@ def test_a_bad_value_under_an_alias_is_refused_as_under_the_flag(
         (("--max-running-requests", "3"), "num_slots", 3),  # SGLang
         (("--max-num-batched-tokens", "256"), "max_batch_tokens", 256),  # vLLM
         (("--max-queued-requests", "5"), "max_queue", 5),  # SGLang
+        (("--chunked-prefill-size", "256"), "prefill_chunk", 256),  # SGLang
         (("--no-enable-prefix-caching",), "prefix_cache", False),  # vLLM
         (("--no-prefix-cache", "--enable-prefix-caching"), "prefix_cache", True),  # last wins
     ],

@@ -123,7 +123,10 @@ class EngineConfig:
         help="tokens in one forward pass (default 512)",
     )
     prefill_chunk: int = option(
-        512, ge=1, help="prompt tokens of one sequence per step (default 512)"
+        512,
+        ge=1,
+        aliases=("--chunked-prefill-size",),
+        help="prompt tokens of one sequence per step (default 512)",
     )
     max_queue: int = option(
         64,
