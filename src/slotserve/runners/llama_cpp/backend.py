@@ -12,7 +12,7 @@ from typing import Any
 import llama_cpp as llama
 
 from slotserve.runners.llama_cpp.cpu import BUFFER_LOG
-from slotserve.runners.rope import MODEL_ROPE, RopeSettings
+from slotserve.runners.rope import RopeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def context_params(
     num_slots: int,
     threads: int,
     flash_attn: bool,
-    rope: RopeSettings = MODEL_ROPE,
-    kv_types: tuple[str, str] = ("f16", "f16"),
+    rope: RopeSettings,
+    kv_types: tuple[str, str],
 ) -> Any:
     """The runner's context: one KV stream per sequence (``kv_unified = false``; why: the
     runner's docstring), a whole step in one micro-batch, no pooling; ``rope``: RoPE settings

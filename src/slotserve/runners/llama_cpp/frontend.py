@@ -12,6 +12,7 @@ from slotserve.engine.memory_need import MemoryNeed
 from slotserve.runners.llama_cpp.backend import default_ctx_size, init_llama_backend
 from slotserve.runners.llama_cpp.metadata import kv_shape
 from slotserve.runners.llama_cpp.tokenizer import LlamaCppTokenizer
+from slotserve.runners.options import LlamaCppConfig
 
 
 class LlamaCppFrontend:
@@ -45,7 +46,7 @@ def estimate_memory(
     ctx_size: int,
     max_batch_tokens: int,
     n_gpu_layers: int = 0,
-    kv_types: tuple[str, str] = ("f16", "f16"),
+    kv_types: tuple[str, str] = (LlamaCppConfig.cache_type_k, LlamaCppConfig.cache_type_v),
 ) -> MemoryNeed:
     """Weights (the file, memory-mapped), the KV cache of every slot's context (keys and
     values of ``kv_types``) and the compute buffers, from the GGUF's metadata (a

@@ -34,7 +34,7 @@ def describe(
     buffers: list[str],
     layout: WeightLayout,
     adapters: tuple[AdapterInfo, ...],
-    kv_types: tuple[str, str] = ("f16", "f16"),
+    kv_types: tuple[str, str],
 ) -> ModelInfo:
     """The model's ``ModelInfo``; ``snapshots`` is how many recurrent-state snapshots the
     runner keeps, ``buffers`` the weight buffer types llama.cpp reported while loading,

@@ -41,7 +41,7 @@ class KvShape:
     n_layer: int
 
 
-def kv_shape(model: Any, type_k: str = "f16", type_v: str = "f16") -> KvShape:
+def kv_shape(model: Any, type_k: str, type_v: str) -> KvShape:
     """The shape of the model's KV cache with keys of ``type_k`` and values of ``type_v``."""
     arch = metadata(model, "general.architecture")
     if arch is None:

@@ -74,7 +74,7 @@ class LlamaCppRunner:
         max_lora_rank: int = LlamaCppConfig.max_lora_rank,
         n_gpu_layers: int = LlamaCppConfig.n_gpu_layers,
         rope: RopeSettings = MODEL_ROPE,
-        kv_types: tuple[str, str] = ("f16", "f16"),
+        kv_types: tuple[str, str] = (LlamaCppConfig.cache_type_k, LlamaCppConfig.cache_type_v),
     ) -> None:
         init_llama_backend()
         check_gpu_offload(n_gpu_layers)
