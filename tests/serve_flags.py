@@ -50,7 +50,17 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("engine_restart", ("--engine-restart",), "ENGINE_RESTART", "always"),
     ("engine_restart_limit", ("--engine-restart-limit",), "ENGINE_RESTART_LIMIT", 5),
     ("engine_restart_window", ("--engine-restart-window",), "ENGINE_RESTART_WINDOW", 300.0),
-    ("enforce_eager", ("--enforce-eager", "--no-enforce-eager"), "ENFORCE_EAGER", False),
+    (
+        "enforce_eager",
+        (
+            "--enforce-eager",
+            "--no-enforce-eager",
+            "--disable-cuda-graph",
+            "--no-disable-cuda-graph",
+        ),
+        "ENFORCE_EAGER",
+        False,
+    ),
     ("flash_attn", ("--flash-attn", "--no-flash-attn"), "FLASH_ATTN", True),
     (
         "gpu_memory_fraction",

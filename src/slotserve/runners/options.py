@@ -231,6 +231,7 @@ class TorchConfig(RunnerCommon):
     )
     enforce_eager: bool = option(
         False,
+        aliases=("--disable-cuda-graph",),
         help="torch on GPUs: run decode steps operator by operator instead of replaying the "
         "CUDA graphs captured at load (vLLM's --enforce-eager; graphs come with the Triton "
         "attention, on dense models without tensor parallelism)",
