@@ -75,14 +75,9 @@ class LlamaCppSpec(LlamaCppConfig):
     def memory_needed(self) -> MemoryNeed:
         from slotserve.runners.llama_cpp.frontend import estimate_memory
 
-        return estimate_memory(
-            self.model_path,
-            self.num_slots,
-            self.ctx_size,
-            self.max_batch_tokens,
-            self.n_gpu_layers,
-            (self.cache_type_k, self.cache_type_v),
-        )
+        kv_types = (self.cache_type_k, self.cache_type_v)
+        sizes = (self.num_slots, self.ctx_size, self.max_batch_tokens)
+        return estimate_memory(self.model_path, *sizes, self.n_gpu_layers, kv_types)
 
 
 @dataclass(frozen=True)
