@@ -75,6 +75,11 @@ def test_a_llama_server_command_line_means_what_it_means_there() -> None:
     assert ours.launch.runner.tensor_parallel_size == 1
 
 
+def test_llama_servers_threads_minus_one_is_every_core() -> None:
+    assert serve_config("-t", "-1").launch.runner.threads == 0
+    assert serve_config("--threads", "3").launch.runner.threads == 3
+
+
 @pytest.mark.parametrize("prefix", ["--thr", "--max-batch", "--served"])
 def test_a_prefix_of_a_flag_is_refused(prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

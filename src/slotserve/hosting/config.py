@@ -90,12 +90,13 @@ class RunnerConfig(TorchConfig, LlamaCppConfig):
     the ``EngineConfig``'s."""
 
 
-def _sampling_default(option_name: str) -> Any:
+def _sampling_default(option_name: str, aliases: tuple[str, ...] = ()) -> Any:
     """The option that defaults a sampling field, its help from the field's declaration."""
     (declared,) = (d for d in DEFAULTED.values() if d.option == option_name)
     name = declared.name
     return option(
         None,
+        aliases=aliases,
         help=f"a request's {name} when it leaves it out, {declared.range_text}: {declared.doc} "
         f"(default: the model's own, from generation_config.json or GGUF general.sampling.*, "
         f"else {getattr(LLAMA_SERVER, name):g} on llama.cpp as llama-server, "
@@ -109,7 +110,9 @@ class ModelOptions:
     when it dies."""
 
     chat_template: str | None = option(
-        None, help="Jinja2 chat template file overriding the model's own"
+        None,
+        aliases=("--chat-template-file",),
+        help="Jinja2 chat template file overriding the model's own",
     )
     tool_call_parser: str | None = option(
         None,
@@ -147,7 +150,7 @@ class ModelOptions:
         "body); a request's images are fetched together within it too (default 10)",
     )
     # llama-server's flag names; each is the default of a request that leaves the field out.
-    temperature: float | None = _sampling_default("temperature")
+    temperature: float | None = _sampling_default("temperature", aliases=("--temp",))
     top_p: float | None = _sampling_default("top_p")
     top_k: int | None = _sampling_default("top_k")
     min_p: float | None = _sampling_default("min_p")

@@ -47,6 +47,15 @@ def parse_json_object(text: str) -> str:
     return text
 
 
+def parse_threads(text: str) -> int:
+    """``--threads``: a count, or llama-server's -1 for every core (0 here)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"invalid int value: {text!r}") from None
+    return 0 if value == -1 else value
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunnerCommon:
     """What every runner takes: which runner, its threads, its recurrent-state snapshots, its
@@ -60,7 +69,11 @@ class RunnerCommon:
         "architecture and types its CPU kernels serve as stored (else llama.cpp)",
     )
     threads: int = option(
-        0, ge=0, aliases=("-t",), help="CPU threads for the runner (default: all cores)"
+        0,
+        ge=0,
+        parse=parse_threads,
+        aliases=("-t",),
+        help="CPU threads for the runner (default 0, or llama-server's -1: all cores)",
     )
     prefix_cache_snapshots: int | None = option(
         None,
