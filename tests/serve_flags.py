@@ -89,7 +89,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("max_tokens_default", ("--max-tokens-default",), "MAX_TOKENS_DEFAULT", 1024),
     ("max_request_bytes", ("--max-request-bytes",), "MAX_REQUEST_BYTES", None),
     ("model", (), "MODEL", None),
-    ("models", ("--model", "-m"), None, None),
+    ("models", ("--model", "-m", "--model-path"), None, None),
     ("models_autoload", ("--models-autoload", "--no-models-autoload"), "MODELS_AUTOLOAD", True),
     ("models_dir", ("--models-dir",), "MODELS_DIR", None),
     ("models_max", ("--models-max",), "MODELS_MAX", 4),
@@ -159,7 +159,7 @@ SERVE_FLAGS: list[tuple[str, tuple[str, ...], str | None, Any]] = [
     ("speculative_config", ("--speculative-config",), "SPECULATIVE_CONFIG", None),
     (
         "tensor_parallel_size",
-        ("--tensor-parallel-size", "-tp", "--tp-size"),
+        ("--tensor-parallel-size", "-tp", "--tp-size", "--tp"),
         "TENSOR_PARALLEL_SIZE",
         1,
     ),

@@ -75,6 +75,14 @@ def test_a_llama_server_command_line_means_what_it_means_there() -> None:
     assert ours.launch.runner.tensor_parallel_size == 1
 
 
+def test_an_sglang_command_line_means_what_it_means_there() -> None:
+    theirs = serve_config("--model-path", "folder", "--tp", "1", "--chunked-prefill-size", "256")
+    ours = serve_config(
+        "--model", "folder", "--tensor-parallel-size", "1", "--prefill-chunk", "256"
+    )
+    assert theirs == ours
+
+
 def test_llama_servers_threads_minus_one_is_every_core() -> None:
     assert serve_config("-t", "-1").launch.runner.threads == 0
     assert serve_config("--threads", "3").launch.runner.threads == 3

@@ -48,7 +48,7 @@ class ModelsConfig:
     models: tuple[str, ...] = option(
         (),
         flag="--model",
-        aliases=("-m",),
+        aliases=("-m", "--model-path"),
         dest="models",
         env=None,
         metavar="PATH[=NAME]",

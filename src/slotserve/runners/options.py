@@ -259,7 +259,7 @@ class TorchConfig(RunnerCommon):
     tensor_parallel_size: int = option(
         1,
         short="-tp",
-        aliases=("--tp-size",),
+        aliases=("--tp-size", "--tp"),
         ge=1,
         help="torch: ranks that each hold a slice of every layer (one process each; NCCL with "
         "a GPU per rank, else gloo); --threads is then per rank (default 1)",
