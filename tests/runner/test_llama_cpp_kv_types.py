@@ -58,6 +58,14 @@ def test_the_pre_flight_counts_the_cache_in_its_types(model_path: Path) -> None:
     assert spec.memory_needed().kv_bytes == kv("q8_0", "q8_0")
 
 
+def test_every_type_offered_has_its_ggml_type_and_block_size() -> None:
+    from slotserve.runners.llama_cpp.backend import KV_GGML_TYPES
+    from slotserve.runners.llama_cpp.metadata import KV_TYPE_BLOCKS
+    from slotserve.runners.options import KV_CACHE_TYPES
+
+    assert set(KV_CACHE_TYPES) == set(KV_GGML_TYPES) == set(KV_TYPE_BLOCKS)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -61,15 +61,11 @@ def _flag_settings(common: RunnerCommon) -> RopeSettings:
     )
 
 
-def _overrides(common: RunnerCommon) -> dict[str, Any]:
-    return dict(json.loads(common.hf_overrides)) if common.hf_overrides else {}
-
-
-def torch_overrides(common: RunnerCommon) -> str | None:
+def _joined(common: RunnerCommon) -> dict[str, Any]:
     """``--hf-overrides`` with the llama-server flags joined as HF names; both saying the same
     thing is a usage error."""
     flags = _flag_settings(common)
-    overrides = _overrides(common)
+    overrides = dict(json.loads(common.hf_overrides)) if common.hf_overrides else {}
     for given, key, flag in (
         (flags.scaling, "rope_scaling", "--rope-scaling"),
         (flags.theta, "rope_theta", "--rope-freq-base"),
@@ -85,13 +81,20 @@ def torch_overrides(common: RunnerCommon) -> str | None:
         overrides["rope_scaling"] = scaling
     if flags.theta is not None:
         overrides["rope_theta"] = flags.theta
+    return overrides
+
+
+def torch_overrides(common: RunnerCommon) -> str | None:
+    """What the PyTorch runner lays over the model's configuration: :func:`_joined`, as the
+    JSON text ``--hf-overrides`` takes (None: nothing)."""
+    overrides = _joined(common)
     return json.dumps(overrides) if overrides else None
 
 
 def llama_cpp_rope(common: RunnerCommon) -> RopeSettings:
     """What the llama.cpp runner lays over the file's RoPE settings: the flags, or the
     ``rope_scaling`` and ``rope_theta`` of ``--hf-overrides``; any other override is refused."""
-    overrides = json.loads(torch_overrides(common) or "{}")
+    overrides = _joined(common)
     others = sorted(set(overrides) - {"rope_scaling", "rope_theta"})
     if others:
         raise ValueError(

@@ -32,7 +32,7 @@ def default_ctx_size(num_slots: int, n_ctx_train: int) -> int:
 
 
 # ggml's types of each KV cache type llama-server offers (``options.KV_CACHE_TYPES``).
-_KV_GGML_TYPES = {
+KV_GGML_TYPES = {
     "f32": llama.GGML_TYPE_F32,
     "f16": llama.GGML_TYPE_F16,
     "q8_0": llama.GGML_TYPE_Q8_0,
@@ -77,7 +77,7 @@ def context_params(
     params.flash_attn_type = (
         llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
-    params.type_k, params.type_v = (_KV_GGML_TYPES[kind] for kind in kv_types)
+    params.type_k, params.type_v = (KV_GGML_TYPES[kind] for kind in kv_types)
     if rope.scaling is not None:
         params.rope_scaling_type = _ROPE_SCALING_TYPES[rope.scaling]
     if rope.factor is not None:  # llama.cpp's frequency scale is the stretch's inverse
