@@ -23,6 +23,7 @@ from slotserve.engine.images import ImageInput
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.runner.engine_runs import alone_then_together, generate, greedy
+from tests.runner.image_chats import ask_twice, image_question
 
 SIZES = [(64, 48, 1), (100, 60, 2), (40, 90, 3)]  # width, height, seed
 
@@ -164,22 +165,10 @@ def test_a_chat_image_is_written_out_and_served_from_the_cache(
 
     png = picture(100, 60, 2)
     url = "data:image/png;base64," + base64.b64encode(png).decode()
-    content: Any = [
-        {"type": "text", "text": "What is in"},
-        {"type": "image_url", "image_url": {"url": url}},
-    ]
-    messages: Any = [{"role": "user", "content": content}]
+    messages = image_question(url)
     client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
-    first = client.chat.completions.create(
-        model="x", messages=messages, max_tokens=8, temperature=0
-    )
-    again = client.chat.completions.create(
-        model="x", messages=messages, max_tokens=8, temperature=0
-    )
-    assert first.choices[0].message.content == again.choices[0].message.content
-    assert again.usage is not None and first.usage is not None
-    details = again.usage.prompt_tokens_details
-    assert details is not None and (details.cached_tokens or 0) > 16  # the image's KV reused
+    first, cached = ask_twice(client, messages)
+    assert cached > 16  # the image's KV reused
     tokens, placed = _prompt(runner, ["What is in"], [_image(runner, 100, 60, 2)])
     assert first.usage.prompt_tokens == len(tokens)  # the processor's expansion, exactly
     counted = httpx.post(

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from slotserve.bench.vision_model import picture
+from tests.runner.image_chats import ask_twice, image_question
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +53,9 @@ def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> 
 
     client = openai.OpenAI(base_url=vl_server.api_url, api_key="unused", max_retries=0)
     png = picture(100, 60, 2)
-    content: Any = [
-        {"type": "text", "text": "What is in"},
-        {"type": "image_url", "image_url": {"url": _data_url(png)}},
-    ]
-    messages: Any = [{"role": "user", "content": content}]
-    first = client.chat.completions.create(
-        model="x", messages=messages, max_tokens=8, temperature=0
-    )
-    again = client.chat.completions.create(
-        model="x", messages=messages, max_tokens=8, temperature=0
-    )
-    assert first.choices[0].message.content == again.choices[0].message.content
-    assert first.usage is not None and again.usage is not None
-    details = again.usage.prompt_tokens_details
-    assert details is not None and (details.cached_tokens or 0) > 20  # the image's KV reused
+    messages = image_question(_data_url(png))
+    first, cached = ask_twice(client, messages)
+    assert cached > 20  # the image's KV reused
     counted = httpx.post(
         f"{vl_server.base_url}/tokenize", json={"model": "x", "messages": messages}, timeout=30
     ).json()["count"]
@@ -80,7 +69,7 @@ def test_openai_and_anthropic_clients_send_images_end_to_end(vl_server: Any) -> 
             {
                 "role": "user",
                 "content": [
-                    content[0],
+                    messages[0]["content"][0],
                     {"type": "image_url", "image_url": {"url": _data_url(png, "jpeg")}},
                 ],
             }
