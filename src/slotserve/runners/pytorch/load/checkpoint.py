@@ -18,6 +18,7 @@ from slotserve.runners.pytorch.load.gguf_file import GgufFile
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.quant.tensor import QuantTensor
 
 
 class Checkpoint(Protocol):
@@ -46,6 +47,15 @@ class Checkpoint(Protocol):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight under its HF name, one at a time."""
+        ...
+
+    def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """As :meth:`tensors`, the matrices the quantized kernels multiply as stored kept as
+        their GGUF blocks (only where :meth:`quantized_types` names any)."""
+        ...
+
+    def quantized_types(self) -> set[str]:
+        """The GGUF types of its matrices as stored (an HF folder's: AWQ's or GPTQ's blocks)."""
         ...
 
     def tokenizer(self) -> HfTokenizer: ...

@@ -12,6 +12,7 @@ import torch
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
 from slotserve.runners.pytorch.load.gguf_file import GgufFile
+from slotserve.runners.pytorch.load.int4_checkpoint import METHODS
 from slotserve.runners.pytorch.load.quant_weights import QuantWeights
 from slotserve.runners.pytorch.load.weight_format import DenseWeights, WeightFormat
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
@@ -35,20 +36,31 @@ def weight_format(
     refusal: str | None,
 ) -> WeightFormat:
     """The format projections are stored in, for ``--quantization`` (``auto``: a GGUF file's
-    quantized types kept as stored, everything else dense; ``none``: dense; a type: every
+    quantized types, or an AWQ or GPTQ folder's 4-bit weights, kept as stored, everything else
+    dense; ``awq`` / ``gptq``: auto, for a folder of that method; ``none``: dense; a type: every
     matrix rounded to it at load). ``checkpoint``: the GGUF file or HF folder (None: random
     weights); ``refusal``: why the quantized kernels cannot serve this load, if they cannot."""
-    is_gguf = isinstance(checkpoint, GgufFile)
     if quantization == "none":
         return DenseWeights()
-    if quantization != "auto" and is_gguf:
+    if quantization in METHODS:  # an HF folder's own (``int4_checkpoint.py``)
+        q = checkpoint.raw_config.get("quantization_config") if checkpoint is not None else None
+        named = str((q or {}).get("quant_method", "no")).lower()
+        if named != quantization:
+            raise ValueError(
+                f"--quantization {quantization}: the checkpoint's config.json names {named} "
+                "quantization"
+            )
+        quantization = "auto"
+    own_types = checkpoint.quantized_types() & QUANTIZED_TYPES if checkpoint is not None else set()
+    if quantization != "auto" and own_types:
+        kind = "GGUF file" if isinstance(checkpoint, GgufFile) else "quantized checkpoint"
         raise ValueError(
-            f"--quantization {quantization}: a GGUF file keeps its own types (auto serves them "
+            f"--quantization {quantization}: a {kind} keeps its own types (auto serves them "
             "quantized; none dequantizes them)"
         )
     why_not = refusal or _uneven_inputs(model)
     if quantization == "auto":
-        if not is_gguf or not checkpoint.quantized_types() & QUANTIZED_TYPES:
+        if not own_types:
             return DenseWeights()
         if why_not is not None:
             logger.info("weights: dequantized to %s (%s)", model.dtype, why_not)

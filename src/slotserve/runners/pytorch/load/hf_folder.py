@@ -1,7 +1,8 @@
 """An HF model folder, as the load plan reads a checkpoint (``checkpoint.py``): ``config.json``
 read by its family, the weights of ``model.safetensors`` or of the shards its index lists, the
 recommended sampling of ``generation_config.json``, the tokenizer (with a vision-language
-family's image preparer), the pooling a sentence-transformers folder names."""
+family's image preparer), the pooling a sentence-transformers folder names. A folder of AWQ or
+GPTQ 4-bit weights gives each projection's as one tensor (``int4_checkpoint.py``)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from slotserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults, from_g
 from slotserve.runners.pooling import sentence_transformers_pooling
 from slotserve.runners.pytorch.families.registry import config_from_hf, vision_of
 from slotserve.runners.pytorch.families.vision.base import Vision
+from slotserve.runners.pytorch.load.int4_checkpoint import Int4Scheme, int4_scheme, int4_tensors
 from slotserve.runners.pytorch.load.tokenizer import HfTokenizer
 from slotserve.runners.pytorch.model.config import ModelConfig
+from slotserve.runners.pytorch.quant.tensor import QuantTensor
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +48,36 @@ class HfFolder:
         return raw
 
     @cached_property
+    def int4(self) -> Int4Scheme | None:
+        """The 4-bit scheme of its weights, if quantized (refused here if not AWQ or GPTQ)."""
+        return int4_scheme(self.raw_config)
+
+    @cached_property
     def config(self) -> ModelConfig:
         overrides = json.loads(self.overrides) if self.overrides else None
-        return config_from_hf(self.raw_config, self.name, overrides)
+        config = config_from_hf(self.raw_config, self.name, overrides)
+        int4_scheme(self.raw_config)  # a quantization it cannot read: refused before any weight
+        return config
 
     @property
     def vision(self) -> Vision | None:
         return vision_of(self.raw_config) if (self.path / "config.json").is_file() else None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return safetensors_tensors(self.path)
+        """Dense: a quantized projection's weight dequantized to float32."""
+        tensors = safetensors_tensors(self.path)
+        if self.int4 is None:
+            return tensors
+        return int4_tensors(tensors, self.int4, keep_quantized=False)  # type: ignore[return-value]
+
+    def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """As :meth:`tensors`, but a quantized projection's weight as its GGUF blocks."""
+        assert self.int4 is not None, "only a quantized checkpoint has blocks of its own"
+        return int4_tensors(safetensors_tensors(self.path), self.int4, keep_quantized=True)
+
+    def quantized_types(self) -> set[str]:
+        """The GGUF types its matrices may be kept in as stored (none unless quantized)."""
+        return set() if self.int4 is None else self.int4.kinds
 
     def tokenizer(self) -> HfTokenizer:
         tokenizer = HfTokenizer.from_folder(self.path)

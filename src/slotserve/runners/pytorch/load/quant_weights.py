@@ -1,5 +1,6 @@
 """Projections whose weights stay quantized (the weight format of ``weight_format.py``): a GGUF
-file's blocks as stored, or an HF checkpoint's weights rounded at load (``--quantization``),
+file's blocks as stored (an AWQ or GPTQ folder's weights as the blocks they equal:
+``int4_checkpoint.py``), or an HF checkpoint's weights rounded at load (``--quantization``),
 multiplied by the CPU kernels' ``quant_linear`` (``csrc/quant_gemm.h``) and looked up by
 ``quant_rows`` for the embedding.
 
@@ -61,9 +62,10 @@ class _Piece:
 
 
 class QuantWeights:
-    """``gguf``: the GGUF checkpoint whose blocks are read as stored (else every tensor comes
-    dense); ``dense_as``: the type a dense matrix is rounded to, but for the LM head ``head``
-    and the embedding, kept in Q8_0 as llama.cpp's quantizer keeps them in more bits."""
+    """``stored``: the checkpoint whose blocks are read as stored, a GGUF file or an AWQ or GPTQ
+    folder (else every tensor comes dense); ``dense_as``: the type a dense matrix is rounded to,
+    but for the LM head ``head`` and the embedding, kept in Q8_0 as llama.cpp's quantizer keeps
+    them in more bits."""
 
     name = "quantized"
 
@@ -71,16 +73,16 @@ class QuantWeights:
         self,
         kernels: CpuKernels,
         head: Projection,
-        gguf: Any = None,
+        stored: Any = None,
         dense_as: Any = DENSE_AS,
     ) -> None:
-        self.kernels, self.head, self.gguf, self.dense_as = kernels, head, gguf, dense_as
+        self.kernels, self.head, self.stored, self.dense_as = kernels, head, stored, dense_as
         self.pieces: dict[Projection, list[_Piece]] = {}
         self.embedding: _Piece | None = None
 
     def tensors(self, source: Any) -> Iterator[tuple[str, Any]]:
-        if self.gguf is not None and source is self.gguf:
-            return self.gguf.quantized_tensors()  # type: ignore[no-any-return]
+        if self.stored is not None and source is self.stored:
+            return self.stored.quantized_tensors()  # type: ignore[no-any-return]
         return source.tensors()  # type: ignore[no-any-return]
 
     def store(self, place: ProjectionRows | torch.Tensor, tensor: Any) -> None:

@@ -1,0 +1,200 @@
+"""AWQ and GPTQ 4-bit checkpoints on the PyTorch runner (``load/int4_checkpoint.py``,
+``quant/int4_blocks.py``): their layouts read back as the integers their tools pack, kept as the
+GGUF blocks that equal them bit for bit, served by the quantized kernels (or dequantized), and
+what the runner does not read refused by name before any weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
+from slotserve.runners.pytorch.load.hf_folder import HfFolder
+from slotserve.runners.pytorch.load.int4_checkpoint import int4_scheme, int4_tensors
+from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.model.config import UnsupportedModelError
+from slotserve.runners.pytorch.model.layers import Projection
+from slotserve.runners.pytorch.quant.int4_blocks import Int4Weight, awq_weight, gptq_weight
+from slotserve.runners.pytorch.runner import TorchRunner
+from tests.conftest import start_server, stop_server
+from tests.prompts import PROMPTS
+from tests.runner.engine_runs import alone_then_together, greedy
+from tests.runner.int4_writers import awq_pack, gptq_pack, int4_checkpoint, rtn_int4
+
+
+def _reference(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    group = codes.shape[1] // zeros.shape[1]
+    steps = (codes - zeros.repeat_interleave(group, dim=1)).float()
+    return steps * scales.float().repeat_interleave(group, dim=1)
+
+
+def _read(method: str, packed: dict[str, torch.Tensor]) -> Int4Weight:
+    if method == "awq":
+        return awq_weight(packed["qweight"], packed["qzeros"], packed["scales"])
+    return gptq_weight(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], 1)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_packed_weights_read_back_as_the_blocks_that_equal_them(
+    method: str, symmetric: bool
+) -> None:
+    """The integers read back are the ones packed; the GGUF blocks made of them dequantize
+    (by gguf-py) to ``s · (q − z)`` exactly: Q4_0 where every zero is 8, else Q5_0."""
+    torch.manual_seed(0)
+    codes, zeros, scales = rtn_int4(torch.randn(48, 192), 64, symmetric)
+    weight = _read(method, (awq_pack if method == "awq" else gptq_pack)(codes, zeros, scales))
+    assert torch.equal(weight.codes.int(), codes) and torch.equal(weight.zeros.int(), zeros)
+    reference = _reference(codes, zeros, scales)
+    assert torch.equal(weight.dense(), reference)
+    blocks = weight.blocks()
+    expected = GGMLQuantizationType.Q4_0 if symmetric else GGMLQuantizationType.Q5_0
+    assert blocks.kind == expected and blocks.shape == (48, 192)
+    assert np.array_equal(dequantize(blocks.raw, blocks.kind).reshape(48, 192), reference.numpy())
+
+
+def test_gptq_zeros_read_as_their_kernels_read_them() -> None:
+    """The original GPTQ format stores zero − 1 in 4 bits: a zero of 0 is stored as 15 and its
+    kernels read 16 (the weights the checkpoint was evaluated with); ``gptq_v2`` as stored."""
+    codes = torch.randint(0, 16, (8, 32), dtype=torch.int32)
+    zeros = torch.tensor([[0], [1], [8], [15], [0], [3], [7], [9]], dtype=torch.int32)
+    scales = torch.full((8, 1), 0.5, dtype=torch.float16)
+    packed = gptq_pack(codes, zeros, scales)
+    v1 = gptq_weight(packed["qweight"], packed["qzeros"], packed["scales"], None, 1)
+    assert v1.zeros[:, 0].tolist() == [16, 1, 8, 15, 16, 3, 7, 9]
+    v2 = gptq_pack(codes, zeros, scales, v1=False)
+    assert gptq_weight(v2["qweight"], v2["qzeros"], v2["scales"], None, 0).zeros[:, 0].tolist() == (
+        zeros[:, 0].tolist()
+    )
+    blocks = v1.blocks()  # codes down to q − 16 still fit Q5_0's
+    assert np.array_equal(dequantize(blocks.raw, blocks.kind).reshape(8, 32), v1.dense().numpy())
+
+
+def test_layouts_the_kernels_cannot_take_are_refused() -> None:
+    codes, zeros, scales = rtn_int4(torch.randn(16, 64), 16, symmetric=False)
+    with pytest.raises(ValueError, match="groups of 16 inputs"):
+        awq_weight(**awq_pack(codes, zeros, scales)).blocks()
+    codes, zeros, scales = rtn_int4(torch.randn(16, 64), 32, symmetric=False)
+    packed = gptq_pack(codes, zeros, scales)
+    act_order = packed["g_idx"].flip(0)
+    with pytest.raises(ValueError, match="act-order"):
+        gptq_weight(packed["qweight"], packed["qzeros"], packed["scales"], act_order, 1)
+    parts = [("layer.q_proj.qweight", packed["qweight"]), ("layer.q_proj.scales", scales)]
+    scheme = int4_scheme({"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert scheme is not None
+    with pytest.raises(ValueError, match=r"layer\.q_proj lacks its qzeros"):
+        list(int4_tensors(iter(parts), scheme, keep_quantized=True))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "refusal"),
+    [
+        ({"quant_method": "fp8"}, "fp8 quantized checkpoints are not served"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes quantized"),
+        ({"quant_method": "gptq", "bits": 8}, "8-bit GPTQ weights"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ's gemv layout"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zeros"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "GPTQ's marlin"),
+    ],
+)
+def test_quantizations_not_read_are_refused_by_name(
+    quantization: dict[str, object], refusal: str
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        int4_scheme({"quantization_config": quantization})
+
+
+@pytest.fixture(scope="module")
+def int4_folders(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int4")
+    methods = ("awq", "gptq", "gptq-sym")
+    return {m: int4_checkpoint(hf_checkpoint, root / m, m) for m in methods}
+
+
+def _runner(path: Path, **options: object) -> TorchRunner:
+    return TorchRunner(TorchLoadConfig(path, num_slots=4, max_model_len=512, **options))  # type: ignore[arg-type]
+
+
+def _checkpoint_q_proj(folder: Path, method: str) -> torch.Tensor:
+    """Layer 0's q_proj as the checkpoint's integers say, in float32."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        packed = {
+            part: f.get_tensor(f"model.layers.0.self_attn.q_proj.{part}")
+            for part in ("qweight", "qzeros", "scales", "g_idx")
+            if f"model.layers.0.self_attn.q_proj.{part}" in f.keys()  # noqa: SIM118
+        }
+    return _read("awq" if method == "awq" else "gptq", packed).dense()
+
+
+@pytest.mark.parametrize(("method", "kinds"), [("awq", "Q5_0, Q8_0"), ("gptq-sym", "Q4_0, Q8_0")])
+def test_a_folder_is_served_from_the_checkpoints_own_values(
+    int4_folders: dict[str, Path], method: str, kinds: str
+) -> None:
+    """Every projection kept quantized, its packed weights the checkpoint's values (bfloat16,
+    as every weight the runner holds), the same under ``--quantization none``; each path's
+    greedy tokens alone equal its tokens batched."""
+    folder = int4_folders[method]
+    expected = _checkpoint_q_proj(folder, method).to(torch.bfloat16)
+    quantized, dense = _runner(folder), _runner(folder, quantization="none")
+    try:
+        assert f"weights kept quantized ({kinds})" in quantized.model_info.compute.kernels
+        model = quantized.shard.model
+        projections = [m for m in model.modules() if isinstance(m, Projection)]
+        assert all(p.quant_parts for p in projections)
+        parts = model.decoder_layers[0].qkv.quant_parts  # q's rows first: one part per type
+        assert parts is not None and model.kernels is not None
+        part, (n, k) = parts[0], expected.shape
+        rows = model.kernels.quant_rows(part.packed, torch.arange(n), part.format, part.rows, k)
+        assert torch.equal(rows, expected)
+        dense_tensors = dict(HfFolder(folder).tensors())  # what --quantization none stores
+        assert torch.equal(
+            dense_tensors["model.layers.0.self_attn.q_proj.weight"].bfloat16(), expected
+        )
+        for runner in (quantized, dense):
+            core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
+            prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+            alone, together = alone_then_together(core, prompts, greedy(8))
+            assert together == alone and all(len(t) == 8 for t in alone.values())
+    finally:
+        quantized.close()
+        dense.close()
+
+
+def test_quantization_flags_must_match_the_checkpoint(int4_folders: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"config\.json names gptq quantization"):
+        _runner(int4_folders["gptq"], quantization="awq")
+    with pytest.raises(ValueError, match="a quantized checkpoint keeps its own types"):
+        _runner(int4_folders["awq"], quantization="Q8_0")
+    runner = _runner(int4_folders["gptq"], quantization="gptq")
+    try:
+        assert "weights kept quantized (Q5_0, Q8_0)" in runner.model_info.compute.kernels
+    finally:
+        runner.close()
+
+
+def test_the_server_answers_from_an_awq_folder(
+    int4_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = str(int4_folders["awq"])
+    proc = start_server(tmp_path, "--model", folder, "-q", "awq", "--max-model-len", "512")
+    try:
+        client = openai.OpenAI(base_url=proc.api_url, api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="awq",
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8,
+            temperature=0,
+        )
+    finally:
+        stop_server(proc)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
