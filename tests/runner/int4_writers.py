@@ -18,17 +18,18 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def rtn_int4(
-    weight: torch.Tensor, group: int, symmetric: bool
+    weight: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` [out, in] as codes [out, in], zeros and fp16 scales [out, in / group]."""
+    """``weight`` [out, in] as codes [out, in], zeros and scales [out, in / group] (fp16 as AWQ
+    and GPTQ keep them, or bfloat16 as llm-compressor does for a bfloat16 model)."""
     out, k = weight.shape
     grouped = weight.float().view(out, k // group, group)
     if symmetric:
-        scales = (grouped.abs().amax(-1) / 7.5).clamp(min=1e-8).half()
+        scales = (grouped.abs().amax(-1) / 7.5).clamp(min=1e-8).to(scale_dtype)
         zeros = torch.full_like(scales, 8, dtype=torch.int32)
     else:
         low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scales = ((high - low) / 15).clamp(min=1e-8).half()
+        scales = ((high - low) / 15).clamp(min=1e-8).to(scale_dtype)
         zeros = torch.round(-low / scales.float()).clamp(0, 15).to(torch.int32)
     codes = torch.round(grouped / scales.float().unsqueeze(-1)) + zeros.unsqueeze(-1)
     return codes.clamp(0, 15).to(torch.int32).view(out, k), zeros, scales
@@ -71,9 +72,59 @@ def gptq_pack(
     }
 
 
+def compressed_pack(
+    codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, symmetric: bool
+) -> dict[str, torch.Tensor]:
+    """compressed-tensors' ``pack-quantized``: values (signed, stored plus 8) eight inputs a
+    word along each output's row; zero points (signed, plus 8) eight outputs a word."""
+    packed = {
+        "weight_packed": _words(codes),
+        "weight_scale": scales,
+        "weight_shape": torch.tensor(codes.shape),
+    }
+    if not symmetric:
+        packed["weight_zero_point"] = _words(zeros.t().contiguous()).t().contiguous()
+    return packed
+
+
+def _packed(
+    method: str, ints: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    if method == "awq":
+        return awq_pack(*ints)
+    if method.startswith("compressed"):
+        return compressed_pack(*ints, symmetric=method.endswith("sym"))
+    return gptq_pack(*ints)
+
+
+def _quantization_config(method: str, group: int) -> dict[str, object]:
+    symmetric = method.endswith("sym")
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True}
+    if method.startswith("gptq"):
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": False,
+            "sym": symmetric,
+            "checkpoint_format": "gptq",
+        }
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights | {"group_size": group}}
+        },
+        "ignore": ["lm_head"],
+    }
+
+
 def int4_checkpoint(hf_folder: Path, out_dir: Path, method: str, group: int = 64) -> Path:
-    """``hf_folder`` with every decoder projection's weight quantized: ``awq``, ``gptq``
-    (asymmetric) or ``gptq-sym``; the embedding stays dense, as both tools leave it."""
+    """``hf_folder`` with every decoder projection's weight quantized: ``awq``, ``gptq`` or
+    ``compressed`` (asymmetric), ``gptq-sym`` or ``compressed-sym``; the embedding stays dense,
+    as the tools leave it."""
     shutil.copytree(hf_folder, out_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
     written: dict[str, torch.Tensor] = {}
     for name, tensor in safetensors_tensors(hf_folder):
@@ -81,29 +132,13 @@ def int4_checkpoint(hf_folder: Path, out_dir: Path, method: str, group: int = 64
         if part != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
             written[name] = tensor.half()
             continue
-        ints = rtn_int4(tensor, group, symmetric=method == "gptq-sym")
-        packed = awq_pack(*ints) if method == "awq" else gptq_pack(*ints)
-        written.update({f"{prefix}.{key}": value for key, value in packed.items()})
+        bf16 = method.startswith("compressed")
+        scale_dtype = torch.bfloat16 if bf16 else torch.float16
+        ints = rtn_int4(tensor, group, method.endswith("sym"), scale_dtype)
+        written.update({f"{prefix}.{key}": value for key, value in _packed(method, ints).items()})
     save_file(written, str(out_dir / "model.safetensors"))
     config = json.loads((hf_folder / "config.json").read_text())
     config["torch_dtype"] = "float16"
-    config["quantization_config"] = (
-        {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": group,
-            "zero_point": True,
-            "version": "gemm",
-        }
-        if method == "awq"
-        else {
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": group,
-            "desc_act": False,
-            "sym": method == "gptq-sym",
-            "checkpoint_format": "gptq",
-        }
-    )
+    config["quantization_config"] = _quantization_config(method, group)
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir

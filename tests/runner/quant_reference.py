@@ -9,10 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from slotserve.runners.pytorch.quant.formats import FORMATS, GROUP, QuantFormat
+from slotserve.runners.pytorch.quant.formats import (
+    FORMATS,
+    GROUP,
+    OwnType,
+    QuantFormat,
+    QuantKind,
+    block_size,
+)
 
 _ONE = np.array([1.0], dtype=np.float16).view(np.uint8)
 _ZERO = np.array([0.0], dtype=np.float16).view(np.uint8)
@@ -33,15 +40,21 @@ class Decoded:
     m: np.ndarray | None = None
 
 
-def decode_rows(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> Decoded:
+def decode_rows(kind: QuantKind, raw: np.ndarray, k: int) -> Decoded:
     """``raw``: rows of GGUF blocks ([rows, k / block · type size] uint8, as gguf-py's reader
     gives a quantized tensor)."""
-    block, size = GGML_QUANT_SIZES[kind]
+    block, size = block_size(kind)
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows * (k // block), size)
     unit = blocks.copy()
     f = FORMATS[kind]
-    if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+    if kind == OwnType.Q4_ZP:  # d | a zero per 32 | each 32's nibbles as Q4_0's
+        nibbles = blocks[:, 6:].reshape(-1, 4, 16)
+        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(-1, 128)
+        ones = np.ones((blocks.shape[0], 4), dtype=np.int8)
+        d = _f16(blocks[:, 0:2])
+        decoded = Decoded(codes, d, ones, d.copy(), blocks[:, 2:6].copy())
+    elif kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         unit[:, 0:2], unit[:, 2:4], unit[:, 4:16] = _ONE, _ZERO, _K_UNIT_SCALES
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
         decoded = Decoded(
@@ -73,6 +86,17 @@ def decode_rows(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> Decoded:
         None if decoded.dmin is None else decoded.dmin.reshape(rows, k // f.super),
         None if decoded.m is None else decoded.m.reshape(rows, k // f.sub),
     )
+
+
+def dequantized(raw: np.ndarray, kind: QuantKind, n: int, k: int) -> np.ndarray:
+    """The weights in float32: gguf-py's dequantizer, or for Q4_ZP ``d · (q − z)``."""
+    if isinstance(kind, GGMLQuantizationType):
+        return dequantize(raw, kind).reshape(n, k)
+    decoded = decode_rows(kind, raw, k)
+    assert decoded.m is not None
+    zeros = np.repeat(decoded.m.astype(np.float32), 32, axis=1)
+    scales = np.repeat(decoded.d.astype(np.float32), 128, axis=1)
+    return (scales * (decoded.codes.astype(np.float32) - zeros)).astype(np.float32)
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -159,7 +183,7 @@ def _pair_codes(codes: np.ndarray, g: int, b: int, pairs: int, bits: int) -> lis
     ]
 
 
-def reference_pack(kind: GGMLQuantizationType, raw: np.ndarray, k: int) -> np.ndarray:
+def reference_pack(kind: QuantKind, raw: np.ndarray, k: int) -> np.ndarray:
     """A GGUF tensor of ``kind`` ([n, k / block · type size] uint8 rows) as flat records; the
     last group's missing outputs are zeros."""
     decoded = decode_rows(kind, raw, k)

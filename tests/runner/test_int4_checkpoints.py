@@ -11,22 +11,34 @@ import numpy as np
 import openai
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
+from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.int4_checkpoint import int4_scheme, int4_tensors
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.model.layers import Projection
-from slotserve.runners.pytorch.quant.int4_blocks import Int4Weight, awq_weight, gptq_weight
+from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.int4_blocks import (
+    Int4Weight,
+    awq_weight,
+    gptq_weight,
+    packed_weight,
+)
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, greedy
-from tests.runner.int4_writers import awq_pack, gptq_pack, int4_checkpoint, rtn_int4
+from tests.runner.int4_writers import (
+    awq_pack,
+    compressed_pack,
+    gptq_pack,
+    int4_checkpoint,
+    rtn_int4,
+)
+from tests.runner.quant_reference import dequantized
 
 
 def _reference(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -38,26 +50,44 @@ def _reference(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -
 def _read(method: str, packed: dict[str, torch.Tensor]) -> Int4Weight:
     if method == "awq":
         return awq_weight(packed["qweight"], packed["qzeros"], packed["scales"])
+    if method == "compressed":
+        zero_points = packed.get("weight_zero_point")
+        return packed_weight(packed["weight_packed"], packed["weight_scale"], zero_points, None)
     return gptq_weight(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], 1)
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+def _pack(
+    method: str, symmetric: bool, ints: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    if method == "compressed":
+        return compressed_pack(*ints, symmetric=symmetric)
+    return (awq_pack if method == "awq" else gptq_pack)(*ints)
+
+
+@pytest.mark.parametrize(
+    ("symmetric", "group", "kind"),
+    [(True, 64, "Q4_0"), (False, 64, "Q5_0"), (False, 128, "Q4_ZP"), (False, 256, "Q4_ZP")],
+)
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed"])
 def test_packed_weights_read_back_as_the_blocks_that_equal_them(
-    method: str, symmetric: bool
+    kernels: CpuKernels, method: str, symmetric: bool, group: int, kind: str
 ) -> None:
-    """The integers read back are the ones packed; the GGUF blocks made of them dequantize
-    (by gguf-py) to ``s · (q − z)`` exactly: Q4_0 where every zero is 8, else Q5_0."""
+    """The integers read back are the ones packed; the blocks made of them hold ``s · (q − z)``
+    exactly (dequantized by gguf-py, or Q4_ZP's by its stated layout), and the kernels' rows
+    of them are those values in bfloat16."""
     torch.manual_seed(0)
-    codes, zeros, scales = rtn_int4(torch.randn(48, 192), 64, symmetric)
-    weight = _read(method, (awq_pack if method == "awq" else gptq_pack)(codes, zeros, scales))
+    scale_dtype = torch.bfloat16 if method == "compressed" else torch.float16
+    codes, zeros, scales = rtn_int4(torch.randn(48, 512), group, symmetric, scale_dtype)
+    weight = _read(method, _pack(method, symmetric, (codes, zeros, scales)))
     assert torch.equal(weight.codes.int(), codes) and torch.equal(weight.zeros.int(), zeros)
     reference = _reference(codes, zeros, scales)
     assert torch.equal(weight.dense(), reference)
     blocks = weight.blocks()
-    expected = GGMLQuantizationType.Q4_0 if symmetric else GGMLQuantizationType.Q5_0
-    assert blocks.kind == expected and blocks.shape == (48, 192)
-    assert np.array_equal(dequantize(blocks.raw, blocks.kind).reshape(48, 192), reference.numpy())
+    assert blocks.kind.name == kind and blocks.shape == (48, 512)
+    assert np.array_equal(dequantized(blocks.raw, blocks.kind, 48, 512), reference.numpy())
+    packed = kernels.quant_pack(blocks.kind, blocks.raw, 512)
+    rows = kernels.quant_rows(packed, torch.arange(48), FORMATS[blocks.kind], 48, 512)
+    assert torch.equal(rows, reference.bfloat16())
 
 
 def test_gptq_zeros_read_as_their_kernels_read_them() -> None:
@@ -74,7 +104,7 @@ def test_gptq_zeros_read_as_their_kernels_read_them() -> None:
         zeros[:, 0].tolist()
     )
     blocks = v1.blocks()  # codes down to q − 16 still fit Q5_0's
-    assert np.array_equal(dequantize(blocks.raw, blocks.kind).reshape(8, 32), v1.dense().numpy())
+    assert np.array_equal(dequantized(blocks.raw, blocks.kind, 8, 32), v1.dense().numpy())
 
 
 def test_layouts_the_kernels_cannot_take_are_refused() -> None:
@@ -102,6 +132,18 @@ def test_layouts_the_kernels_cannot_take_are_refused() -> None:
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ's gemv layout"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zeros"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "GPTQ's marlin"),
+        (
+            {"quant_method": "compressed-tensors", "format": "float-quantized"},
+            "compressed-tensors' float-quantized format",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}},
+            },
+            "8-bit int",
+        ),
     ],
 )
 def test_quantizations_not_read_are_refused_by_name(
@@ -114,7 +156,7 @@ def test_quantizations_not_read_are_refused_by_name(
 @pytest.fixture(scope="module")
 def int4_folders(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("int4")
-    methods = ("awq", "gptq", "gptq-sym")
+    methods = ("awq", "gptq", "gptq-sym", "compressed")
     return {m: int4_checkpoint(hf_checkpoint, root / m, m) for m in methods}
 
 
@@ -126,16 +168,17 @@ def _checkpoint_q_proj(folder: Path, method: str) -> torch.Tensor:
     """Layer 0's q_proj as the checkpoint's integers say, in float32."""
     from safetensors import safe_open
 
+    prefix = "model.layers.0.self_attn.q_proj."
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        packed = {
-            part: f.get_tensor(f"model.layers.0.self_attn.q_proj.{part}")
-            for part in ("qweight", "qzeros", "scales", "g_idx")
-            if f"model.layers.0.self_attn.q_proj.{part}" in f.keys()  # noqa: SIM118
-        }
-    return _read("awq" if method == "awq" else "gptq", packed).dense()
+        names = [name for name in f.keys() if name.startswith(prefix)]  # noqa: SIM118
+        packed = {name.removeprefix(prefix): f.get_tensor(name) for name in names}
+    return _read(method.removesuffix("-sym"), packed).dense()
 
 
-@pytest.mark.parametrize(("method", "kinds"), [("awq", "Q5_0, Q8_0"), ("gptq-sym", "Q4_0, Q8_0")])
+@pytest.mark.parametrize(
+    ("method", "kinds"),
+    [("awq", "Q5_0, Q8_0"), ("gptq-sym", "Q4_0, Q8_0"), ("compressed", "Q5_0, Q8_0")],
+)
 def test_a_folder_is_served_from_the_checkpoints_own_values(
     int4_folders: dict[str, Path], method: str, kinds: str
 ) -> None:

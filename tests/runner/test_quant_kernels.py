@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
-from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.formats import FORMATS, OwnType, QuantKind, block_size
 from tests.runner.conftest import instruction_set, instruction_sets
-from tests.runner.quant_reference import decode_rows, reference_pack
+from tests.runner.quant_reference import decode_rows, dequantized, reference_pack
 
 KINDS = list(FORMATS)
 LEGACY = {
@@ -27,13 +27,13 @@ LEGACY = {
 }
 
 
-def random_tensor(kind: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+def random_tensor(kind: QuantKind, n: int, k: int, seed: int) -> np.ndarray:
     """``n`` rows of ``k`` weights in ``kind``: gguf-py's quantizer where it has one, else
     random blocks with plausible fp16 scales (every code and 6-bit scale value occurs)."""
     rng = np.random.default_rng(seed)
-    if kind in LEGACY:
+    if isinstance(kind, GGMLQuantizationType) and kind in LEGACY:
         return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
-    block, size = GGML_QUANT_SIZES[kind]
+    block, size = block_size(kind)
     raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
 
     def fp16s() -> np.ndarray:
@@ -41,6 +41,8 @@ def random_tensor(kind: GGMLQuantizationType, n: int, k: int, seed: int) -> np.n
 
     if kind == GGMLQuantizationType.Q6_K:
         raw[:, 208:210] = fp16s().reshape(-1, 2)
+    elif kind == OwnType.Q4_ZP:  # zeros 0..16, as AWQ's and GPTQ's
+        raw[:, 0:2], raw[:, 2:6] = fp16s().reshape(-1, 2), raw[:, 2:6] % 17
     else:
         raw[:, 0:2], raw[:, 2:4] = fp16s().reshape(-1, 2), fp16s().reshape(-1, 2)
     return raw.reshape(n, -1)
@@ -60,7 +62,7 @@ def fused(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def stated_arithmetic(
-    x: torch.Tensor, raw: np.ndarray, kind: GGMLQuantizationType, n: int, bias: torch.Tensor
+    x: torch.Tensor, raw: np.ndarray, kind: QuantKind, n: int, bias: torch.Tensor
 ) -> torch.Tensor:
     """quant_gemm.h's arithmetic in torch: inputs rounded to integers of at most 127 per block of
     32, integer sums per sub-block, each sub-block's two fused float steps in input order
@@ -96,7 +98,7 @@ def stated_arithmetic(
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_the_kernels_pack_the_reference_records_on_any_thread_count(
-    kernels: CpuKernels, kind: GGMLQuantizationType
+    kernels: CpuKernels, kind: QuantKind
 ) -> None:
     """quant_pack reads each type's bit layout as gguf-py's decoder does: its records are the
     reference packing's, byte for byte, a ragged last group's missing outputs zero; and each
@@ -135,7 +137,7 @@ def test_blocks_the_packer_cannot_read_are_refused(kernels: CpuKernels) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
-def test_codes_and_scales_read_back_are_the_files_values(kind: GGMLQuantizationType) -> None:
+def test_codes_and_scales_read_back_are_the_files_values(kind: QuantKind) -> None:
     f, n, k = FORMATS[kind], 20, 512
     raw = random_tensor(kind, n, k, seed=1)
     decoded = decode_rows(kind, raw, k)
@@ -146,12 +148,12 @@ def test_codes_and_scales_read_back_are_the_files_values(kind: GGMLQuantizationT
         assert decoded.dmin is not None and decoded.m is not None
         minimum = np.repeat(decoded.dmin.astype(np.float64), f.super // f.sub, axis=1) * decoded.m
         weights -= np.repeat(minimum, f.sub, axis=1)
-    np.testing.assert_allclose(weights, dequantize(raw, kind).reshape(n, k), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(weights, dequantized(raw, kind, n, k), rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
-    kernels: CpuKernels, threads: int, kind: GGMLQuantizationType
+    kernels: CpuKernels, threads: int, kind: QuantKind
 ) -> None:
     """40 outputs (two groups of 16 and a ragged one), 9 and 70 rows (tiles and a pass of
     rows, with remainders), with a bias; on every instruction set the CPU runs."""
@@ -160,7 +162,7 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
     packed = kernels.quant_pack(kind, raw, k)
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(n, generator=gen).bfloat16()
-    weights = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).double()
+    weights = torch.from_numpy(dequantized(raw, kind, n, k)).double()
     for rows in (9, 70):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         stated = stated_arithmetic(x, raw, kind, n, bias)
@@ -177,15 +179,15 @@ def test_the_kernel_computes_its_stated_arithmetic_for_every_row_alone_or_not(
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_rows_looked_up_are_the_dequantized_paths_values(
-    kernels: CpuKernels, kind: GGMLQuantizationType
+    kernels: CpuKernels, kind: QuantKind
 ) -> None:
     n, k = 40, 512
     raw = random_tensor(kind, n, k, seed=5)
     packed = kernels.quant_pack(kind, raw, k)
     rows = torch.tensor([39, 0, 17, 17, 5])
     looked_up = kernels.quant_rows(packed, rows, FORMATS[kind], n, k)
-    dequantized = torch.from_numpy(dequantize(raw, kind).reshape(n, k)).bfloat16()
-    assert torch.equal(looked_up, dequantized[rows])
+    values = torch.from_numpy(dequantized(raw, kind, n, k)).bfloat16()
+    assert torch.equal(looked_up, values[rows])
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.quant_rows(packed, torch.tensor([40]), FORMATS[kind], n, k)
 

@@ -19,11 +19,12 @@ RUNNERS = ("auto", "llama.cpp", "torch")
 REPACK_CHOICES = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-# --quantization: auto keeps a GGUF file's quantized types, or an AWQ or GPTQ folder's 4-bit
-# weights, as stored (on CPU in bfloat16 with the kernels), none dequantizes them; awq and gptq
-# say auto of such a folder; a type rounds every matrix of an HF checkpoint to it at load
-# (gguf-py's quantizers: ``pytorch/quant/tensor.py``).
-QUANTIZATIONS = ("auto", "none", "awq", "gptq", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# --quantization: auto keeps a GGUF file's quantized types, or an AWQ, GPTQ or compressed-tensors
+# folder's 4-bit weights, as stored (on CPU in bfloat16 with the kernels), none dequantizes them;
+# awq, gptq and compressed-tensors say auto of such a folder; a type rounds every matrix of an
+# HF checkpoint to it at load (gguf-py's quantizers: ``pytorch/quant/tensor.py``).
+STORED_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
+QUANTIZATIONS = ("auto", "none", *STORED_QUANTIZATIONS, "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # --attention-backend: where the CPU kernels do not serve, the Triton kernels reading the paged
 # KV pool in place (``pytorch/gpu_kernels.py``) or torch's operators over gathered K/V
 # (``pytorch/model/attention.py``).
@@ -192,10 +193,11 @@ class TorchConfig(RunnerCommon):
         choices=QUANTIZATIONS,
         help="torch on CPU: weights kept quantized in the CPU kernels' own formats (vLLM's "
         "flag); auto: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices as "
-        "stored, an AWQ or GPTQ 4-bit checkpoint's as the Q5_0 (Q4_0 if symmetric) blocks they "
-        "equal, any other HF checkpoint dense; awq, gptq: auto, for a checkpoint of that "
-        "method; none: dequantized to --dtype; Q8_0, Q4_0, ...: an HF checkpoint's matrices "
-        "rounded to that type at load (round-to-nearest, as llama.cpp)",
+        "stored, a 4-bit AWQ, GPTQ or compressed-tensors checkpoint's as blocks that equal them "
+        "(Q4_0, Q4_ZP, Q5_0), any other HF checkpoint dense; awq, gptq, compressed-tensors: "
+        "auto, for a checkpoint of that method; none: dequantized to --dtype; Q8_0, Q4_0, ...: "
+        "an HF checkpoint's matrices rounded to that type at load (round-to-nearest, as "
+        "llama.cpp)",
     )
     max_model_len: int = option(
         0,

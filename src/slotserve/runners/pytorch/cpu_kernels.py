@@ -33,10 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from slotserve.engine.runner_interface import ComputePath
-from slotserve.runners.pytorch.quant.formats import FORMATS, QuantFormat
+from slotserve.runners.pytorch.quant.formats import FORMATS, QuantFormat, QuantKind
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +184,7 @@ class CpuKernels:
 
     def quant_pack(
         self,
-        kind: GGMLQuantizationType,
+        kind: QuantKind,
         raw: np.ndarray,
         k: int,
         out: torch.Tensor | None = None,

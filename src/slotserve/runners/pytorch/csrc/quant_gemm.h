@@ -1,5 +1,5 @@
 // Projections whose weights stay quantized (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K), compiled once per instruction set after gemm_vec.h, quant_pairs.h and
+// Q6_K, and our Q4_ZP), compiled once per instruction set after gemm_vec.h, quant_pairs.h and
 // quant_byte_pairs.h (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in bfloat16 and W read as
 // the file stores it, decoded in registers while it streams.
 //
@@ -305,8 +305,8 @@ static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8,
     }
 }
 
-// `run` instantiated for the format the operands name: the GGUF formats' combinations (anything
-// else is refused before a call).
+// `run` instantiated for the format the operands name: the GGUF formats' combinations and
+// Q4_ZP's (anything else is refused before a call).
 template <class Run>
 static void in_format(const Format& f, Run&& run) {
     const auto is = [&f](int bits, int offset, bool min, int sub, int super) {
@@ -329,6 +329,9 @@ static void in_format(const Format& f, Run&& run) {
     else if (is(8, 0, false, 32, 32))  // Q8_0
         run(integral_constant<int, 8>{}, integral_constant<int, 0>{}, std::false_type{},
             integral_constant<int, 32>{}, integral_constant<int, 32>{});
+    else if (is(4, 0, true, 32, 128))  // Q4_ZP (quant_pack.cpp)
+        run(integral_constant<int, 4>{}, integral_constant<int, 0>{}, std::true_type{},
+            integral_constant<int, 32>{}, integral_constant<int, 128>{});
     else if (is(4, 0, true, 32, 256))  // Q4_K
         run(integral_constant<int, 4>{}, integral_constant<int, 0>{}, std::true_type{},
             integral_constant<int, 32>{}, integral_constant<int, 256>{});

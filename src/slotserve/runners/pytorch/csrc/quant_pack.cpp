@@ -14,7 +14,8 @@
 namespace cpu {
 namespace {
 
-// GGML's type ids (gguf-py's GGMLQuantizationType) of the formats the kernels multiply.
+// GGML's type ids (gguf-py's GGMLQuantizationType) of the formats the kernels multiply, and
+// past them our own (quant/formats.py's OwnType).
 enum GgmlType : int64_t {
     kQ4_0 = 2,
     kQ4_1 = 3,
@@ -23,7 +24,10 @@ enum GgmlType : int64_t {
     kQ8_0 = 8,
     kQ4_K = 12,
     kQ5_K = 13,
-    kQ6_K = 14
+    kQ6_K = 14,
+    // Per 128 inputs: an fp16 scale s, a zero z per 32 inputs (uint8), then each 32's nibbles
+    // as Q4_0's: w = s · (q − z), AWQ's and GPTQ's weights exactly (quant/int4_blocks.py).
+    kQ4_ZP = 1024
 };
 
 // Bytes of one block (one super-block of the format) in the file.
@@ -37,6 +41,7 @@ int64_t block_bytes(int64_t type) {
         case kQ4_K: return 144;
         case kQ5_K: return 176;
         case kQ6_K: return 210;
+        case kQ4_ZP: return 70;
         default: return 0;
     }
 }
@@ -89,6 +94,15 @@ void decode_block(int64_t type, const uint8_t* b, Decoded& out) {
                          out.codes);
             break;
         case kQ8_0: out.d = fp16_at(b); std::memcpy(out.codes, b + 2, 32); break;
+        case kQ4_ZP:
+            // scale = d · 1 and min = d · z per sub-block: both exact in float32.
+            out.d = out.dmin = fp16_at(b);
+            for (int s = 0; s < 4; ++s) {
+                out.sc[s] = 1;
+                out.m[s] = b[2 + s];
+                legacy_codes(b + 6 + 16 * s, nullptr, out.codes + 32 * s);
+            }
+            break;
         case kQ4_K:
         case kQ5_K: {
             out.d = fp16_at(b);

@@ -36,10 +36,11 @@ def weight_format(
     refusal: str | None,
 ) -> WeightFormat:
     """The format projections are stored in, for ``--quantization`` (``auto``: a GGUF file's
-    quantized types, or an AWQ or GPTQ folder's 4-bit weights, kept as stored, everything else
-    dense; ``awq`` / ``gptq``: auto, for a folder of that method; ``none``: dense; a type: every
-    matrix rounded to it at load). ``checkpoint``: the GGUF file or HF folder (None: random
-    weights); ``refusal``: why the quantized kernels cannot serve this load, if they cannot."""
+    quantized types, or a 4-bit AWQ, GPTQ or compressed-tensors folder's, kept as stored,
+    everything else dense; ``awq``, ``gptq``, ``compressed-tensors``: auto, for a folder of that
+    method; ``none``: dense; a type: every matrix rounded to it at load). ``checkpoint``: the
+    GGUF file or HF folder (None: random weights); ``refusal``: why the quantized kernels cannot
+    serve this load, if they cannot."""
     if quantization == "none":
         return DenseWeights()
     if quantization in METHODS:  # an HF folder's own (``int4_checkpoint.py``)

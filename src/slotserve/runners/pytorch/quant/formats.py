@@ -1,5 +1,6 @@
-"""The GGUF quantization types the CPU kernels multiply as stored (csrc/quant_gemm.h states the
-arithmetic, csrc/quant_pack.cpp reads each type's blocks into its records).
+"""The GGUF quantization types (and one of our own) the CPU kernels multiply as stored
+(csrc/quant_gemm.h states the arithmetic, csrc/quant_pack.cpp reads each type's blocks into its
+records).
 
 Every weight of these types is ``scale · (code − offset) − min`` with ``scale = d · sc`` and
 ``min = dmin · m`` per sub-block: ``d`` and ``dmin`` fp16 per super-block, ``sc`` and ``m``
@@ -9,8 +10,9 @@ small integers per sub-block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GROUP = 16  # outputs a record holds
 
@@ -48,7 +50,26 @@ class QuantFormat:
         return -(-rows // GROUP) * (k // self.super) * self.record_bytes
 
 
-FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
+class OwnType(IntEnum):
+    """Block types of our own, for weights no GGUF type holds exactly (ids past ggml's)."""
+
+    # Per 128 inputs: an fp16 scale s, a uint8 zero z per 32 inputs, then each 32's nibbles as
+    # Q4_0's: s · (q − z), AWQ's and GPTQ's weights (``int4_blocks.py``).
+    Q4_ZP = 1024
+
+
+QuantKind = GGMLQuantizationType | OwnType
+
+# Inputs and bytes of one block of each own type, as gguf-py's GGML_QUANT_SIZES states ggml's.
+OWN_SIZES = {OwnType.Q4_ZP: (128, 70)}
+
+
+def block_size(kind: QuantKind) -> tuple[int, int]:
+    """Inputs and bytes of one of ``kind``'s blocks."""
+    return OWN_SIZES[kind] if isinstance(kind, OwnType) else GGML_QUANT_SIZES[kind]
+
+
+FORMATS: dict[QuantKind, QuantFormat] = {
     GGMLQuantizationType.Q4_0: QuantFormat(4, 8, False, 32, 32),
     GGMLQuantizationType.Q4_1: QuantFormat(4, 0, True, 32, 32),
     GGMLQuantizationType.Q5_0: QuantFormat(5, 16, False, 32, 32),
@@ -57,4 +78,5 @@ FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
     GGMLQuantizationType.Q4_K: QuantFormat(4, 0, True, 32, 256),
     GGMLQuantizationType.Q5_K: QuantFormat(5, 0, True, 32, 256),
     GGMLQuantizationType.Q6_K: QuantFormat(6, 32, False, 16, 256),
+    OwnType.Q4_ZP: QuantFormat(4, 0, True, 32, 128),
 }

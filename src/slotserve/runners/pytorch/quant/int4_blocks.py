@@ -1,10 +1,13 @@
-"""AWQ's and GPTQ's 4-bit weights as GGUF blocks the quantized kernels multiply, bit for bit.
+"""AWQ's, GPTQ's and compressed-tensors' 4-bit weights as blocks the quantized kernels multiply,
+bit for bit.
 
-Both store each weight as ``s · (q − z)``: ``q`` and ``z`` 4-bit integers, ``s`` an fp16 scale,
+Each stores a weight as ``s · (q − z)``: ``q`` and ``z`` 4-bit integers, ``s`` an fp16 scale,
 ``z`` and ``s`` shared by a group of consecutive inputs of one output. A block of 32 inputs of
-one group is then exactly a Q5_0 block, ``d · (code − 16)`` with ``d = s`` and ``code = q − z +
-16`` (0..31); where every zero is 8 (GPTQ's symmetric checkpoints), exactly a Q4_0 block, ``d ·
-(code − 8)`` with ``code = q``. The packing of each format is undone here; which checkpoints use
+one group is then exactly a Q4_0 block, ``d · (code − 8)`` with ``d = s`` and ``code = q``, where
+every zero is 8 (symmetric checkpoints); else 128 inputs of one group are exactly a block
+of our Q4_ZP (``formats.py``: Q4_0's nibbles with a zero per 32, multiplied as Q4_K's sub-blocks
+are); groups of 32 or 64 are exactly Q5_0 blocks, ``d · (code − 16)`` with ``code = q − z + 16``
+(0..31), a bit more a weight. The packing of each format is undone here; which checkpoints use
 which is ``load/int4_checkpoint.py``'s.
 """
 
@@ -16,9 +19,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from slotserve.runners.pytorch.quant.formats import OwnType, QuantKind, block_size
 from slotserve.runners.pytorch.quant.tensor import QuantTensor
 
 BLOCK = 32  # inputs of a Q4_0 / Q5_0 block
+ZP_BLOCK = block_size(OwnType.Q4_ZP)[0]
 # AutoAWQ packs the eight outputs of a word in this order: nibble i holds output AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(j) for j in range(8))  # output j's nibble
@@ -44,32 +49,42 @@ class Int4Weight:
         return (self.codes.to(torch.int16) - zeros).float() * scales
 
     def blocks(self) -> QuantTensor:
-        """The same weights as Q4_0 blocks (every zero 8) or else Q5_0 blocks."""
-        rows, k = self.codes.shape
+        """The same weights as Q4_0 blocks (every zero 8), else Q4_ZP blocks (groups of 128·n
+        inputs), else Q5_0 blocks."""
         if self.group_size % BLOCK:
             raise ValueError(
                 f"groups of {self.group_size} inputs: the quantized kernels take whole blocks of "
                 f"{BLOCK} under one scale"
             )
-        per_block = self.group_size // BLOCK
-        d = self.scales.repeat_interleave(per_block, dim=1).contiguous()
+        rows, k = self.codes.shape
+        zeros = self.zeros.repeat_interleave(self.group_size // BLOCK, dim=1)  # [rows, k / 32]
+        d = self.scales.repeat_interleave(self.group_size // BLOCK, dim=1).contiguous()
         d_bytes = d.view(torch.uint8).numpy().reshape(rows, k // BLOCK, 2)
-        if bool((self.zeros == 8).all()):
-            kind, codes = GGMLQuantizationType.Q4_0, self.codes
+        codes = self.codes.numpy().reshape(rows, k // BLOCK, BLOCK)
+        if bool((zeros == 8).all()):
+            kind: QuantKind = GGMLQuantizationType.Q4_0
+            parts = [d_bytes, _nibbles_of(codes)]
+        elif self.group_size % ZP_BLOCK == 0:
+            kind, per = OwnType.Q4_ZP, ZP_BLOCK // BLOCK
+            zero_bytes = zeros.to(torch.uint8).numpy().reshape(rows, k // ZP_BLOCK, per)
+            nibbles = _nibbles_of(codes).reshape(rows, k // ZP_BLOCK, per * 16)
+            parts = [d_bytes[:, ::per], zero_bytes, nibbles]
         else:
-            zeros = self.zeros.repeat_interleave(self.group_size, dim=1)
             kind = GGMLQuantizationType.Q5_0
-            codes = (self.codes.to(torch.int16) - zeros + 16).to(torch.uint8)
-        values = codes.numpy().reshape(rows, k // BLOCK, BLOCK)
-        # Bytes j of a block's nibbles: input j in the low half, input j + 16 in the high one.
-        nibbles = (values[..., :16] & 15) | ((values[..., 16:] & 15) << 4)
-        parts = [d_bytes, nibbles.astype(np.uint8)]
-        if kind == GGMLQuantizationType.Q5_0:  # bit j of a little-endian word: input j's fifth
-            high = ((values >> 4) & 1).astype(np.uint32) << np.arange(BLOCK, dtype=np.uint32)
+            steps = codes.astype(np.int16) - zeros.numpy()[..., None] + 16
+            # Bit j of a little-endian word: input j's fifth.
+            high = ((steps >> 4) & 1).astype(np.uint32) << np.arange(BLOCK, dtype=np.uint32)
             words = high.sum(axis=-1, dtype=np.uint32).astype("<u4")
-            parts.insert(1, words.view(np.uint8).reshape(rows, k // BLOCK, 4))
+            high_bytes = words.view(np.uint8).reshape(rows, k // BLOCK, 4)
+            parts = [d_bytes, high_bytes, _nibbles_of(steps.astype(np.uint8))]
         raw = np.concatenate(parts, axis=-1).reshape(rows, -1)
         return QuantTensor(kind, np.ascontiguousarray(raw), k)
+
+
+def _nibbles_of(codes: np.ndarray) -> np.ndarray:
+    """[..., 32] codes as a Q4_0 block's 16 bytes: byte j holds input j in its low nibble and
+    input 16 + j in its high one."""
+    return ((codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)).astype(np.uint8)
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -106,19 +121,46 @@ def gptq_weight(
     codes = nibbles(qweight.t().contiguous())
     outputs, k = codes.shape
     zeros = nibbles(qzeros)[:, :outputs].to(torch.int16) + zero_offset
-    groups = zeros.shape[0]
-    if g_idx is not None and not torch.equal(
-        g_idx.to(torch.int64), torch.arange(k) // (k // groups)
-    ):
-        raise ValueError(
-            "an act-order (desc_act) GPTQ checkpoint: its groups are not runs of consecutive "
-            "inputs, which the quantized kernels need; use one quantized without desc_act"
-        )
+    if g_idx is not None:
+        _check_runs(g_idx, k, zeros.shape[0])
     return Int4Weight(codes, zeros.t().contiguous(), _fp16(scales).t().contiguous())
 
 
+def packed_weight(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+) -> Int4Weight:
+    """compressed-tensors' ``pack-quantized``: ``packed`` [out, in / 8] int32, eight
+    consecutive inputs a word, each value stored plus 8; ``zero_points`` (asymmetric) [out / 8
+    rounded up, groups], eight outputs a word, each plus 8 too; ``scales`` [out, groups]."""
+    codes = nibbles(packed)
+    outputs, k = codes.shape
+    groups = scales.shape[1]
+    if zero_points is None:  # symmetric: w = s · (stored − 8)
+        zeros = torch.full((outputs, groups), 8, dtype=torch.int16)
+    else:
+        zeros = nibbles(zero_points.t().contiguous())[:, :outputs].t().to(torch.int16)
+    if g_idx is not None:
+        _check_runs(g_idx, k, groups)
+    return Int4Weight(codes, zeros.contiguous(), _fp16(scales).contiguous())
+
+
+def _check_runs(g_idx: torch.Tensor, k: int, groups: int) -> None:
+    if not torch.equal(g_idx.to(torch.int64), torch.arange(k) // (k // groups)):
+        raise ValueError(
+            "an act-order checkpoint: its groups are not runs of consecutive inputs, which the "
+            "quantized kernels need; use one quantized without act-order (desc_act)"
+        )
+
+
 def _fp16(scales: torch.Tensor) -> torch.Tensor:
+    """The scales as the kernels' fp16: exact for fp16 scales, and for bfloat16 ones from fp16's
+    smallest normal (2^-14) up; a smaller one (an all-but-zero group's) moves its weights by
+    under 2^-20 when rounded, and is."""
     half = scales.to(torch.float16)
-    if not torch.equal(half.to(scales.dtype), scales):
+    inexact = half.to(scales.dtype) != scales
+    if bool((inexact & (scales.abs() >= 2**-14)).any()):
         raise ValueError(f"the checkpoint's {scales.dtype} scales are not all fp16 values")
     return half

@@ -11,7 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from slotserve.runners.pytorch.quant.formats import FORMATS
+from slotserve.runners.pytorch.quant.formats import FORMATS, QuantKind
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class QuantTensor:
     which of them each output is (None: in order), so a permutation of a file's rows is read
     from its mapping when packed, never copied."""
 
-    kind: GGMLQuantizationType
+    kind: QuantKind
     raw: np.ndarray
     k: int
     order: np.ndarray | None = None
