@@ -12,6 +12,13 @@ import openai
 import pytest
 import torch
 
+from slotserve.bench.int4_folders import (
+    awq_pack,
+    compressed_pack,
+    gptq_pack,
+    int4_checkpoint,
+    rtn_int4,
+)
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
@@ -31,13 +38,6 @@ from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, greedy
-from tests.runner.int4_writers import (
-    awq_pack,
-    compressed_pack,
-    gptq_pack,
-    int4_checkpoint,
-    rtn_int4,
-)
 from tests.runner.quant_reference import dequantized
 
 

@@ -2,7 +2,9 @@
 real model's shapes (``model_shapes.CPU_SHAPES``) with SmolLM2's vocabulary, written in F16 and
 quantized by llama.cpp's own quantizer (``llama_model_quantize``: Q4_K_M mixes Q4_K with Q6_K as
 llama.cpp decides), cached on disk (``SLOTSERVE_MODEL_CACHE``, default
-``~/.cache/slotserve/models``). Both runners and llama-server then read the same file.
+``~/.cache/slotserve/models``). Both runners and llama-server then read the same file. AWQ,
+GPTQ and W4A16 are HF folders of the F16 file's weights in those 4-bit layouts (groups of 128;
+GPTQ and W4A16 symmetric, as their tools' defaults: ``int4_folders.py``), for the PyTorch runner.
 
     slotserve bench model-file llama-3.2-1b --quant Q4_K_M   # prints the file's path
 """
@@ -19,8 +21,9 @@ import numpy as np
 
 from slotserve.bench.model_shapes import CPU_SHAPES
 
-# llama.cpp's file types, by the names its quantize tool gives them.
-QUANTS = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
+# llama.cpp's file types, by the names its quantize tool gives them; then the HF folders'.
+FOLDERS = {"AWQ": "awq", "GPTQ": "gptq-sym", "W4A16": "compressed-sym"}
+QUANTS = ("F16", "Q8_0", "Q4_K_M", "Q4_0", *FOLDERS)
 WEIGHT_STD = 0.02  # random weights' spread: a model whose activations stay finite
 
 
@@ -37,17 +40,34 @@ def model_file(shape: str, quant: str, folder: Path | None = None) -> Path:
         raise ValueError(f"unknown quantization {quant!r}: one of {', '.join(QUANTS)}")
     folder = folder or cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{shape}-{quant}.gguf"
-    if path.is_file():
+    path = folder / (f"{shape}-{quant}" if quant in FOLDERS else f"{shape}-{quant}.gguf")
+    if path.exists():
         return path
     f16 = folder / f"{shape}-F16.gguf"
     if not f16.is_file():
         _write_random(shape, f16.with_suffix(".partial"))
         f16.with_suffix(".partial").rename(f16)
-    if quant != "F16":
+    if quant in FOLDERS:
+        _int4_folder(f16, path, FOLDERS[quant])
+    elif quant != "F16":
         _quantize(f16, path.with_suffix(".partial"), quant)
         path.with_suffix(".partial").rename(path)
     return path
+
+
+def _int4_folder(source: Path, out: Path, method: str) -> None:
+    """``source`` as an HF folder of ``method``'s 4-bit weights, through a bfloat16 one."""
+    import shutil
+    import tempfile
+
+    from slotserve.bench.hf_reference import convert_gguf_to_hf
+    from slotserve.bench.int4_folders import int4_checkpoint
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        dense = convert_gguf_to_hf(source, Path(scratch) / "bf16", dtype="bfloat16")
+        partial = Path(scratch) / "int4"
+        int4_checkpoint(dense, partial, method, group=128)
+        shutil.move(partial, out)
 
 
 def _tensors(arch: str, hp: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -1,6 +1,8 @@
-"""AWQ and GPTQ 4-bit checkpoints written offline, as AutoAWQ's GEMM layout and GPTQ's pack
-them: round-to-nearest per group of inputs (the calibration those tools add changes the values,
-never the layout), so the runner's reading of the layouts is checked against their writing."""
+"""4-bit AWQ, GPTQ and compressed-tensors checkpoints written offline from an HF folder, as
+AutoAWQ's GEMM layout, GPTQ's and llm-compressor's ``pack-quantized`` pack them: round-to-nearest
+per group of inputs (the calibration those tools add changes the values, never the layout). The
+tests check the runner's reading of each layout against this writing of it; ``bench model-file``
+writes benchmark models of real shapes with it."""
 
 from __future__ import annotations
 
