@@ -24,6 +24,7 @@ from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.int4_checkpoint import int4_scheme, int4_tensors
+from slotserve.runners.pytorch.load.memory import estimate_memory
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import UnsupportedModelError
 from slotserve.runners.pytorch.model.layers import Projection
@@ -193,6 +194,13 @@ def test_a_folder_is_served_from_the_checkpoints_own_values(
         model = quantized.shard.model
         projections = [m for m in model.modules() if isinstance(m, Projection)]
         assert all(p.quant_parts for p in projections)
+        packed = sum(part.packed.numel() for p in projections for part in p.quant_parts or [])
+        kept = estimate_memory(TorchLoadConfig(folder)).weights_bytes  # the pre-flight's
+        assert (
+            packed
+            <= kept
+            < estimate_memory(TorchLoadConfig(folder, quantization="none")).weights_bytes
+        )
         parts = model.decoder_layers[0].qkv.quant_parts  # q's rows first: one part per type
         assert parts is not None and model.kernels is not None
         part, (n, k) = parts[0], expected.shape

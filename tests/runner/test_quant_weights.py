@@ -14,6 +14,7 @@ import torch
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
+from slotserve.runners.pytorch.load.memory import estimate_memory
 from slotserve.runners.pytorch.load.quant_weights import QuantEmbedding
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.layers import Projection
@@ -132,3 +133,23 @@ def test_quantization_the_load_cannot_serve_is_refused_by_name(
         _runner(hf_checkpoint, quantization="Q4_0", cpu_kernels=False)
     with pytest.raises(ValueError, match="the CPU kernels do not serve"):
         _runner(hf_checkpoint, quantization="Q8_0", dtype="float32")
+
+
+def test_the_preflight_counts_weights_kept_quantized_at_their_bytes(
+    model_path: Path, hf_checkpoint: Path, torch_runner: TorchRunner
+) -> None:
+    """The server refuses a model whose estimate does not fit: weights kept quantized are
+    estimated at about what they take (the GGUF file's bytes; an HF checkpoint rounded at
+    load at its type's), not at bfloat16's, or a file that fits would be refused."""
+    kept = estimate_memory(TorchLoadConfig(model_path)).weights_bytes
+    dense = estimate_memory(TorchLoadConfig(model_path, quantization="none")).weights_bytes
+    file_bytes = model_path.stat().st_size
+    assert file_bytes <= kept <= 1.15 * file_bytes + 1 < dense
+    packed = sum(
+        part.packed.numel() for p in _projections(torch_runner) for part in p.quant_parts or []
+    )
+    assert packed <= kept
+    q4_0 = estimate_memory(TorchLoadConfig(hf_checkpoint, quantization="Q4_0")).weights_bytes
+    q8_0 = estimate_memory(TorchLoadConfig(hf_checkpoint, quantization="Q8_0")).weights_bytes
+    hf_dense = estimate_memory(TorchLoadConfig(hf_checkpoint)).weights_bytes
+    assert q4_0 < q8_0 < 0.6 * hf_dense

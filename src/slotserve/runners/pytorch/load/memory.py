@@ -10,10 +10,18 @@ import os
 import torch
 
 from slotserve.engine.memory_need import MemoryNeed
-from slotserve.runners.pytorch.load.checkpoint import read_model_config
+from slotserve.runners.pytorch.load.checkpoint import Checkpoint, open_checkpoint
+from slotserve.runners.pytorch.load.format_choice import QUANTIZED_TYPES
+from slotserve.runners.pytorch.load.quant_weights import DENSE_AS
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
+from slotserve.runners.pytorch.quant.formats import FORMATS, GROUP, QuantKind
+from slotserve.runners.pytorch.quant.tensor import QUANTIZE_TO
+
+# A checkpoint kept as its own blocks takes about its bytes on disk: a GGUF file's packed records
+# are within 1.1 of it, an AWQ or GPTQ folder's Q4_ZP blocks 1.12 of its 4.25 bits a weight.
+STORED_GROWTH = 1.15
 
 
 def cpu_kv_budget(load: TorchLoadConfig, max_seq_len: int, bytes_per_token: int) -> int:
@@ -72,7 +80,8 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     takes what ``--gpu-memory-fraction`` leaves; at least one sequence of it must fit. Tensor
     parallel ranks on one machine: their slices add up to the whole model, each rank a process
     of its own (``--kv-memory`` is each rank's)."""
-    config = read_model_config(load.model_path, load.model_overrides)
+    checkpoint = open_checkpoint(load.model_path, load.model_overrides)
+    config = checkpoint.config
     ranks = load.tensor_parallel_size
     shard_config(config, ranks)  # refused here, before any weight, when heads do not divide
     dtype_bytes = load.torch_dtype.itemsize
@@ -92,7 +101,7 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
         for i in range(config.num_layers)
     )
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    weights = (embeddings + layers) * dtype_bytes
+    weights = _weight_bytes(load, checkpoint, embeddings, layers)
     per_token = config.kv_bytes_per_token(dtype_bytes, load.kv_int8)
     on_gpu = load.torch_device.type == "cuda"
     if on_gpu and not load.kv_memory:
@@ -107,6 +116,34 @@ def estimate_memory(load: TorchLoadConfig) -> MemoryNeed:
     # DeltaNet states: the slots' and the prefix cache's snapshots.
     buffers += (load.num_slots + load.snapshots) * config.linear_state_bytes(dtype_bytes)
     return MemoryNeed(weights, kv, kv // per_token, buffers, device_share=float(on_gpu))
+
+
+def _weight_bytes(
+    load: TorchLoadConfig, checkpoint: Checkpoint, embeddings: int, layers: int
+) -> int:
+    """What the weights will take: in the model's dtype, or kept quantized where the load keeps
+    them so (``format_choice.weight_format``: on CPU in bfloat16 with the kernels, one rank):
+    a quantized checkpoint about its bytes on disk, an HF one rounded by ``--quantization``
+    at its type's bytes a weight (the embedding and LM head at Q8_0's)."""
+    dense = (embeddings + layers) * load.torch_dtype.itemsize
+    kernels = load.cpu_kernels and not load.batch_invariant and load.tensor_parallel_size == 1
+    if not kernels or load.torch_device.type != "cpu" or load.torch_dtype != torch.bfloat16:
+        return dense
+    if load.quantization in QUANTIZE_TO:
+        return round(
+            layers * _bytes_a_weight(QUANTIZE_TO[load.quantization])
+            + embeddings * _bytes_a_weight(DENSE_AS)
+        )
+    if load.quantization == "none" or not checkpoint.quantized_types() & QUANTIZED_TYPES:
+        return dense
+    path = checkpoint.path
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    return round(STORED_GROWTH * sum(f.stat().st_size for f in files))
+
+
+def _bytes_a_weight(kind: QuantKind) -> float:
+    f = FORMATS[kind]
+    return f.record_bytes / (GROUP * f.super)
 
 
 def return_freed_memory() -> None:
