@@ -114,14 +114,32 @@ def test_layouts_the_kernels_cannot_take_are_refused() -> None:
         awq_weight(**awq_pack(codes, zeros, scales)).blocks()
     codes, zeros, scales = rtn_int4(torch.randn(16, 64), 32, symmetric=False)
     packed = gptq_pack(codes, zeros, scales)
-    act_order = packed["g_idx"].flip(0)
-    with pytest.raises(ValueError, match="act-order"):
-        gptq_weight(packed["qweight"], packed["qzeros"], packed["scales"], act_order, 1)
     parts = [("layer.q_proj.qweight", packed["qweight"]), ("layer.q_proj.scales", scales)]
     scheme = int4_scheme({"quantization_config": {"quant_method": "gptq", "bits": 4}})
     assert scheme is not None
     with pytest.raises(ValueError, match=r"layer\.q_proj lacks its qzeros"):
         list(int4_tensors(iter(parts), scheme, keep_quantized=True))
+
+
+def test_act_order_weights_are_read_by_their_groups_and_left_dense() -> None:
+    """GPTQ's act-order puts inputs far apart in one group (``g_idx``): the weights are read by
+    it exactly, and given dense (the load rounds them to Q8_0), since no block holds them."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (16, 128), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(1, 16, (16, 4), generator=gen, dtype=torch.int32)  # v1 stores 0 as 16
+    scales = (torch.rand(16, 4, generator=gen) / 50 + 1e-3).half()
+    group_of = (torch.arange(128) // 32)[torch.randperm(128, generator=gen)]
+    packed = gptq_pack(codes, zeros, scales) | {"g_idx": group_of.to(torch.int32)}
+    reference = (codes - zeros[:, group_of]).float() * scales.float()[:, group_of]
+    weight = _read("gptq", packed)
+    assert not weight.in_runs and torch.equal(weight.dense(), reference)
+    with pytest.raises(ValueError, match="act-order"):
+        weight.blocks()
+    scheme = int4_scheme({"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert scheme is not None
+    parts = iter((f"layer.up_proj.{name}", tensor) for name, tensor in sorted(packed.items()))
+    ((name, kept),) = list(int4_tensors(parts, scheme, keep_quantized=True))
+    assert name == "layer.up_proj.weight" and torch.equal(kept, reference)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

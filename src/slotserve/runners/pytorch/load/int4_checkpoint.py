@@ -7,6 +7,7 @@ before any weight is read."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from slotserve.runners.pytorch.quant.int4_blocks import (
 )
 from slotserve.runners.pytorch.quant.tensor import QuantTensor
 
+logger = logging.getLogger(__name__)
 METHODS = STORED_QUANTIZATIONS  # quant_method's names, as --quantization takes them
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format: the offset its zeros are stored at
 # Each method's tensors of one projection: those it always has, then those it may have.
@@ -135,8 +137,10 @@ def int4_tensors(
     tensors: Iterator[tuple[str, torch.Tensor]], scheme: Int4Scheme, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """``tensors`` with each quantized projection's packed tensors replaced by its
-    ``<name>.weight``: GGUF blocks with ``keep_quantized``, else dense float32."""
+    ``<name>.weight``: blocks with ``keep_quantized`` (but for act-order groups, which the load
+    rounds to Q8_0 as any dense matrix), else dense float32."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    act_order_said = False
     for name, tensor in tensors:
         prefix, _, part = name.rpartition(".")
         if part not in scheme.parts:
@@ -146,7 +150,14 @@ def int4_tensors(
         parts[part] = tensor
         if scheme.complete(parts):
             weight = scheme.weight(pending.pop(prefix))
-            yield f"{prefix}.weight", weight.blocks() if keep_quantized else weight.dense()
+            if keep_quantized and not weight.in_runs and not act_order_said:
+                act_order_said = True
+                logger.warning(
+                    "act-order (desc_act) weights: no block holds their groups, so they are "
+                    "dequantized and rounded to Q8_0 (about twice the bytes a weight)"
+                )
+            kept = keep_quantized and weight.in_runs
+            yield f"{prefix}.weight", weight.blocks() if kept else weight.dense()
     if pending:  # a projection's tensors split across shards, or missing
         prefix, parts = next(iter(pending.items()))
         missing = [p for p in _PARTS[scheme.method][0] if p not in parts] or ["other tensors"]

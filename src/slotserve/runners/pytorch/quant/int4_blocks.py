@@ -32,11 +32,18 @@ _AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(j) for j in range(8))  # output j's nibbl
 @dataclass(frozen=True)
 class Int4Weight:
     """One projection's weight as its integers: ``codes`` [out, in] (0..15), ``zeros`` [out,
-    groups] and ``scales`` [out, groups] (fp16); input i belongs to group i // group_size."""
+    groups] and ``scales`` [out, groups] (fp16); input i belongs to group i // group_size, or
+    with act-order (GPTQ's ``desc_act``) to group ``group_of[i]``."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
+    group_of: torch.Tensor | None = None
+
+    @property
+    def in_runs(self) -> bool:
+        """Whether each group is a run of consecutive inputs, as blocks need."""
+        return self.group_of is None
 
     @property
     def group_size(self) -> int:
@@ -44,13 +51,18 @@ class Int4Weight:
 
     def dense(self) -> torch.Tensor:
         """The weights in float32, ``s · (q − z)``: exact (an fp16 times an integer of 5 bits)."""
-        zeros = self.zeros.repeat_interleave(self.group_size, dim=1)
-        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)
+        if self.group_of is None:
+            zeros = self.zeros.repeat_interleave(self.group_size, dim=1)
+            scales = self.scales.float().repeat_interleave(self.group_size, dim=1)
+        else:
+            zeros, scales = self.zeros[:, self.group_of], self.scales.float()[:, self.group_of]
         return (self.codes.to(torch.int16) - zeros).float() * scales
 
     def blocks(self) -> QuantTensor:
         """The same weights as Q4_0 blocks (every zero 8), else Q4_ZP blocks (groups of 128·n
         inputs), else Q5_0 blocks."""
+        if not self.in_runs:
+            raise ValueError("act-order groups are not runs of inputs: no block holds them")
         if self.group_size % BLOCK:
             raise ValueError(
                 f"groups of {self.group_size} inputs: the quantized kernels take whole blocks of "
@@ -117,13 +129,12 @@ def gptq_weight(
     """GPTQ's layout: ``qweight`` [in / 8, out] int32, eight consecutive inputs a word;
     ``qzeros`` [groups, out / 8], eight outputs a word, each ``zero − zero_offset`` (1 in the
     original format, whose kernels add it back: a zero of 0 was stored as 15 and reads as 16;
-    0 in ``gptq_v2``); ``g_idx`` [in], each input's group (act-order is refused)."""
+    0 in ``gptq_v2``); ``g_idx`` [in], each input's group (act-order's kept as ``group_of``)."""
     codes = nibbles(qweight.t().contiguous())
     outputs, k = codes.shape
     zeros = nibbles(qzeros)[:, :outputs].to(torch.int16) + zero_offset
-    if g_idx is not None:
-        _check_runs(g_idx, k, zeros.shape[0])
-    return Int4Weight(codes, zeros.t().contiguous(), _fp16(scales).t().contiguous())
+    group_of = None if g_idx is None else _act_order(g_idx, k, zeros.shape[0])
+    return Int4Weight(codes, zeros.t().contiguous(), _fp16(scales).t().contiguous(), group_of)
 
 
 def packed_weight(
@@ -142,17 +153,14 @@ def packed_weight(
         zeros = torch.full((outputs, groups), 8, dtype=torch.int16)
     else:
         zeros = nibbles(zero_points.t().contiguous())[:, :outputs].t().to(torch.int16)
-    if g_idx is not None:
-        _check_runs(g_idx, k, groups)
-    return Int4Weight(codes, zeros.contiguous(), _fp16(scales).contiguous())
+    group_of = None if g_idx is None else _act_order(g_idx, k, groups)
+    return Int4Weight(codes, zeros.contiguous(), _fp16(scales).contiguous(), group_of)
 
 
-def _check_runs(g_idx: torch.Tensor, k: int, groups: int) -> None:
-    if not torch.equal(g_idx.to(torch.int64), torch.arange(k) // (k // groups)):
-        raise ValueError(
-            "an act-order checkpoint: its groups are not runs of consecutive inputs, which the "
-            "quantized kernels need; use one quantized without act-order (desc_act)"
-        )
+def _act_order(g_idx: torch.Tensor, k: int, groups: int) -> torch.Tensor | None:
+    """``g_idx`` (each input's group) where it is act-order's, None where groups are runs."""
+    group_of = g_idx.to(torch.int64)
+    return None if torch.equal(group_of, torch.arange(k) // (k // groups)) else group_of
 
 
 def _fp16(scales: torch.Tensor) -> torch.Tensor:
