@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from slotserve.bench.int4_folders import (
     awq_pack,
@@ -39,6 +40,7 @@ from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
 from tests.prompts import PROMPTS
 from tests.runner.engine_runs import alone_then_together, greedy
+from tests.runner.hf_checkpoint import tiny_random_checkpoint
 from tests.runner.quant_reference import dequantized
 
 
@@ -267,3 +269,27 @@ def test_the_server_answers_from_an_awq_folder(
         stop_server(proc)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+
+def test_a_mixture_of_experts_keeps_its_experts_quantized(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Each expert's projections are quantized tensors of their own (``experts.{e}.*_proj``),
+    as the hub's Qwen3-MoE AWQ and GPTQ checkpoints store them: kept as their blocks."""
+    dense = tiny_random_checkpoint("qwen3_moe", hf_checkpoint, tmp_path / "dense")
+    runner = _runner(int4_checkpoint(dense, tmp_path / "awq", "awq"))
+    try:
+        layers = runner.shard.model.decoder_layers
+        experts = [e for layer in layers if layer.sparse for e in layer.moe.experts]
+        assert experts and all(
+            part.format == FORMATS[GGMLQuantizationType.Q5_0]
+            for e in experts
+            for p in (e.gate_up, e.down)
+            for part in p.quant_parts or [None]  # type: ignore[list-item]
+        )
+        core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
+        prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+        alone, together = alone_then_together(core, prompts, greedy(8))
+        assert together == alone
+    finally:
+        runner.close()
