@@ -144,7 +144,7 @@ def test_the_preflight_counts_weights_kept_quantized_at_their_bytes(
     kept = estimate_memory(TorchLoadConfig(model_path)).weights_bytes
     dense = estimate_memory(TorchLoadConfig(model_path, quantization="none")).weights_bytes
     file_bytes = model_path.stat().st_size
-    assert file_bytes <= kept <= 1.15 * file_bytes + 1 < dense
+    assert file_bytes <= kept <= 1.3 * file_bytes + 1 < dense
     packed = sum(
         part.packed.numel() for p in _projections(torch_runner) for part in p.quant_parts or []
     )

@@ -51,11 +51,11 @@ class Checkpoint(Protocol):
 
     def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """As :meth:`tensors`, the matrices the quantized kernels multiply as stored kept as
-        their GGUF blocks (only where :meth:`quantized_types` names any)."""
+        their blocks (only where :meth:`quantized_types` names any)."""
         ...
 
     def quantized_types(self) -> set[str]:
-        """The GGUF types of its matrices as stored (an HF folder's: AWQ's or GPTQ's blocks)."""
+        """The block types of its matrices as stored (an HF folder's: its 4-bit weights')."""
         ...
 
     def tokenizer(self) -> HfTokenizer: ...

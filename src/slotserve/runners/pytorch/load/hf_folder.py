@@ -1,8 +1,9 @@
 """An HF model folder, as the load plan reads a checkpoint (``checkpoint.py``): ``config.json``
 read by its family, the weights of ``model.safetensors`` or of the shards its index lists, the
 recommended sampling of ``generation_config.json``, the tokenizer (with a vision-language
-family's image preparer), the pooling a sentence-transformers folder names. A folder of AWQ or
-GPTQ 4-bit weights gives each projection's as one tensor (``int4_checkpoint.py``)."""
+family's image preparer), the pooling a sentence-transformers folder names. A folder of 4-bit
+AWQ, GPTQ or compressed-tensors weights gives each projection's as one tensor
+(``int4_checkpoint.py``)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class HfFolder:
 
     @cached_property
     def int4(self) -> Int4Scheme | None:
-        """The 4-bit scheme of its weights, if quantized (refused here if not AWQ or GPTQ)."""
+        """The 4-bit scheme of its weights, if quantized (a quantization not read: refused)."""
         return int4_scheme(self.raw_config)
 
     @cached_property
@@ -71,12 +72,12 @@ class HfFolder:
         return int4_tensors(tensors, self.int4, keep_quantized=False)  # type: ignore[return-value]
 
     def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-        """As :meth:`tensors`, but a quantized projection's weight as its GGUF blocks."""
+        """As :meth:`tensors`, but a quantized projection's weight as its blocks."""
         assert self.int4 is not None, "only a quantized checkpoint has blocks of its own"
         return int4_tensors(safetensors_tensors(self.path), self.int4, keep_quantized=True)
 
     def quantized_types(self) -> set[str]:
-        """The GGUF types its matrices may be kept in as stored (none unless quantized)."""
+        """The block types its matrices may be kept in as stored (none unless quantized)."""
         return set() if self.int4 is None else self.int4.kinds
 
     def tokenizer(self) -> HfTokenizer:
