@@ -26,7 +26,6 @@ BLOCK = 32  # inputs of a Q4_0 / Q5_0 block
 ZP_BLOCK = block_size(OwnType.Q4_ZP)[0]
 # AutoAWQ packs the eight outputs of a word in this order: nibble i holds output AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_AWQ_NIBBLE_OF = tuple(AWQ_ORDER.index(j) for j in range(8))  # output j's nibble
 
 
 @dataclass(frozen=True)
@@ -100,22 +99,26 @@ def _nibbles_of(codes: np.ndarray) -> np.ndarray:
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., n] as their eight 4-bit fields [..., 8n], the lowest first."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((words.unsqueeze(-1) >> shifts) & 15).flatten(-2).to(torch.uint8)
+    """int32 words [..., n] as their eight 4-bit fields [..., 8n], the lowest first (a
+    little-endian word's bytes in order, each low nibble first)."""
+    octets = words.contiguous().view(torch.uint8)
+    return torch.stack((octets & 15, octets >> 4), dim=-1).flatten(-2)
 
 
 def _awq_outputs(words: torch.Tensor) -> torch.Tensor:
-    """AWQ's words [rows, out / 8] as codes [rows, out] in output order."""
-    fields = nibbles(words).view(words.shape[0], -1, 8)
-    return fields[..., list(_AWQ_NIBBLE_OF)].reshape(words.shape[0], -1)
+    """AWQ's words [rows, out / 8] as codes [out, rows] in output order: nibble 4e + c of a
+    word holds its output 2c + e (``AWQ_ORDER``), so one permutation of the fields orders them
+    and transposes them."""
+    rows, words_a_row = words.shape
+    fields = nibbles(words).view(rows, words_a_row, 2, 4)  # [rows, word, e, c]
+    return fields.permute(1, 3, 2, 0).reshape(words_a_row * 8, rows)
 
 
 def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> Int4Weight:
     """AutoAWQ's GEMM layout: ``qweight`` [in, out / 8] and ``qzeros`` [groups, out / 8] int32,
     eight outputs a word in ``AWQ_ORDER``; ``scales`` [groups, out]."""
-    codes = _awq_outputs(qweight).t().contiguous()
-    zeros = _awq_outputs(qzeros).t().to(torch.int16).contiguous()
+    codes = _awq_outputs(qweight)
+    zeros = _awq_outputs(qzeros).to(torch.int16)
     return Int4Weight(codes, zeros, _fp16(scales).t().contiguous())
 
 
