@@ -57,7 +57,7 @@ class HfFolder:
     def config(self) -> ModelConfig:
         overrides = json.loads(self.overrides) if self.overrides else None
         config = config_from_hf(self.raw_config, self.name, overrides)
-        int4_scheme(self.raw_config)  # a quantization it cannot read: refused before any weight
+        _ = self.int4  # a quantization it cannot read: refused before any weight
         return config
 
     @property

@@ -122,12 +122,11 @@ def _weight_bytes(
     load: TorchLoadConfig, checkpoint: Checkpoint, embeddings: int, layers: int
 ) -> int:
     """What the weights will take: in the model's dtype, or kept quantized where the load keeps
-    them so (``format_choice.weight_format``: on CPU in bfloat16 with the kernels, one rank):
+    them so (``TorchLoadConfig.quantized_kernels_refusal``: on CPU in bfloat16, one rank):
     a quantized checkpoint about its bytes on disk, an HF one rounded by ``--quantization``
     at its type's bytes a weight (the embedding and LM head at Q8_0's)."""
     dense = (embeddings + layers) * load.torch_dtype.itemsize
-    kernels = load.cpu_kernels and not load.batch_invariant and load.tensor_parallel_size == 1
-    if not kernels or load.torch_device.type != "cpu" or load.torch_dtype != torch.bfloat16:
+    if load.quantized_kernels_refusal() is not None:
         return dense
     if load.quantization in QUANTIZE_TO:
         return round(

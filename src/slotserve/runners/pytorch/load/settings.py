@@ -16,6 +16,7 @@ from slotserve.options import check_declared, declared_as
 from slotserve.runners.options import DTYPES, TorchConfig
 from slotserve.runners.rope import torch_overrides
 
+NO_CPU_KERNELS = "the CPU kernels do not serve this load (bfloat16, --cpu-kernels, head size)"
 # --dtype's choices as torch's types ("auto" is bfloat16, or float32 for an encoder).
 TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPES if name != "auto"
@@ -60,6 +61,20 @@ class TorchLoadConfig(TorchConfig):
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES["bfloat16" if self.dtype == "auto" else self.dtype]
+
+    def quantized_kernels_refusal(self) -> str | None:
+        """Why weights cannot stay quantized in this load, from its options alone (None: they
+        can, where the CPU kernels load and take the model's head size: ``NO_CPU_KERNELS``
+        else)."""
+        if self.torch_device.type != "cpu":
+            return "the quantized kernels are the CPU's"
+        if self.tensor_parallel_size > 1:
+            return "not under tensor parallelism"
+        if self.batch_invariant:
+            return "--batch-invariant runs the Triton matmuls"
+        if not self.cpu_kernels or self.torch_dtype != torch.bfloat16:
+            return NO_CPU_KERNELS
+        return None
 
     @property
     def kv_int8(self) -> bool:

@@ -24,7 +24,7 @@ from slotserve.runners.pytorch.load.checkpoint import Checkpoint
 from slotserve.runners.pytorch.load.format_choice import weight_format
 from slotserve.runners.pytorch.load.memory import decode_graph_bytes, kv_blocks
 from slotserve.runners.pytorch.load.quant_weights import QuantWeights
-from slotserve.runners.pytorch.load.settings import TorchLoadConfig
+from slotserve.runners.pytorch.load.settings import NO_CPU_KERNELS, TorchLoadConfig
 from slotserve.runners.pytorch.load.weights import RandomWeights, WeightSource, load_into
 from slotserve.runners.pytorch.model.attention import AttentionGroup, StepAttention, build_group
 from slotserve.runners.pytorch.model.config import ModelConfig
@@ -107,7 +107,8 @@ class ModelShard:
             None if dummy else checkpoint,
             self.model,
             self.model.kernels,
-            _no_quantized_kernels(load, device, tp, self.model.kernels),
+            load.quantized_kernels_refusal()
+            or (NO_CPU_KERNELS if self.model.kernels is None else None),
         )
         quantized_types = ""
         slicer = tp.slice_weight if tp is not None else None
@@ -292,21 +293,6 @@ def decode_graphs_apply(
         and not any(config.linear_layers)
         and not config.mrope_section
     )
-
-
-def _no_quantized_kernels(
-    load: TorchLoadConfig, device: torch.device, tp: TensorParallel | None, kernels: object
-) -> str | None:
-    """Why weights cannot stay quantized in this load (None: they can)."""
-    if device.type != "cpu":
-        return "the quantized kernels are the CPU's"
-    if tp is not None:
-        return "not under tensor parallelism"
-    if load.batch_invariant:
-        return "--batch-invariant runs the Triton matmuls"
-    if kernels is None:
-        return "the CPU kernels do not serve this load (bfloat16, --cpu-kernels, head size)"
-    return None
 
 
 def triton_attention(backend: str, device: torch.device) -> bool:
