@@ -13,6 +13,7 @@ from slotserve.engine.outputs import SampledToken
 from slotserve.engine.runner_interface import Runner, ScheduledChunk
 from slotserve.engine.sampling_params import SamplingParams
 from slotserve.options import CacheBudget
+from tests.prompts import PROMPTS
 
 NUM_TOKENS = 40
 
@@ -68,6 +69,16 @@ def alone_then_together(
         alone.update(generate(core, {f"p{i}": (prompt, params)}, images=images))
     jobs = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
     return alone, generate(core, jobs, start_after=start_after, images=images)
+
+
+def greedy_alone_then_together(
+    runner: Runner, tokens: int
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The first four test prompts, ``tokens`` greedy tokens each, through a fresh core of 4
+    slots without the prefix cache: :func:`alone_then_together`."""
+    core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
+    prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
+    return alone_then_together(core, prompts, greedy(tokens))
 
 
 def through_host_and_disk(num_slots: int, folder: Path) -> EngineConfig:

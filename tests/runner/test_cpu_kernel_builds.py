@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.engine_core import EngineCore
 from slotserve.engine.runner_interface import Runner
 from slotserve.runners.pytorch.cpu_kernels import (
     CpuKernels,
@@ -22,8 +20,7 @@ from slotserve.runners.pytorch.cpu_kernels import (
     load_cpu_kernels,
 )
 from slotserve.runners.pytorch.runner import TorchRunner
-from tests.prompts import PROMPTS
-from tests.runner.engine_runs import alone_then_together, greedy
+from tests.runner.engine_runs import greedy_alone_then_together
 
 
 def test_the_runner_serves_through_the_kernels_unless_told_not_to(
@@ -67,9 +64,7 @@ def test_without_a_gemm_of_ours_onednn_serves_the_projections_beside_the_kernels
         assert model.kernels is kernels
         assert model.lm_head.kernel_weight is None
         assert (model.lm_head.packed is not None) == onednn_bf16()
-        core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-        prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
-        alone, together = alone_then_together(core, prompts, greedy(12))
+        alone, together = greedy_alone_then_together(runner, 12)
         assert together == alone
     finally:
         runner.close()

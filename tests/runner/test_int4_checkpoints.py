@@ -20,8 +20,6 @@ from slotserve.bench.int4_folders import (
     int4_checkpoint,
     rtn_int4,
 )
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.hf_folder import HfFolder
 from slotserve.runners.pytorch.load.int4_checkpoint import int4_scheme, int4_tensors
@@ -38,8 +36,7 @@ from slotserve.runners.pytorch.quant.int4_blocks import (
 )
 from slotserve.runners.pytorch.runner import TorchRunner
 from tests.conftest import start_server, stop_server
-from tests.prompts import PROMPTS
-from tests.runner.engine_runs import alone_then_together, greedy
+from tests.runner.engine_runs import greedy_alone_then_together
 from tests.runner.hf_checkpoint import tiny_random_checkpoint
 from tests.runner.quant_reference import dequantized
 
@@ -231,9 +228,7 @@ def test_a_folder_is_served_from_the_checkpoints_own_values(
             dense_tensors["model.layers.0.self_attn.q_proj.weight"].bfloat16(), expected
         )
         for runner in (quantized, dense):
-            core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-            prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
-            alone, together = alone_then_together(core, prompts, greedy(8))
+            alone, together = greedy_alone_then_together(runner, 8)
             assert together == alone and all(len(t) == 8 for t in alone.values())
     finally:
         quantized.close()
@@ -287,9 +282,7 @@ def test_a_mixture_of_experts_keeps_its_experts_quantized(
             for p in (e.gate_up, e.down)
             for part in p.quant_parts or [None]  # type: ignore[list-item]
         )
-        core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-        prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
-        alone, together = alone_then_together(core, prompts, greedy(8))
+        alone, together = greedy_alone_then_together(runner, 8)
         assert together == alone
     finally:
         runner.close()

@@ -11,16 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from slotserve.engine.config import EngineConfig
-from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.memory import estimate_memory
 from slotserve.runners.pytorch.load.quant_weights import QuantEmbedding
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.layers import Projection
 from slotserve.runners.pytorch.runner import TorchRunner
-from tests.prompts import PROMPTS
-from tests.runner.engine_runs import alone_then_together, greedy
+from tests.runner.engine_runs import greedy_alone_then_together
 
 
 def _runner(path: Path, **options: object) -> TorchRunner:
@@ -29,12 +26,6 @@ def _runner(path: Path, **options: object) -> TorchRunner:
 
 def _projections(runner: TorchRunner) -> list[Projection]:
     return [m for m in runner.shard.model.modules() if isinstance(m, Projection)]
-
-
-def _greedy(runner: TorchRunner, tokens: int = 8) -> tuple[dict[str, list[int]], ...]:
-    core = EngineCore(runner, EngineConfig(num_slots=4, prefix_cache=False))
-    prompts = [runner.tokenizer.encode(p) for p in PROMPTS[:4]]
-    return alone_then_together(core, prompts, greedy(tokens))
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +92,8 @@ def test_quantized_and_dequantized_paths_agree_on_what_comes_first(
     """The quantized kernels round each input block to 8 bits and sum exactly in integers
     (csrc/quant_gemm.h), the dequantized path multiplies bfloat16 values in float32: not the
     same bits, so the tokens are not promised equal; the first choice of each prompt is."""
-    quantized_alone, quantized_together = _greedy(torch_runner)
-    dense_alone, _ = _greedy(dequantized)
+    quantized_alone, quantized_together = greedy_alone_then_together(torch_runner, 8)
+    dense_alone, _ = greedy_alone_then_together(dequantized, 8)
     assert quantized_together == quantized_alone
     assert len(dense_alone) == 4
     for prompt, tokens in dense_alone.items():
@@ -118,7 +109,7 @@ def test_an_hf_checkpoint_is_quantized_at_load(hf_checkpoint: Path, kind: str) -
         assert len(kinds) <= 2 and all(p.quant_parts for p in projections)
         assert "weights kept quantized (" in runner.model_info.compute.kernels
         assert kind in runner.model_info.compute.kernels
-        alone, together = _greedy(runner)
+        alone, together = greedy_alone_then_together(runner, 8)
         assert together == alone and all(len(t) == 8 for t in alone.values())
     finally:
         runner.close()
