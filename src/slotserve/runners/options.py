@@ -226,7 +226,7 @@ class TorchConfig(RunnerCommon):
         help="torch on CPU: the paged KV cache's type (vLLM's flag); auto: --dtype; int8: each "
         "position's row of a KV head as 8-bit integers with a float32 scale (max |x| / 127): "
         "about half the memory, every invariance kept within the mode, replies that may differ "
-        "from auto's and attention no faster (docs/runners.md)",
+        "from auto's, decode steps faster at long contexts; no fp8 (docs/runners.md)",
     )
     cpu_kernels: bool = option(
         True,

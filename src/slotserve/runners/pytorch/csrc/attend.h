@@ -5,11 +5,11 @@
 // offsets of the partition's keys.
 static inline void key_offsets(const PagedKv& kv, int kv_head, const int32_t* table, int start,
                                int count, int64_t* offsets) {
-    const int64_t stride = int64_t(kv.kv_heads) * kv.head_dim;
+    const int64_t row = row_units(kv), stride = int64_t(kv.kv_heads) * row;
     for (int j = 0, block = start / kv.block_size, within = start % kv.block_size; j < count;
          ++block) {
         const int64_t base =
-            int64_t(table[block]) * kv.block_size * stride + int64_t(kv_head) * kv.head_dim;
+            int64_t(table[block]) * kv.block_size * stride + int64_t(kv_head) * row;
         for (; within < kv.block_size && j < count; ++within, ++j) offsets[j] = base + within * stride;
         within = 0;
     }

@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void fetch(const uint16_t* row, int
         __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 1);
 }
 
-// What head h's scores of keys [j, j + step) ask for (its rows: ``D`` dimensions): its keys
+// What head h's scores of keys [j, j + step) ask for (its rows: ``D`` 16-bit units): its keys
 // kWholeAhead and kKeysAgain positions ahead, its values kWholeAhead / 2 ahead (``n``: the
 // partition's keys; ``reach``: the positions with offsets, the next partition's first ones too).
 template <int D>
@@ -47,7 +47,7 @@ static inline int start_whole_positions(const PagedKv& kv, const int32_t* table,
                                         int64_t* offsets) {
     const int n = first.n[0], reach = n + std::min(first.beyond, kWholeAhead);
     key_offsets(kv, 0, table, first.start, reach, offsets);
-    const int bytes = kv.kv_heads * kv.head_dim * 2;
+    const int bytes = kv.kv_heads * row_units(kv) * 2;
     for (int j = 0; j < std::min(reach, kWholeAhead); ++j) fetch(kv.keys + offsets[j], bytes);
     for (int j = 0; j < std::min(n, kWholeAhead / 2); ++j) fetch(kv.values + offsets[j], bytes);
     return reach;
@@ -57,25 +57,26 @@ static inline int start_whole_positions(const PagedKv& kv, const int32_t* table,
 static inline __attribute__((always_inline)) void fetch_values_past(const PagedKv& kv,
                                                                     const int64_t* offsets,
                                                                     int j0, int end, int n) {
-    const int bytes = kv.kv_heads * kv.head_dim * 2;
+    const int bytes = kv.kv_heads * row_units(kv) * 2;
     for (int j = j0 + kValueAhead; j < std::min(n, end + kValueAhead); ++j)
         fetch(kv.values + offsets[j], bytes);
 }
 
 #if SLOTSERVE_AVX512
 // ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
-// beyond and scale the same).
-template <int CH, int G>
+// beyond and scale the same). ``Int8``: ``kv`` is an int8 pool, read in registers.
+template <int CH, int G, bool Int8 = false>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes;
+    constexpr int d = CH * kLanes, row = Int8 ? (d + kKvScaleBytes) / 2 : d;
     const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     const int reach = start_whole_positions(kv, table, tiles[0], offsets);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int h = 0; h < heads; ++h) {
-            fetch_head_ahead<d>(kv, offsets, h, j0, count, n, reach);
-            score_sixteen<CH, G>(tiles[h], kv.keys + int64_t(h) * d, offsets + j0, j0, count);
+            fetch_head_ahead<row>(kv, offsets, h, j0, count, n, reach);
+            score_sixteen<CH, G, Int8>(tiles[h], kv.keys + int64_t(h) * row, offsets + j0, j0,
+                                       count);
         }
     }
     for (int h = 0; h < heads; ++h) {
@@ -90,15 +91,19 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
         fetch_values_past(kv, offsets, j0, end, n);
         for (int h = 0; h < heads; ++h) {
             const Tile& t = tiles[h];
-            const uint16_t* values = kv.values + int64_t(h) * d;
+            const uint16_t* values = kv.values + int64_t(h) * row;
             for (int g0 = 0; g0 < G; g0 += kRowGroup) {
                 vf out[kRowGroup][CH];
                 for (int g = 0; g < kRowGroup; ++g)
                     for (int c = 0; c < CH; ++c)
                         out[g][c] = load_f32(t.acc + (g0 + g) * d + c * kLanes);
                 for (int j = j0; j < end; j += 2) {
-                    load_value_pair(values + offsets[j],
-                                    j + 1 < n ? values + offsets[j + 1] : nullptr, CH, v);
+                    const uint16_t* odd = j + 1 < n ? values + offsets[j + 1] : nullptr;
+                    if constexpr (Int8)
+                        load_int8_value_pair(reinterpret_cast<const uint8_t*>(values + offsets[j]),
+                                             reinterpret_cast<const uint8_t*>(odd), d, v);
+                    else
+                        load_value_pair(values + offsets[j], odd, CH, v);
                     for (int g = 0; g < kRowGroup; ++g)
                         value_pair(out[g], CH, t.probs + (g0 + g) * (kPartition + 2) + j, v);
                 }
@@ -150,4 +155,21 @@ static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile
     }
 #undef SLOTSERVE_HEADS_CASE
     for (int h = 0; h < kv.kv_heads; ++h) attend_tile(kv, h, table, tiles[h]);
+}
+
+// attend_row_heads from an int8 pool's rows in place, where compiled (AVX-512, the shapes above):
+// the partition streams from memory once while it computes, where a read-back first would wait
+// on memory, then compute from the cache.
+static bool attend_int8_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+#if SLOTSERVE_AVX512
+#define SLOTSERVE_INT8_HEADS_CASE(CH, G) \
+    case CH * 100 + G: attend_row_heads_t<CH, G, true>(kv, table, tiles); return true;
+    switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
+        SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_INT8_HEADS_CASE)
+        default: break;
+    }
+#undef SLOTSERVE_INT8_HEADS_CASE
+#endif
+    (void)kv, (void)table, (void)tiles;
+    return false;
 }

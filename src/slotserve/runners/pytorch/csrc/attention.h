@@ -105,24 +105,30 @@ struct ValuePairOf {
 };
 using ValuePair = ValuePairOf<kMaxChunks>;
 
+#if SLOTSERVE_BF16
+// Thirty-two dimensions of two rows (``a``, ``b``, bfloat16) as two of load_value_pair's vectors:
+// lane l of the first (second) holds dimension l (16 + l) of both.
+static inline __attribute__((always_inline)) void interleave_rows(__m512i a, __m512i b, vi& first,
+                                                                  vi& second) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    first = (vi)_mm512_permutex2var_epi16(a, lo, b);
+    second = (vi)_mm512_permutex2var_epi16(a, _mm512_add_epi16(lo, _mm512_set1_epi16(16)), b);
+}
+#endif
+
 template <int C>
 static inline __attribute__((always_inline)) void load_value_pair(const uint16_t* even,
                                                                   const uint16_t* odd,
                                                                   int chunks,
                                                                   ValuePairOf<C>& out) {
 #if SLOTSERVE_BF16
-    // Lane l of the low (high) result: dimension l (16 + l) of ``even`` and of ``odd``.
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                        32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     int c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-        const __m512i a = _mm512_loadu_si512(even + c * kLanes);
-        const __m512i b = odd ? _mm512_loadu_si512(odd + c * kLanes) : _mm512_setzero_si512();
-        out.pairs[c] = (vi)_mm512_permutex2var_epi16(a, lo, b);
-        out.pairs[c + 1] = (vi)_mm512_permutex2var_epi16(a, hi, b);
-    }
+    for (; c + 2 <= chunks; c += 2)
+        interleave_rows(_mm512_loadu_si512(even + c * kLanes),
+                        odd ? _mm512_loadu_si512(odd + c * kLanes) : _mm512_setzero_si512(),
+                        out.pairs[c], out.pairs[c + 1]);
     if (c < chunks) {  // a last sixteen dimensions
         const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + c * kLanes)));
         const __m512i b = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(odd + c * kLanes)))
@@ -136,6 +142,55 @@ static inline __attribute__((always_inline)) void load_value_pair(const uint16_t
     }
 #endif
 }
+
+#if SLOTSERVE_AVX512
+// An int8 pool's row (kernel_types.h) read in registers as kv_rows_bf16 reads it back: value i
+// is bfloat16(code_i · scale), so the pool's lone rows (attend_heads.h) see the bits every other
+// path sees in the read-back rows.
+static inline __attribute__((always_inline)) vf int8_scale(const uint8_t* row, int d) {
+    float scale;
+    std::memcpy(&scale, row + d, sizeof(scale));
+    return splat(scale);
+}
+
+// Sixteen codes from ``codes`` times the row's scale, in float32 (not yet rounded).
+static inline __attribute__((always_inline)) vf int8_products(const uint8_t* codes, vf scale) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes))) *
+           scale;
+}
+
+// Dimensions 32c .. 32c + 31 of the row as bfloat16 pairs: pair_chunk's vector c.
+static inline __attribute__((always_inline)) vi int8_pair_chunk(const uint8_t* row, int c,
+                                                                vf scale) {
+    const vf lo = int8_products(row + 32 * c, scale), hi = int8_products(row + 32 * c + 16, scale);
+#if SLOTSERVE_BF16
+    return (vi)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+#else
+    const __m256i a = _mm512_cvtepi32_epi16((__m512i)((vu)round_bf16(lo) >> 16));
+    const __m256i b = _mm512_cvtepi32_epi16((__m512i)((vu)round_bf16(hi) >> 16));
+    return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+#endif
+}
+
+// load_value_pair from two rows of an int8 pool (``d`` dimensions, C vectors of sixteen, C even).
+template <int C>
+static inline __attribute__((always_inline)) void load_int8_value_pair(const uint8_t* even,
+                                                                       const uint8_t* odd, int d,
+                                                                       ValuePairOf<C>& out) {
+    const vf se = int8_scale(even, d), so = odd ? int8_scale(odd, d) : splat(0.0f);
+#if SLOTSERVE_BF16
+    for (int c = 0; c < C; c += 2)
+        interleave_rows((__m512i)int8_pair_chunk(even, c / 2, se),
+                        odd ? (__m512i)int8_pair_chunk(odd, c / 2, so) : _mm512_setzero_si512(),
+                        out.pairs[c], out.pairs[c + 1]);
+#else
+    for (int c = 0; c < C; ++c) {
+        out.even[c] = round_bf16(int8_products(even + c * kLanes, se));
+        out.odd[c] = odd ? round_bf16(int8_products(odd + c * kLanes, so)) : splat(0.0f);
+    }
+#endif
+}
+#endif
 
 // acc[c] (dimensions 16c ..) advanced by one dot_pairs step with the probability pair at ``p``:
 // the odd key first, as the instruction. ``even_only``: the pair's odd value taken as zero.

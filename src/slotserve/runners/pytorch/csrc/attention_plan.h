@@ -200,8 +200,8 @@ constexpr int32_t kOneBlock[1] = {0};
 // first_head .. first_head + heads - 1, read back as bfloat16 into the thread's scratch: a pool
 // of one block (kOneBlock) of ``heads`` heads, that the kernels read as they read the bfloat16
 // pool, so every path sees the same values. Position by position, each position's rows in the
-// order the pool holds them: a lone row's partition reads every head in one stream through
-// memory. The scratch holds kPartition * heads * d values.
+// order the pool holds them: a lone row's partition (where attend_int8_row_heads does not
+// serve) reads every head in one stream through memory. The scratch holds kPartition * heads * d values.
 static PagedKv int8_rows(const Kernels& k, const PoolBytes& pool, int64_t kv_heads, int64_t d,
                          const int32_t* table, int start, int n, int64_t first_head,
                          int64_t heads, AttentionScratch& w) {

@@ -27,17 +27,24 @@ struct HeadLayout {
     bool plus_one;
 };
 
-struct PagedKv {
-    const uint16_t* keys;  // [rows, kv_heads, head_dim]
-    const uint16_t* values;
-    int kv_heads, head_dim, block_size;
-};
-
 // The int8 KV pool (--kv-cache-dtype int8): a head's row of one position holds head_dim int8
 // codes, then their float32 scale (kKvScaleBytes): value = bfloat16(code · scale), with scale =
-// max |x| / 127 and code = rne(x · (127 / max |x|)) at the write (row_ops.cpp). Attention reads
-// a partition's rows dequantized to bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
+// max |x| / 127 and code = rne(x · (127 / max |x|)) at the write (row_ops.cpp). A lone row's
+// partition reads the rows in registers (attend_heads.h, AVX-512); every other path reads a
+// partition's rows back as bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
 constexpr int kKvScaleBytes = 4;
+
+struct PagedKv {
+    const uint16_t* keys;  // [rows, kv_heads, head_dim], or an int8 pool's rows
+    const uint16_t* values;
+    int kv_heads, head_dim, block_size;
+    bool int8 = false;  // the pool's rows are int8 codes and their scale
+};
+
+// The 16-bit units of one KV head's row: offsets into the pool count in them.
+static inline int row_units(const PagedKv& kv) {
+    return kv.int8 ? (kv.head_dim + kKvScaleBytes) / 2 : kv.head_dim;
+}
 
 // Keys are reduced in partitions of this many absolute positions (partition k holds positions
 // [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.
@@ -119,6 +126,9 @@ struct Kernels {
                          uint16_t* value_row, float* scratch);
     void (*attend_tile)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t);
     void (*attend_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
+    // attend_row_heads from an int8 pool in place; false (nothing done) where not compiled for
+    // this set or shape.
+    bool (*attend_int8_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
     // attend_tile on AMX tiles (attend_amx.h), real or emulated; null where not compiled.
     void (*attend_amx)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
                        bool emulated);
@@ -139,7 +149,8 @@ struct Kernels {
 #define SLOTSERVE_KERNELS(ns)                                                           \
     Kernels {                                                                           \
         #ns, &ns::norm_bf16_row, &ns::add_norm_row, &ns::silu_mul_row, &ns::rotary_token, \
-            &ns::attend_tile, &ns::attend_row_heads, SLOTSERVE_ATTEND_AMX(ns),          \
+            &ns::attend_tile, &ns::attend_row_heads, &ns::attend_int8_row_heads,        \
+            SLOTSERVE_ATTEND_AMX(ns),                                                   \
             &ns::merge_partitions,                                                      \
             &ns::gemmv::blocks,                                                         \
             &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of,          \

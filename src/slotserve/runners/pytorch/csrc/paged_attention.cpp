@@ -40,7 +40,7 @@ public:
         const auto* values = static_cast<const char*>(value_cache.data_ptr());
         pool_ = {keys, values, block_size, kv_heads_ * (int8_ ? d_ + kKvScaleBytes : d_ * 2)};
         kv_ = {reinterpret_cast<const uint16_t*>(keys), reinterpret_cast<const uint16_t*>(values),
-               int(kv_heads_), int(d_), int(block_size)};  // read as such from bfloat16 only
+               int(kv_heads_), int(d_), int(block_size), int8_};
         out_ = at::empty({tokens_, heads_ * d_}, q.options());
         qin_ = bf16(q);
         o_ = bf16_mut(out_);
@@ -147,25 +147,27 @@ private:
         const int start = int(part) * kPartition;
         const int n[1] = {std::clamp(pos_[t0] + 1 - start, 0, kPartition)};
         if (n[0] == 0) return;
-        // An int8 pool's partition is read back into the scratch first: its keys start there.
-        PagedKv kv = kv_;
-        const int32_t* table = table_of(t0);
-        int first = start, beyond = pos_[t0] + 1 - start - n[0];
-        if (int8_) {
-            kv = int8_rows(k_, pool_, kv_heads_, d_, table, start, n[0], 0, kv_heads_, w);
-            table = kOneBlock;
-            first = beyond = 0;
-        }
+        for (int64_t h = 0; h < kv_heads_; ++h) load_query(w.q, t0, h, h);
         Tile tiles[kTileRows];
-        for (int64_t h = 0; h < kv_heads_; ++h) {
-            const int64_t rh = h * group_, ms = h * step + part * group_;
-            load_query(w.q, t0, h, h);
-            tiles[h] = Tile{w.q + rh * q_stride_, q_stride_, group_, 1, n, first, float(scale_),
-                            w.scores + rh * kScoreStride, w.probs + rh * (kPartition + 2),
-                            w.vectors, nullptr, w.vectors + kKeysBytes, m + ms, s + ms,
-                            acc + ms * d_, beyond};
-        }
-        k_.attend_row_heads(kv, table, tiles);
+        auto tiles_from = [&](int first, int beyond) {
+            for (int64_t h = 0; h < kv_heads_; ++h) {
+                const int64_t rh = h * group_, ms = h * step + part * group_;
+                tiles[h] = Tile{w.q + rh * q_stride_, q_stride_, group_, 1, n, first,
+                                float(scale_), w.scores + rh * kScoreStride,
+                                w.probs + rh * (kPartition + 2), w.vectors, nullptr,
+                                w.vectors + kKeysBytes, m + ms, s + ms, acc + ms * d_, beyond};
+            }
+            return tiles;
+        };
+        const int32_t* table = table_of(t0);
+        const int beyond = pos_[t0] + 1 - start - n[0];
+        if (!int8_) return k_.attend_row_heads(kv_, table, tiles_from(start, beyond));
+        // An int8 pool's rows are read in place where the kernels can; else the partition is
+        // read back into the scratch first, where its keys then start.
+        if (k_.attend_int8_row_heads(kv_, table, tiles_from(start, beyond))) return;
+        const PagedKv back =
+            int8_rows(k_, pool_, kv_heads_, d_, table, start, n[0], 0, kv_heads_, w);
+        k_.attend_row_heads(back, kOneBlock, tiles_from(0, 0));
     }
 
     // A tile's partition of KV head h (from an int8 pool: int8_partition's bfloat16 rows).
