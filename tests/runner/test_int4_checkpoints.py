@@ -240,7 +240,9 @@ def test_quantization_flags_must_match_the_checkpoint(int4_folders: dict[str, Pa
         _runner(int4_folders["gptq"], quantization="awq")
     with pytest.raises(ValueError, match="a quantized checkpoint keeps its own types"):
         _runner(int4_folders["awq"], quantization="Q8_0")
-    runner = _runner(int4_folders["gptq"], quantization="gptq")
+    with pytest.raises(ValueError, match=r"config\.json names awq quantization"):
+        _runner(int4_folders["awq"], quantization="gptq_marlin")
+    runner = _runner(int4_folders["gptq"], quantization="gptq_marlin")  # vLLM's spelling
     try:
         assert "weights kept quantized (Q5_0, Q8_0)" in runner.model_info.compute.kernels
     finally:

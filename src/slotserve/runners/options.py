@@ -24,7 +24,12 @@ LOAD_FORMATS = ("auto", "dummy")
 # awq, gptq and compressed-tensors say auto of such a folder; a type rounds every matrix of an
 # HF checkpoint to it at load (gguf-py's quantizers: ``pytorch/quant/tensor.py``).
 STORED_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
-QUANTIZATIONS = ("auto", "none", *STORED_QUANTIZATIONS, "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# vLLM's names for its GPU kernels over the same checkpoints: here the method itself.
+KERNEL_SPELLINGS = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+QUANTIZATIONS = (
+    "auto", "none", *STORED_QUANTIZATIONS, *KERNEL_SPELLINGS, "Q8_0", "Q4_0", "Q4_1", "Q5_0",
+    "Q5_1",
+)  # fmt: skip
 # --attention-backend: where the CPU kernels do not serve, the Triton kernels reading the paged
 # KV pool in place (``pytorch/gpu_kernels.py``) or torch's operators over gathered K/V
 # (``pytorch/model/attention.py``).
@@ -194,8 +199,9 @@ class TorchConfig(RunnerCommon):
         help="torch on CPU: weights kept quantized in the CPU kernels' own formats (vLLM's "
         "flag); auto: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices as "
         "stored, a 4-bit AWQ, GPTQ or compressed-tensors checkpoint's as blocks that equal them "
-        "(Q4_0, Q4_ZP, Q5_0), any other HF checkpoint dense; awq, gptq, compressed-tensors: "
-        "auto, for a checkpoint of that method; none: dequantized to --dtype; Q8_0, Q4_0, ...: "
+        "(Q4_0, Q4_ZP, Q5_0), any other HF checkpoint dense; awq, gptq, compressed-tensors "
+        "(or vLLM's awq_marlin, gptq_marlin): auto, for a checkpoint of that method; none: "
+        "dequantized to --dtype; Q8_0, Q4_0, ...: "
         "an HF checkpoint's matrices rounded to that type at load (round-to-nearest, as "
         "llama.cpp)",
     )

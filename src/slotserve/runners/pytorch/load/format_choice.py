@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from slotserve.runners.options import KERNEL_SPELLINGS
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels, load_cpu_kernels
 from slotserve.runners.pytorch.load.gguf_file import GgufFile
 from slotserve.runners.pytorch.load.int4_checkpoint import METHODS
@@ -43,10 +44,11 @@ def weight_format(
     serve this load, if they cannot."""
     if quantization == "none":
         return DenseWeights()
-    if quantization in METHODS:  # an HF folder's own (``int4_checkpoint.py``)
+    method = KERNEL_SPELLINGS.get(quantization, quantization)
+    if method in METHODS:  # an HF folder's own (``int4_checkpoint.py``)
         q = checkpoint.raw_config.get("quantization_config") if checkpoint is not None else None
         named = str((q or {}).get("quant_method", "no")).lower()
-        if named != quantization:
+        if named != method:
             raise ValueError(
                 f"--quantization {quantization}: the checkpoint's config.json names {named} "
                 "quantization"
