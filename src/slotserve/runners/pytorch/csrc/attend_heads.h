@@ -116,19 +116,20 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
 }
 #else
 // The AVX2 build's: attend_row_avx2's pieces, eight keys of a head at a time.
-template <int CH, int G>
+template <int CH, int G, bool Int8 = false>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes;
+    constexpr int d = CH * kLanes, row = Int8 ? (d + kKvScaleBytes) / 2 : d;
     const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     const int reach = start_whole_positions(kv, table, tiles[0], offsets);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         for (int h = 0; h < heads; ++h) {
             const QueryHalves<CH, G> q(tiles[h]);
-            const uint16_t* keys = kv.keys + int64_t(h) * d;
-            fetch_head_ahead<d>(kv, offsets, h, j0, std::min(kLanes, n - j0), n, reach);
+            const uint16_t* keys = kv.keys + int64_t(h) * row;
+            fetch_head_ahead<row>(kv, offsets, h, j0, std::min(kLanes, n - j0), n, reach);
             for (int j = j0; j < std::min(n, j0 + kLanes); j += 8)
-                score_eight<CH, G>(tiles[h], q, keys, offsets, j, std::min(8, n - j), [](int) {});
+                score_eight<CH, G, Int8>(tiles[h], q, keys, offsets, j, std::min(8, n - j),
+                                         [](int) {});
         }
     }
     for (int h = 0; h < heads; ++h) {
@@ -139,7 +140,7 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
         const int end = std::min(n, j0 + kValueKeys);
         fetch_values_past(kv, offsets, j0, end, n);
         for (int h = 0; h < heads; ++h)
-            value_span<CH, G>(tiles[h], kv.values + int64_t(h) * d, offsets, j0, end, n);
+            value_span<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, end, n);
     }
 }
 #endif
@@ -157,19 +158,15 @@ static void attend_row_heads(const PagedKv& kv, const int32_t* table, const Tile
     for (int h = 0; h < kv.kv_heads; ++h) attend_tile(kv, h, table, tiles[h]);
 }
 
-// attend_row_heads from an int8 pool's rows in place, where compiled (AVX-512, the shapes above):
-// the partition streams from memory once while it computes, where a read-back first would wait
-// on memory, then compute from the cache.
+// attend_row_heads from an int8 pool's rows in place, for the shapes compiled above: the
+// partition streams from memory once while it computes, where a read-back first would wait on
+// memory, then compute from the cache. False (nothing done) for any other shape.
 static bool attend_int8_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-#if SLOTSERVE_AVX512
 #define SLOTSERVE_INT8_HEADS_CASE(CH, G) \
     case CH * 100 + G: attend_row_heads_t<CH, G, true>(kv, table, tiles); return true;
     switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
         SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_INT8_HEADS_CASE)
-        default: break;
+        default: return false;
     }
 #undef SLOTSERVE_INT8_HEADS_CASE
-#endif
-    (void)kv, (void)table, (void)tiles;
-    return false;
 }

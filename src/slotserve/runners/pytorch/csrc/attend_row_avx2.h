@@ -37,6 +37,29 @@ static inline __attribute__((always_inline)) __m256 widen_bf16(const uint16_t* p
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// Eight float32 rounded to bfloat16 as store_bf16 rounds them (a NaN as 0x7fc0), kept as float32.
+static inline __attribute__((always_inline)) __m256 round_bf16_8(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256 rounded =
+        _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int32_t(0xffff0000u))));
+    return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                            _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// Sixteen codes of an int8 pool's row (kernel_types.h), reordered by ``order``, as kv_rows_bf16
+// reads them back: bfloat16(code · scale), in float32; the first eight to ``a``, the others to
+// ``b``.
+static inline __attribute__((always_inline)) void int8_values(const uint8_t* codes, __m128i order,
+                                                              __m256 scale, __m256& a, __m256& b) {
+    const __m128i x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)codes), order);
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+    a = round_bf16_8(_mm256_mul_ps(lo, scale));
+    b = round_bf16_8(_mm256_mul_ps(hi, scale));
+}
+
 // A row's queries, each pair split into its high and low bfloat16 (as float32 bits), the form
 // dot_pairs_halves' fused steps take: G heads of ``halves`` vectors of eight pairs.
 template <int CH, int G>
@@ -57,8 +80,9 @@ struct QueryHalves {
 };
 
 // The scores of keys j0 .. j0 + count - 1 (at most eight; ``keys``: the row's KV head's first)
-// for each of the G query heads, into ``t.scores``; ``ahead(j)`` before key j's.
-template <int CH, int G, typename Ahead>
+// for each of the G query heads, into ``t.scores``; ``ahead(j)`` before key j's. ``Int8``:
+// ``keys`` and ``offsets`` address an int8 pool's rows.
+template <int CH, int G, bool Int8 = false, typename Ahead>
 static inline __attribute__((always_inline)) void score_eight(const Tile& t,
                                                               const QueryHalves<CH, G>& q,
                                                               const uint16_t* keys,
@@ -75,10 +99,20 @@ static inline __attribute__((always_inline)) void score_eight(const Tile& t,
         ahead(j0 + jj);
         const __m256i* key = reinterpret_cast<const __m256i*>(keys + offsets[j0 + jj]);
         __m256 k_high[halves], k_low[halves];
-        for (int h = 0; h < halves; ++h) {
-            const __m256i b = _mm256_loadu_si256(key + h);
-            k_high[h] = _mm256_castsi256_ps(_mm256_and_si256(b, high));
-            k_low[h] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+        if constexpr (Int8) {  // each sixteen codes' even ones to k_low, odd ones to k_high
+            const uint8_t* row = reinterpret_cast<const uint8_t*>(key);
+            float scale;
+            std::memcpy(&scale, row + CH * kLanes, sizeof(scale));
+            const __m128i evens_odds =
+                _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            for (int h = 0; h < halves; ++h)
+                int8_values(row + 16 * h, evens_odds, _mm256_set1_ps(scale), k_low[h], k_high[h]);
+        } else {
+            for (int h = 0; h < halves; ++h) {
+                const __m256i b = _mm256_loadu_si256(key + h);
+                k_high[h] = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+                k_low[h] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+            }
         }
         for (int g = 0; g < G; ++g) {
             __m256 x[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -98,8 +132,8 @@ static inline __attribute__((always_inline)) void score_eight(const Tile& t,
 // the G heads' sums in ``t.acc``, kDims<G> dimensions at a time held in registers:
 // acc = fma(p_even, v_even, fma(p_odd, v_odd, acc)) key pair by key pair; the odd key of a last
 // half pair (past ``n``) has v zero. The span's probabilities are widened to float32 once, so
-// each fused step broadcasts its p straight from memory.
-template <int CH, int G>
+// each fused step broadcasts its p straight from memory. ``Int8``: as score_eight's.
+template <int CH, int G, bool Int8 = false>
 static inline __attribute__((always_inline)) void value_span(const Tile& t, const uint16_t* values,
                                                              const int64_t* offsets, int j0,
                                                              int end, int n) {
@@ -120,6 +154,14 @@ static inline __attribute__((always_inline)) void value_span(const Tile& t, cons
         lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
         hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
     };
+    // An int8 row's sixteen codes from dimension ``at`` in that order.
+    const __m128i held_order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    auto int8_widen16 = [&](const uint16_t* row, int at, __m256& lo, __m256& hi) {
+        const uint8_t* codes = reinterpret_cast<const uint8_t*>(row);
+        float scale;
+        std::memcpy(&scale, codes + d, sizeof(scale));
+        int8_values(codes + at, held_order, _mm256_set1_ps(scale), lo, hi);
+    };
     for (int dim = 0; dim < d; dim += kDims<G>) {
         __m256 acc[G][vectors];
         for (int g = 0; g < G; ++g)
@@ -130,15 +172,20 @@ static inline __attribute__((always_inline)) void value_span(const Tile& t, cons
                 acc[g][e + 1] = _mm256_permute2f128_ps(first, second, 0x31);
             }
         for (int j = j0; j < end; j += 2) {
-            const uint16_t* even = values + offsets[j] + dim;
-            const uint16_t* odd = j + 1 < n ? values + offsets[j + 1] + dim : nullptr;
+            const bool has_odd = j + 1 < n;
             __m256 v_even[vectors], v_odd[vectors];
             for (int e = 0; e < vectors; e += 2) {
-                widen16(even + 8 * e, v_even[e], v_even[e + 1]);
-                if (odd)
-                    widen16(odd + 8 * e, v_odd[e], v_odd[e + 1]);
-                else
-                    v_odd[e] = v_odd[e + 1] = _mm256_setzero_ps();
+                if constexpr (Int8) {
+                    int8_widen16(values + offsets[j], dim + 8 * e, v_even[e], v_even[e + 1]);
+                    if (has_odd)
+                        int8_widen16(values + offsets[j + 1], dim + 8 * e, v_odd[e],
+                                     v_odd[e + 1]);
+                } else {
+                    widen16(values + offsets[j] + dim + 8 * e, v_even[e], v_even[e + 1]);
+                    if (has_odd)
+                        widen16(values + offsets[j + 1] + dim + 8 * e, v_odd[e], v_odd[e + 1]);
+                }
+                if (!has_odd) v_odd[e] = v_odd[e + 1] = _mm256_setzero_ps();
             }
             for (int g = 0; g < G; ++g) {
                 const __m256 pe = _mm256_broadcast_ss(&p[g][j - j0]);

@@ -87,7 +87,7 @@ struct AttentionCall {
     const int32_t* table_of(int64_t t) const { return tables_ + seq_[t] * table_width_; }
 
     // Whether unit u is a lone row that reads its partitions for every KV head at once
-    // (attend_heads.h; an int8 pool's rows in place, or on AVX2 read back first): past
+    // (attend_heads.h; an int8 pool's rows in place): past
     // one partition (a shorter context is spread over the threads by its heads), no window,
     // not on AMX tiles (which take every row as attend_amx.h).
     bool whole_positions(int64_t u) const {

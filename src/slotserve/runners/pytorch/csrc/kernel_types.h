@@ -30,8 +30,8 @@ struct HeadLayout {
 // The int8 KV pool (--kv-cache-dtype int8): a head's row of one position holds head_dim int8
 // codes, then their float32 scale (kKvScaleBytes): value = bfloat16(code · scale), with scale =
 // max |x| / 127 and code = rne(x · (127 / max |x|)) at the write (row_ops.cpp). A lone row's
-// partition reads the rows in registers (attend_heads.h, AVX-512); every other path reads a
-// partition's rows back as bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
+// partition reads the rows in registers (attend_heads.h); every other path reads a partition's
+// rows back as bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
 constexpr int kKvScaleBytes = 4;
 
 struct PagedKv {
@@ -126,8 +126,8 @@ struct Kernels {
                          uint16_t* value_row, float* scratch);
     void (*attend_tile)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t);
     void (*attend_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
-    // attend_row_heads from an int8 pool in place; false (nothing done) where not compiled for
-    // this set or shape.
+    // attend_row_heads from an int8 pool in place; false (nothing done) for a shape not
+    // compiled.
     bool (*attend_int8_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
     // attend_tile on AMX tiles (attend_amx.h), real or emulated; null where not compiled.
     void (*attend_amx)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,

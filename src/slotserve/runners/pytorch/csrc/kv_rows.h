@@ -19,26 +19,27 @@ static void kv_rows_bf16(const uint8_t* pool, const int64_t* offsets, int n, int
         const uint8_t* row = pool + offsets[j];
         float scale;
         std::memcpy(&scale, row + d, sizeof(scale));
-        const vf s = splat(scale);
         for (int c = 0; c < d; c += kLanes) {
-            const __m128i codes = _mm_loadu_si128((const __m128i*)(row + c));
-#if SLOTSERVE_AVX512
-            const vf v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * s;
-#else
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
-            vf codes_f;
-            std::memcpy(&codes_f, &lo, 32);
-            std::memcpy(reinterpret_cast<char*>(&codes_f) + 32, &hi, 32);
-            const vf v = codes_f * s;
-#endif
             uint16_t* to = out + int64_t(j) * d + c;
+#if SLOTSERVE_AVX512
+            const vf v = int8_products(row + c, splat(scale));
 #if SLOTSERVE_BF16
             // vcvtneps2bf16 rounds to nearest even as store_bf16 does (denormals are flushed in
             // attention on every set, and a NaN scale is no row's).
             _mm256_storeu_si256((__m256i*)to, (__m256i)_mm512_cvtneps_pbh((__m512)v));
 #else
             store_bf16(to, v);
+#endif
+#else
+            // int8_values (attend_row_avx2.h) in order, each float32's high half kept.
+            const __m128i in_order = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                   14, 15);
+            __m256 lo, hi;
+            int8_values(row + c, in_order, _mm256_set1_ps(scale), lo, hi);
+            const __m256i halves =
+                _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                                    _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
+            _mm256_storeu_si256((__m256i*)to, _mm256_permute4x64_epi64(halves, 0xD8));
 #endif
         }
     }

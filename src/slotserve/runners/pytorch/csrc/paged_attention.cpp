@@ -162,8 +162,8 @@ private:
         const int32_t* table = table_of(t0);
         const int beyond = pos_[t0] + 1 - start - n[0];
         if (!int8_) return k_.attend_row_heads(kv_, table, tiles_from(start, beyond));
-        // An int8 pool's rows are read in place where the kernels can; else the partition is
-        // read back into the scratch first, where its keys then start.
+        // An int8 pool's rows are read in place where the kernels have the shape; else the
+        // partition is read back into the scratch first, where its keys then start.
         if (k_.attend_int8_row_heads(kv_, table, tiles_from(start, beyond))) return;
         const PagedKv back =
             int8_rows(k_, pool_, kv_heads_, d_, table, start, n[0], 0, kv_heads_, w);
