@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void fetch_values_past(const PagedK
 // beyond and scale the same). ``Int8``: ``kv`` is an int8 pool, read in registers.
 template <int CH, int G, bool Int8 = false>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes, row = Int8 ? (d + kKvScaleBytes) / 2 : d;
+    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
     const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     const int reach = start_whole_positions(kv, table, tiles[0], offsets);
@@ -118,7 +118,7 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
 // The AVX2 build's: attend_row_avx2's pieces, eight keys of a head at a time.
 template <int CH, int G, bool Int8 = false>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes, row = Int8 ? (d + kKvScaleBytes) / 2 : d;
+    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
     const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     const int reach = start_whole_positions(kv, table, tiles[0], offsets);

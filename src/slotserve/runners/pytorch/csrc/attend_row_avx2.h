@@ -101,12 +101,11 @@ static inline __attribute__((always_inline)) void score_eight(const Tile& t,
         __m256 k_high[halves], k_low[halves];
         if constexpr (Int8) {  // each sixteen codes' even ones to k_low, odd ones to k_high
             const uint8_t* row = reinterpret_cast<const uint8_t*>(key);
-            float scale;
-            std::memcpy(&scale, row + CH * kLanes, sizeof(scale));
+            const __m256 scale = _mm256_set1_ps(int8_row_scale(row, CH * kLanes));
             const __m128i evens_odds =
                 _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
             for (int h = 0; h < halves; ++h)
-                int8_values(row + 16 * h, evens_odds, _mm256_set1_ps(scale), k_low[h], k_high[h]);
+                int8_values(row + 16 * h, evens_odds, scale, k_low[h], k_high[h]);
         } else {
             for (int h = 0; h < halves; ++h) {
                 const __m256i b = _mm256_loadu_si256(key + h);
@@ -154,14 +153,9 @@ static inline __attribute__((always_inline)) void value_span(const Tile& t, cons
         lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
         hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
     };
-    // An int8 row's sixteen codes from dimension ``at`` in that order.
+    // An int8 row's sixteen codes in that order (int8_values).
     const __m128i held_order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    auto int8_widen16 = [&](const uint16_t* row, int at, __m256& lo, __m256& hi) {
-        const uint8_t* codes = reinterpret_cast<const uint8_t*>(row);
-        float scale;
-        std::memcpy(&scale, codes + d, sizeof(scale));
-        int8_values(codes + at, held_order, _mm256_set1_ps(scale), lo, hi);
-    };
+    auto int8_row = [&](int j) { return reinterpret_cast<const uint8_t*>(values + offsets[j]); };
     for (int dim = 0; dim < d; dim += kDims<G>) {
         __m256 acc[G][vectors];
         for (int g = 0; g < G; ++g)
@@ -174,12 +168,19 @@ static inline __attribute__((always_inline)) void value_span(const Tile& t, cons
         for (int j = j0; j < end; j += 2) {
             const bool has_odd = j + 1 < n;
             __m256 v_even[vectors], v_odd[vectors];
+            __m256 scale_even = _mm256_setzero_ps(), scale_odd = scale_even;
+            if constexpr (Int8) {  // each row's scale once a pass
+                scale_even = _mm256_set1_ps(int8_row_scale(int8_row(j), d));
+                if (has_odd) scale_odd = _mm256_set1_ps(int8_row_scale(int8_row(j + 1), d));
+            }
             for (int e = 0; e < vectors; e += 2) {
                 if constexpr (Int8) {
-                    int8_widen16(values + offsets[j], dim + 8 * e, v_even[e], v_even[e + 1]);
+                    const int at = dim + 8 * e;
+                    int8_values(int8_row(j) + at, held_order, scale_even, v_even[e],
+                                v_even[e + 1]);
                     if (has_odd)
-                        int8_widen16(values + offsets[j + 1], dim + 8 * e, v_odd[e],
-                                     v_odd[e + 1]);
+                        int8_values(int8_row(j + 1) + at, held_order, scale_odd, v_odd[e],
+                                    v_odd[e + 1]);
                 } else {
                     widen16(values + offsets[j] + dim + 8 * e, v_even[e], v_even[e + 1]);
                     if (has_odd)

@@ -148,9 +148,7 @@ static inline __attribute__((always_inline)) void load_value_pair(const uint16_t
 // is bfloat16(code_i · scale), so the pool's lone rows (attend_heads.h) see the bits every other
 // path sees in the read-back rows.
 static inline __attribute__((always_inline)) vf int8_scale(const uint8_t* row, int d) {
-    float scale;
-    std::memcpy(&scale, row + d, sizeof(scale));
-    return splat(scale);
+    return splat(int8_row_scale(row, d));
 }
 
 // Sixteen codes from ``codes`` times the row's scale, in float32 (not yet rounded).

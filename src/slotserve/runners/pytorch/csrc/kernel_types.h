@@ -34,6 +34,19 @@ struct HeadLayout {
 // rows back as bfloat16 (kv_rows.h), then runs as over a bfloat16 pool.
 constexpr int kKvScaleBytes = 4;
 
+// The scale of the int8 row at ``row`` (``d`` codes).
+static inline float int8_row_scale(const uint8_t* row, int d) {
+    float scale;
+    std::memcpy(&scale, row + d, sizeof(scale));
+    return scale;
+}
+
+// The 16-bit units of one KV head's row of ``head_dim`` values, bfloat16 or int8 with its scale:
+// offsets into the pool count in them.
+constexpr int row_units_of(int head_dim, bool int8) {
+    return int8 ? (head_dim + kKvScaleBytes) / 2 : head_dim;
+}
+
 struct PagedKv {
     const uint16_t* keys;  // [rows, kv_heads, head_dim], or an int8 pool's rows
     const uint16_t* values;
@@ -41,10 +54,7 @@ struct PagedKv {
     bool int8 = false;  // the pool's rows are int8 codes and their scale
 };
 
-// The 16-bit units of one KV head's row: offsets into the pool count in them.
-static inline int row_units(const PagedKv& kv) {
-    return kv.int8 ? (kv.head_dim + kKvScaleBytes) / 2 : kv.head_dim;
-}
+static inline int row_units(const PagedKv& kv) { return row_units_of(kv.head_dim, kv.int8); }
 
 // Keys are reduced in partitions of this many absolute positions (partition k holds positions
 // [k * P, (k + 1) * P)): a token's partitions depend on its position and window only.

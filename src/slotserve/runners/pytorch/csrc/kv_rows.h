@@ -17,8 +17,7 @@ static void kv_rows_bf16(const uint8_t* pool, const int64_t* offsets, int n, int
             __builtin_prefetch(ahead + d + kKvScaleBytes - 1, 0, 1);  // a row may end a line later
         }
         const uint8_t* row = pool + offsets[j];
-        float scale;
-        std::memcpy(&scale, row + d, sizeof(scale));
+        const float scale = int8_row_scale(row, d);
         for (int c = 0; c < d; c += kLanes) {
             uint16_t* to = out + int64_t(j) * d + c;
 #if SLOTSERVE_AVX512
