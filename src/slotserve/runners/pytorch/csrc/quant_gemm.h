@@ -41,6 +41,11 @@ constexpr int kRowsPerTile = 8;
 #else
 constexpr int kRowsPerTile = 4;
 #endif
+// Whether a sub-block's pairs are unrolled whole: five- and six-bit codes find their high bits
+// at places that are then constants. AVX2's sixteen registers hold a tile's sums and one
+// operand: the four- and eight-bit codes' unrolled operands would be decoded ahead and spilled.
+template <int BITS>
+constexpr bool kUnrollPairs = SLOTSERVE_AVX512 || BITS == 5 || BITS == 6;
 constexpr int64_t kRowsPerPass = 64;      // rows whose running sums stay in the level-1 cache
 constexpr int64_t kPrefetchAhead = 2048;  // bytes of the weight stream requested before use
 
@@ -109,8 +114,11 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             Sums sums[MR];
             typename Math::Partial partial[MR];
             for (int r = 0; r < MR; ++r) partial[r] = Math::zero();
+            constexpr int kUnrolled = kUnrollPairs<BITS> ? kPairs : Math::kPairsPerOperand;
+#pragma GCC unroll 1
+            for (int p0 = 0; p0 < kPairs; p0 += kUnrolled)
 #pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
-            for (int p = 0; p < kPairs; p += Math::kPairsPerOperand) {
+            for (int p = p0; p < p0 + kUnrolled; p += Math::kPairsPerOperand) {
                 typename Math::Operand w;
                 if constexpr (DECODED)
                     w = decoded[(first / 2 + p) / Math::kPairsPerOperand];
