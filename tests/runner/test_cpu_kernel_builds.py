@@ -1,11 +1,12 @@
 """The PyTorch runner's C++ CPU kernels as loaded and served: the runner serves through them
 unless told not to, their GEMM serves the projections on every CPU they run on (oneDNN beside
-them where they serve none), a failed build warns once and leaves the torch path, and a build
-lock left by a killed build does not hang the next load."""
+them where they serve none), a failed build warns once and leaves the torch path, a build lock
+left by a killed build does not hang the next load, and torch held to AVX2 holds them there."""
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,13 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(
     done = subprocess.run([sys.executable, "-c", load], timeout=300, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert not stale.exists()
+
+
+def test_torch_held_to_avx2_holds_the_kernels_there_too(kernels: CpuKernels) -> None:
+    """``ATEN_CPU_CAPABILITY=avx2`` (torch's switch) loads the kernels' AVX2 code: an AVX2-only
+    CPU's, on this one."""
+    isa = "from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels as f; print(f().isa)"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", isa], timeout=300, capture_output=True, env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split()[-1] == "avx2"

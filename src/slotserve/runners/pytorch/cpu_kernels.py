@@ -13,8 +13,9 @@ position: batch-invariant by construction, whatever the thread count. The plain-
 tests compare against.
 
 The instruction set is chosen at load from the CPU (AVX512-BF16, AVX-512, else AVX2 with FMA;
-the same bits on each); a machine without a compiler, an x86 CPU or any of them gets a one-line
-warning and the torch path.
+the same bits on each), or AVX2 where torch is told so (``ATEN_CPU_CAPABILITY=avx2``: what an
+AVX2-only CPU would run, measured on this one); a machine without a compiler, an x86 CPU or any
+of them gets a one-line warning and the torch path.
 """
 
 from __future__ import annotations
@@ -351,6 +352,8 @@ def load_cpu_kernels() -> CpuKernels | None:
         logger.warning("CPU kernels unavailable (%s); the PyTorch runner uses plain torch", reason)
         return None
     kernels = CpuKernels(module)
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" and kernels.isa != "none":
+        kernels.select_isa("avx2")  # torch's own switch to its AVX2 code holds ours there too
     if kernels.isa == "none":
         logger.warning("CPU kernels: this CPU has neither AVX-512 nor AVX2; using plain torch")
         return None
