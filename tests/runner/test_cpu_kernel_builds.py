@@ -106,10 +106,11 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(
 
 
 def test_torch_held_to_avx2_holds_the_kernels_there_too(kernels: CpuKernels) -> None:
-    """``ATEN_CPU_CAPABILITY=avx2`` (torch's switch) loads the kernels' AVX2 code: an AVX2-only
-    CPU's, on this one."""
-    isa = "from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels as f; print(f().isa)"
+    """``ATEN_CPU_CAPABILITY=avx2`` (torch's switch) loads the kernels' AVX2 code and GEMM: an
+    AVX2-only CPU's, on this one."""
+    sets = "from slotserve.runners.pytorch.cpu_kernels import load_cpu_kernels as f; k = f()\n"
+    sets += "print(k.isa, k.gemm)"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run([sys.executable, "-c", isa], timeout=300, capture_output=True, env=env)
+    done = subprocess.run([sys.executable, "-c", sets], timeout=300, capture_output=True, env=env)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert done.stdout.decode().split()[-1] == "avx2"
+    assert done.stdout.decode().split()[-2:] == ["avx2", "avx2"]

@@ -353,7 +353,10 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     kernels = CpuKernels(module)
     if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" and kernels.isa != "none":
-        kernels.select_isa("avx2")  # torch's own switch to its AVX2 code holds ours there too
+        # torch's own switch to its AVX2 code holds ours there too, the GEMM included (attention
+        # has no AMX tiles in the AVX2 set)
+        kernels.select_isa("avx2")
+        kernels.select_gemm("avx2")
     if kernels.isa == "none":
         logger.warning("CPU kernels: this CPU has neither AVX-512 nor AVX2; using plain torch")
         return None
