@@ -68,7 +68,8 @@ class CpuKernels:
 
     def select_isa(self, isa: str) -> None:
         """Runs the kernels compiled for ``isa`` (avx512bf16, avx512, avx2) from now on, if the
-        CPU runs it (the tests' way to the narrower builds on one machine)."""
+        CPU runs it (the tests' way to the narrower builds on one machine, and
+        ``ATEN_CPU_CAPABILITY=avx2``'s)."""
         self.isa = self._m.select_isa(isa)
 
     def select_attention(self, arithmetic: str) -> None:
@@ -154,7 +155,8 @@ class CpuKernels:
 
     def select_gemm(self, gemm: str) -> None:
         """The projections run on ``gemm`` (``amx``, ``avx512bf16``, ``avx512``, ``avx2``) from
-        now on, if this CPU runs it (the tests' way to the other paths on one host)."""
+        now on, if this CPU runs it (the tests' way to the other paths on one host, and
+        ``ATEN_CPU_CAPABILITY=avx2``'s)."""
         self.gemm = self._m.select_gemm(gemm)
 
     def quant_linear(
@@ -352,14 +354,14 @@ def load_cpu_kernels() -> CpuKernels | None:
         logger.warning("CPU kernels unavailable (%s); the PyTorch runner uses plain torch", reason)
         return None
     kernels = CpuKernels(module)
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2" and kernels.isa != "none":
+    if kernels.isa == "none":
+        logger.warning("CPU kernels: this CPU has neither AVX-512 nor AVX2; using plain torch")
+        return None
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
         # torch's own switch to its AVX2 code holds ours there too, the GEMM included (attention
         # has no AMX tiles in the AVX2 set)
         kernels.select_isa("avx2")
         kernels.select_gemm("avx2")
-    if kernels.isa == "none":
-        logger.warning("CPU kernels: this CPU has neither AVX-512 nor AVX2; using plain torch")
-        return None
     logger.info("CPU kernels: %s, ready in %.1f s", kernels.isa, time.monotonic() - started)
     return kernels
 
