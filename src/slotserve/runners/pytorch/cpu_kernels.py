@@ -212,6 +212,19 @@ class CpuKernels:
         )
         return out
 
+    def layer_stack(
+        self,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        plus_one: bool,
+        scale: float,
+    ) -> Any:
+        """An empty chain of decoder layers over these kernels (csrc/layer_stack.h: its
+        ``add_layer``, ``add_part`` and ``run``), filled by ``model/layer_stack.py``."""
+        return self._m.LayerStack(heads, kv_heads, head_dim, eps, plus_one, scale)
+
     def paged_attention(
         self,
         q: torch.Tensor,

@@ -8,9 +8,9 @@
 // AVX2+FMA, all giving the same bits (the first does attention's bfloat16 dot products in one
 // instruction, the others in two fused steps); the set is chosen once at load from the CPU
 // (`isa()`), never built with -march=native. The ops over torch tensors are row_ops.cpp,
-// paged_attention.cpp, linear.cpp and quant_pack.cpp, weight_memory.cpp the weights' buffers;
-// this file holds the choice and the bindings, the one translation unit that compiles torch's
-// Python headers. The threads are torch's own (at::parallel_for); how rows are spread over them
+// paged_attention.cpp, linear.cpp and quant_pack.cpp, weight_memory.cpp the weights' buffers,
+// layer_stack.cpp a decoder's layers chained in one call; this file holds the choice and the
+// bindings, the one translation unit that compiles torch's Python headers. The threads are torch's own (at::parallel_for); how rows are spread over them
 // never changes a row's bits.
 
 #include <torch/csrc/utils/pybind.h>
@@ -18,6 +18,7 @@
 #include <string>
 
 #include "cpu_kernels.h"
+#include "layer_stack.h"
 
 namespace cpu {
 
@@ -99,4 +100,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_pack", &cpu::quant_pack);
     m.def("weight_buffer", [](int64_t bytes) { return cpu::weight_buffer({bytes}, at::kByte); });
     m.def("runs_amx", &cpu::runs_amx);
+    // The step's ops make no Python calls: other threads (the server's) run meanwhile.
+    pybind11::class_<cpu::LayerStack>(m, "LayerStack")
+        .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, double>())
+        .def("add_layer", &cpu::LayerStack::add_layer)
+        .def("add_part", &cpu::LayerStack::add_part)
+        .def("run", &cpu::LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

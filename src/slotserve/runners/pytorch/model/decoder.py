@@ -11,7 +11,7 @@ computes the same dot products as separate projections with fewer passes over th
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -275,6 +275,9 @@ class Decoder(nn.Module):
             self.register_buffer("local_sin", local_sin, persistent=False)
         self._embed_scale = math.sqrt(c.hidden_size)
         self.kernels: CpuKernels | None = None  # set by the shard where they serve (CPU, bf16)
+        # The layers chained in one call of the kernels (``layer_stack.py``), set by the shard
+        # where every layer is one the chain computes.
+        self.stack: Any | None = None
 
     def forward(
         self,
@@ -313,6 +316,13 @@ class Decoder(nn.Module):
             rotary = self.cos[positions], self.sin[positions]
             if c.rope_local_theta is not None:
                 local_rotary = self.local_cos[positions], self.local_sin[positions]
+        if kernels is not None and self.stack is not None and lora is None and images is None:
+            assert step.paged is not None and not step.image_groups
+            paged = step.paged
+            return self.stack.run(  # type: ignore[no-any-return]
+                hidden, paged.positions, paged.cache_rows, paged.block_tables, paged.token_seq,
+                paged.block_size, [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers],
+            )  # fmt: skip
         norm = _Norms(kernels)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.decoder_layers):

@@ -30,6 +30,7 @@ from slotserve.runners.pytorch.model.attention import AttentionGroup, StepAttent
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.decoder import Decoder, StepImages
 from slotserve.runners.pytorch.model.deltanet import LinearStep
+from slotserve.runners.pytorch.model.layer_stack import layer_stack
 from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import TensorParallel
 from slotserve.runners.pytorch.shard.cuda_graphs import (
@@ -128,6 +129,7 @@ class ModelShard:
         )
         # The projections made ready for the compute path.
         weights.prepare(self.model, load.batch_invariant)
+        self.model.stack = layer_stack(self.model)
         self.compute = compute_path(device, dtype, self.model.kernels)
         if quantized_types:
             kernels = f"{self.compute.kernels}, weights kept quantized ({quantized_types})"
