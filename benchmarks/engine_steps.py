@@ -6,7 +6,9 @@ have ``--max-tokens`` tokens.
 Reports decode tokens/s (prefill steps excluded) per batch size; with ``--profile`` the torch
 profiler's top operators for the largest batch, and with ``--step-times`` where a decode step's
 time goes (each CPU kernel and the projections timed around their Python calls: the profiler
-sees neither the kernels nor, inside them, the GEMM); with ``--paired-sum`` one sequence's
+sees neither the kernels nor, inside them, the GEMM; a model whose layers run as one call,
+``model/layer_stack.py``, shows them split with ``--no-layer-stack``, the decoder between the
+kernels); with ``--paired-sum`` one sequence's
 steps each beside a sum of the bytes it reads (``--rounds 0`` skips the throughput runs).
 Used to A/B runner changes before the server-level benchmarks (``slotserve bench runners``).
 
@@ -236,6 +238,11 @@ def main() -> None:
         action="store_true",
         help="one sequence's steps against a sum of the bytes each reads (the floor's share)",
     )
+    parser.add_argument(
+        "--no-layer-stack",
+        action="store_true",
+        help="torch: the Python decoder between the kernels, not one call (an A/B)",
+    )
     parser.add_argument("--model", type=Path, help="a GGUF file or HF folder (default: embedded)")
     parser.add_argument("--quantization", default="auto", help="torch: as serve's flag")
     parser.add_argument("--output", type=Path)
@@ -250,6 +257,8 @@ def main() -> None:
         model=args.model,
         quantization=args.quantization,
     )
+    if args.no_layer_stack:
+        core.runner.shard.model.stack = None  # type: ignore[attr-defined]
     run(core, 1, 4, seed=-1)  # warm-up
     results = []
     for round_index in range(args.rounds):
