@@ -220,10 +220,12 @@ class CpuKernels:
         eps: float,
         plus_one: bool,
         scale: float,
+        activation: int,
     ) -> Any:
         """An empty chain of decoder layers over these kernels (csrc/layer_stack.h: its
-        ``add_layer``, ``add_part`` and ``run``), filled by ``model/layer_stack.py``."""
-        return self._m.LayerStack(heads, kv_heads, head_dim, eps, plus_one, scale)
+        ``add_layer``, ``add_part`` and ``run``; ``activation``: its StackActivation), filled by
+        ``model/layer_stack.py``."""
+        return self._m.LayerStack(heads, kv_heads, head_dim, eps, plus_one, scale, activation)
 
     def paged_attention(
         self,

@@ -102,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("runs_amx", &cpu::runs_amx);
     // The step's ops make no Python calls: other threads (the server's) run meanwhile.
     pybind11::class_<cpu::LayerStack>(m, "LayerStack")
-        .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, double>())
+        .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, double, int64_t>())
         .def("add_layer", &cpu::LayerStack::add_layer)
         .def("add_part", &cpu::LayerStack::add_part)
         .def("run", &cpu::LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());

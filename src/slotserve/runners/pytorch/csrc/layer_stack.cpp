@@ -4,6 +4,8 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
 
 #include "cpu_kernels.h"
 
@@ -29,21 +31,29 @@ at::Tensor project(const at::Tensor& x, const std::vector<StackPart>& parts) {
 }  // namespace
 
 LayerStack::LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                       bool plus_one, double scale)
+                       bool plus_one, double scale, int64_t activation)
     : heads_(heads),
       kv_heads_(kv_heads),
       head_dim_(head_dim),
       eps_(eps),
       scale_(scale),
-      plus_one_(plus_one) {}
+      plus_one_(plus_one),
+      activation_(StackActivation(activation)) {
+    TORCH_CHECK(activation >= 0 && activation <= 2,
+                "activation 0 (SiLU), 1 (GELU, tanh), 2 (GELU)");
+}
 
 void LayerStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                           const c10::optional<at::Tensor>& pre_mlp_norm,
+                           const c10::optional<at::Tensor>& post_mlp_norm,
                            const c10::optional<at::Tensor>& q_norm,
                            const c10::optional<at::Tensor>& k_norm, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t window) {
     StackLayer layer;
     layer.input_norm = input_norm;
     layer.post_attention_norm = post_attention_norm;
+    layer.pre_mlp_norm = pre_mlp_norm;
+    layer.post_mlp_norm = post_mlp_norm;
     layer.q_norm = q_norm;
     layer.k_norm = k_norm;
     layer.cos = cos;
@@ -61,6 +71,15 @@ void LayerStack::add_part(int64_t which, const at::Tensor& packed, int64_t n, bo
     std::vector<StackPart>* const projections[] = {&layer.qkv, &layer.o_proj, &layer.gate_up,
                                                    &layer.down};
     projections[which]->push_back({packed, n, quantized, bits, offset, sub, super, has_min, bias});
+}
+
+at::Tensor LayerStack::mlp(const StackLayer& layer, const at::Tensor& x) const {
+    const at::Tensor gate_up = project(x, layer.gate_up);
+    if (activation_ == StackActivation::silu) return project(silu_mul(gate_up), layer.down);
+    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    const char* approximate = activation_ == StackActivation::gelu_tanh ? "tanh" : "none";
+    const at::Tensor gated = at::mul(at::gelu(halves[0], approximate), halves[1]);
+    return project(gated.contiguous(), layer.down);
 }
 
 at::Tensor LayerStack::run(const at::Tensor& hidden, const at::Tensor& positions,
@@ -88,9 +107,16 @@ at::Tensor LayerStack::run(const at::Tensor& hidden, const at::Tensor& positions
                                                     token_seq, positions, block_size,
                                                     layer.window, scale_);
         x = project(attended, layer.o_proj);
-        std::tie(x, residual) =
-            add_rms_norm(x, residual, layer.post_attention_norm, eps_, plus_one_);
-        x = project(silu_mul(project(x, layer.gate_up)), layer.down);
+        if (layer.pre_mlp_norm) {
+            x = rms_norm(x, layer.post_attention_norm, eps_, plus_one_);
+            std::tie(x, residual) =
+                add_rms_norm(x, residual, *layer.pre_mlp_norm, eps_, plus_one_);
+        } else {
+            std::tie(x, residual) =
+                add_rms_norm(x, residual, layer.post_attention_norm, eps_, plus_one_);
+        }
+        x = mlp(layer, x);
+        if (layer.post_mlp_norm) x = rms_norm(x, *layer.post_mlp_norm, eps_, plus_one_);
     }
     return count == 0 ? x : at::add(residual, x);
 }

@@ -23,22 +23,29 @@ struct StackPart {
     c10::optional<at::Tensor> bias;
 };
 
-// One layer: attention (q/k/v fused, the rotary embedding, the pool) and a SiLU-gated MLP,
-// pre-norms that fold the residual add in.
+// One layer: attention (q/k/v fused, the rotary embedding, the pool) and a gated MLP, pre-norms
+// that fold the residual add in; with sandwich norms (Gemma 3's) the attention's and the MLP's
+// outputs are normed too, and pre_mlp_norm folds the add in.
 struct StackLayer {
     std::vector<StackPart> qkv, o_proj, gate_up, down;
     at::Tensor input_norm, post_attention_norm, cos, sin;
-    c10::optional<at::Tensor> q_norm, k_norm;
+    c10::optional<at::Tensor> pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     int64_t window = 0;  // a sliding layer's window; 0: every position
 };
+
+// The MLP's activation of its gate: SiLU (the kernels' silu_mul), or GELU through torch's
+// operator as the decoder calls it, tanh-approximated or exact.
+enum class StackActivation : int64_t { silu = 0, gelu_tanh = 1, gelu = 2 };
 
 class LayerStack {
 public:
     LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool plus_one,
-               double scale);
+               double scale, int64_t activation);
 
     // A new last layer; its projections' parts follow through add_part.
     void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                   const c10::optional<at::Tensor>& pre_mlp_norm,
+                   const c10::optional<at::Tensor>& post_mlp_norm,
                    const c10::optional<at::Tensor>& q_norm,
                    const c10::optional<at::Tensor>& k_norm, const at::Tensor& cos,
                    const at::Tensor& sin, int64_t window);
@@ -59,7 +66,10 @@ private:
     int64_t heads_, kv_heads_, head_dim_;
     double eps_, scale_;
     bool plus_one_;
+    StackActivation activation_;
     std::vector<StackLayer> layers_;
+
+    at::Tensor mlp(const StackLayer& layer, const at::Tensor& x) const;
 };
 
 }  // namespace cpu

@@ -1,12 +1,13 @@
 """A decoder's layers as one call of the CPU kernels (csrc/layer_stack.h), for the models and
-steps whose every layer is the plain one: attention with q/k/v fused (biases, q/k norms and
-sliding windows allowed), a SiLU-gated MLP, pre-norms, every projection on the kernels' GEMM,
-bfloat16 or quantized. The chain calls the kernels the decoder's Python would call, in its
-order and with its arguments, so a row gets the same bits either way; it saves the
-interpreter's time between them, which at one decode row is about as long as the kernels'.
+steps whose every layer is a plain one: attention with q/k/v fused (biases, q/k norms, sliding
+windows with their own rotary base allowed), an MLP gated by SiLU or GELU, pre-norms or
+sandwich norms, every projection on the kernels' GEMM, bfloat16 or quantized. The chain calls
+the kernels (and torch's GELU) the decoder's Python would call, in its order and with its
+arguments, so a row gets the same bits either way; it saves the interpreter's time between
+them, which at one decode row is about as long as the kernels'.
 
-Steps with LoRA adapters, images or tensor parallelism, and models with gated attention,
-sandwich norms, other activations, Gated DeltaNet or expert layers, keep the Python decoder.
+Steps with LoRA adapters, images or tensor parallelism, and models with gated attention, Gated
+DeltaNet or expert layers, keep the Python decoder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 # The projections of a layer in the order the chain's ``add_part`` numbers them.
 _PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+# The chain's number for each MLP activation (csrc/layer_stack.h's StackActivation).
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 
 def _parts(projection: Projection) -> list[tuple[Any, ...]] | None:
@@ -45,11 +48,11 @@ def layer_stack(decoder: Decoder) -> Any | None:
     c, kernels = decoder.config, decoder.kernels
     if kernels is None or decoder.tp is not None:
         return None
-    if c.sandwich_norms or c.attn_output_gate or c.hidden_activation != "silu":
+    if c.attn_output_gate or c.hidden_activation not in _ACTIVATIONS:
         return None
     stack = kernels.layer_stack(
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.plus_one_norms,
-        c.attention_scale,
+        c.attention_scale, _ACTIVATIONS[c.hidden_activation],
     )  # fmt: skip
     for index, layer in enumerate(decoder.decoder_layers):
         if layer.is_linear or layer.sparse:
@@ -60,6 +63,8 @@ def layer_stack(decoder: Decoder) -> Any | None:
         stack.add_layer(
             layer.input_norm.weight,
             layer.post_attention_norm.weight,
+            layer.pre_mlp_norm.weight if c.sandwich_norms else None,
+            layer.post_mlp_norm.weight if c.sandwich_norms else None,
             layer.q_norm.weight if c.qk_norm else None,
             layer.k_norm.weight if c.qk_norm else None,
             cos,
