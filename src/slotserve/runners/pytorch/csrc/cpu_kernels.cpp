@@ -10,8 +10,8 @@
 // (`isa()`), never built with -march=native. The ops over torch tensors are row_ops.cpp,
 // paged_attention.cpp, linear.cpp and quant_pack.cpp, weight_memory.cpp the weights' buffers,
 // layer_stack.cpp a decoder's layers chained in one call; this file holds the choice and the
-// bindings, the one translation unit that compiles torch's Python headers. The threads are torch's own (at::parallel_for); how rows are spread over them
-// never changes a row's bits.
+// bindings, the one translation unit that compiles torch's Python headers. The threads are
+// torch's own (at::parallel_for); how rows are spread over them never changes a row's bits.
 
 #include <torch/csrc/utils/pybind.h>
 
