@@ -8,8 +8,8 @@ profiler's top operators for the largest batch, and with ``--step-times`` where 
 time goes (each CPU kernel and the projections timed around their Python calls: the profiler
 sees neither the kernels nor, inside them, the GEMM; a model whose layers run as one call,
 ``model/layer_stack.py``, shows them split with ``--no-layer-stack``, the decoder between the
-kernels); with ``--paired-sum`` one sequence's
-steps each beside a sum of the bytes it reads (``--rounds 0`` skips the throughput runs).
+kernels); with ``--paired-sum`` one sequence's steps each beside a sum of the bytes it reads
+(``--rounds 0`` skips the throughput runs).
 Used to A/B runner changes before the server-level benchmarks (``slotserve bench runners``).
 
     python benchmarks/engine_steps.py --runner torch --batch-sizes 1 16 64 --max-tokens 64
