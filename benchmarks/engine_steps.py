@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from slotserve.engine.config import EngineConfig
@@ -189,10 +190,12 @@ def weight_bytes(model: Path) -> int:
 def paired_sum(core: EngineCore, model: Path, max_tokens: int, prompt_len: int) -> dict[str, float]:
     """One sequence's decode steps, each after a float32 sum over as many bytes as the step
     reads (the weights and its context's KV): the share of the read floor a step reaches,
-    measured beside the box's read rate of the moment (a shared VM's swings by 2×)."""
+    measured beside the box's read rate of the moment (a shared VM's swings by 2×). The sum's
+    array is numpy's, on huge pages as the runner's weights and KV pool are (and as
+    ``slotserve bench``'s read floor is measured)."""
     context = prompt_len + max_tokens // 2
     step_bytes = weight_bytes(model) + context * core.model_info.kv_bytes_per_token
-    block = torch.ones(step_bytes // 4)
+    block = torch.from_numpy(np.ones(step_bytes // 4, dtype=np.float32))
     admit(core, 1, max_tokens, 11, prompt_len)
     while not all_decoding(core, 1):
         core.step()

@@ -75,7 +75,7 @@ def packed_as(build: CpuKernels, f: Any, kind: GGMLQuantizationType, raw: np.nda
 
 def held(kernels: CpuKernels, packed: torch.Tensor) -> torch.Tensor:
     """A copy of ``packed`` where the runner holds packed weights."""
-    return kernels.weight_buffer(packed.numel()).copy_(packed)
+    return kernels.huge_page_buffer(packed.numel()).copy_(packed)
 
 
 def main() -> None:

@@ -69,10 +69,16 @@ def _vm_flags(address: int) -> list[str]:
     not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
     reason="this kernel has no transparent huge pages",
 )
-def test_packed_weights_ask_for_huge_pages(kernels: CpuKernels, torch_runner: TorchRunner) -> None:
-    """A one-row step streams the weights from memory: their whole 2 MiB pages are advised
-    huge (``hg``), the embedded model's Q8_0 table and a bfloat16 GEMM's weight among them; a
-    buffer under one page is a plain one."""
+def test_streamed_weights_and_kv_ask_for_huge_pages(
+    kernels: CpuKernels, torch_runner: TorchRunner
+) -> None:
+    """A one-row step streams the weights and its context's KV from memory: their whole 2 MiB
+    pages are advised huge (``hg``), the embedded model's Q8_0 table, a bfloat16 GEMM's weight
+    and every layer's K and V pool among them; a buffer under one page is a plain one."""
+    for layer in torch_runner.shard.pool.layers:
+        for pool in layer:
+            assert pool.numel() * pool.element_size() >= 2 << 20
+            assert "hg" in _vm_flags(pool.data_ptr())
     embed = torch_runner.shard.model.embed
     assert isinstance(embed, QuantEmbedding)
     table = embed.part.packed
@@ -81,7 +87,7 @@ def test_packed_weights_ask_for_huge_pages(kernels: CpuKernels, torch_runner: To
     bf16 = kernels.pack_weight(torch.ones(2047, 1024, dtype=torch.bfloat16))
     assert "hg" in _vm_flags(bf16.data_ptr())
     assert bf16.float().sum() == 2047 * 1024  # the last block's missing row is zeros
-    small = kernels.weight_buffer(4096)
+    small = kernels.huge_page_buffer(4096)
     small.fill_(7)
     assert small.numel() == 4096 and int(small.sum()) == 7 * 4096
 

@@ -127,10 +127,10 @@ class CpuKernels:
         """A ``[out, in]`` bfloat16 weight in the layout :meth:`linear` reads."""
         return self._m.pack_weight(weight)  # type: ignore[no-any-return]
 
-    def weight_buffer(self, nbytes: int) -> torch.Tensor:
-        """Uninitialised uint8 memory for packed weights, on huge pages where Linux grants
-        them (csrc/weight_memory.cpp says why)."""
-        return self._m.weight_buffer(nbytes)  # type: ignore[no-any-return]
+    def huge_page_buffer(self, nbytes: int) -> torch.Tensor:
+        """Uninitialised uint8 memory for what a step streams (packed weights, the KV pool), on
+        huge pages where Linux grants them (csrc/huge_pages.cpp says why)."""
+        return self._m.huge_page_buffer(nbytes)  # type: ignore[no-any-return]
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -206,7 +206,7 @@ class CpuKernels:
         rows = None if order is None else torch.from_numpy(np.asarray(order, dtype=np.int64))
         outputs = blocks.shape[0] if rows is None else len(rows)
         if out is None:
-            out = self.weight_buffer(f.packed_bytes(outputs, k))
+            out = self.huge_page_buffer(f.packed_bytes(outputs, k))
         self._m.quant_pack(
             blocks, rows, int(kind), k, f.bits, f.offset, f.has_min, f.sub, f.super, out
         )

@@ -8,7 +8,7 @@
 // AVX2+FMA, all giving the same bits (the first does attention's bfloat16 dot products in one
 // instruction, the others in two fused steps); the set is chosen once at load from the CPU
 // (`isa()`), never built with -march=native. The ops over torch tensors are row_ops.cpp,
-// paged_attention.cpp, linear.cpp and quant_pack.cpp, weight_memory.cpp the weights' buffers,
+// paged_attention.cpp, linear.cpp and quant_pack.cpp, huge_pages.cpp the streamed buffers,
 // layer_stack.cpp a decoder's layers chained in one call; this file holds the choice and the
 // bindings, the one translation unit that compiles torch's Python headers. The threads are
 // torch's own (at::parallel_for); how rows are spread over them never changes a row's bits.
@@ -98,10 +98,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_linear", &cpu::quant_linear);
     m.def("quant_rows", &cpu::quant_rows);
     m.def("quant_pack", &cpu::quant_pack);
-    m.def("weight_buffer", [](int64_t bytes) { return cpu::weight_buffer({bytes}, at::kByte); });
+    m.def("huge_page_buffer",
+          [](int64_t bytes) { return cpu::huge_page_buffer({bytes}, at::kByte); });
     m.def("runs_amx", &cpu::runs_amx);
     // The step's ops make no Python calls: other threads (the server's) run meanwhile.
-    pybind11::class_<cpu::LayerStack>(m, "LayerStack")
+    pybind11::class_<cpu::LayerStack>(m, "LayerStack", pybind11::module_local())
         .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, double, int64_t>())
         .def("add_layer", &cpu::LayerStack::add_layer)
         .def("add_part", &cpu::LayerStack::add_part)

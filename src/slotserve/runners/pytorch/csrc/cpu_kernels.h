@@ -86,8 +86,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
                       int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super);
 
-// weight_memory.cpp: an uninitialised buffer for packed weights, on huge pages where it can be
-at::Tensor weight_buffer(at::IntArrayRef sizes, at::ScalarType dtype);
+// huge_pages.cpp: an uninitialised buffer for what a step streams (packed weights, the KV pool),
+// on huge pages where it can be
+at::Tensor huge_page_buffer(at::IntArrayRef sizes, at::ScalarType dtype);
 
 // quant_pack.cpp
 void quant_pack(const at::Tensor& raw, const c10::optional<at::Tensor>& order, int64_t type,

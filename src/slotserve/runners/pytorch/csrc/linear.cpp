@@ -43,7 +43,8 @@ at::Tensor pack_weight(const at::Tensor& weight) {
                 "weight must be a bfloat16 CPU matrix");
     const at::Tensor w = weight.contiguous();
     const int64_t n = w.size(0), k = w.size(1);
-    at::Tensor packed = weight_buffer({(n + 15) / 16, (k + 1) / 2, 16, 2}, at::kBFloat16).zero_();
+    at::Tensor packed =
+        huge_page_buffer({(n + 15) / 16, (k + 1) / 2, 16, 2}, at::kBFloat16).zero_();
     pack_rows(bf16(w), n, k, bf16_mut(packed));
     return packed;
 }

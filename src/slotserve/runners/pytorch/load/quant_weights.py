@@ -123,9 +123,9 @@ class QuantWeights:
         table_runs = _runs(model.lm_head, [self.embedding])
         self.pieces, self.embedding = {}, None
         # One buffer for every part: small matrices then sit on huge pages too
-        # (CpuKernels.weight_buffer), and a step streams the weights in the order packed.
+        # (CpuKernels.huge_page_buffer), and a step streams the weights in the order packed.
         sizes = [_packed_bytes(run) for some in [*runs.values(), table_runs] for run in some]
-        memory = _Memory(self.kernels.weight_buffer(sum(_aligned(n) for n in sizes)))
+        memory = _Memory(self.kernels.huge_page_buffer(sum(_aligned(n) for n in sizes)))
         for projection in list(runs):  # each projection's blocks dropped once packed
             projection.quantize(self.kernels, self._pack(projection, runs.pop(projection), memory))
         part = self._pack(model.lm_head, table_runs, memory, bias=False)[0]

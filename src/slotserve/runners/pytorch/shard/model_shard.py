@@ -153,9 +153,11 @@ class ModelShard:
         num_blocks = kv_blocks(load, device, self.max_seq_len, self.kv_bytes_per_token, reserved)
         if tp is not None:  # every rank's pool has the same blocks: the smallest fits all
             num_blocks = tp.min_across_ranks(num_blocks)
+        cpu = self.model.kernels
         self.pool = KvPool(
-            rank_config, num_blocks, load.block_size, load.num_slots, dtype, device, load.kv_int8
-        )
+            rank_config, num_blocks, load.block_size, load.num_slots, dtype, device, load.kv_int8,
+            cpu.huge_page_buffer if cpu is not None else None,
+        )  # fmt: skip
 
         self.graphs: DecodeGraphs | None = None
         if graphs:

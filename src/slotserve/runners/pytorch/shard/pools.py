@@ -17,7 +17,8 @@ any blocks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -36,7 +37,11 @@ class KvPool:
         dtype: torch.dtype,
         device: torch.device,
         int8: bool = False,
+        huge_pages: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """``huge_pages``: uninitialised CPU memory of so many bytes on huge pages
+        (:meth:`CpuKernels.huge_page_buffer`), where a long context's lone row streams its
+        blocks at the box's read rate; None: torch's allocator."""
         self.block_size = block_size
         row = config.head_dim + SCALE_BYTES if int8 else config.head_dim
         dtype = torch.uint8 if int8 else dtype
@@ -52,8 +57,8 @@ class KvPool:
             shape = (0 if config.is_linear(layer) else rows, config.num_kv_heads, row)
             self.layers.append(
                 (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
+                    _zeros(shape, dtype, device, huge_pages),
+                    _zeros(shape, dtype, device, huge_pages),
                 )
             )
         self._pending_copies: list[tuple[int, int]] = []
@@ -142,6 +147,17 @@ class KvPool:
     def _view(self, data: bytearray, num_tokens: int) -> torch.Tensor:
         flat = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype)
         return flat.view(len(self._attention), 2, num_tokens, *self._position_shape)
+
+
+def _zeros(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    huge_pages: Callable[[int], torch.Tensor] | None,
+) -> torch.Tensor:
+    if huge_pages is None or not math.prod(shape):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return huge_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
 
 
 class LinearStatePool:
