@@ -368,7 +368,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(_Norms(self.kernels)(hidden, self.norm))
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
         logits = logits.float()
