@@ -7,6 +7,7 @@ GGUF type at one row (a decode step) and at 2, 4, 16 and 64 (batches, prefill ch
     python benchmarks/quant_ab.py --base-rev HEAD --isa avx2  # both builds' AVX2 code
     python benchmarks/quant_ab.py --base-sources DIR  # a copy of csrc/ with something changed
     python benchmarks/quant_ab.py --base-small-pages  # this build, weights on 4 KiB pages as base
+    python benchmarks/quant_ab.py --base-tiles none   # this build without AMX tiles as the base
 
 A case is one projection of Llama-3.2-1B's MLP width (2,048 outputs, 8,192 inputs), eight
 copies called in turn so the weights come from memory, as a forward's layers do; each build's
@@ -87,6 +88,10 @@ def main() -> None:
     base_arg.add_argument(
         "--base-small-pages", action="store_true", help="this build, its weights on 4 KiB pages"
     )
+    base_arg.add_argument(
+        "--base-tiles", help="this build, its quantized steps on these tiles (none, amx) as base"
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows per call")
     parser.add_argument("--isa", help="the instruction set this build (and a base revision) runs")
     parser.add_argument("--types", help="comma-separated GGUF types (default: all)")
     parser.add_argument("--threads", type=int, default=2)
@@ -144,19 +149,20 @@ def main() -> None:
                 "this": [held(kernels, packed) for _ in range(COPIES)],
             }
             base_format = base_formats.FORMATS[kind]
-            for rows in ROWS:
+            for rows in args.rows:
                 x = torch.randn(rows, INPUTS, generator=torch.Generator().manual_seed(rows))
                 x = x.bfloat16()
                 times: dict[str, list[float]] = {"base": [], "this": []}
                 ratios = []
                 builds = (("base", base, base_format), ("this", kernels, FORMATS[kind]))
+                tiles = {"base": args.base_tiles or "", "this": ""}
                 for pair in range(args.pairs):
                     # Each build first in every other pair: going second was worth up to ±15%.
                     for label, build, form in builds if pair % 2 == 0 else builds[::-1]:
                         build.select_isa(isas[label])
                         started = time.perf_counter()
                         for weight in weights[label]:
-                            build.quant_linear(x, weight, form, OUTPUTS, None)
+                            build.quant_linear(x, weight, form, OUTPUTS, None, tiles[label])
                         times[label].append((time.perf_counter() - started) / COPIES)
                     ratios.append(times["base"][-1] / times["this"][-1])
                 this_s = statistics.median(times["this"])

@@ -65,6 +65,10 @@ class CpuKernels:
         # Attention's arithmetic: "amx" (csrc/attend_amx.h: tiles, where the unit gives its
         # documented bits) or "vector" (csrc/attention.h, the same bits on every instruction set).
         self.attention: str = module.attention()
+        # Where quantized projections sum steps of 64 rows or more (csrc/quant_amx.h): "amx"
+        # where the unit gives its emulation's sums, else "none" (also an older build's, as
+        # benchmarks/quant_ab.py loads); the same bits either way.
+        self.quant_tiles: str = module.quant_tiles() if hasattr(module, "quant_tiles") else "none"
 
     def select_isa(self, isa: str) -> None:
         """Runs the kernels compiled for ``isa`` (avx512bf16, avx512, avx2) from now on, if the
@@ -166,13 +170,15 @@ class CpuKernels:
         format: QuantFormat,
         out_features: int,
         bias: torch.Tensor | None,
+        tiles: str = "",
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` in bfloat16 for a weight kept quantized (``packed`` by
         :meth:`quant_pack` in ``format``), summed as csrc/quant_gemm.h states: a row's bits
-        depend on neither the other rows, the thread count, nor the instruction set."""
-        f = format
+        depend on neither the other rows, the thread count, the instruction set nor ``tiles``
+        (``amx``, ``none``, or ``amx-emulated`` for tests; by default :attr:`quant_tiles`)."""
+        f, chosen = format, (tiles,) if tiles else ()
         return self._m.quant_linear(  # type: ignore[no-any-return]
-            x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias
+            x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias, *chosen
         )
 
     def quant_rows(

@@ -1,14 +1,16 @@
-// AMX tiles (Intel Xeon, Sapphire Rapids and later), shared by the projections' GEMM
-// (gemm_amx.h) and attention (attend_amx.h): the unit itself, its arithmetic emulated, and
-// whether this process may use it. Included at file scope, outside any target region: inline
-// assembly needs no target flags, and the emulation is plain scalar code.
+// AMX tiles (Intel Xeon, Sapphire Rapids and later), shared by the projections' GEMMs
+// (gemm_amx.h, quant_amx.h) and attention (attend_amx.h): the unit itself, its arithmetic
+// emulated, and whether this process may use it. Included at file scope, outside any target
+// region: inline assembly needs no target flags, and the emulation is plain scalar code.
 //
 // `Tiles` is the real unit (inline assembly: GCC 12's `_tile_loadconfig` declares an 8-byte
 // memory operand and drops the stores of the 64-byte configuration as dead, the bug that
 // crashes ggml's AMX kernel); `EmulatedTiles` is the SDM's TDPBF16PS in scalar fused steps (the
 // even and the odd products of a tile summed apart from zero, then their sum added to C;
-// denormals flushed), so the same kernel code runs on any CPU for the tests, and an AMX host
-// checks that the unit gives the emulation's bits on a small problem before it serves.
+// denormals flushed) and its TDPBSSD (signed bytes times signed bytes, four products a lane
+// summed into int32: exact, so any order gives its bits), so the same kernel code runs on any CPU for the
+// tests, and an AMX host checks that the unit gives the emulation's bits on a small problem
+// before it serves.
 #pragma once
 
 #include <sys/syscall.h>
@@ -33,13 +35,23 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: the only shape this kernel uses.
+// Every tile 16 rows of 64 bytes: the bfloat16 kernels' only shape.
 inline TileConfig full_tiles() {
     TileConfig config;
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = 64;
         config.rows[t] = kRows;
     }
+    return config;
+}
+
+// The int8 kernel's shapes for sub-blocks of `inputs` (16 or 32) bytes: C tiles 0-3 full (16
+// rows of 16 int32), A tiles 4 and 5 16 rows of `inputs` bytes, B tiles 6 and 7 `inputs` / 4
+// rows of sixteen outputs' four bytes.
+inline TileConfig byte_tiles(int inputs) {
+    TileConfig config = full_tiles();
+    for (int t = 4; t < 6; ++t) config.colsb[t] = uint16_t(inputs);
+    for (int t = 6; t < 8; ++t) config.rows[t] = uint8_t(inputs / 4);
     return config;
 }
 
@@ -50,6 +62,7 @@ struct Tiles {
         static const TileConfig config = full_tiles();
         asm volatile("ldtilecfg %0" ::"m"(config));
     }
+    explicit Tiles(const TileConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config)); }
     ~Tiles() { asm volatile("tilerelease" ::: "memory"); }
     Tiles(const Tiles&) = delete;
     Tiles& operator=(const Tiles&) = delete;
@@ -69,6 +82,10 @@ struct Tiles {
     void dot() {
         asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
     }
+    template <int C, int A, int B>
+    void dot_bytes() {
+        asm volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+    }
 };
 
 static inline float bf16_in(uint16_t bits) {  // input denormals are zero, as the unit reads them
@@ -83,23 +100,41 @@ static inline float flushed(float f) {  // output denormals are zero
     return std::fabs(f) < 1.17549435e-38f ? std::copysign(0.0f, f) : f;
 }
 
-// The SDM's TDPBF16PS in scalar fused steps, on tiles held in memory.
+// The SDM's TDPBF16PS and TDPBSSD in scalar steps, on tiles held in memory in the shapes
+// `config` gives them (loads and stores move each tile's rows and bytes, as the unit's do).
 struct EmulatedTiles {
     alignas(64) uint8_t reg[8][kRows][64];
+    TileConfig config;
 
+    EmulatedTiles() : config(full_tiles()) {}
+    explicit EmulatedTiles(const TileConfig& c) : config(c) {}
     template <int T>
     void zero() {
         std::memset(reg[T], 0, sizeof(reg[T]));
     }
     template <int T>
     void load(const void* p, int64_t stride) {
-        for (int r = 0; r < kRows; ++r)
-            std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, 64);
+        std::memset(reg[T], 0, sizeof(reg[T]));
+        for (int r = 0; r < config.rows[T]; ++r)
+            std::memcpy(reg[T][r], static_cast<const uint8_t*>(p) + r * stride, config.colsb[T]);
     }
     template <int T>
     void store(void* p, int64_t stride) {
-        for (int r = 0; r < kRows; ++r)
-            std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], 64);
+        for (int r = 0; r < config.rows[T]; ++r)
+            std::memcpy(static_cast<uint8_t*>(p) + r * stride, reg[T][r], config.colsb[T]);
+    }
+    template <int C, int A, int B>
+    void dot_bytes() {
+        for (int m = 0; m < config.rows[A]; ++m)
+            for (int n = 0; n < config.colsb[C] / 4; ++n) {
+                uint32_t c;  // wrapping, as the unit's int32 sums
+                std::memcpy(&c, &reg[C][m][4 * n], 4);
+                for (int k = 0; k < config.colsb[A] / 4; ++k)
+                    for (int i = 0; i < 4; ++i)
+                        c += uint32_t(int32_t(int8_t(reg[A][m][4 * k + i])) *
+                                      int32_t(int8_t(reg[B][k][4 * n + i])));
+                std::memcpy(&reg[C][m][4 * n], &c, 4);
+            }
     }
     template <int C, int A, int B>
     void dot() {

@@ -95,7 +95,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemm", [] { return cpu::gemm_name(); }, "the GEMM the projections run on");
     m.def("select_gemm", &cpu::select_gemm);
     m.def("runs_gemm", &cpu::runs_gemm, "whether this CPU runs the named GEMM");
-    m.def("quant_linear", &cpu::quant_linear);
+    using pybind11::arg;
+    m.def("quant_linear", &cpu::quant_linear, arg("x"), arg("packed"), arg("n"), arg("bits"),
+          arg("offset"), arg("has_min"), arg("sub"), arg("super"), arg("bias"), arg("tiles") = "");
+    m.def(
+        "quant_tiles", [] { return cpu::quant_tiles_name(); },
+        "where the quantized projections' steps of whole row tiles form their sums");
+    m.def("select_quant_tiles", &cpu::select_quant_tiles);
     m.def("quant_rows", &cpu::quant_rows);
     m.def("quant_pack", &cpu::quant_pack);
     m.def("huge_page_buffer",

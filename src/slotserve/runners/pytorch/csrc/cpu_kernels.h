@@ -78,11 +78,13 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
 std::string& gemm_name();
 bool runs_gemm(const std::string& name);
 std::string select_gemm(const std::string& name);
+std::string& quant_tiles_name();
+std::string select_quant_tiles(const std::string& name);
 bool runs_amx();
 bool amx_verified();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
                         int64_t offset, bool has_min, int64_t sub, int64_t super,
-                        const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias, const std::string& tiles = "");
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
                       int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super);
 

@@ -115,6 +115,57 @@ std::string& gemm_name() {
     return name;
 }
 
+// The quantized projections take AMX tiles (quant_amx.h) where the unit's TDPBSSD gives the
+// emulation's int32 sums on a sample of random bytes, two products into one C tile in the
+// shapes the kernel configures: its sums are exact integers, so any difference is a fault.
+bool amx_bytes_verified() {
+    static const bool ok = [] {
+        if (!amx_verified()) return false;
+        alignas(64) int8_t a[2][16][32];
+        alignas(64) int8_t b[2][8][64];
+        alignas(64) int32_t real[16][16], emulated[16][16];
+        amx::CheckValues values{4242};
+        for (int8_t* v = &a[0][0][0]; v != &a[0][0][0] + sizeof(a); ++v)
+            *v = int8_t(values.next() >> 24);
+        for (int8_t* v = &b[0][0][0]; v != &b[0][0][0] + sizeof(b); ++v)
+            *v = int8_t(values.next() >> 24);
+        const auto run = [&](auto& t, int32_t (*c)[16]) {
+            t.template zero<0>();
+            for (int i = 0; i < 2; ++i) {
+                t.template load<4>(a[i], 32);
+                t.template load<6>(b[i], 64);
+                t.template dot_bytes<0, 4, 6>();
+            }
+            t.template store<0>(c, 64);
+        };
+        {
+            amx::Tiles unit(amx::byte_tiles(32));
+            run(unit, real);
+        }
+        amx::EmulatedTiles emulation(amx::byte_tiles(32));
+        run(emulation, emulated);
+        return std::memcmp(real, emulated, sizeof(real)) == 0;
+    }();
+    return ok;
+}
+
+// Where a quantized projection's steps of whole tiles of rows form their sums: "amx" where the
+// unit is verified, else "none" (the vector path alone); a test may choose "amx-emulated" on a
+// CPU with AVX512-BF16 and VNNI (call before serving, never during a call). The bits are the
+// vector path's on every choice.
+std::string& quant_tiles_name() {
+    static std::string name = amx_bytes_verified() ? "amx" : "none";
+    return name;
+}
+
+std::string select_quant_tiles(const std::string& name) {
+    TORCH_CHECK(name == "none" || (name == "amx" && amx_bytes_verified()) ||
+                    (name == "amx-emulated" && runs_bf16_gemm()),
+                "this CPU does not run the quantized projections on ", name, " tiles");
+    quant_tiles_name() = name;
+    return name;
+}
+
 bool runs_gemm(const std::string& name) {
     if (name == "amx") return amx_verified();
     if (name == "avx512bf16") return runs_bf16_gemm();
@@ -175,12 +226,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
     return linear_on(x, packed, bias, n, "");
 }
 
+static QuantTiles quant_tiles(const std::string& name) {
+    if (name == "amx" && amx_bytes_verified()) return QuantTiles::unit;
+    if (name == "amx-emulated") return QuantTiles::emulated;
+    TORCH_CHECK(name == "none" || name == "amx", "unknown quantized tiles ", name);
+    return QuantTiles::none;
+}
+
 // x [M, K] bfloat16 times a quantized weight of N outputs packed by quant_pack.cpp in the
 // format described by the integers (quant_gemm.h's Format), plus an optional bias added in
-// float32 before the one rounding to bfloat16. On every instruction set the same bits.
+// float32 before the one rounding to bfloat16. On every instruction set the same bits, with or
+// without tiles (`tiles`: quant_tiles_name()'s choices, the process's own when empty).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
                         int64_t offset, bool has_min, int64_t sub, int64_t super,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, const std::string& tiles) {
     const Kernels& k = usable();
     check_rows(x, "x");
     const int64_t rows = x.size(0), inputs = x.size(1), groups = (n + 15) / 16;
@@ -228,7 +287,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                            f,
                            bias ? bias32.data_ptr<float>() : nullptr,
                            bf16_mut(out),
-                           n};
+                           n,
+                           quant_tiles(tiles.empty() ? quant_tiles_name() : tiles)};
     // Groups per task: at least ~2^18 multiply-adds, so one row's step still splits its
     // outputs over the threads (and a task is never a single small group).
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rows * inputs));

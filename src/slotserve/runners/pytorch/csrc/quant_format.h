@@ -38,6 +38,10 @@ struct InputBlocks {
     int64_t rows;
 };
 
+// Where a step of whole tiles of rows may form its integer sums (quant_amx.h): nowhere but the
+// vector path, the AMX unit, or its emulation (tests).
+enum class QuantTiles { none, unit, emulated };
+
 struct QuantOperands {
     const int16_t* xq;    // [rows][k] the inputs as integers per block of 32 (quant_gemm.h)
     const int8_t* xq8;    // [rows][k] the same integers as bytes
@@ -48,4 +52,5 @@ struct QuantOperands {
     const float* bias;    // padded to whole groups, or null
     uint16_t* out;        // [rows][n] bfloat16
     int64_t n;
+    QuantTiles tiles = QuantTiles::none;
 };

@@ -195,6 +195,19 @@ static void pass_tiles(const Operands& op, const uint8_t* group, int64_t m0, int
     tiles_of<BITS, OFFSET, MIN, SUB, SUPER, 1, DECODED>(op, group, m, m0, m1, acc, decoded);
 }
 
+// Group g's outputs of rows [m0, m1) from their running sums in `acc` (row m0's first): the
+// bias added and each rounded once to bfloat16.
+static void store_rows(const Operands& op, const float* acc, int64_t g, int64_t m0, int64_t m1) {
+    const int valid = int(std::min<int64_t>(kLanes, op.n - g * kLanes));
+    for (int64_t m = m0; m < m1; ++m) {
+        vf v = load_f32(acc + (m - m0) * kLanes);
+        if (op.bias != nullptr) v += load_f32(op.bias + g * kLanes);
+        uint16_t whole[kLanes];
+        store_bf16(whole, v);
+        std::memcpy(op.out + m * op.n + g * kLanes, whole, valid * sizeof(uint16_t));
+    }
+}
+
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER>
 static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
     alignas(64) float acc[kRowsPerPass * kLanes];
@@ -219,14 +232,7 @@ static void groups_of(const Operands& op, int64_t rows, int64_t g0, int64_t g1) 
                                                                 decoded_words);
             else
                 pass_tiles<BITS, OFFSET, MIN, SUB, SUPER, false>(op, group, m0, m1, acc, nullptr);
-            const int valid = int(std::min<int64_t>(kLanes, op.n - g * kLanes));
-            for (int64_t m = m0; m < m1; ++m) {
-                vf v = load_f32(acc + (m - m0) * kLanes);
-                if (op.bias != nullptr) v += load_f32(op.bias + g * kLanes);
-                uint16_t whole[kLanes];
-                store_bf16(whole, v);
-                std::memcpy(op.out + m * op.n + g * kLanes, whole, valid * sizeof(uint16_t));
-            }
+            store_rows(op, acc, g, m0, m1);
         }
     }
 }
@@ -351,9 +357,29 @@ static void in_format(const Format& f, Run&& run) {
             integral_constant<int, 16>{}, integral_constant<int, 256>{});
 }
 
-// Output groups [g0, g1) for every row.
+}  // namespace quant
+
+#if SLOTSERVE_BF16 && SLOTSERVE_VNNI
+#include "quant_amx.h"
+#endif
+
+namespace quant {
+
+// Output groups [g0, g1) for every row: on AMX tiles where the operands ask for them and the
+// step holds enough rows (the same bits either way), else on the vector path.
 static void groups(const Operands& op, int64_t rows, int64_t g0, int64_t g1) {
     in_format(op.f, [&](auto bits, auto offset, auto min, auto sub, auto super) {
+#if SLOTSERVE_BF16 && SLOTSERVE_VNNI
+        if (op.tiles != QuantTiles::none && rows >= kTileMinRows) {
+            if (op.tiles == QuantTiles::unit)
+                tiled_groups_of<amx::Tiles, bits(), offset(), min(), sub(), super()>(op, rows, g0,
+                                                                                     g1);
+            else
+                tiled_groups_of<amx::EmulatedTiles, bits(), offset(), min(), sub(), super()>(
+                    op, rows, g0, g1);
+            return;
+        }
+#endif
         groups_of<bits(), offset(), min(), sub(), super()>(op, rows, g0, g1);
     });
 }

@@ -133,6 +133,9 @@ class ModelShard:
         self.compute = compute_path(device, dtype, self.model.kernels)
         if quantized_types:
             kernels = f"{self.compute.kernels}, weights kept quantized ({quantized_types})"
+            tiles = self.model.kernels.quant_tiles if self.model.kernels else "none"
+            if tiles != "none":
+                kernels += f", batches' sums on {tiles} tiles"
             self.compute = dataclasses.replace(self.compute, kernels=kernels)
         if self.triton:
             matmuls = "invariant Triton" if load.batch_invariant else "torch"
