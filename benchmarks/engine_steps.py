@@ -246,6 +246,9 @@ def main() -> None:
         action="store_true",
         help="torch: the Python decoder between the kernels, not one call (an A/B)",
     )
+    parser.add_argument(
+        "--quant-tiles", help="torch: where quantized batches sum (amx, none; an A/B of the tiles)"
+    )
     parser.add_argument("--model", type=Path, help="a GGUF file or HF folder (default: embedded)")
     parser.add_argument("--quantization", default="auto", help="torch: as serve's flag")
     parser.add_argument("--output", type=Path)
@@ -260,6 +263,9 @@ def main() -> None:
         model=args.model,
         quantization=args.quantization,
     )
+    if args.quant_tiles:
+        kernels = core.runner.shard.model.kernels  # type: ignore[attr-defined]
+        kernels.quant_tiles = kernels._m.select_quant_tiles(args.quant_tiles)
     if args.no_layer_stack:
         core.runner.shard.model.stack = None  # type: ignore[attr-defined]
     run(core, 1, 4, seed=-1)  # warm-up
