@@ -25,6 +25,7 @@ namespace SLOTSERVE_ISA {
 #include "gemm_vec.h"
 #include "quant_pairs.h"
 #include "quant_byte_pairs.h"
+#include "quant_scales.h"
 #include "quant_gemm.h"
 #include "kv_rows.h"
 

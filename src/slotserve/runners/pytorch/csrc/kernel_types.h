@@ -1,9 +1,9 @@
 // What every translation unit of the CPU kernels shares: the operands' layouts, the attention
 // constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp names its
 // set and compiles isa_kernels.h (vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h,
-// quant_pairs.h, quant_byte_pairs.h, quant_gemm.h, kv_rows.h) inside its own target region and
-// namespace, with no torch header, and hands out its table; cpu_kernels.cpp chooses one at run
-// time, and the ops (cpu_kernels.h) call it.
+// quant_pairs.h, quant_byte_pairs.h, quant_scales.h, quant_gemm.h with quant_amx.h, kv_rows.h)
+// inside its own target region and namespace, with no torch header, and hands out its table;
+// cpu_kernels.cpp chooses one at run time, and the ops (cpu_kernels.h) call it.
 #pragma once
 
 #include <immintrin.h>

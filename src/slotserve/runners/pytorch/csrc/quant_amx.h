@@ -72,25 +72,12 @@ static inline void scale_sub_block(const Operands& op, const uint8_t* group, int
     const uint8_t* record = group + u / kSubBlocks * op.f.record_bytes();
     const int s = int(u % kSubBlocks);
     const Acc d = widen_f16(record), dmin = MIN ? widen_f16(record + 32) : acc_zero();
-    const uint8_t* sc = record + 32 * (MIN ? 2 : 1);
-    Acc scale = d, min = acc_zero();
-    if constexpr (kSubBlocks > 1)
-        scale = acc_mul(d, widen_i8(_mm_loadu_si128((const __m128i*)(sc + 16 * s))));
-    if constexpr (MIN) {
-        min = dmin;
-        if constexpr (kSubBlocks > 1) {
-            const __m128i m = _mm_loadu_si128((const __m128i*)(sc + 16 * (kSubBlocks + s)));
-            min = acc_mul(min, widen_u8(m));
-        }
-    }
+    const SubBlockScales w = sub_block_scales<MIN, SUB, SUPER>(record, d, dmin, s);
     const int64_t at = u * SUB / kInputBlock * op.blocks.rows + m0;
     const float *step = op.blocks.step + at, *neg_sum = op.blocks.neg_sum + at;
     for (int r = 0; r < kTileRows; ++r) {
         const Sums sum{_mm512_load_si512((const void*)sums[r])};
-        Acc next = acc_fma_v(acc_mul(scale, broadcast(step[r])), sums_float(sum), running[r]);
-        if constexpr (MIN)
-            next = acc_fma(broadcast(neg_sum[r]), acc_mul(min, broadcast(step[r])), next);
-        running[r] = next;
+        running[r] = scaled_into<MIN>(running[r], sum, w, step[r], neg_sum[r]);
     }
 }
 

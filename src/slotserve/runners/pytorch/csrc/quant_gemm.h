@@ -1,7 +1,7 @@
 // Projections whose weights stay quantized (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K, and our Q4_ZP), compiled once per instruction set after gemm_vec.h, quant_pairs.h and
-// quant_byte_pairs.h (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in bfloat16 and W read as
-// the file stores it, decoded in registers while it streams.
+// Q6_K, and our Q4_ZP), compiled once per instruction set after gemm_vec.h, quant_pairs.h,
+// quant_byte_pairs.h and quant_scales.h (kernels_<isa>.cpp): y = x Wᵀ (+ bias) with x in
+// bfloat16 and W read as the file stores it, decoded in registers while it streams.
 //
 // Every weight is scale · v − min: v a small integer (a code less the format's offset), scale =
 // d · sc and min = dmin · m per sub-block of 16 or 32 inputs (exact in float32: an fp16 times an
@@ -92,7 +92,6 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
     const uint8_t* record = group;
     for (int64_t b = 0; b < supers; ++b, record += record_bytes) {
         const Acc d = widen_f16(record), dmin = MIN ? widen_f16(record + 32) : acc_zero();
-        const uint8_t* sc = record + 32 * (MIN ? 2 : 1);
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s) {
             const int64_t first = b * SUPER + s * SUB;
@@ -142,28 +141,12 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
                 for (int r = 0; r < MR; ++r)
                     sums[r] = sums_less(sums[r], Math::kCodeOffset * input_sum[r]);
             }
-            // Without sub-blocks sc and m are one: d and dmin are the scale and the minimum.
-            Acc scale = d, min = acc_zero();
-            if constexpr (kSubBlocks > 1)
-                scale = acc_mul(d, widen_i8(_mm_loadu_si128((const __m128i*)(sc + 16 * s))));
-            if constexpr (MIN) {
-                min = dmin;
-                if constexpr (kSubBlocks > 1) {
-                    const __m128i m =
-                        _mm_loadu_si128((const __m128i*)(sc + 16 * (kSubBlocks + s)));
-                    min = acc_mul(min, widen_u8(m));
-                }
-            }
+            const SubBlockScales w = sub_block_scales<MIN, SUB, SUPER>(record, d, dmin, s);
             const int64_t at = first / kInputBlock * op.blocks.rows + m0;  // rows m0, m0 + 1, ...
             const float *step = op.blocks.step + at, *neg_sum = op.blocks.neg_sum + at;
             static_assert(!MIN || SUB == kInputBlock, "a minimum per block of inputs");
-            for (int r = 0; r < MR; ++r) {
-                Acc sum = acc_fma_v(acc_mul(scale, broadcast(step[r])), sums_float(sums[r]),
-                                    running[r]);
-                if constexpr (MIN)
-                    sum = acc_fma(broadcast(neg_sum[r]), acc_mul(min, broadcast(step[r])), sum);
-                running[r] = sum;
-            }
+            for (int r = 0; r < MR; ++r)
+                running[r] = scaled_into<MIN>(running[r], sums[r], w, step[r], neg_sum[r]);
         }
     }
     for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
