@@ -4,14 +4,15 @@ embedded model's serving (prefill chunks at long contexts, decode rows) and deco
 Llama-3.2-1B's heads (the cases named ``1B:``):
 
     python benchmarks/attention_ab.py --base-rev HEAD~1 [--threads 2] [--pairs 9] [--layers 30]
-        [--only 'decode'] [--isa avx2] [--kv-int8]
+        [--only 'decode'] [--isa avx2] [--kv-int8] [--base-attention vector]
 
 Prints, per case, each build's median time per call and the median of the paired ratios
 base ÷ this one, and whether the two builds gave the same bits. Keys sit in scattered pool
 blocks of 16 positions, as the runner keeps them. With ``--layers 1`` (the default) every call
 reads the same pool, which stays in the caches; with ``--layers 30`` a timed pass calls each of
 30 pools once, as a forward calls its layers, so the KV comes from memory as in the engine.
-``--kv-int8``: the pools hold int8 rows (``--kv-cache-dtype int8``).
+``--kv-int8``: the pools hold int8 rows (``--kv-cache-dtype int8``). ``--base-attention`` and
+``--attention`` choose each build's arithmetic (``amx``, ``vector``; by default the host's).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="the cases whose names contain this text")
     parser.add_argument("--isa", help="the instruction set both builds run (e.g. avx2)")
     parser.add_argument("--kv-int8", action="store_true", help="pools of int8 rows")
+    parser.add_argument("--base-attention", help="the base build's arithmetic (amx, vector)")
+    parser.add_argument("--attention", help="this build's arithmetic (amx, vector)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -125,6 +128,10 @@ def main() -> None:
         if args.isa:
             kernels.select_isa(args.isa)
             base.select_isa(args.isa)
+        if args.base_attention:
+            base.select_attention(args.base_attention)
+        if args.attention:
+            kernels.select_attention(args.attention)
         print(f"{'case':36s} {'base ms':>9s} {'this ms':>9s} {'base/this':>9s}  bits")
         for name, make in CASES.items():
             if args.only not in name:

@@ -1,7 +1,8 @@
 """Attention on AMX tiles (``csrc/attend_amx.h``): on a CPU whose AMX unit gives its documented
-bits every partition of a model whose head_dim is a multiple of 32 runs there, lone decode rows
-included, in the tiles' own arithmetic. Here it runs over tiles emulated in scalar code (the
-same kernel code, on any CPU with AVX512-BF16), held to the vector arithmetic's contract:
+bits every partition of a model whose head_dim is a multiple of 32 runs in the tiles' own
+arithmetic: on the unit, or for a lone decode row of the common shapes the same sums in vector
+code (``csrc/attend_amx_row.h``). Here the tiles are emulated in scalar code (the same kernel
+code, on any CPU with AVX512-BF16), held to the vector arithmetic's contract:
 close to dense attention, and every row bit-identical alone, in any batch, chunked or not, on
 one thread or two, from a bfloat16 or an int8 pool. On an AMX host the unit must give the
 emulation's bits."""
@@ -60,6 +61,35 @@ def test_a_prefill_chunk_on_tiles_equals_its_tokens_one_by_one(
     tiles: CpuKernels, threads: int
 ) -> None:
     vector_tests.test_a_prefill_chunk_equals_its_tokens_one_by_one(tiles, threads)
+
+
+# The shapes whose lone rows run the tiles' arithmetic in vector code (kernel_types.h's
+# SLOTSERVE_ATTENTION_SHAPES): groups 1-6 at head_dim 64, 1-4 at 128, 1 at 256.
+ROW_SHAPES = [(2 * g, 2, 64) for g in range(1, 7)] + [(2 * g, 2, 128) for g in range(1, 5)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [*ROW_SHAPES, (2, 2, 256)])
+@pytest.mark.parametrize("pool_dtype", ["bf16", "int8"])
+def test_a_lone_row_has_the_bits_of_its_row_in_a_tile(
+    tiles: CpuKernels, heads: int, kv_heads: int, dim: int, pool_dtype: str
+) -> None:
+    """A lone row sums the tiles' products in vector code (attend_amx_row.h): one KV head at a
+    time within a partition, every KV head at once past one, an int8 pool's rows in place.
+    Each position alone has the bits it has inside a prefill chunk on the tiles."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    pool = vector_tests._Pool([700], seed=dim + heads, kv_heads=kv_heads, dim=dim)
+    keys, values = pool.keys, pool.values
+    if pool_dtype == "int8":
+        keys, values, _ = int8_tests._int8_pool(pool)
+    positions = [*range(100, 120), *range(660, 681)]  # two chunks: within, past a partition
+
+    def attend(q: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return int8_tests._attend(tiles, keys, values, pool, q, [0] * len(rows), rows, 0)
+
+    q = torch.randn(len(positions), heads, dim, generator=gen).bfloat16()
+    chunks = attend(q, positions)
+    for i in range(0, len(positions), 4):
+        assert torch.equal(attend(q[i : i + 1], [positions[i]])[0], chunks[i]), positions[i]
 
 
 def test_tiles_over_int8_rows_are_attention_over_their_values(

@@ -316,12 +316,6 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     }
 }
 
-// The shapes compiled with head_dim (CH vectors of sixteen) and group (G) known, as
-// X(CH, G); every other shape runs the generic <0, 0> code. attend_heads.h dispatches on it too.
-#define SLOTSERVE_ATTENTION_SHAPES(X) \
-    X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(4, 5) X(4, 6) X(8, 1) X(8, 2) X(8, 3) X(8, 4) X(16, 1)
-#define SLOTSERVE_SHAPE_CODE(head_dim, group) ((head_dim) / kLanes * 100 + (group))
-
 #define SLOTSERVE_ATTEND(CH, G) \
     return t.rows == 1 ? attend_row_t<CH, G>(kv, kv_head, table, t) \
                        : attend_tile_t<CH, G>(kv, kv_head, table, t)

@@ -1,7 +1,8 @@
-// A partition of a tile of rows, or of a lone row, on AMX tiles (amx_tiles.h; the AVX512-BF16
-// build only). On a host whose unit gives its documented bits, every partition of a model whose
-// head_dim is a multiple of 32 runs here, lone rows included, so that each row has one
-// arithmetic whatever its batch; the pool is read in place as attend_tile_t reads it.
+// A partition of a tile of rows on AMX tiles (amx_tiles.h; the AVX512-BF16 build only). On a
+// host whose unit gives its documented bits, every partition of a model whose head_dim is a
+// multiple of 32 runs in this arithmetic, so that each row has one arithmetic whatever its
+// batch: a tile's here, a lone row's here or (the shapes compiled for it) in the same arithmetic
+// in vector code (attend_amx_row.h); the pool is read in place as attend_tile_t reads it.
 //
 // The arithmetic of a row (in place of attention.h's lane tree and value pairs):
 //
@@ -154,7 +155,7 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
 }
 
 // attend_tile on AMX tiles, real or (``emulated``) in scalar code.
-static void attend_amx(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
+static void attend_amx_tiles(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
                        bool emulated) {
     if (emulated) return attend_amx_t<amx::EmulatedTiles>(kv, kv_head, table, t);
     attend_amx_t<amx::Tiles>(kv, kv_head, table, t);

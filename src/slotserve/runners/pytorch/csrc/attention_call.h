@@ -87,12 +87,13 @@ struct AttentionCall {
     const int32_t* table_of(int64_t t) const { return tables_ + seq_[t] * table_width_; }
 
     // Whether unit u is a lone row that reads its partitions for every KV head at once
-    // (attend_heads.h; an int8 pool's rows in place): past
-    // one partition (a shorter context is spread over the threads by its heads), no window,
-    // not on AMX tiles (which take every row as attend_amx.h).
+    // (attend_heads.h, or attend_amx_row.h in the tiles' arithmetic for the shapes compiled
+    // there; an int8 pool's rows in place): past one partition (a shorter context is spread
+    // over the threads by its heads), no window.
     bool whole_positions(int64_t u) const {
         const int64_t t = unit_start_[u];
-        return amx_ == AmxAttention::none && window_ <= 0 && kv_heads_ > 1 &&
+        return (amx_ == AmxAttention::none || compiled_attention_shape(d_, group_)) &&
+               window_ <= 0 && kv_heads_ > 1 &&
                kv_heads_ <= kTileRows && unit_start_[u + 1] - t == 1 && pos_[t] >= kPartition;
     }
 

@@ -21,6 +21,7 @@ namespace SLOTSERVE_ISA {
 #include "attend_heads.h"
 #if SLOTSERVE_BF16
 #include "attend_amx.h"
+#include "attend_amx_row.h"
 #endif
 #include "gemm_vec.h"
 #include "quant_pairs.h"
@@ -35,8 +36,8 @@ static_assert(sizeof(ValuePair) * 8 <= kVectorScratch - kKeysBytes,
 #pragma GCC pop_options
 
 #if SLOTSERVE_BF16
-#define SLOTSERVE_ATTEND_AMX(ns) &ns::attend_amx
+#define SLOTSERVE_ATTEND_AMX(ns) &ns::attend_amx, &ns::attend_amx_row_heads
 #else
-#define SLOTSERVE_ATTEND_AMX(ns) nullptr
+#define SLOTSERVE_ATTEND_AMX(ns) nullptr, nullptr
 #endif
 Kernels SLOTSERVE_ISA::table() { return SLOTSERVE_TABLE_OF(SLOTSERVE_ISA); }

@@ -1,0 +1,237 @@
+// A lone row's partition in the tiles' arithmetic, computed in vector code (included by
+// isa_kernels.h after attend_amx.h and attend_heads.h; the AVX512-BF16 build only).
+//
+// Where attention runs in the tiles' arithmetic (attend_amx.h), every row of a model must, so
+// that a decode row keeps the bits it would have in a prefill chunk. On the unit a lone row
+// fills one of an A tile's sixteen rows, and its keys are transposed into B tiles in memory
+// before the unit reads them: the unit does sixteen rows' work for one, and a long context
+// streams from memory at a fraction of the rate the vector code reaches. Here a lone row sums
+// the same products in the same order in vector registers, streaming the pool as the vector
+// arithmetic's lone rows do (attend_row_t one KV head, attend_row_heads_t every KV head at
+// once, an int8 pool's rows in place):
+//
+//   score_j  sixteen keys at a time, one per lane (their pairs transposed in registers): per
+//            chunk of sixteen pairs, the even products fused in order from zero, the odd ones
+//            likewise, their sum added to the score's running sum, then times the scale
+//   acc      per chunk of sixteen key pairs, one dimension per lane: the even keys' products
+//            p_j v_j fused in order from zero, the odd keys' likewise, their sum added to acc
+//
+// Under FlushDenormals the vector steps flush inputs and results as the unit does; keys and
+// probabilities past a row's end are zero, as in a tile. So a row has the unit's bits by
+// either path.
+
+constexpr int kAmxDims = 2 * amx::kPairs;  // dimensions of one chunk of an A tile's row
+
+static inline __attribute__((always_inline)) vf even_halves(vi pairs) {
+    return (vf)(pairs << 16);
+}
+
+static inline __attribute__((always_inline)) vf odd_halves(vi pairs) {
+    return (vf)(pairs & (vi{} + int32_t(0xffff0000u)));
+}
+
+// The float at ``p`` in every lane: the broadcast memory operand of a fused step (splat adds
+// +0, one more operation, and its -0 would turn +0).
+static inline __attribute__((always_inline)) vf broadcast(const float* p) {
+    return (vf)_mm512_set1_ps(*p);
+}
+
+// A row's G query heads in float32, the broadcast operands of the score chains.
+template <int CH, int G>
+struct QueryFloats {
+    alignas(64) float q[G][CH * kLanes];
+
+    explicit QueryFloats(const Tile& t) {
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < CH; ++c)
+                store_f32(q[g] + c * kLanes,
+                          load_bf16(t.q + int64_t(g) * t.q_stride + c * kLanes));
+    }
+};
+
+// The scores of keys j0 .. j0 + count - 1 (at most sixteen; ``offsets`` from j0's, ``keys`` the
+// row's KV head's first) for each of the G query heads. ``Int8``: an int8 pool's rows.
+template <int CH, int G, bool Int8>
+static inline __attribute__((always_inline)) void amx_row_scores(const Tile& t,
+                                                                 const QueryFloats<CH, G>& qf,
+                                                                 const uint16_t* keys,
+                                                                 const int64_t* offsets, int j0,
+                                                                 int count) {
+    constexpr int d = CH * kLanes;
+    vf sums[G];
+    for (int g = 0; g < G; ++g) sums[g] = splat(0.0f);
+    for (int c = 0; c < d / kAmxDims; ++c) {
+        vi kt[kLanes];  // key jj's pairs 16c .. in vector jj, then (transposed) pair l in kt[l]
+        for (int jj = 0; jj < kLanes; ++jj) {
+            if (jj >= count) {
+                kt[jj] = vi{};
+            } else if constexpr (Int8) {
+                const uint8_t* row = reinterpret_cast<const uint8_t*>(keys + offsets[jj]);
+                kt[jj] = int8_pair_chunk(row, c, int8_scale(row, d));
+            } else {
+                kt[jj] = load_pairs(keys + offsets[jj] + c * kAmxDims);
+            }
+        }
+        transpose_16(kt);
+        vf even[G], odd[G];
+        for (int g = 0; g < G; ++g) even[g] = odd[g] = splat(0.0f);
+        for (int l = 0; l < kLanes; ++l) {
+            const vf ke = even_halves(kt[l]), ko = odd_halves(kt[l]);
+            for (int g = 0; g < G; ++g) {
+                const float* q = qf.q[g] + c * kAmxDims + 2 * l;
+                even[g] = vfma(broadcast(q), ke, even[g]);
+                odd[g] = vfma(broadcast(q + 1), ko, odd[g]);
+            }
+        }
+        for (int g = 0; g < G; ++g) sums[g] = sums[g] + (even[g] + odd[g]);
+    }
+    for (int g = 0; g < G; ++g)
+        store_f32(t.scores + int64_t(g) * kScoreStride + j0, sums[g] * t.scale);
+}
+
+// The values of keys ``even`` and ``odd`` (null: past the row's end, zero) in float32, one
+// dimension a lane.
+template <int CH, bool Int8>
+static inline __attribute__((always_inline)) void value_floats(const uint16_t* even,
+                                                               const uint16_t* odd, vf (&ve)[CH],
+                                                               vf (&vo)[CH]) {
+    if (even == nullptr) {
+        for (int c = 0; c < CH; ++c) ve[c] = vo[c] = splat(0.0f);
+    } else if constexpr (Int8) {
+        ValuePairOf<CH> v;
+        load_int8_value_pair(reinterpret_cast<const uint8_t*>(even),
+                             reinterpret_cast<const uint8_t*>(odd), CH * kLanes, v);
+        for (int c = 0; c < CH; ++c) {
+            ve[c] = even_halves(v.pairs[c]);
+            vo[c] = odd_halves(v.pairs[c]);
+        }
+    } else {
+        for (int c = 0; c < CH; ++c) {
+            ve[c] = load_bf16(even + c * kLanes);
+            vo[c] = odd ? load_bf16(odd + c * kLanes) : splat(0.0f);
+        }
+    }
+}
+
+// Every head's acc advanced by the value chunk of keys j0 .. j0 + 31 (of the row's ``n``;
+// ``values`` the row's KV head's first).
+template <int CH, int G, bool Int8>
+static inline __attribute__((always_inline)) void amx_row_values(const Tile& t,
+                                                                 const uint16_t* values,
+                                                                 const int64_t* offsets, int j0,
+                                                                 int n) {
+    constexpr int d = CH * kLanes;
+    // Heads whose chains fit the registers, taken together: G, or half of them, or one.
+    constexpr int kHeads = 2 * G * CH <= 24 ? G : G % 2 == 0 && G * CH <= 24 ? G / 2 : 1;
+    alignas(64) float p[G][kAmxDims];  // the chunk's probabilities, each head's
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < kAmxDims; i += kLanes)
+            store_f32(p[g] + i, load_bf16(t.probs + int64_t(g) * (kPartition + 2) + j0 + i));
+    for (int g0 = 0; g0 < G; g0 += kHeads) {
+        vf even[kHeads][CH], odd[kHeads][CH];
+        for (int g = 0; g < kHeads; ++g)
+            for (int c = 0; c < CH; ++c) even[g][c] = odd[g][c] = splat(0.0f);
+        for (int i = 0; i < amx::kPairs; ++i) {
+            const int j = j0 + 2 * i;
+            vf ve[CH], vo[CH];
+            value_floats<CH, Int8>(j < n ? values + offsets[j] : nullptr,
+                                   j + 1 < n ? values + offsets[j + 1] : nullptr, ve, vo);
+            for (int g = 0; g < kHeads; ++g) {
+                const vf pe = broadcast(p[g0 + g] + 2 * i), po = broadcast(p[g0 + g] + 2 * i + 1);
+                for (int c = 0; c < CH; ++c) {
+                    even[g][c] = vfma(pe, ve[c], even[g][c]);
+                    odd[g][c] = vfma(po, vo[c], odd[g][c]);
+                }
+            }
+        }
+        for (int g = 0; g < kHeads; ++g)
+            for (int c = 0; c < CH; ++c) {
+                float* acc = t.acc + (g0 + g) * d + c * kLanes;
+                store_f32(acc, load_f32(acc) + (even[g][c] + odd[g][c]));
+            }
+    }
+}
+
+// A lone row's softmax (its acc zeroed), and its probabilities zero up to its last value
+// chunk's end.
+template <int G>
+static inline void amx_row_softmax(const Tile& t, int d) {
+    softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);
+    const int n = t.n[0], from = (n + kLanes - 1) / kLanes * kLanes;
+    const int end = (n + kAmxDims - 1) / kAmxDims * kAmxDims;
+    for (int g = 0; g < G; ++g)
+        std::memset(t.probs + int64_t(g) * (kPartition + 2) + from, 0,
+                    sizeof(uint16_t) * (end - from));
+}
+
+// One lone row (``t.rows`` == 1) of KV head ``kv_head``: attend_amx's contract.
+template <int CH, int G>
+static void attend_amx_row_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
+    constexpr int d = CH * kLanes;
+    const int n = t.n[0];
+    int64_t offsets[kPartition];
+    key_offsets(kv, kv_head, table, t.start, n, offsets);
+    const RowPrefetch<d * 2> prefetch{kv.keys, kv.values, offsets, n, d * 2};
+    prefetch.start();
+    const QueryFloats<CH, G> qf(t);
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+        const int count = std::min(kLanes, n - j0);
+        for (int j = j0; j < j0 + count; ++j) prefetch.ahead_of(j);
+        amx_row_scores<CH, G, false>(t, qf, kv.keys, offsets + j0, j0, count);
+    }
+    amx_row_softmax<G>(t, d);
+    for (int j0 = 0; j0 < n; j0 += kAmxDims)
+        amx_row_values<CH, G, false>(t, kv.values, offsets, j0, n);
+}
+
+// One lone row's partition for every KV head (attend_row_heads_t's contract and streaming).
+template <int CH, int G, bool Int8>
+static void attend_amx_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
+    const int heads = kv.kv_heads, n = tiles[0].n[0];
+    int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
+    const int reach = start_whole_positions(kv, table, tiles[0], offsets);
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+        const int count = std::min(kLanes, n - j0);
+        for (int h = 0; h < heads; ++h) {
+            fetch_head_ahead<row>(kv, offsets, h, j0, count, n, reach);
+            amx_row_scores<CH, G, Int8>(tiles[h], QueryFloats<CH, G>(tiles[h]),
+                                        kv.keys + int64_t(h) * row, offsets + j0, j0, count);
+        }
+    }
+    for (int h = 0; h < heads; ++h) amx_row_softmax<G>(tiles[h], d);
+    for (int j0 = 0; j0 < n; j0 += kAmxDims) {
+        fetch_values_past(kv, offsets, j0, std::min(n, j0 + kAmxDims), n);
+        for (int h = 0; h < heads; ++h)
+            amx_row_values<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, n);
+    }
+}
+
+// attend_tile in the tiles' arithmetic, on the unit (or, ``emulated``, its emulation), but a
+// lone row of a shape compiled above in vector code.
+static void attend_amx(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
+                       bool emulated) {
+#define SLOTSERVE_AMX_ROW_CASE(CH, G) \
+    case CH * 100 + G: return attend_amx_row_t<CH, G>(kv, kv_head, table, t);
+    if (t.rows == 1 && !kv.int8) switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, t.group)) {
+            SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_AMX_ROW_CASE)
+            default: break;
+        }
+#undef SLOTSERVE_AMX_ROW_CASE
+    attend_amx_tiles(kv, kv_head, table, t, emulated);
+}
+
+// A lone row's partition for every KV head in the tiles' arithmetic, from a bfloat16 or an int8
+// pool in place; false (nothing done) for a shape not compiled above.
+static bool attend_amx_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+#define SLOTSERVE_AMX_HEADS_CASE(CH, G)                                     \
+    case CH * 100 + G:                                                       \
+        kv.int8 ? attend_amx_row_heads_t<CH, G, true>(kv, table, tiles)     \
+                : attend_amx_row_heads_t<CH, G, false>(kv, table, tiles);   \
+        return true;
+    switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
+        SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_AMX_HEADS_CASE)
+        default: return false;
+    }
+#undef SLOTSERVE_AMX_HEADS_CASE
+}
