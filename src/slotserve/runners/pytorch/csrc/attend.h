@@ -218,10 +218,10 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     const int pairs = d / 2, pair_chunks = (pairs + kLanes - 1) / kLanes;
     const int rows = t.rows, heads = rows * group, n_max = t.n[rows - 1];
     vi* const keys_t = static_cast<vi*>(t.keys_t);
-    // With ``keys_ready``, the partition's keys stay transposed in ``keys_t`` (sixteen at a
+    // With ``ready``, the partition's keys stay transposed in ``keys_t`` (sixteen at a
     // place) for the next tile of the same rows' chunk, which transposes only the keys past
     // those: every whole group of sixteen this tile read.
-    const int ready = t.keys_ready ? *t.keys_ready : 0;
+    const int ready = t.ready ? t.ready->keys : 0;
     // The value pass takes the keys in blocks of kBlockPairs pairs (their values ~8 KiB, in
     // the level-1 cache beside a row's accumulators): each row's accumulators are loaded and
     // stored once a block.
@@ -242,7 +242,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
     // Scores, sixteen keys at a time (rows that end before a group skip it).
     for (int j0 = 0, first = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
-        vi* kt = t.keys_ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
+        vi* kt = t.ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
         if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes);
         if (j0 >= ready) transpose_keys(kv.keys, offsets, j0, count, pairs, kt);
         while (t.n[first] <= j0) ++first;
@@ -263,7 +263,7 @@ static void attend_tile_t(const PagedKv& kv, int kv_head, const int32_t* table, 
         if (rh < heads) score_keys_halves<1>(q, t.q_stride, pair_chunks, kt, t.scale, out);
 #endif
     }
-    if (t.keys_ready) *t.keys_ready = std::max(ready, n_max / kLanes * kLanes);
+    if (t.ready) t.ready->keys = std::max(ready, n_max / kLanes * kLanes);
     softmax_rows(t.scores, t.probs, heads, group, t.n, d, t.m, t.s, t.acc);
     // Values, a block at a time, each sixteen keys prefetched while the sixteen before them
     // are read. A row whose keys end inside a pair takes it with no odd value, as the row alone

@@ -20,15 +20,15 @@
 
 constexpr int kAmxKeyPairs = amx::kPairs;  // key pairs of one value chunk
 constexpr int kAmxKeys = 2 * kAmxKeyPairs;  // keys of one value chunk
-static_assert(kMaxChunks * kAmxKeyPairs * 64 <= kVectorScratch - kKeysBytes,
-              "a value chunk's B tiles fit the vector scratch");
+static_assert(kPartition / kAmxKeys * kMaxChunks * kAmxKeyPairs * 64 <= kVectorScratch - kKeysBytes,
+              "a partition's value chunks as B tiles fit the vector scratch");
 
 // The last A tile's rows when ``heads`` is not a multiple of sixteen (from row-head ``last``):
-// its queries, a value chunk's probabilities and the accumulators, zero past the real rows,
+// its queries, the partition's probabilities and the accumulators, zero past the real rows,
 // filled once a partition.
 struct AmxPads {
     alignas(64) uint16_t q[amx::kRows * kMaxChunks * kLanes];
-    alignas(64) uint16_t probs[amx::kRows][kAmxKeys];
+    alignas(64) uint16_t probs[amx::kRows][kPartition];
     alignas(64) float acc[amx::kRows * kMaxChunks * kLanes];
     int last;
 
@@ -42,25 +42,54 @@ struct AmxPads {
     }
 };
 
+// Where a row tile's queries (or its probabilities) lie: in the tile, or in the pads.
+struct RowTile {
+    const uint16_t* rows;
+    int64_t stride;  // bytes
+};
+
+// C tile ``C``'s part of the scores: its row tile's queries (``a``: A tile 4 or 5) against the
+// keys' chunk already in B tile 6.
+template <int C, class T>
+static inline __attribute__((always_inline)) void score_dot(T& tiles, RowTile a, int chunk) {
+    tiles.template load<4 + C % 2>(a.rows + 2 * kLanes * chunk, a.stride);
+    tiles.template dot<C, 4 + C % 2, 6>();
+}
+
 // Scores of sixteen keys from j0 (transposed: vector 16c + l holds pair 16c + l of each key, an
-// AMX B tile per sixteen pairs) for every row-head.
+// AMX B tile per sixteen pairs) for every row-head: up to four row tiles at once, each in its C
+// tile, so that the unit's dot products overlap and each B tile is loaded once for them.
 template <class T>
 static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const vi* kt,
                        const AmxPads& pads) {
-    alignas(64) float c[amx::kRows][kLanes];
-    for (int rh = 0; rh < heads; rh += amx::kRows) {
-        const bool whole = rh < pads.last;
-        const uint16_t* q = whole ? t.q + int64_t(rh) * t.q_stride : pads.q;
-        const int64_t stride = whole ? int64_t(t.q_stride) * 2 : 2 * d;
+    alignas(64) float c[4][amx::kRows][kLanes];
+    auto row_tile = [&](int rh) {
+        return rh < pads.last ? RowTile{t.q + int64_t(rh) * t.q_stride, int64_t(t.q_stride) * 2}
+                              : RowTile{pads.q, 2 * d};
+    };
+    for (int rh0 = 0; rh0 < heads; rh0 += 4 * amx::kRows) {
+        const int count = std::min(4, (heads - rh0 + amx::kRows - 1) / amx::kRows);
         tiles.template zero<0>();
+        if (count > 1) tiles.template zero<1>();
+        if (count > 2) tiles.template zero<2>();
+        if (count > 3) tiles.template zero<3>();
         for (int chunk = 0; chunk < d / (2 * kLanes); ++chunk) {
-            tiles.template load<4>(q + 2 * kLanes * chunk, stride);
             tiles.template load<6>(kt + chunk * kLanes, 64);
-            tiles.template dot<0, 4, 6>();
+            score_dot<0>(tiles, row_tile(rh0), chunk);
+            if (count > 1) score_dot<1>(tiles, row_tile(rh0 + amx::kRows), chunk);
+            if (count > 2) score_dot<2>(tiles, row_tile(rh0 + 2 * amx::kRows), chunk);
+            if (count > 3) score_dot<3>(tiles, row_tile(rh0 + 3 * amx::kRows), chunk);
         }
-        tiles.template store<0>(&c[0][0], sizeof(c[0]));
-        for (int r = 0; r < std::min(amx::kRows, heads - rh); ++r)
-            store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0, load_f32(c[r]) * t.scale);
+        tiles.template store<0>(&c[0][0][0], sizeof(c[0][0]));
+        if (count > 1) tiles.template store<1>(&c[1][0][0], sizeof(c[0][0]));
+        if (count > 2) tiles.template store<2>(&c[2][0][0], sizeof(c[0][0]));
+        if (count > 3) tiles.template store<3>(&c[3][0][0], sizeof(c[0][0]));
+        for (int i = 0; i < count; ++i) {
+            const int rh = rh0 + i * amx::kRows;
+            for (int r = 0; r < std::min(amx::kRows, heads - rh); ++r)
+                store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0,
+                          load_f32(c[i][r]) * t.scale);
+        }
     }
 }
 
@@ -79,13 +108,28 @@ static void amx_value_tiles(const PagedKv& kv, const int64_t* offsets, int j0, i
     }
 }
 
-// acc of every row-head advanced by the value chunk from key j0 (``vb``).
+// The B tile of value chunk ``chunk``'s dimensions 16 oc .. (amx_value_tiles' layout, one
+// chunk after another) into B tile 6 or 7, and its dot product into C tile ``C`` with the
+// probabilities in A tile 4.
+template <int C, class T>
+static inline __attribute__((always_inline)) void value_dot(T& tiles, const vi* vb, int d,
+                                                            int chunk, int oc) {
+    tiles.template load<6 + C % 2>(vb + (int64_t(chunk) * (d / kLanes) + oc) * kAmxKeyPairs,
+                                   64);
+    tiles.template dot<C, 4, 6 + C % 2>();
+}
+
+// acc of every row-head advanced by ``chunks`` value chunks from the partition's first key
+// (``vb``), in their order: sixteen row-heads by up to 64 dimensions held in four C tiles
+// while every chunk is added, so acc meets memory once a partition.
 template <class T>
-static void amx_values(T& tiles, const Tile& t, int heads, int d, int j0, const vi* vb,
+static void amx_values(T& tiles, const Tile& t, int heads, int d, int chunks, const vi* vb,
                        AmxPads& pads) {
+    const int dims = d / kLanes;  // even: head_dim is a multiple of 32
+    const int64_t stride = int64_t(d) * 4;
     for (int rh = 0; rh < heads; rh += amx::kRows) {
         const bool whole = rh < pads.last;
-        const uint16_t* p = t.probs + int64_t(rh) * (kPartition + 2) + j0;
+        const uint16_t* p = t.probs + int64_t(rh) * (kPartition + 2);
         int64_t p_stride = (kPartition + 2) * 2;
         if (!whole) {
             for (int r = rh; r < heads; ++r)
@@ -95,12 +139,23 @@ static void amx_values(T& tiles, const Tile& t, int heads, int d, int j0, const 
             p_stride = sizeof(pads.probs[0]);
         }
         float* const acc = whole ? t.acc + int64_t(rh) * d : pads.acc;
-        tiles.template load<4>(p, p_stride);
-        for (int oc = 0; oc < d / kLanes; ++oc) {
-            tiles.template load<0>(acc + oc * kLanes, int64_t(d) * 4);
-            tiles.template load<6>(vb + oc * kAmxKeyPairs, 64);
-            tiles.template dot<0, 4, 6>();
-            tiles.template store<0>(acc + oc * kLanes, int64_t(d) * 4);
+        for (int oc = 0; oc < dims; oc += 4) {
+            const bool four = oc + 2 < dims;
+            tiles.template load<0>(acc + oc * kLanes, stride);
+            tiles.template load<1>(acc + (oc + 1) * kLanes, stride);
+            if (four) tiles.template load<2>(acc + (oc + 2) * kLanes, stride);
+            if (four) tiles.template load<3>(acc + (oc + 3) * kLanes, stride);
+            for (int chunk = 0; chunk < chunks; ++chunk) {
+                tiles.template load<4>(p + chunk * kAmxKeys, p_stride);
+                value_dot<0>(tiles, vb, d, chunk, oc);
+                value_dot<1>(tiles, vb, d, chunk, oc + 1);
+                if (four) value_dot<2>(tiles, vb, d, chunk, oc + 2);
+                if (four) value_dot<3>(tiles, vb, d, chunk, oc + 3);
+            }
+            tiles.template store<0>(acc + oc * kLanes, stride);
+            tiles.template store<1>(acc + (oc + 1) * kLanes, stride);
+            if (four) tiles.template store<2>(acc + (oc + 2) * kLanes, stride);
+            if (four) tiles.template store<3>(acc + (oc + 3) * kLanes, stride);
         }
     }
 }
@@ -123,7 +178,7 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     const int d = kv.head_dim, pairs = d / 2, pair_chunks = pairs / kLanes;
     const int heads = t.rows * t.group, n_max = t.n[t.rows - 1];
     vi* const keys_t = static_cast<vi*>(t.keys_t);
-    const int ready = t.keys_ready ? *t.keys_ready : 0;
+    const int ready = t.ready ? t.ready->keys : 0;
     int64_t offsets[kPartition];
     key_offsets(kv, kv_head, table, t.start, n_max, offsets);
     auto prefetch = [&](const uint16_t* base, int j0, int count) {
@@ -133,22 +188,25 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     AmxPads pads(t, heads, d);
     for (int j0 = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
-        vi* kt = t.keys_ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
+        vi* kt = t.ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
         if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes, kLanes);
         if (j0 >= ready) transpose_keys(kv.keys, offsets, j0, count, pairs, kt);
         amx_scores(tiles, t, heads, d, j0, kt, pads);
     }
-    if (t.keys_ready) *t.keys_ready = std::max(ready, n_max / kLanes * kLanes);
+    if (t.ready) t.ready->keys = std::max(ready, n_max / kLanes * kLanes);
     softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, t.acc);
     const int end = (n_max + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
     amx_zero_probs(t, heads, end);
+    // The value chunks a tile before built whole (every key real) stay.
     vi* const vb = static_cast<vi*>(t.values);
-    prefetch(kv.values, 0, kAmxKeys);
-    for (int j0 = 0; j0 < n_max; j0 += kAmxKeys) {
+    const int built = t.ready ? t.ready->values : 0;
+    prefetch(kv.values, built, kAmxKeys);
+    for (int j0 = built; j0 < n_max; j0 += kAmxKeys) {
         prefetch(kv.values, j0 + kAmxKeys, kAmxKeys);
-        amx_value_tiles(kv, offsets, j0, n_max, d, vb);
-        amx_values(tiles, t, heads, d, j0, vb, pads);
+        amx_value_tiles(kv, offsets, j0, n_max, d, vb + int64_t(j0 / kAmxKeys) * d);
     }
+    if (t.ready) t.ready->values = std::max(built, n_max / kAmxKeys * kAmxKeys);
+    amx_values(tiles, t, heads, d, end / kAmxKeys, vb, pads);
     if (pads.last < heads)
         std::memcpy(t.acc + int64_t(pads.last) * d, pads.acc,
                     sizeof(float) * (heads - pads.last) * d);

@@ -67,13 +67,14 @@ constexpr int kMaxPairChunks = 8;  // head_dim up to 256, in vectors of 16 bfloa
 // scores and probabilities (~150 KiB at group 3) stay in the level-2 cache.
 constexpr int kTileRows = 32;
 // Consecutive tiles of one chunk that a thread computes partition by partition, each partition's
-// keys transposed once for all of them (Tile::keys_ready).
+// keys transposed (on AMX tiles its values laid out too) once for all of them (Tile::ready).
 constexpr int kRunTiles = 4;
 // Per-thread vector scratch: a partition's keys transposed (sixteen at a place), then a block
 // of key pairs' values (eight pairs of two float32 rows of up to 256 dimensions each, the
-// emulation's larger form, or as many pairs of a smaller form in as many bytes).
+// emulation's larger form, or as many pairs of a smaller form in as many bytes), or a
+// partition's values as AMX B tiles (up to 256 dimensions in bfloat16).
 constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
-constexpr int kVectorScratch = kKeysBytes + 8 * 2 * 256 * 4;
+constexpr int kVectorScratch = kKeysBytes + kPartition * 256 * 2;
 
 // The attention shapes compiled with head_dim (CH vectors of sixteen) and group (G) known, as
 // X(CH, G): attend.h, attend_heads.h and attend_amx_row.h dispatch on it; every other shape runs
@@ -88,6 +89,13 @@ static inline bool compiled_attention_shape(int64_t head_dim, int64_t group) {
 #undef SLOTSERVE_SHAPE_IS
 }
 
+// What a thread's scratch already holds of one partition for the next tile of the same chunk:
+// its first ``keys`` keys transposed (keys_t), its first ``values`` keys' values as AMX B tiles
+// (attend_amx.h; values).
+struct PartitionReady {
+    int keys = 0, values = 0;
+};
+
 // One partition of a tile of query rows, for attend_tile (attend.h): where its keys start, and
 // its rows, scratch and results.
 struct Tile {
@@ -99,8 +107,8 @@ struct Tile {
     float scale;
     float* scores;      // [rows * group][kScoreStride]
     uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
-    void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with keys_ready all of them
-    int* keys_ready;    // the partition's keys already in keys_t (updated), or null
+    void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with ready all of them
+    PartitionReady* ready;  // what the scratch holds of the partition already (updated), or null
     void* values;       // 64-byte aligned: a block of key pairs' values (attend.h)
     float* m;           // [rows * group]
     float* s;

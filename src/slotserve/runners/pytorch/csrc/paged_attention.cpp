@@ -109,9 +109,9 @@ private:
         return h * shared_per_head_ + (shared_.place[u] * max_parts_ + part) * group_;
     }
 
-    // Unit u's partition ``part`` for KV head h, its queries at ``q``; ``keys_ready``: see Tile.
+    // Unit u's partition ``part`` for KV head h, its queries at ``q``; ``ready``: see Tile.
     void attend(AttentionScratch& w, int64_t u, int64_t h, int64_t part, float* m, float* s,
-                float* acc, const uint16_t* q, int* keys_ready) const {
+                float* acc, const uint16_t* q, PartitionReady* ready) const {
         const int64_t t0 = unit_start_[u], rows = unit_start_[u + 1] - t0;
         if (shared_.covers(u, int(part))) {  // a lone row: its shared tile computed it
             const int64_t from = shared_at(h, u, part), to = part * group_;
@@ -128,7 +128,7 @@ private:
         if (n[rows - 1] == 0) return;
         const int64_t ms = part * rows * group_;
         Tile tile{q, q_stride_, group_, int(rows), n, start, float(scale_),
-                  w.scores, w.probs, w.vectors, keys_ready,
+                  w.scores, w.probs, w.vectors, ready,
                   w.vectors + kKeysBytes, m + ms, s + ms, acc + ms * d_};
         attend_tile(w, h, table_of(t0), tile);
     }
@@ -320,7 +320,7 @@ private:
         auto tile_q = [&](int64_t i) { return w.q + i * row_heads_ * q_stride_; };
         for (int64_t i = 0; i < run; ++i) load_queries(tile_q(i), u + i, h);
         for (int part = 0; part < parts_of(unit_start_[u + run] - 1); ++part) {
-            int ready = 0;
+            PartitionReady ready;
             for (int64_t i = 0; i < run; ++i)
                 if (part < parts_of(unit_start_[u + i + 1] - 1))
                     attend(w, u + i, h, part, m + i * ms_slot_, s + i * ms_slot_,
