@@ -154,9 +154,9 @@ static inline __attribute__((always_inline)) void amx_row_values(const Tile& t,
 
 // A lone row's softmax (its acc zeroed), and its probabilities zero up to its last value
 // chunk's end.
-template <int G>
-static inline void amx_row_softmax(const Tile& t, int d) {
-    softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);
+template <int CH, int G>
+static inline void amx_row_softmax(const Tile& t) {
+    softmax_rows(t.scores, t.probs, G, G, t.n, CH * kLanes, t.m, t.s, t.acc);
     const int n = t.n[0], from = (n + kLanes - 1) / kLanes * kLanes;
     const int end = (n + kAmxDims - 1) / kAmxDims * kAmxDims;
     for (int g = 0; g < G; ++g)
@@ -179,32 +179,25 @@ static void attend_amx_row_t(const PagedKv& kv, int kv_head, const int32_t* tabl
         for (int j = j0; j < j0 + count; ++j) prefetch.ahead_of(j);
         amx_row_scores<CH, G, false>(t, qf, kv.keys, offsets + j0, j0, count);
     }
-    amx_row_softmax<G>(t, d);
+    amx_row_softmax<CH, G>(t);
     for (int j0 = 0; j0 < n; j0 += kAmxDims)
         amx_row_values<CH, G, false>(t, kv.values, offsets, j0, n);
 }
 
-// One lone row's partition for every KV head (attend_row_heads_t's contract and streaming).
+// One lone row's partition for every KV head (attend_heads.h's stream_positions).
 template <int CH, int G, bool Int8>
 static void attend_amx_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+    static_assert(kValueKeys == kAmxDims, "the value pass takes whole chunks");
     constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
-    const int heads = kv.kv_heads, n = tiles[0].n[0];
-    int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
-    const int reach = start_whole_positions(kv, table, tiles[0], offsets);
-    for (int j0 = 0; j0 < n; j0 += kLanes) {
-        const int count = std::min(kLanes, n - j0);
-        for (int h = 0; h < heads; ++h) {
-            fetch_head_ahead<row>(kv, offsets, h, j0, count, n, reach);
-            amx_row_scores<CH, G, Int8>(tiles[h], QueryFloats<CH, G>(tiles[h]),
-                                        kv.keys + int64_t(h) * row, offsets + j0, j0, count);
-        }
-    }
-    for (int h = 0; h < heads; ++h) amx_row_softmax<G>(tiles[h], d);
-    for (int j0 = 0; j0 < n; j0 += kAmxDims) {
-        fetch_values_past(kv, offsets, j0, std::min(n, j0 + kAmxDims), n);
-        for (int h = 0; h < heads; ++h)
-            amx_row_values<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, n);
-    }
+    const int n = tiles[0].n[0];
+    auto scores = [&](int h, const int64_t* offsets, int j0, int count) {
+        amx_row_scores<CH, G, Int8>(tiles[h], QueryFloats<CH, G>(tiles[h]),
+                                    kv.keys + int64_t(h) * row, offsets + j0, j0, count);
+    };
+    auto values = [&](int h, const int64_t* offsets, int j0, int) {
+        amx_row_values<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, n);
+    };
+    stream_positions<row>(kv, table, tiles, scores, amx_row_softmax<CH, G>, values);
 }
 
 // attend_tile in the tiles' arithmetic, on the unit (or, ``emulated``, its emulation), but a

@@ -62,86 +62,98 @@ static inline __attribute__((always_inline)) void fetch_values_past(const PagedK
         fetch(kv.values + offsets[j], bytes);
 }
 
-#if SLOTSERVE_AVX512
-// ``tiles[h]``: KV head h's tile of one row (rows == 1), all of one partition (their n, start,
-// beyond and scale the same). ``Int8``: ``kv`` is an int8 pool, read in registers.
-template <int CH, int G, bool Int8 = false>
-static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
+// A lone row's partition streamed by whole positions, every KV head (``tiles[h]``: KV head h's
+// tile of one row, all of one partition: their n, start, beyond and scale the same; rows of
+// ``Row`` 16-bit units): ``scores(h, offsets, j0, count)`` computes head h's scores of keys
+// [j0, j0 + count) (sixteen at most; ``offsets`` of each position's first head's row), then
+// every head's softmax zeroes its acc (``Softmax``: the arithmetic's own, else softmax_rows),
+// then ``values(h, offsets, j0, end)`` adds keys [j0, end) (kValueKeys at a time) to it.
+template <int Row, class Scores, class Softmax, class Values>
+static inline __attribute__((always_inline)) void stream_positions(const PagedKv& kv,
+                                                                   const int32_t* table,
+                                                                   const Tile* tiles,
+                                                                   Scores scores, Softmax softmax,
+                                                                   Values values) {
     const int heads = kv.kv_heads, n = tiles[0].n[0];
     int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
     const int reach = start_whole_positions(kv, table, tiles[0], offsets);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
         const int count = std::min(kLanes, n - j0);
         for (int h = 0; h < heads; ++h) {
-            fetch_head_ahead<row>(kv, offsets, h, j0, count, n, reach);
-            score_sixteen<CH, G, Int8>(tiles[h], kv.keys + int64_t(h) * row, offsets + j0, j0,
-                                       count);
+            fetch_head_ahead<Row>(kv, offsets, h, j0, count, n, reach);
+            scores(h, offsets, j0, count);
         }
     }
-    for (int h = 0; h < heads; ++h) {
-        const Tile& t = tiles[h];
-        softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);  // acc zeroed
-    }
-    // Each head's sums over kValueKeys keys at a time, in registers, from its zeroed acc.
-    constexpr int kRowGroup = G * CH <= 24 ? G : 1;  // heads whose sums fit the registers
-    ValuePairOf<CH> v;
+    for (int h = 0; h < heads; ++h) softmax(tiles[h]);
     for (int j0 = 0; j0 < n; j0 += kValueKeys) {
         const int end = std::min(n, j0 + kValueKeys);
         fetch_values_past(kv, offsets, j0, end, n);
-        for (int h = 0; h < heads; ++h) {
-            const Tile& t = tiles[h];
-            const uint16_t* values = kv.values + int64_t(h) * row;
-            for (int g0 = 0; g0 < G; g0 += kRowGroup) {
-                vf out[kRowGroup][CH];
-                for (int g = 0; g < kRowGroup; ++g)
-                    for (int c = 0; c < CH; ++c)
-                        out[g][c] = load_f32(t.acc + (g0 + g) * d + c * kLanes);
-                for (int j = j0; j < end; j += 2) {
-                    const uint16_t* odd = j + 1 < n ? values + offsets[j + 1] : nullptr;
-                    if constexpr (Int8)
-                        load_int8_value_pair(reinterpret_cast<const uint8_t*>(values + offsets[j]),
-                                             reinterpret_cast<const uint8_t*>(odd), d, v);
-                    else
-                        load_value_pair(values + offsets[j], odd, CH, v);
-                    for (int g = 0; g < kRowGroup; ++g)
-                        value_pair(out[g], CH, t.probs + (g0 + g) * (kPartition + 2) + j, v);
-                }
-                for (int g = 0; g < kRowGroup; ++g)
-                    for (int c = 0; c < CH; ++c)
-                        store_f32(t.acc + (g0 + g) * d + c * kLanes, out[g][c]);
-            }
-        }
+        for (int h = 0; h < heads; ++h) values(h, offsets, j0, end);
     }
+}
+
+// The vector arithmetic's softmax of a lone row of G query heads of CH sixteens (its acc
+// zeroed).
+template <int CH, int G>
+static inline void row_softmax(const Tile& t) {
+    softmax_rows(t.scores, t.probs, G, G, t.n, CH * kLanes, t.m, t.s, t.acc);
+}
+
+#if SLOTSERVE_AVX512
+// A lone row's partition, every KV head (see stream_positions). ``Int8``: ``kv`` is an int8
+// pool, read in registers.
+template <int CH, int G, bool Int8 = false>
+static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
+    const int n = tiles[0].n[0];
+    auto scores = [&](int h, const int64_t* offsets, int j0, int count) {
+        score_sixteen<CH, G, Int8>(tiles[h], kv.keys + int64_t(h) * row, offsets + j0, j0,
+                                   count);
+    };
+    // Each head's sums over kValueKeys keys at a time, in registers, from its zeroed acc.
+    constexpr int kRowGroup = G * CH <= 24 ? G : 1;  // heads whose sums fit the registers
+    auto values = [&](int h, const int64_t* offsets, int j0, int end) {
+        const Tile& t = tiles[h];
+        const uint16_t* values = kv.values + int64_t(h) * row;
+        ValuePairOf<CH> v;
+        for (int g0 = 0; g0 < G; g0 += kRowGroup) {
+            vf out[kRowGroup][CH];
+            for (int g = 0; g < kRowGroup; ++g)
+                for (int c = 0; c < CH; ++c)
+                    out[g][c] = load_f32(t.acc + (g0 + g) * d + c * kLanes);
+            for (int j = j0; j < end; j += 2) {
+                const uint16_t* odd = j + 1 < n ? values + offsets[j + 1] : nullptr;
+                if constexpr (Int8)
+                    load_int8_value_pair(reinterpret_cast<const uint8_t*>(values + offsets[j]),
+                                         reinterpret_cast<const uint8_t*>(odd), d, v);
+                else
+                    load_value_pair(values + offsets[j], odd, CH, v);
+                for (int g = 0; g < kRowGroup; ++g)
+                    value_pair(out[g], CH, t.probs + (g0 + g) * (kPartition + 2) + j, v);
+            }
+            for (int g = 0; g < kRowGroup; ++g)
+                for (int c = 0; c < CH; ++c)
+                    store_f32(t.acc + (g0 + g) * d + c * kLanes, out[g][c]);
+        }
+    };
+    stream_positions<row>(kv, table, tiles, scores, row_softmax<CH, G>, values);
 }
 #else
 // The AVX2 build's: attend_row_avx2's pieces, eight keys of a head at a time.
 template <int CH, int G, bool Int8 = false>
 static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
     constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
-    const int heads = kv.kv_heads, n = tiles[0].n[0];
-    int64_t offsets[kPartition + kWholeAhead];  // of each position's first head's row
-    const int reach = start_whole_positions(kv, table, tiles[0], offsets);
-    for (int j0 = 0; j0 < n; j0 += kLanes) {
-        for (int h = 0; h < heads; ++h) {
-            const QueryHalves<CH, G> q(tiles[h]);
-            const uint16_t* keys = kv.keys + int64_t(h) * row;
-            fetch_head_ahead<row>(kv, offsets, h, j0, std::min(kLanes, n - j0), n, reach);
-            for (int j = j0; j < std::min(n, j0 + kLanes); j += 8)
-                score_eight<CH, G, Int8>(tiles[h], q, keys, offsets, j, std::min(8, n - j),
-                                         [](int) {});
-        }
-    }
-    for (int h = 0; h < heads; ++h) {
-        const Tile& t = tiles[h];
-        softmax_rows(t.scores, t.probs, G, G, t.n, d, t.m, t.s, t.acc);  // acc zeroed
-    }
-    for (int j0 = 0; j0 < n; j0 += kValueKeys) {
-        const int end = std::min(n, j0 + kValueKeys);
-        fetch_values_past(kv, offsets, j0, end, n);
-        for (int h = 0; h < heads; ++h)
-            value_span<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, end, n);
-    }
+    const int n = tiles[0].n[0];
+    auto scores = [&](int h, const int64_t* offsets, int j0, int count) {
+        const QueryHalves<CH, G> q(tiles[h]);
+        for (int j = j0; j < j0 + count; j += 8)
+            score_eight<CH, G, Int8>(tiles[h], q, kv.keys + int64_t(h) * row, offsets, j,
+                                     std::min(8, j0 + count - j), [](int) {});
+    };
+    auto values = [&](int h, const int64_t* offsets, int j0, int end) {
+        value_span<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, end, n);
+    };
+    stream_positions<row>(kv, table, tiles, scores, row_softmax<CH, G>, values);
 }
 #endif
 
