@@ -62,8 +62,9 @@ class CpuKernels:
         # documented bits), else "avx512bf16", "avx512" or "avx2" (csrc/gemm_vec.h: the same
         # bits, the dot products in two fused steps where vdpbf16ps is missing).
         self.gemm: str = module.gemm() if self.has_gemm else "none"
-        # Attention's arithmetic: "amx" (csrc/attend_amx.h: tiles, where the unit gives its
-        # documented bits) or "vector" (csrc/attention.h, the same bits on every instruction set).
+        # Attention's arithmetic: "amx" (csrc/attend_amx.h: the tiles', where the unit gives its
+        # documented bits; lone rows in vector code) or "vector" (csrc/attention.h, the same bits
+        # on every instruction set).
         self.attention: str = module.attention()
         # Where quantized projections sum steps of 64 rows or more (csrc/quant_amx.h): "amx"
         # where the unit gives its emulation's sums, else "none" (also an older build's, as

@@ -214,7 +214,7 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
 
 // attend_tile on AMX tiles, real or (``emulated``) in scalar code.
 static void attend_amx_tiles(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
-                       bool emulated) {
+                             bool emulated) {
     if (emulated) return attend_amx_t<amx::EmulatedTiles>(kv, kv_head, table, t);
     attend_amx_t<amx::Tiles>(kv, kv_head, table, t);
 }

@@ -109,7 +109,7 @@ struct Tile {
     uint16_t* probs;    // [rows * group][kPartition + 2], bfloat16
     void* keys_t;       // 64-byte aligned: sixteen keys transposed, or with ready all of them
     PartitionReady* ready;  // what the scratch holds of the partition already (updated), or null
-    void* values;       // 64-byte aligned: a block of key pairs' values (attend.h)
+    void* values;       // 64-byte aligned: key pairs' values (attend.h, attend_amx.h)
     float* m;           // [rows * group]
     float* s;
     float* acc;         // [rows * group][head_dim]
