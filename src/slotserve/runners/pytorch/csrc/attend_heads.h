@@ -114,7 +114,7 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
     constexpr int kRowGroup = G * CH <= 24 ? G : 1;  // heads whose sums fit the registers
     auto values = [&](int h, const int64_t* offsets, int j0, int end) {
         const Tile& t = tiles[h];
-        const uint16_t* values = kv.values + int64_t(h) * row;
+        const uint16_t* head = kv.values + int64_t(h) * row;  // the head's rows
         ValuePairOf<CH> v;
         for (int g0 = 0; g0 < G; g0 += kRowGroup) {
             vf out[kRowGroup][CH];
@@ -122,12 +122,12 @@ static void attend_row_heads_t(const PagedKv& kv, const int32_t* table, const Ti
                 for (int c = 0; c < CH; ++c)
                     out[g][c] = load_f32(t.acc + (g0 + g) * d + c * kLanes);
             for (int j = j0; j < end; j += 2) {
-                const uint16_t* odd = j + 1 < n ? values + offsets[j + 1] : nullptr;
+                const uint16_t* odd = j + 1 < n ? head + offsets[j + 1] : nullptr;
                 if constexpr (Int8)
-                    load_int8_value_pair(reinterpret_cast<const uint8_t*>(values + offsets[j]),
+                    load_int8_value_pair(reinterpret_cast<const uint8_t*>(head + offsets[j]),
                                          reinterpret_cast<const uint8_t*>(odd), d, v);
                 else
-                    load_value_pair(values + offsets[j], odd, CH, v);
+                    load_value_pair(head + offsets[j], odd, CH, v);
                 for (int g = 0; g < kRowGroup; ++g)
                     value_pair(out[g], CH, t.probs + (g0 + g) * (kPartition + 2) + j, v);
             }
