@@ -22,14 +22,6 @@
 
 constexpr int kAmxDims = 2 * amx::kPairs;  // dimensions of one chunk of an A tile's row
 
-static inline __attribute__((always_inline)) vf even_halves(vi pairs) {
-    return (vf)(pairs << 16);
-}
-
-static inline __attribute__((always_inline)) vf odd_halves(vi pairs) {
-    return (vf)(pairs & (vi{} + int32_t(0xffff0000u)));
-}
-
 // The float at ``p`` in every lane: the broadcast memory operand of a fused step (splat adds
 // +0, one more operation, and its -0 would turn +0).
 static inline __attribute__((always_inline)) vf broadcast(const float* p) {

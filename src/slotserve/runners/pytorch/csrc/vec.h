@@ -228,6 +228,15 @@ static inline __attribute__((always_inline)) vi splat_pair(const uint16_t* p) {
     return vi{} + pair;
 }
 
+// Each lane's even (low) or odd (high) bfloat16 as a float32.
+static inline __attribute__((always_inline)) vf even_halves(vi pairs) {
+    return (vf)(pairs << 16);
+}
+
+static inline __attribute__((always_inline)) vf odd_halves(vi pairs) {
+    return (vf)(pairs & (vi{} + int32_t(0xffff0000u)));
+}
+
 // acc + a_odd * b_odd, then + a_even * b_even, lane by lane, each step fused: `vdpbf16ps`
 // where the CPU has it, else the same two steps (bfloat16 products are exact in float32, so
 // the fused steps round as the instruction does). The instruction treats denormals as zero
@@ -236,9 +245,8 @@ static inline __attribute__((always_inline)) vf dot_pairs(vf acc, vi a, vi b) {
 #if SLOTSERVE_BF16
     return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
 #else
-    const vi high = vi{} + int32_t(0xffff0000u);
-    acc = vfma((vf)(a & high), (vf)(b & high), acc);
-    return vfma((vf)(a << 16), (vf)(b << 16), acc);
+    acc = vfma(odd_halves(a), odd_halves(b), acc);
+    return vfma(even_halves(a), even_halves(b), acc);
 #endif
 }
 
