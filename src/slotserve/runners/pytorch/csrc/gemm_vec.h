@@ -52,9 +52,9 @@ static inline __attribute__((always_inline)) __m512 broadcast(float x) {
 // A block's sixteen pairs at `p` as their odd and their even elements, in float32.
 static inline __attribute__((always_inline)) void split_pairs(const uint16_t* p, Acc& odd,
                                                               Acc& even) {
-    const __m512i pairs = _mm512_loadu_si512(p);
-    odd = {_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xffff0000u))))};
-    even = {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
+    const vi pairs = load_pairs(p);
+    odd = {(__m512)odd_halves(pairs)};
+    even = {(__m512)even_halves(pairs)};
 }
 #else
 struct Acc {
