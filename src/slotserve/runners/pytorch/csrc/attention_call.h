@@ -1,8 +1,12 @@
 // One paged_attention call's inputs, checked, and its tokens cut into units, with where each
-// token's keys start and how many partitions they span (included once, by paged_attention.cpp).
+// token's keys start, how many partitions they span and how its queries enter a tile (included
+// once, by paged_attention.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -15,6 +19,8 @@ struct AttentionCall {
         : block_size_(block_size), window_(window) {
         check(q, key_cache, value_cache, block_tables, token_seq, positions);
         amx_ = amx_attention(usable(), d_);
+        qin_ = bf16(q);
+        q_stride_ = int((d_ / 2 + kLanes - 1) / kLanes * kLanes * 2);
         cut_units();
     }
 
@@ -86,6 +92,18 @@ struct AttentionCall {
 
     const int32_t* table_of(int64_t t) const { return tables_ + seq_[t] * table_width_; }
 
+    // Token t's query heads of KV head h as row r of the tile at ``q`` (rows q_stride_ apart).
+    void load_query(uint16_t* q, int64_t t, int64_t r, int64_t h) const {
+        for (int g = 0; g < group_; ++g)
+            std::memcpy(q + (r * group_ + g) * q_stride_,
+                        qin_ + (t * heads_ + h * group_ + g) * d_, sizeof(uint16_t) * d_);
+    }
+
+    void load_queries(uint16_t* q, int64_t u, int64_t h) const {
+        for (int64_t t = unit_start_[u]; t < unit_start_[u + 1]; ++t)
+            load_query(q, t, t - unit_start_[u], h);
+    }
+
     // Whether unit u is a lone row that reads its partitions for every KV head at once
     // (attend_heads.h, or attend_amx_row.h in the tiles' arithmetic for the shapes compiled
     // there; an int8 pool's rows in place): past one partition (a shorter context is spread
@@ -99,8 +117,9 @@ struct AttentionCall {
 
     const int64_t block_size_, window_;
     int64_t tokens_ = 0, heads_ = 0, d_ = 0, kv_heads_ = 0, table_width_ = 0;
-    int group_ = 1;
+    int group_ = 1, q_stride_ = 0;
     const int32_t *tables_ = nullptr, *seq_ = nullptr, *pos_ = nullptr;
+    const uint16_t* qin_ = nullptr;
     bool int8_ = false;
     AmxAttention amx_ = AmxAttention::none;
     std::vector<int64_t> unit_start_;

@@ -42,11 +42,9 @@ public:
         kv_ = {reinterpret_cast<const uint16_t*>(keys), reinterpret_cast<const uint16_t*>(values),
                int(kv_heads_), int(d_), int(block_size), int8_};
         out_ = at::empty({tokens_, heads_ * d_}, q.options());
-        qin_ = bf16(q);
         o_ = bf16_mut(out_);
         row_heads_ = int64_t(kTileRows) * group_;
         acc_size_ = int64_t(group_) * d_;
-        q_stride_ = int((d_ / 2 + kLanes - 1) / kLanes * kLanes * 2);
         for (int64_t t = 0; t < tokens_; ++t)
             max_parts_ = std::max<int64_t>(max_parts_, parts_of(t));
         // A unit's results: m and s [part][row-head], acc [part][row-head][d]; a thread's
@@ -91,18 +89,6 @@ private:
         for (const auto& [u, h] : items_) cost.push_back(unit_cost_[u] * (h < 0 ? kv_heads_ : 1));
         return *std::max_element(cost.begin(), cost.end()) * threads_ >
                std::accumulate(cost.begin(), cost.end(), int64_t(0));
-    }
-
-    // Token t's query heads of KV head h as row r of the tile at ``q``.
-    void load_query(uint16_t* q, int64_t t, int64_t r, int64_t h) const {
-        for (int g = 0; g < group_; ++g)
-            std::memcpy(q + (r * group_ + g) * q_stride_,
-                        qin_ + (t * heads_ + h * group_ + g) * d_, sizeof(uint16_t) * d_);
-    }
-
-    void load_queries(uint16_t* q, int64_t u, int64_t h) const {
-        for (int64_t t = unit_start_[u]; t < unit_start_[u + 1]; ++t)
-            load_query(q, t, t - unit_start_[u], h);
     }
 
     int64_t shared_at(int64_t h, int64_t u, int64_t part) const {
@@ -389,13 +375,11 @@ private:
     PagedKv kv_{};
     PoolBytes pool_{};
     at::Tensor out_;
-    const uint16_t* qin_ = nullptr;
     uint16_t* o_ = nullptr;
     int64_t row_heads_ = 0, acc_size_ = 0, max_parts_ = 0, ms_slot_ = 0;
     int64_t acc_slot_ = 0, shared_per_head_ = 0, threads_ = 1;
     std::vector<std::pair<int64_t, int64_t>> items_;  // (unit, KV head, or -1: every one)
     std::vector<int64_t> unit_cost_;                   // one KV head's partitions, by unit
-    int q_stride_ = 0;
     SharedPartitions shared_;
     std::unique_ptr<float[]> shared_m_, shared_s_, shared_acc_;
 };
