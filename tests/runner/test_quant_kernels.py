@@ -199,3 +199,33 @@ def test_shapes_the_kernel_cannot_take_are_refused(kernels: CpuKernels) -> None:
         kernels.quant_linear(torch.ones(1, 288).bfloat16(), packed, FORMATS[kind], 16, None)
     with pytest.raises(RuntimeError, match="packed weight"):
         kernels.quant_linear(torch.ones(1, 256).bfloat16(), packed, FORMATS[kind], 48, None)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_prompt_rows_multiply_the_dequantized_weights_on_the_gemm(
+    kernels: CpuKernels, threads: int, kind: QuantKind
+) -> None:
+    """Rows marked as a prompt's get ``linear``'s bits over the dequantized path's weights (so
+    a prompt's tokens are ``--quantization none``'s), the others the integer arithmetic's, in
+    any mix and alone; 40 outputs (a ragged group), 70 rows, a bias, every instruction set."""
+    n, k, rows = 40, 512, 70
+    raw = random_tensor(kind, n, k, seed=6)
+    packed = kernels.quant_pack(kind, raw, k)
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weights = torch.from_numpy(dequantized(raw, kind, n, k)).bfloat16()
+    dense = kernels.linear(x, kernels.pack_weight(weights), bias.float(), n)
+    integer = kernels.quant_linear(x, packed, FORMATS[kind], n, bias)
+    prompt = torch.rand(rows, generator=gen) < 0.6
+    for isa in instruction_sets(kernels):
+        with instruction_set(kernels, isa):
+            every = torch.ones(rows, dtype=torch.bool)
+            all_prompt = kernels.quant_linear(x, packed, FORMATS[kind], n, bias, "", every)
+            assert torch.equal(all_prompt, dense), isa
+            mixed = kernels.quant_linear(x, packed, FORMATS[kind], n, bias, "", prompt)
+            assert torch.equal(mixed[prompt], dense[prompt]), isa
+            assert torch.equal(mixed[~prompt], integer[~prompt]), isa
+            one = torch.ones(1, dtype=torch.bool)
+            alone = kernels.quant_linear(x[3:4], packed, FORMATS[kind], n, bias, "", one)
+            assert torch.equal(alone[0], dense[3]), isa

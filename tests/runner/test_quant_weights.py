@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.core.engine_core import EngineCore
 from slotserve.runners.pytorch.cpu_kernels import CpuKernels
 from slotserve.runners.pytorch.load.memory import estimate_memory
 from slotserve.runners.pytorch.load.quant_weights import QuantEmbedding
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.layers import Projection
 from slotserve.runners.pytorch.runner import TorchRunner
+from tests.prompts import PROMPTS
 from tests.runner.engine_runs import greedy_alone_then_together
+from tests.runner.test_embeddings import embed
 
 
 def _runner(path: Path, **options: object) -> TorchRunner:
@@ -92,18 +96,31 @@ def test_streamed_weights_and_kv_ask_for_huge_pages(
     assert small.numel() == 4096 and int(small.sum()) == 7 * 4096
 
 
-def test_quantized_and_dequantized_paths_agree_on_what_comes_first(
+def test_a_prompt_is_the_dequantized_paths_and_generated_tokens_are_integer_sums(
     torch_runner: TorchRunner, dequantized: TorchRunner
 ) -> None:
-    """The quantized kernels round each input block to 8 bits and sum exactly in integers
-    (csrc/quant_gemm.h), the dequantized path multiplies bfloat16 values in float32: not the
-    same bits, so the tokens are not promised equal; the first choice of each prompt is."""
+    """A prompt's rows multiply the dequantized weights on the bfloat16 GEMM: an embedding
+    (the last prompt row's final state) is the dequantized path's to the bit. Generated rows
+    round each input block to 8 bits and sum in integers (csrc/quant_gemm.h): their tokens are
+    not promised equal to that path's, but the first choice of each prompt is; and the prefix
+    cache keeps prompts only (a later prompt would compute those tokens as a prompt)."""
+    texts = {f"e{i}": torch_runner.tokenizer.encode(PROMPTS[i]) for i in range(3)}
+    vectors = [
+        {
+            rid: out.embedding
+            for rid, out in embed(EngineCore(runner, EngineConfig(num_slots=4)), texts).items()
+        }
+        for runner in (torch_runner, dequantized)
+    ]
+    assert vectors[0] == vectors[1]
     quantized_alone, quantized_together = greedy_alone_then_together(torch_runner, 8)
     dense_alone, _ = greedy_alone_then_together(dequantized, 8)
     assert quantized_together == quantized_alone
     assert len(dense_alone) == 4
     for prompt, tokens in dense_alone.items():
         assert quantized_alone[prompt][0] == tokens[0], prompt
+    assert torch_runner.model_info.chunk_policy.cacheable_length(10, 14) == 10
+    assert dequantized.model_info.chunk_policy.cacheable_length(10, 14) == 14
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])

@@ -66,9 +66,18 @@ def test_positions_written_into_other_blocks_compute_what_the_original_does(
 def test_evicted_prefixes_come_back_from_host_ram_and_after_a_restart_from_disk(
     torch_runner: Runner, tmp_path: Path
 ) -> None:
+    # Weights kept quantized, the cache keeps prompts only (not their replies): whole blocks of
+    # prompt, and past the shared part enough of each to be worth saving on its own.
+    assert torch_runner.paged_kv is not None
+    block = torch_runner.paged_kv.block_size
+    filler = torch_runner.tokenizer.encode(" and")[-1]
     prompts = {
-        rid: torch_runner.tokenizer.encode(SYSTEM + question)
-        for rid, question in (("a", "Question: what is a prime?"), ("b", "Name three rivers."))
+        rid: tokens + [filler] * (-len(tokens) % block)
+        for rid, question in (
+            ("a", "Question: what is a prime?"),
+            ("b", "Name three rivers of Europe, three of Asia and three of Africa, with lengths."),
+        )
+        for tokens in [torch_runner.tokenizer.encode(SYSTEM + question)]
     }
     off = EngineCore(torch_runner, EngineConfig(num_slots=2, prefix_cache=False))
     reference = run_logprobs(off, prompts, 24)

@@ -47,6 +47,10 @@ class ChunkPolicy:
     # longer one, for a runner whose attention computes a short chunk's queries on another
     # path than a long chunk's (reason 1 above).
     odd_part_alone: bool = False
+    # A runner that computes a generated token's K and V in another arithmetic than a prompt
+    # token's (the PyTorch runner's quantized projections): the cache keeps prompts only, as
+    # with a grain, since a later prompt holding those tokens would compute them as a prompt.
+    prompts_only: bool = False
 
     def __post_init__(self) -> None:
         if self.grain < 1:
@@ -116,10 +120,12 @@ class ChunkPolicy:
 
     def cacheable_length(self, num_prompt_tokens: int, num_computed_tokens: int) -> int:
         """How many of a sequence's computed tokens the cache may keep and hand out: all of
-        them with grain 1; else the prompt if it was computed in long chunks (at least a grain
-        long), never the output (decoded one token at a time, while a new prompt would compute
-        those positions in long chunks)."""
+        them with grain 1 (the prompt alone where ``prompts_only``); else the prompt if it was
+        computed in long chunks (at least a grain long), never the output (decoded one token at
+        a time, while a new prompt would compute those positions in long chunks)."""
         if self.grain == 1:
+            if self.prompts_only:
+                return min(num_computed_tokens, num_prompt_tokens)
             return num_computed_tokens
         if self.anchored:  # a prompt's last, partial grain is computed as no longer one is
             return min(num_computed_tokens, num_prompt_tokens) // self.grain * self.grain

@@ -172,15 +172,19 @@ class CpuKernels:
         out_features: int,
         bias: torch.Tensor | None,
         tiles: str = "",
+        prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` in bfloat16 for a weight kept quantized (``packed`` by
-        :meth:`quant_pack` in ``format``), summed as csrc/quant_gemm.h states: a row's bits
-        depend on neither the other rows, the thread count, the instruction set nor ``tiles``
-        (``amx``, ``none``, or ``amx-emulated`` for tests; by default :attr:`quant_tiles`)."""
-        f, chosen = format, (tiles,) if tiles else ()
+        :meth:`quant_pack` in ``format``). Rows marked in ``prompt_rows`` (bool, one per row)
+        multiply the dequantized weight on :attr:`gemm` (csrc/quant_linear.cpp), the others sum
+        as csrc/quant_gemm.h states. A row's bits depend on neither the other rows, the thread
+        count, the instruction set nor ``tiles`` (``amx``, ``none``, or ``amx-emulated`` for
+        tests; by default :attr:`quant_tiles`)."""
+        f = format
         return self._m.quant_linear(  # type: ignore[no-any-return]
-            x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias, *chosen
-        )
+            x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias, tiles,
+            prompt_rows,
+        )  # fmt: skip
 
     def quant_rows(
         self, packed: torch.Tensor, rows: torch.Tensor, format: QuantFormat, n: int, k: int

@@ -28,7 +28,11 @@ from slotserve.runners.fingerprint import weights_fingerprint
 from slotserve.runners.pooling import PromptPools
 from slotserve.runners.pytorch.load.checkpoint import open_checkpoint
 from slotserve.runners.pytorch.load.memory import return_freed_memory
-from slotserve.runners.pytorch.load.model_rules import context_cost, recurrent_state_rules
+from slotserve.runners.pytorch.load.model_rules import (
+    context_cost,
+    quantized_rules,
+    recurrent_state_rules,
+)
 from slotserve.runners.pytorch.load.settings import TorchLoadConfig
 from slotserve.runners.pytorch.model.lora import StepLora
 from slotserve.runners.pytorch.model.tensor_parallel import shard_config
@@ -125,7 +129,7 @@ class TorchRunner:
         self.forward_seconds = 0.0
 
         snapshots = load.snapshots if self.shard.linear_states is not None else 0
-        rules = recurrent_state_rules(config, snapshots)
+        rules = quantized_rules(recurrent_state_rules(config, snapshots), self.shard.quantized)
         cost = context_cost(config, self.device)
         if self.score_head is not None:
             rules["speculative_unsupported"] = "the model is a reranker: it does not generate"

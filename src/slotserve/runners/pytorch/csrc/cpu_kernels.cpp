@@ -97,7 +97,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("runs_gemm", &cpu::runs_gemm, "whether this CPU runs the named GEMM");
     using pybind11::arg;
     m.def("quant_linear", &cpu::quant_linear, arg("x"), arg("packed"), arg("n"), arg("bits"),
-          arg("offset"), arg("has_min"), arg("sub"), arg("super"), arg("bias"), arg("tiles") = "");
+          arg("offset"), arg("has_min"), arg("sub"), arg("super"), arg("bias"), arg("tiles") = "",
+          arg("prompt_rows") = pybind11::none());
     m.def(
         "quant_tiles", [] { return cpu::quant_tiles_name(); },
         "where the quantized projections' steps of whole row tiles form their sums");

@@ -1,6 +1,6 @@
 // What the translation units of the ops share: the chosen instruction set's kernels, access to
 // bfloat16 tensors, and the ops that cpu_kernels.cpp binds (defined in row_ops.cpp,
-// paged_attention.cpp and linear.cpp).
+// paged_attention.cpp, linear.cpp and quant_linear.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -82,9 +82,15 @@ std::string& quant_tiles_name();
 std::string select_quant_tiles(const std::string& name);
 bool runs_amx();
 bool amx_verified();
+bool amx_bytes_verified();
+using BlocksFn = void (*)(const GemmOperands&, int64_t rows, int64_t b0, int64_t b1);
+BlocksFn gemm_blocks_on(const std::string& chosen, int64_t k);
+
+// quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
                         int64_t offset, bool has_min, int64_t sub, int64_t super,
-                        const c10::optional<at::Tensor>& bias, const std::string& tiles = "");
+                        const c10::optional<at::Tensor>& bias, const std::string& tiles = "",
+                        const c10::optional<at::Tensor>& prompt_rows = c10::nullopt);
 at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
                       int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super);
 

@@ -1,9 +1,10 @@
 // What every translation unit of the CPU kernels shares: the operands' layouts, the attention
 // constants, and the table of one instruction set's kernels. Each kernels_<isa>.cpp names its
 // set and compiles isa_kernels.h (vec.h, rowwise.h, attention.h, attend.h, gemm_vec.h,
-// quant_pairs.h, quant_byte_pairs.h, quant_scales.h, quant_gemm.h with quant_amx.h, kv_rows.h)
-// inside its own target region and namespace, with no torch header, and hands out its table;
-// cpu_kernels.cpp chooses one at run time, and the ops (cpu_kernels.h) call it.
+// quant_pairs.h, quant_byte_pairs.h, quant_scales.h, quant_gemm.h with quant_amx.h,
+// quant_panel.h, kv_rows.h) inside its own target region and namespace, with no torch header,
+// and hands out its table; cpu_kernels.cpp chooses one at run time, and the ops (cpu_kernels.h)
+// call it.
 #pragma once
 
 #include <immintrin.h>
@@ -175,6 +176,8 @@ struct Kernels {
                          const InputBlocks& blocks, int64_t row);
     void (*quant_rows)(const QuantOperands& op, const int64_t* rows, int64_t count,
                        uint16_t* out);
+    // Output groups [g0, g1) as the GEMM's packed bfloat16 blocks (quant_panel.h).
+    void (*quant_panel)(const QuantOperands& op, int64_t g0, int64_t g1, uint16_t* out);
     void (*kv_rows_bf16)(const uint8_t* pool, const int64_t* offsets, int n, int d,
                          uint16_t* out);
 };
@@ -189,6 +192,7 @@ struct Kernels {
             &ns::merge_partitions,                                                      \
             &ns::gemmv::blocks,                                                         \
             &ns::quant::groups, &ns::quant::quantize_row, &ns::quant::rows_of,          \
+            &ns::quant::panel,                                                          \
             &ns::kv_rows_bf16                                                           \
     }
 

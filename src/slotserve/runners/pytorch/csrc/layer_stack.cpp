@@ -14,11 +14,12 @@ namespace cpu {
 namespace {
 
 // A projection as Projection.forward computes it: each part's outputs, side by side.
-at::Tensor project(const at::Tensor& x, const std::vector<StackPart>& parts) {
-    const auto one = [&x](const StackPart& p) {
+at::Tensor project(const at::Tensor& x, const std::vector<StackPart>& parts,
+                   const c10::optional<at::Tensor>& prompt_rows) {
+    const auto one = [&](const StackPart& p) {
         if (p.quantized)
             return quant_linear(x, p.packed, p.n, p.bits, p.offset, p.has_min, p.sub, p.super,
-                                p.bias);
+                                p.bias, "", prompt_rows);
         return linear(x, p.packed, p.bias, p.n);
     };
     if (parts.size() == 1) return one(parts[0]);
@@ -73,20 +74,23 @@ void LayerStack::add_part(int64_t which, const at::Tensor& packed, int64_t n, bo
     projections[which]->push_back({packed, n, quantized, bits, offset, sub, super, has_min, bias});
 }
 
-at::Tensor LayerStack::mlp(const StackLayer& layer, const at::Tensor& x) const {
-    const at::Tensor gate_up = project(x, layer.gate_up);
-    if (activation_ == StackActivation::silu) return project(silu_mul(gate_up), layer.down);
+at::Tensor LayerStack::mlp(const StackLayer& layer, const at::Tensor& x,
+                           const c10::optional<at::Tensor>& prompt_rows) const {
+    const at::Tensor gate_up = project(x, layer.gate_up, prompt_rows);
+    if (activation_ == StackActivation::silu)
+        return project(silu_mul(gate_up), layer.down, prompt_rows);
     const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
     const char* approximate = activation_ == StackActivation::gelu_tanh ? "tanh" : "none";
     const at::Tensor gated = at::mul(at::gelu(halves[0], approximate), halves[1]);
-    return project(gated.contiguous(), layer.down);
+    return project(gated.contiguous(), layer.down, prompt_rows);
 }
 
 at::Tensor LayerStack::run(const at::Tensor& hidden, const at::Tensor& positions,
                            const at::Tensor& cache_rows, const at::Tensor& block_tables,
                            const at::Tensor& token_seq, int64_t block_size,
                            const std::vector<at::Tensor>& keys,
-                           const std::vector<at::Tensor>& values) const {
+                           const std::vector<at::Tensor>& values,
+                           const c10::optional<at::Tensor>& prompt_rows) const {
     const size_t count = layers_.size();
     TORCH_CHECK(keys.size() == count && values.size() == count, "one pool per layer");
     at::Tensor x = hidden, residual;
@@ -99,14 +103,14 @@ at::Tensor LayerStack::run(const at::Tensor& hidden, const at::Tensor& positions
             std::tie(x, residual) = add_rms_norm(x, residual, layer.input_norm, eps_, plus_one_);
         }
         at::Tensor key_cache = keys[i], value_cache = values[i];
-        const at::Tensor qkv = project(x, layer.qkv);
+        const at::Tensor qkv = project(x, layer.qkv, prompt_rows);
         const at::Tensor q = rotary_write(qkv, layer.cos, layer.sin, positions, cache_rows,
                                           key_cache, value_cache, heads_, kv_heads_, head_dim_,
                                           false, layer.q_norm, layer.k_norm, eps_, plus_one_);
         const at::Tensor attended = paged_attention(q, key_cache, value_cache, block_tables,
                                                     token_seq, positions, block_size,
                                                     layer.window, scale_);
-        x = project(attended, layer.o_proj);
+        x = project(attended, layer.o_proj, prompt_rows);
         if (layer.pre_mlp_norm) {
             x = rms_norm(x, layer.post_attention_norm, eps_, plus_one_);
             std::tie(x, residual) =
@@ -115,7 +119,7 @@ at::Tensor LayerStack::run(const at::Tensor& hidden, const at::Tensor& positions
             std::tie(x, residual) =
                 add_rms_norm(x, residual, layer.post_attention_norm, eps_, plus_one_);
         }
-        x = mlp(layer, x);
+        x = mlp(layer, x, prompt_rows);
         if (layer.post_mlp_norm) x = rms_norm(x, *layer.post_mlp_norm, eps_, plus_one_);
     }
     return count == 0 ? x : at::add(residual, x);

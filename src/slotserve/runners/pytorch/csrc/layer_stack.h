@@ -55,12 +55,14 @@ public:
                   int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super,
                   const c10::optional<at::Tensor>& bias);
     // The hidden states after the last layer (the residual stream made whole) for the step's
-    // embedded tokens `hidden`; keys[i], values[i]: layer i's pool.
+    // embedded tokens `hidden`; keys[i], values[i]: layer i's pool; `prompt_rows`: the rows of
+    // prompt tokens (quant_linear's).
     at::Tensor run(const at::Tensor& hidden, const at::Tensor& positions,
                    const at::Tensor& cache_rows, const at::Tensor& block_tables,
                    const at::Tensor& token_seq, int64_t block_size,
                    const std::vector<at::Tensor>& keys,
-                   const std::vector<at::Tensor>& values) const;
+                   const std::vector<at::Tensor>& values,
+                   const c10::optional<at::Tensor>& prompt_rows) const;
 
 private:
     int64_t heads_, kv_heads_, head_dim_;
@@ -69,7 +71,8 @@ private:
     StackActivation activation_;
     std::vector<StackLayer> layers_;
 
-    at::Tensor mlp(const StackLayer& layer, const at::Tensor& x) const;
+    at::Tensor mlp(const StackLayer& layer, const at::Tensor& x,
+                   const c10::optional<at::Tensor>& prompt_rows) const;
 };
 
 }  // namespace cpu

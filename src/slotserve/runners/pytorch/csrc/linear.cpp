@@ -1,6 +1,6 @@
 // The projections: bfloat16 weights packed for the GEMM (AMX where the unit is verified,
 // AVX512-BF16, or gemm_vec.h on the widest set the CPU runs) and quantized weights
-// (quant_gemm.h), spread over torch's threads; a row's bits depend on neither the other rows
+// (quant_linear.cpp), spread over torch's threads; a row's bits depend on neither the other rows
 // nor the threads.
 
 #include <ATen/Parallel.h>
@@ -51,8 +51,6 @@ at::Tensor pack_weight(const at::Tensor& weight) {
 
 // The widest register tile of any GEMM (gemm_vec.h): threads never take less than its blocks.
 constexpr int64_t kTileRows = 6, kTileBlocks = 4;
-
-using BlocksFn = void (*)(const GemmOperands&, int64_t rows, int64_t b0, int64_t b1);
 
 // Rows times every block over torch's threads: threads take runs of whole 16-output blocks, at
 // least a tile's worth each, or for a layer of few outputs and many rows whole rows and every
@@ -181,8 +179,7 @@ std::string select_gemm(const std::string& name) {
 
 // x [M, K] bfloat16 (unit inner stride) times a packed weight of N outputs, plus an optional
 // bias (any float dtype; float32 spares a conversion per call), added in float32 before the one
-// rounding to bfloat16. `path`: the GEMM (gemm_name() when empty; "amx-emulated" for the tests);
-// the AMX GEMM takes a layer only when K is a multiple of 32, a fixed choice per layer.
+// rounding to bfloat16. `path`: the GEMM (gemm_name() when empty; "amx-emulated" for the tests).
 at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& bias, int64_t n, const std::string& path) {
     check_rows(x, "x");
@@ -203,122 +200,27 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed,
     const float* b = bias ? bias32.data_ptr<float>() : nullptr;
     const GemmOperands op{bf16(x), x.stride(0), k, bf16(packed), (k + 1) / 2 * 32,
                           b,       bf16_mut(out), n};
-    const std::string& chosen = path.empty() ? gemm_name() : path;
+    spread(op, rows, blocks, gemm_blocks_on(path.empty() ? gemm_name() : path, k));
+    return out;
+}
+
+// The blocks of GEMM `chosen` (gemm_name()'s choices, or "amx-emulated" for the tests) for a
+// layer of K inputs: the AMX GEMM takes a layer only when K is a multiple of 32.
+BlocksFn gemm_blocks_on(const std::string& chosen, int64_t k) {
     if (chosen == "amx-emulated") {
         TORCH_CHECK(k % 32 == 0, "the AMX GEMM takes K a multiple of 32");
-        spread(op, rows, blocks, &amx::blocks<amx::EmulatedTiles>);
-        return out;
+        return &amx::blocks<amx::EmulatedTiles>;
     }
     TORCH_CHECK(runs_gemm(chosen), "this CPU does not run the ", chosen, " GEMM");
-    if (chosen == "amx" && k % 32 == 0)
-        spread(op, rows, blocks, &amx::blocks<amx::Tiles>);
-    else if (chosen == "amx" || chosen == "avx512bf16")
-        spread(op, rows, blocks, avx512bf16::table().gemm_blocks);
-    else if (chosen == "avx512")
-        spread(op, rows, blocks, avx512::table().gemm_blocks);
-    else
-        spread(op, rows, blocks, avx2::table().gemm_blocks);
-    return out;
+    if (chosen == "amx" && k % 32 == 0) return &amx::blocks<amx::Tiles>;
+    if (chosen == "amx" || chosen == "avx512bf16") return avx512bf16::table().gemm_blocks;
+    if (chosen == "avx512") return avx512::table().gemm_blocks;
+    return avx2::table().gemm_blocks;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias, int64_t n) {
     return linear_on(x, packed, bias, n, "");
-}
-
-static QuantTiles quant_tiles(const std::string& name) {
-    if (name == "amx" && amx_bytes_verified()) return QuantTiles::unit;
-    if (name == "amx-emulated") return QuantTiles::emulated;
-    TORCH_CHECK(name == "none" || name == "amx", "unknown quantized tiles ", name);
-    return QuantTiles::none;
-}
-
-// x [M, K] bfloat16 times a quantized weight of N outputs packed by quant_pack.cpp in the
-// format described by the integers (quant_gemm.h's Format), plus an optional bias added in
-// float32 before the one rounding to bfloat16. On every instruction set the same bits, with or
-// without tiles (`tiles`: quant_tiles_name()'s choices, the process's own when empty).
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
-                        int64_t offset, bool has_min, int64_t sub, int64_t super,
-                        const c10::optional<at::Tensor>& bias, const std::string& tiles) {
-    const Kernels& k = usable();
-    check_rows(x, "x");
-    const int64_t rows = x.size(0), inputs = x.size(1), groups = (n + 15) / 16;
-    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
-    TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "codes of 4, 5, 6 or 8 bits");
-    TORCH_CHECK((sub == 16 || sub == 32) && super % sub == 0 && inputs % super == 0,
-                "the inputs must be whole super-blocks of whole sub-blocks");
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.numel() == groups * (inputs / super) * f.record_bytes(),
-                "packed weight: uint8 records of quant_pack for this shape and format");
-    at::Tensor out = at::empty({rows, n}, x.options());
-    if (rows == 0) return out;
-    TORCH_CHECK(inputs % 32 == 0, "the inputs must be whole blocks of 32");
-    // The rounded inputs in one allocation (a decode step makes hundreds of these calls):
-    // [rows][k] int16, [rows][k] int8, then per block of 32 a float step, −Σ q as a float and
-    // Σ q, and Σ q per 16 (InputBlocks).
-    const int64_t values = rows * inputs, blocks = values / 32;
-    const at::Tensor scratch = at::empty({values * 3 + blocks * 3 * 4 + blocks * 2 * 4},
-                                         x.options().dtype(at::kByte));
-    uint8_t* const base = scratch.data_ptr<uint8_t>();
-    int16_t* const xq = reinterpret_cast<int16_t*>(base);
-    int8_t* const xq8 = reinterpret_cast<int8_t*>(base + values * 2);
-    float* const per_block = reinterpret_cast<float*>(base + values * 3);
-    const InputBlocks in{per_block, per_block + blocks,
-                         reinterpret_cast<int32_t*>(per_block + 2 * blocks),
-                         reinterpret_cast<int32_t*>(per_block + 3 * blocks), rows};
-    // Rows per task as the per-row kernels take them: a decode step's few rows are rounded
-    // inline, not across a fork and join of every thread.
-    at::parallel_for(0, rows, grain(inputs), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-            k.quantize_row(bf16(x) + r * x.stride(0), inputs, xq + r * inputs, xq8 + r * inputs,
-                           in, r);
-    });
-    at::Tensor bias32;
-    if (bias) {
-        bias32 = bias->to(at::kFloat).contiguous();
-        TORCH_CHECK(bias32.numel() == n, "one bias per output");
-        if (groups * 16 != n) bias32 = at::constant_pad_nd(bias32, {0, groups * 16 - n});
-    }
-    const QuantOperands op{xq,
-                           xq8,
-                           in,
-                           inputs,
-                           packed.data_ptr<uint8_t>(),
-                           f,
-                           bias ? bias32.data_ptr<float>() : nullptr,
-                           bf16_mut(out),
-                           n,
-                           quant_tiles(tiles.empty() ? quant_tiles_name() : tiles)};
-    // Groups per task: at least ~2^18 multiply-adds, so one row's step still splits its
-    // outputs over the threads (and a task is never a single small group).
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (16 * rows * inputs));
-    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-        k.quant_groups(op, rows, begin, end);
-    });
-    return out;
-}
-
-// Rows (outputs) `rows` of a packed quantized weight of `k` inputs as bfloat16 [len, k]: an
-// embedding table's lookups, the dequantized path's values.
-at::Tensor quant_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t n, int64_t k,
-                      int64_t bits, int64_t offset, bool has_min, int64_t sub, int64_t super) {
-    const Kernels& kern = usable();
-    const QuantFormat f{int(bits), int(offset), has_min, int(sub), int(super)};
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.numel() == (n + 15) / 16 * (k / super) * f.record_bytes(),
-                "packed weight: uint8 records of quant_pack for this shape and format");
-    const at::Tensor ids = rows.to(at::kLong).contiguous();
-    TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
-                                                        ids.max().item<int64_t>() < n)),
-                "row ids out of range");
-    at::Tensor out = at::empty({ids.numel(), k}, packed.options().dtype(at::kBFloat16));
-    const QuantOperands op{nullptr, nullptr, {},      k, packed.data_ptr<uint8_t>(),
-                           f,       nullptr, nullptr, n};
-    at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
-        kern.quant_rows(op, ids.data_ptr<int64_t>() + begin, end - begin,
-                        bf16_mut(out) + begin * k);
-    });
-    return out;
 }
 
 bool runs_amx() {

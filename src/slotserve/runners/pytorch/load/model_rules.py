@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from slotserve.engine.chunk_policy import ChunkPolicy
+from slotserve.engine.chunk_policy import ANY_SIZE, ChunkPolicy
 from slotserve.engine.runner_interface import RECURRENT_STATE_NO_ROLLBACK
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import BLOCK
@@ -45,3 +46,14 @@ def recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]
         ),
         "speculative_unsupported": RECURRENT_STATE_NO_ROLLBACK,
     }
+
+
+def quantized_rules(rules: dict[str, Any], quantized: bool) -> dict[str, Any]:
+    """``rules`` with what weights kept quantized change: a generated token's K and V come
+    from the integer arithmetic, a prompt's from the dequantized one (``model/layers.py``),
+    so the prefix cache keeps prompts only (a later prompt through the same tokens would
+    compute them as a prompt)."""
+    if not quantized:
+        return rules
+    policy = rules.get("chunk_policy", ANY_SIZE)
+    return {**rules, "chunk_policy": dataclasses.replace(policy, prompts_only=True)}

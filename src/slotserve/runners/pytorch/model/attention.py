@@ -61,6 +61,7 @@ class PagedStep:
     positions: torch.Tensor  # [tokens]
     cache_rows: torch.Tensor  # [tokens]: where the token's K/V go
     block_size: int
+    prompt_rows: torch.Tensor | None = None  # [tokens] bool: a prompt's token (None: none is)
 
     def to(self, device: torch.device) -> PagedStep:
         return PagedStep(
@@ -69,6 +70,7 @@ class PagedStep:
             self.positions.to(device),
             self.cache_rows.to(device),
             self.block_size,
+            self.prompt_rows,
         )
 
 

@@ -25,7 +25,13 @@ from slotserve.runners.pytorch.model.attention import (
 )
 from slotserve.runners.pytorch.model.config import ModelConfig
 from slotserve.runners.pytorch.model.deltanet import LinearAttention, LinearStep, linear_attention
-from slotserve.runners.pytorch.model.layers import Embedding, Projection, RmsNorm, activation
+from slotserve.runners.pytorch.model.layers import (
+    Embedding,
+    Projection,
+    RmsNorm,
+    activation,
+    prompt_rows,
+)
 from slotserve.runners.pytorch.model.lora import LayerLora, StepLora
 from slotserve.runners.pytorch.model.moe import SparseMlp
 from slotserve.runners.pytorch.model.rotary import (
@@ -128,6 +134,9 @@ class DecoderLayer(nn.Module):
                 c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype
             )
             self.down = Projection(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            if hasattr(self, name):
+                getattr(self, name).by_role = True
         plus_one, eps = c.plus_one_norms, c.rms_norm_eps
         self.input_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
         self.post_attention_norm = RmsNorm(c.hidden_size, eps, plus_one, dtype)
@@ -322,49 +331,55 @@ class Decoder(nn.Module):
             return self.stack.run(  # type: ignore[no-any-return]
                 hidden, paged.positions, paged.cache_rows, paged.block_tables, paged.token_seq,
                 paged.block_size, [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers],
+                paged.prompt_rows,
             )  # fmt: skip
-        norm = _Norms(kernels)
-        residual: torch.Tensor | None = None
-        for index, layer in enumerate(self.decoder_layers):
-            # The previous layer's MLP output joins the residual stream inside the norm.
-            x, residual = norm.add(hidden, residual, layer.input_norm)
-            if layer.is_linear:
-                assert linear_step is not None and linear_states is not None
-                x = linear_attention(layer.linear, x, linear_step, linear_states[index], c)
-            else:
-                sliding = c.is_sliding(index)
-                local = sliding and c.rope_local_theta is not None
-                x = layer.attention(
-                    x,
-                    local_rotary if local else rotary,
-                    step,
-                    kv_layers[index],
-                    sliding,
-                    c,
-                    kernels,
-                    None if lora is None else LayerLora(lora, index),
-                    rotary_rows,
-                )
-            if tp is not None:  # each rank's o_proj gave a partial sum
-                x = tp.all_reduce(x)
-            if c.sandwich_norms:
-                x = norm(x, layer.post_attention_norm)
-                x, residual = norm.add(x, residual, layer.pre_mlp_norm)
-            else:
-                x, residual = norm.add(x, residual, layer.post_attention_norm)
-            x = layer.mlp(x, c, kernels, None if lora is None else LayerLora(lora, index))
-            if tp is not None:
-                x = tp.all_reduce(x)
-            if c.sandwich_norms:
-                x = norm(x, layer.post_mlp_norm)
-            hidden = x
-            if images is not None and index < len(images.deepstack):
-                # Added to the layer's whole output: the residual stream is made whole (the
-                # next norm adds a zero to it, exactly).
-                assert residual is not None and images.rows is not None
-                residual = (residual + hidden).index_add_(0, images.rows, images.deepstack[index])
-                hidden = torch.zeros_like(hidden)
-        return hidden if residual is None else residual + hidden
+        # The rows of prompt tokens, for the layers' quantized projections.
+        prompts = step.paged.prompt_rows if step.paged is not None else None
+        with prompt_rows(prompts):
+            norm = _Norms(kernels)
+            residual: torch.Tensor | None = None
+            for index, layer in enumerate(self.decoder_layers):
+                # The previous layer's MLP output joins the residual stream inside the norm.
+                x, residual = norm.add(hidden, residual, layer.input_norm)
+                if layer.is_linear:
+                    assert linear_step is not None and linear_states is not None
+                    x = linear_attention(layer.linear, x, linear_step, linear_states[index], c)
+                else:
+                    sliding = c.is_sliding(index)
+                    local = sliding and c.rope_local_theta is not None
+                    x = layer.attention(
+                        x,
+                        local_rotary if local else rotary,
+                        step,
+                        kv_layers[index],
+                        sliding,
+                        c,
+                        kernels,
+                        None if lora is None else LayerLora(lora, index),
+                        rotary_rows,
+                    )
+                if tp is not None:  # each rank's o_proj gave a partial sum
+                    x = tp.all_reduce(x)
+                if c.sandwich_norms:
+                    x = norm(x, layer.post_attention_norm)
+                    x, residual = norm.add(x, residual, layer.pre_mlp_norm)
+                else:
+                    x, residual = norm.add(x, residual, layer.post_attention_norm)
+                x = layer.mlp(x, c, kernels, None if lora is None else LayerLora(lora, index))
+                if tp is not None:
+                    x = tp.all_reduce(x)
+                if c.sandwich_norms:
+                    x = norm(x, layer.post_mlp_norm)
+                hidden = x
+                if images is not None and index < len(images.deepstack):
+                    # Added to the layer's whole output: the residual stream is made whole (the
+                    # next norm adds a zero to it, exactly).
+                    assert residual is not None and images.rows is not None
+                    residual = (residual + hidden).index_add_(
+                        0, images.rows, images.deepstack[index]
+                    )
+                    hidden = torch.zeros_like(hidden)
+            return hidden if residual is None else residual + hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of final hidden states."""

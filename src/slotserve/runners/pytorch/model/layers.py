@@ -3,6 +3,9 @@ activations."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,20 @@ if TYPE_CHECKING:
 # dimension is at most this long (measured up to 600 rows); beyond it some row counts switch to
 # a split-K schedule that sums in another order.
 INVARIANT_MAX_K = 1024
+
+# The rows of prompt tokens in the step a decoder is running (``Decoder.forward``), which its
+# layers' quantized projections multiply in the dequantized arithmetic (``quant_linear``).
+_PROMPT_ROWS: ContextVar[torch.Tensor | None] = ContextVar("prompt_rows", default=None)
+
+
+@contextmanager
+def prompt_rows(rows: torch.Tensor | None) -> Iterator[None]:
+    """``rows`` (bool, one per row of the step) are a prompt's tokens inside the block."""
+    token = _PROMPT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PROMPT_ROWS.reset(token)
 
 
 def onednn_bf16() -> bool:
@@ -62,6 +79,10 @@ class Projection(nn.Linear):
     kernel_bias: torch.Tensor | None = None  # the bias in float32, as the GEMM adds it
     invariant = False  # through ``gpu_matmul.invariant_linear`` (--batch-invariant on GPUs)
     quant_parts: list[QuantPart] | None = None  # the weight kept quantized, rows in order
+    # A layer's own projection, whose rows are the step's tokens: kept quantized, it
+    # multiplies a prompt's rows in the dequantized arithmetic and generated ones in the
+    # integer one (a row's kind, never its batch, chooses; ``csrc/quant_linear.cpp``).
+    by_role = False
 
     def reset_parameters(self) -> None:
         """Nothing: every weight is loaded (``load/weights.py`` refuses a checkpoint that
@@ -119,7 +140,8 @@ class Projection(nn.Linear):
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
             if self.quant_parts is not None:
-                out = self._quant_linear(rows, self.kernels, self.quant_parts)
+                prompts = _PROMPT_ROWS.get() if self.by_role else None
+                out = self._quant_linear(rows, self.kernels, self.quant_parts, prompts)
             else:
                 assert self.kernel_weight is not None
                 out = self.kernels.linear(
@@ -139,12 +161,14 @@ class Projection(nn.Linear):
         return total.to(x.dtype)
 
     @staticmethod
-    def _quant_linear(x: torch.Tensor, kernels: CpuKernels, parts: list[QuantPart]) -> torch.Tensor:
-        if len(parts) == 1:
-            part = parts[0]
-            return kernels.quant_linear(x, part.packed, part.format, part.rows, part.bias)
-        outs = [kernels.quant_linear(x, p.packed, p.format, p.rows, p.bias) for p in parts]
-        return torch.cat(outs, dim=1)
+    def _quant_linear(
+        x: torch.Tensor, kernels: CpuKernels, parts: list[QuantPart], prompts: torch.Tensor | None
+    ) -> torch.Tensor:
+        outs = [
+            kernels.quant_linear(x, p.packed, p.format, p.rows, p.bias, prompt_rows=prompts)
+            for p in parts
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 class Embedding(nn.Embedding):

@@ -122,6 +122,7 @@ class ModelShard:
         )
         if isinstance(weights, QuantWeights):
             quantized_types = ", ".join(weights.kinds())
+        self.quantized = bool(quantized_types)  # some projections keep their weights so
         # A sequence classifier's score head (``step/score_head.py``).
         self.classifier = aside[CLASSIFIER_WEIGHT].float() if aside else None
         self.lm_head_rows = (
@@ -132,7 +133,11 @@ class ModelShard:
         self.model.stack = layer_stack(self.model)
         self.compute = compute_path(device, dtype, self.model.kernels)
         if quantized_types:
-            kernels = f"{self.compute.kernels}, weights kept quantized ({quantized_types})"
+            gemm = self.model.kernels.gemm if self.model.kernels else "none"
+            kernels = (
+                f"{self.compute.kernels}, weights kept quantized ({quantized_types}), "
+                f"prompts dequantized on the {gemm} GEMM"
+            )
             tiles = self.model.kernels.quant_tiles if self.model.kernels else "none"
             if tiles != "none":
                 kernels += f", batches' sums on {tiles} tiles"

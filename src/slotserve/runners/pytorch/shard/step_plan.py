@@ -26,6 +26,9 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, tag=True):
     groups: list[GroupPlan]
     block_copies: list[tuple[int, int]]  # copy-on-write before the step: (source, target)
     logit_rows: list[list[int]]  # rows whose logits are computed, call by call, in order
+    # Whether each token is its sequence's prompt's (not one it generated): quantized
+    # projections multiply the two kinds in two arithmetics (``model/layers.py``).
+    prompt_rows: list[bool]
     # Gated DeltaNet (``deltanet.LinearStep``): slots starting from a zero state, slots
     # resuming from a saved state (pool row, slot), decoding slots, prompt chunks (row,
     # length, slot, position), states to save (slot, position, pool row).
@@ -51,4 +54,5 @@ def paged_step(plan: StepPlan, block_size: int) -> PagedStep:
         torch.tensor(plan.positions, dtype=torch.int32),
         torch.tensor(plan.write_rows, dtype=torch.int32),
         block_size,
+        torch.tensor(plan.prompt_rows, dtype=torch.bool) if any(plan.prompt_rows) else None,
     )

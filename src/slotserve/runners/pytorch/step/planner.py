@@ -61,6 +61,7 @@ class StepPlanner:
         tokens: list[int] = []
         positions: list[int] = []
         write_rows: list[int] = []
+        prompt_rows: list[bool] = []
         sample_rows: list[int] = []
         logit_rows: list[list[int]] = []
         scoring: list[ScheduledChunk] = []
@@ -72,6 +73,8 @@ class StepPlanner:
                 logit_rows.append(list(range(first, first + len(chunk.prompt_logprob_targets))))
             tokens.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, end))
+            prompt_end = self._prompt_lengths.get(chunk.slot, 0)
+            prompt_rows.extend(p < prompt_end for p in range(chunk.start_pos, end))
             write_rows.extend(self.pool.rows(chunk.slot, chunk.start_pos, end))
             if chunk.sample:
                 sample_rows.extend(range(len(tokens) - 1 - chunk.num_drafts, len(tokens)))
@@ -85,6 +88,7 @@ class StepPlanner:
             self._groups(ordered),
             self.pool.take_pending_copies(),
             logit_rows,
+            prompt_rows,
             **self._linear_plan(ordered),
         )
         return plan, scoring, sampling
