@@ -48,8 +48,9 @@ class ChunkPolicy:
     # path than a long chunk's (reason 1 above).
     odd_part_alone: bool = False
     # A runner that computes a generated token's K and V in another arithmetic than a prompt
-    # token's (the PyTorch runner's quantized projections): the cache keeps prompts only, as
-    # with a grain, since a later prompt holding those tokens would compute them as a prompt.
+    # token's (the PyTorch runner's quantized projections on AMX): the cache keeps prompts
+    # only, as with a grain, since a later prompt holding those tokens would compute them as
+    # a prompt.
     prompts_only: bool = False
 
     def __post_init__(self) -> None:

@@ -129,7 +129,9 @@ class TorchRunner:
         self.forward_seconds = 0.0
 
         snapshots = load.snapshots if self.shard.linear_states is not None else 0
-        rules = quantized_rules(recurrent_state_rules(config, snapshots), self.shard.quantized)
+        rules = quantized_rules(
+            recurrent_state_rules(config, snapshots), self.shard.model.prompts_dequantized
+        )
         cost = context_cost(config, self.device)
         if self.score_head is not None:
             rules["speculative_unsupported"] = "the model is a reranker: it does not generate"

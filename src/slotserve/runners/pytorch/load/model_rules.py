@@ -48,12 +48,12 @@ def recurrent_state_rules(config: ModelConfig, snapshots: int) -> dict[str, Any]
     }
 
 
-def quantized_rules(rules: dict[str, Any], quantized: bool) -> dict[str, Any]:
-    """``rules`` with what weights kept quantized change: a generated token's K and V come
-    from the integer arithmetic, a prompt's from the dequantized one (``model/layers.py``),
-    so the prefix cache keeps prompts only (a later prompt through the same tokens would
-    compute them as a prompt)."""
-    if not quantized:
+def quantized_rules(rules: dict[str, Any], prompts_dequantized: bool) -> dict[str, Any]:
+    """``rules`` with what a prompt's rows dequantized change: a generated token's K and V
+    come from the integer arithmetic, a prompt's from the dequantized one
+    (``model/layers.py``), so the prefix cache keeps prompts only (a later prompt through the
+    same tokens would compute them as a prompt)."""
+    if not prompts_dequantized:
         return rules
     policy = rules.get("chunk_policy", ANY_SIZE)
     return {**rules, "chunk_policy": dataclasses.replace(policy, prompts_only=True)}

@@ -287,6 +287,9 @@ class Decoder(nn.Module):
         # The layers chained in one call of the kernels (``layer_stack.py``), set by the shard
         # where every layer is one the chain computes.
         self.stack: Any | None = None
+        # Whether the layers' quantized projections multiply a prompt's rows dequantized
+        # (``model/layers.py``): where the GEMM is AMX's, which then outruns the integer sums.
+        self.prompts_dequantized = False
 
     def forward(
         self,
@@ -331,10 +334,12 @@ class Decoder(nn.Module):
             return self.stack.run(  # type: ignore[no-any-return]
                 hidden, paged.positions, paged.cache_rows, paged.block_tables, paged.token_seq,
                 paged.block_size, [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers],
-                paged.prompt_rows,
+                paged.prompt_rows if self.prompts_dequantized else None,
             )  # fmt: skip
         # The rows of prompt tokens, for the layers' quantized projections.
-        prompts = step.paged.prompt_rows if step.paged is not None else None
+        prompts = None
+        if step.paged is not None and self.prompts_dequantized:
+            prompts = step.paged.prompt_rows
         with prompt_rows(prompts):
             norm = _Norms(kernels)
             residual: torch.Tensor | None = None

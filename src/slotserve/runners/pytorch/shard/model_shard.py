@@ -122,7 +122,6 @@ class ModelShard:
         )
         if isinstance(weights, QuantWeights):
             quantized_types = ", ".join(weights.kinds())
-        self.quantized = bool(quantized_types)  # some projections keep their weights so
         # A sequence classifier's score head (``step/score_head.py``).
         self.classifier = aside[CLASSIFIER_WEIGHT].float() if aside else None
         self.lm_head_rows = (
@@ -132,12 +131,14 @@ class ModelShard:
         weights.prepare(self.model, load.batch_invariant)
         self.model.stack = layer_stack(self.model)
         self.compute = compute_path(device, dtype, self.model.kernels)
+        # A prompt's rows dequantized where the AMX GEMM outruns the integer sums (elsewhere
+        # the bfloat16 GEMM is slower than they are).
+        gemm = self.model.kernels.gemm if self.model.kernels else "none"
+        self.model.prompts_dequantized = bool(quantized_types) and gemm == "amx"
         if quantized_types:
-            gemm = self.model.kernels.gemm if self.model.kernels else "none"
-            kernels = (
-                f"{self.compute.kernels}, weights kept quantized ({quantized_types}), "
-                f"prompts dequantized on the {gemm} GEMM"
-            )
+            kernels = f"{self.compute.kernels}, weights kept quantized ({quantized_types})"
+            if self.model.prompts_dequantized:
+                kernels += ", prompts dequantized on the AMX GEMM"
             tiles = self.model.kernels.quant_tiles if self.model.kernels else "none"
             if tiles != "none":
                 kernels += f", batches' sums on {tiles} tiles"
