@@ -33,6 +33,34 @@ struct PairValues {
     __m128i lo, hi;
 };
 
+// Sixteen codes of one 32-byte half of a 4- or 6-bit unit (outputs 0-7 or 8-15), the pair's two
+// inputs of each output side by side, by byte shuffles (pair_values's 4- and 6-bit codes).
+template <int BITS, int SUPER>
+static inline __attribute__((always_inline)) __m128i unit_half(const uint8_t* codes, int64_t pair,
+                                                              int half) {
+    const int first = int(pair % 2) * 2, shift = int(pair % 4) / 2 * 4;
+    const __m256i unit = _mm256_loadu_si256((const __m256i*)(codes + pair / 4 * 64 + 32 * half));
+    __m256i v = _mm256_and_si256(_mm256_srli_epi16(unit, shift), _mm256_set1_epi8(0x0f));
+    if constexpr (BITS == 6) {
+        const __m256i h = _mm256_loadu_si256(
+            (const __m256i*)(codes + SUPER / 2 * 16 + pair / 8 * 64 + 32 * half));
+        const int high_at = (pair / 4 % 2 == 0 ? 4 : 0) + int(pair % 4) / 2 * 2;
+        // The two bits at high_at moved to bits 4-5: a 16-bit shift carries bits across a byte
+        // boundary only where the mask then drops them.
+        const __m256i moved = high_at >= 4 ? _mm256_srli_epi16(h, high_at - 4)
+                                           : _mm256_slli_epi16(h, 4 - high_at);
+        v = _mm256_or_si256(v, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+    }
+    // Bytes 4j + first and 4j + first + 1 of each 128-bit lane's four outputs, then the lanes'
+    // eight bytes side by side (the upper eight of each lane are dropped).
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12,
+                         13, 0, 1, 4, 5, 8, 9, 12, 13),
+        _mm256_set1_epi8(char(first)));
+    return _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08));  // qwords 0 and 2
+}
+
 template <int BITS, int OFFSET, int SUPER, bool RAW = false>
 static inline __attribute__((always_inline)) PairValues pair_values(const uint8_t* codes,
                                                                    int64_t pair) {
@@ -45,22 +73,9 @@ static inline __attribute__((always_inline)) PairValues pair_values(const uint8_
     }
     const __m128i nibble = _mm_set1_epi8(0x0f);
     if constexpr (BITS == 4 || BITS == 6) {
-        // From the pair's unit of 8 inputs, byte by byte (rows looked up): six bits take their
-        // high two from the high plane (quant_byte_pairs.h's high_bits).
-        const uint8_t* unit = codes + pair / 4 * 64;
-        const uint8_t* high = codes + SUPER / 2 * 16 + pair / 8 * 64;
-        const int high_at = (pair / 4 % 2 == 0 ? 4 : 0) + int(pair % 4) / 2 * 2;
-        const int first = int(pair % 2) * 2, shift = int(pair % 4) / 2 * 4;
-        alignas(16) uint8_t bytes[32];  // outputs 0-7's (even, odd) codes, then 8-15's
-        for (int j = 0; j < 16; ++j)
-            for (int e = 0; e < 2; ++e) {
-                const int at = 4 * j + first + e;
-                int code = (unit[at] >> shift) & 0x0f;
-                if constexpr (BITS == 6) code |= ((high[at] >> high_at) & 3) << 4;
-                bytes[2 * j + e] = uint8_t(code);
-            }
-        v.lo = _mm_load_si128((const __m128i*)bytes);
-        v.hi = _mm_load_si128((const __m128i*)(bytes + 16));
+        // From the pair's unit of 8 inputs (six bits take their high two from the high plane).
+        v.lo = unit_half<BITS, SUPER>(codes, pair, 0);
+        v.hi = unit_half<BITS, SUPER>(codes, pair, 1);
     } else {  // five bits: the low four as the pair's nibbles, the fifth from the high bits
         const __m128i both = _mm_loadu_si128((const __m128i*)(codes + pair * 16));
         v.lo = _mm_and_si128(both, nibble);

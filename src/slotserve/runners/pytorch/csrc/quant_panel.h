@@ -6,51 +6,6 @@
 
 namespace quant {
 
-// Sixteen codes of one 32-byte half of a 4- or 6-bit unit (outputs 0-7 or 8-15), the pair's two
-// inputs of each output side by side: pair_values's bytes, by shuffles rather than a byte loop.
-template <int BITS, int SUPER>
-static inline __attribute__((always_inline)) __m128i unit_half(const uint8_t* codes, int64_t pair,
-                                                              int half) {
-    const int first = int(pair % 2) * 2, shift = int(pair % 4) / 2 * 4;
-    const __m256i unit = _mm256_loadu_si256((const __m256i*)(codes + pair / 4 * 64 + 32 * half));
-    __m256i v = _mm256_and_si256(_mm256_srli_epi16(unit, shift), _mm256_set1_epi8(0x0f));
-    if constexpr (BITS == 6) {
-        const __m256i h = _mm256_loadu_si256(
-            (const __m256i*)(codes + SUPER / 2 * 16 + pair / 8 * 64 + 32 * half));
-        const int high_at = (pair / 4 % 2 == 0 ? 4 : 0) + int(pair % 4) / 2 * 2;
-        // The two bits at high_at moved to bits 4-5: a 16-bit shift carries bits across a byte
-        // boundary only where the mask then drops them.
-        const __m256i moved = high_at >= 4 ? _mm256_srli_epi16(h, high_at - 4)
-                                           : _mm256_slli_epi16(h, 4 - high_at);
-        v = _mm256_or_si256(v, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
-    }
-    // Bytes 4j + first and 4j + first + 1 of each 128-bit lane's four outputs, then the lanes'
-    // eight bytes side by side (the upper eight of each lane are dropped).
-    const __m256i pick = _mm256_add_epi8(
-        _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12,
-                         13, 0, 1, 4, 5, 8, 9, 12, 13),
-        _mm256_set1_epi8(char(first)));
-    return _mm256_castsi256_si128(
-        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08));  // qwords 0 and 2
-}
-
-// pair_values, the 4- and 6-bit codes' by unit_half.
-template <int BITS, int OFFSET, int SUPER>
-static inline __attribute__((always_inline)) PairValues panel_pair(const uint8_t* codes,
-                                                                   int64_t pair) {
-    if constexpr (BITS == 4 || BITS == 6) {
-        PairValues v{unit_half<BITS, SUPER>(codes, pair, 0),
-                     unit_half<BITS, SUPER>(codes, pair, 1)};
-        if constexpr (OFFSET != 0) {
-            v.lo = _mm_sub_epi8(v.lo, _mm_set1_epi8(char(OFFSET)));
-            v.hi = _mm_sub_epi8(v.hi, _mm_set1_epi8(char(OFFSET)));
-        }
-        return v;
-    } else {
-        return pair_values<BITS, OFFSET, SUPER>(codes, pair);
-    }
-}
-
 // Sixteen outputs' scales (or minimums) as the lanes of one pair's eight outputs, each twice:
 // outputs 0-7's (`half` 0) or 8-15's.
 #if SLOTSERVE_AVX512
@@ -116,7 +71,7 @@ static void group_values(const Operands& op, int64_t g, uint16_t* out) {
             const Acc scale_hi = pairs_of(w.scale, 1), min_hi = pairs_of(w.min, 1);
 #pragma GCC unroll 16
             for (int p = s * SUB / 2; p < (s + 1) * SUB / 2; ++p) {
-                const PairValues v = panel_pair<BITS, OFFSET, SUPER>(codes, p);
+                const PairValues v = pair_values<BITS, OFFSET, SUPER>(codes, p);
                 uint16_t* pair_out = out + (b * SUPER / 2 + p) * 32;
                 panel_half(v.lo, scale_lo, min_lo, pair_out);
                 panel_half(v.hi, scale_hi, min_hi, pair_out + 16);

@@ -328,18 +328,18 @@ class Decoder(nn.Module):
             rotary = self.cos[positions], self.sin[positions]
             if c.rope_local_theta is not None:
                 local_rotary = self.local_cos[positions], self.local_sin[positions]
+        # The rows of prompt tokens, for the layers' quantized projections.
+        prompts = None
+        if step.paged is not None and self.prompts_dequantized:
+            prompts = step.paged.prompt_rows
         if kernels is not None and self.stack is not None and lora is None and images is None:
             assert step.paged is not None and not step.image_groups
             paged = step.paged
             return self.stack.run(  # type: ignore[no-any-return]
                 hidden, paged.positions, paged.cache_rows, paged.block_tables, paged.token_seq,
                 paged.block_size, [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers],
-                paged.prompt_rows if self.prompts_dequantized else None,
+                prompts,
             )  # fmt: skip
-        # The rows of prompt tokens, for the layers' quantized projections.
-        prompts = None
-        if step.paged is not None and self.prompts_dequantized:
-            prompts = step.paged.prompt_rows
         with prompt_rows(prompts):
             norm = _Norms(kernels)
             residual: torch.Tensor | None = None
