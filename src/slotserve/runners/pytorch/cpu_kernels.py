@@ -174,17 +174,14 @@ class CpuKernels:
         tiles: str = "",
         prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` in bfloat16 for a weight kept quantized (``packed`` by
-        :meth:`quant_pack` in ``format``). Rows marked in ``prompt_rows`` (bool, one per row)
-        multiply the dequantized weight on :attr:`gemm` (csrc/quant_linear.cpp), the others sum
-        as csrc/quant_gemm.h states. A row's bits depend on neither the other rows, the thread
-        count, the instruction set nor ``tiles`` (``amx``, ``none``, or ``amx-emulated`` for
-        tests; by default :attr:`quant_tiles`)."""
+        """``x @ weight.T + bias`` in bfloat16, the weight ``packed`` by :meth:`quant_pack`:
+        rows marked in ``prompt_rows`` on the dequantized weight and :attr:`gemm`, the others as
+        csrc/quant_gemm.h sums; a row's bits depend on neither the other rows, the threads, the
+        instruction set nor ``tiles`` (``amx``, ``none``, ``amx-emulated``; :attr:`quant_tiles`)."""
         f = format
         return self._m.quant_linear(  # type: ignore[no-any-return]
             x, packed, out_features, f.bits, f.offset, f.has_min, f.sub, f.super, bias, tiles,
-            prompt_rows,
-        )  # fmt: skip
+            prompt_rows)  # fmt: skip
 
     def quant_rows(
         self, packed: torch.Tensor, rows: torch.Tensor, format: QuantFormat, n: int, k: int
