@@ -29,7 +29,38 @@ constexpr int kPrefetch = 16;       // keys ahead, to level 1, in a lone row (Ro
 constexpr int kFarPrefetch = 96;    // keys ahead, to level 2
 constexpr int kValuePrefetch = 32;  // values ahead, to level 2, during the scores
 
-#if !SLOTSERVE_AVX512
+// exp(x) for a softmax's x = score - m <= 0 (or NaN), whose result is rounded to bfloat16:
+// x log2(e) = n + f with n whole and f in [-1/2, 1/2] (log2(e) in two parts), 2^f by a degree-5
+// minimax polynomial (relative error ~2e-7 in float32, as Cephes' expf), times 2^n; 0 below
+// the smallest normal's logarithm. Every step is one fused or exact operation, so the AVX2
+// build's exp_nonpositive has these bits.
+constexpr float kExpLowest = -87.3365447504f;
+constexpr float kExpRound = 12582912.0f;  // 1.5 * 2^23: added to |t| < 2^22, rounds it whole
+constexpr float kLog2eHigh = 1.44269502162933349609375f, kLog2eLow = 1.925963033500011e-08f;
+constexpr float kExp2Poly[6] = {1.0000001192092896f,   0.6931469440460205f,
+                                0.24022120237350464f,  0.05550713092088699f,
+                                0.009675540961325169f, 0.0013276472454890609f};
+
+#if SLOTSERVE_AVX512
+template <int N>
+static inline __attribute__((always_inline)) void exp_nonpositive_n(vf* x) {
+    const vf lo = splat(kExpLowest), round = splat(kExpRound);
+    __mmask16 keep[N];
+    vf n[N], f[N], p[N];
+    for (int i = 0; i < N; ++i) {
+        keep[i] = _mm512_cmp_ps_mask((__m512)x[i], (__m512)lo, _CMP_NLT_UQ);
+        x[i] = x[i] < lo ? lo : x[i];
+        n[i] = vfma(x[i], splat(kLog2eHigh), round) - round;
+    }
+    for (int i = 0; i < N; ++i)
+        f[i] = vfma(x[i], splat(kLog2eLow), vfma(x[i], splat(kLog2eHigh), -n[i]));
+    for (int i = 0; i < N; ++i) p[i] = vfma(splat(kExp2Poly[5]), f[i], splat(kExp2Poly[4]));
+    for (int k = 3; k >= 0; --k)
+        for (int i = 0; i < N; ++i) p[i] = vfma(p[i], f[i], splat(kExp2Poly[k]));
+    for (int i = 0; i < N; ++i)
+        x[i] = (vf)_mm512_maskz_scalef_ps(keep[i], (__m512)p[i], (__m512)n[i]);
+}
+#else
 #include "attention_avx2.h"
 #endif
 
@@ -207,16 +238,18 @@ static inline __attribute__((always_inline)) void value_pair(vf* acc, int chunks
 #endif
 }
 
+#if SLOTSERVE_AVX512
 // N vectors of bfloat16 probabilities exp(score - mx), added to ``total`` in order.
 template <int N>
 static inline __attribute__((always_inline)) void probabilities(const float* scores, float mx,
                                                                 uint16_t* probs, vf& total) {
     vf e[N];
     for (int i = 0; i < N; ++i) e[i] = load_f32(scores + i * kLanes) - mx;
-    vexp_n<N, true>(e);
+    exp_nonpositive_n<N>(e);
     for (int i = 0; i < N; ++i) e[i] = store_rounded_bf16(probs + i * kLanes, e[i]);
     for (int i = 0; i < N; ++i) total += e[i];
 }
+#endif
 
 // Each row-head's largest score, its bfloat16 probabilities and their sum (from the rounded
 // values), over its n keys; its acc zeroed.

@@ -145,24 +145,16 @@ static inline float row_max_halves(const float* row, int padded) {
     return hmax(v);
 }
 
-// vexp_n<1, true>'s steps for eight lanes (the AVX2 branch: the scale built from n's bits).
+// exp_nonpositive_n's steps for eight lanes (the scale built from n's bits: 2^n is normal).
 static inline __attribute__((always_inline)) __m256 exp_nonpositive(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3365447504f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 lo = _mm256_set1_ps(kExpLowest), round = _mm256_set1_ps(kExpRound);
+    const __m256 high = _mm256_set1_ps(kLog2eHigh);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_blendv_ps(x, lo, under);
-    const __m256 n = _mm256_sub_ps(
-        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    auto step = [&](__m256 p, float c) {
-        return _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
-    };
-    __m256 p = step(_mm256_set1_ps(1.9875691500e-4f), 1.3981999507e-3f);
-    p = step(p, 8.3334519073e-3f);
-    p = step(p, 4.1665795894e-2f);
-    p = step(p, 1.6666665459e-1f);
-    p = step(p, 5.0000001201e-1f);
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, high, round), round);
+    const __m256 f = _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2eLow), _mm256_fmsub_ps(x, high, n));
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExp2Poly[5]), f, _mm256_set1_ps(kExp2Poly[4]));
+    for (int k = 3; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[k]));
     const __m256i scale =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));

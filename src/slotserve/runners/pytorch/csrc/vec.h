@@ -148,17 +148,15 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 // exp(x) in float32: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
 // coefficients, ~1 ulp); 0 below the smallest normal's logarithm. N vectors in place, each step
 // for all of them before the next: the steps form one long dependent chain per vector, so N
-// chains side by side keep the core's schedulers fed. ``nonpositive``: every x is <= 0 or NaN
-// (a softmax's score less its maximum), so the upper clamp is left out; the bits are the same.
-template <int N, bool nonpositive = false>
+// chains side by side keep the core's schedulers fed.
+template <int N>
 static inline __attribute__((always_inline)) void vexp_n(vf* x) {
     const vf hi = splat(88.0f), lo = splat(-87.3365447504f);
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     vi under[N];
     vf n[N], r[N], p[N];
     for (int i = 0; i < N; ++i) under[i] = x[i] < lo;
-    if constexpr (!nonpositive)
-        for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
+    for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
     for (int i = 0; i < N; ++i) x[i] = x[i] < lo ? lo : x[i];
     for (int i = 0; i < N; ++i) n[i] = (x[i] * 1.44269504088896341f + magic) - magic;
     for (int i = 0; i < N; ++i) r[i] = x[i] - n[i] * 0.693359375f;
