@@ -36,7 +36,6 @@ struct AmxPads {
         if (last == heads) return;
         std::memset(q, 0, sizeof(uint16_t) * amx::kRows * d);
         std::memset(probs, 0, sizeof(probs));
-        std::memset(acc, 0, sizeof(float) * amx::kRows * d);  // softmax_rows zeroed t.acc
         for (int r = last; r < heads; ++r)
             std::memcpy(q + (r - last) * d, t.q + int64_t(r) * t.q_stride, 2 * d);
     }
@@ -58,10 +57,12 @@ static inline __attribute__((always_inline)) void score_dot(T& tiles, RowTile a,
 
 // Scores of sixteen keys from j0 (transposed: vector 16c + l holds pair 16c + l of each key, an
 // AMX B tile per sixteen pairs) for every row-head: up to four row tiles at once, each in its C
-// tile, so that the unit's dot products overlap and each B tile is loaded once for them.
+// tile, so that the unit's dot products overlap and each B tile is loaded once for them. ``raw``:
+// the sums S are stored unscaled (softmax_rows' raw_scale), a whole row tile's straight from its
+// C tile into its rows.
 template <class T>
 static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const vi* kt,
-                       const AmxPads& pads) {
+                       const AmxPads& pads, bool raw) {
     alignas(64) float c[4][amx::kRows][kLanes];
     auto row_tile = [&](int rh) {
         return rh < pads.last ? RowTile{t.q + int64_t(rh) * t.q_stride, int64_t(t.q_stride) * 2}
@@ -80,15 +81,22 @@ static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const 
             if (count > 2) score_dot<2>(tiles, row_tile(rh0 + 2 * amx::kRows), chunk);
             if (count > 3) score_dot<3>(tiles, row_tile(rh0 + 3 * amx::kRows), chunk);
         }
-        tiles.template store<0>(&c[0][0][0], sizeof(c[0][0]));
-        if (count > 1) tiles.template store<1>(&c[1][0][0], sizeof(c[0][0]));
-        if (count > 2) tiles.template store<2>(&c[2][0][0], sizeof(c[0][0]));
-        if (count > 3) tiles.template store<3>(&c[3][0][0], sizeof(c[0][0]));
+        auto direct = [&](int i) { return raw && rh0 + i * amx::kRows < pads.last; };
+        auto at = [&](int i) {
+            return direct(i) ? t.scores + int64_t(rh0 + i * amx::kRows) * kScoreStride + j0
+                             : &c[i][0][0];
+        };
+        auto stride = [&](int i) -> int64_t { return direct(i) ? kScoreStride * 4 : sizeof(c[0][0]); };
+        tiles.template store<0>(at(0), stride(0));
+        if (count > 1) tiles.template store<1>(at(1), stride(1));
+        if (count > 2) tiles.template store<2>(at(2), stride(2));
+        if (count > 3) tiles.template store<3>(at(3), stride(3));
+        const vf scale = splat(raw ? 1.0f : t.scale);
         for (int i = 0; i < count; ++i) {
             const int rh = rh0 + i * amx::kRows;
+            if (direct(i)) continue;
             for (int r = 0; r < std::min(amx::kRows, heads - rh); ++r)
-                store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0,
-                          load_f32(c[i][r]) * t.scale);
+                store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0, load_f32(c[i][r]) * scale);
         }
     }
 }
@@ -119,7 +127,7 @@ static inline __attribute__((always_inline)) void value_dot(T& tiles, const vi* 
     tiles.template dot<C, 4, 6 + C % 2>();
 }
 
-// acc of every row-head advanced by ``chunks`` value chunks from the partition's first key
+// acc of every row-head: from zero, ``chunks`` value chunks from the partition's first key
 // (``vb``), in their order: sixteen row-heads by up to 64 dimensions held in four C tiles
 // while every chunk is added, so acc meets memory once a partition.
 template <class T>
@@ -141,10 +149,10 @@ static void amx_values(T& tiles, const Tile& t, int heads, int d, int chunks, co
         float* const acc = whole ? t.acc + int64_t(rh) * d : pads.acc;
         for (int oc = 0; oc < dims; oc += 4) {
             const bool four = oc + 2 < dims;
-            tiles.template load<0>(acc + oc * kLanes, stride);
-            tiles.template load<1>(acc + (oc + 1) * kLanes, stride);
-            if (four) tiles.template load<2>(acc + (oc + 2) * kLanes, stride);
-            if (four) tiles.template load<3>(acc + (oc + 3) * kLanes, stride);
+            tiles.template zero<0>();
+            tiles.template zero<1>();
+            if (four) tiles.template zero<2>();
+            if (four) tiles.template zero<3>();
             for (int chunk = 0; chunk < chunks; ++chunk) {
                 tiles.template load<4>(p + chunk * kAmxKeys, p_stride);
                 value_dot<0>(tiles, vb, d, chunk, oc);
@@ -186,15 +194,17 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     };
     T tiles;
     AmxPads pads(t, heads, d);
+    const bool raw = t.scale > 0.0f;  // (every model's): the largest score is scale times the largest sum
     for (int j0 = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
         vi* kt = t.ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
         if (j0 + kLanes >= ready) prefetch(kv.keys, j0 + kLanes, kLanes);
         if (j0 >= ready) transpose_keys(kv.keys, offsets, j0, count, pairs, kt);
-        amx_scores(tiles, t, heads, d, j0, kt, pads);
+        amx_scores(tiles, t, heads, d, j0, kt, pads, raw);
     }
     if (t.ready) t.ready->keys = std::max(ready, n_max / kLanes * kLanes);
-    softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, t.acc);
+    // amx_values starts acc from zero tiles
+    softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, nullptr, raw ? t.scale : 0.0f);
     const int end = (n_max + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
     amx_zero_probs(t, heads, end);
     // The value chunks a tile before built whole (every key real) stay.

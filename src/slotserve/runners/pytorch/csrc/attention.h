@@ -239,22 +239,36 @@ static inline __attribute__((always_inline)) void value_pair(vf* acc, int chunks
 }
 
 #if SLOTSERVE_AVX512
-// N vectors of bfloat16 probabilities exp(score - mx), added to ``total`` in order.
-template <int N>
-static inline __attribute__((always_inline)) void probabilities(const float* scores, float mx,
-                                                                uint16_t* probs, vf& total) {
+// N vectors of bfloat16 probabilities exp(score - mx), added to ``total`` in order; with
+// ``Raw`` the scores are sums S and score = scale * S, rounded before the difference.
+template <int N, bool Raw = false>
+static inline __attribute__((always_inline)) vf probabilities(const float* scores, float mx,
+                                                              float scale, uint16_t* probs,
+                                                              vf total) {
     vf e[N];
-    for (int i = 0; i < N; ++i) e[i] = load_f32(scores + i * kLanes) - mx;
+    for (int i = 0; i < N; ++i) {
+        e[i] = load_f32(scores + i * kLanes);
+        if constexpr (Raw)  // no contraction into the difference: the product is rounded
+            e[i] = (vf)_mm512_mul_round_ps((__m512)e[i], (__m512)splat(scale),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        e[i] -= mx;
+    }
     exp_nonpositive_n<N>(e);
     for (int i = 0; i < N; ++i) e[i] = store_rounded_bf16(probs + i * kLanes, e[i]);
     for (int i = 0; i < N; ++i) total += e[i];
+    return total;
 }
 #endif
 
 // Each row-head's largest score, its bfloat16 probabilities and their sum (from the rounded
-// values), over its n keys; its acc zeroed.
+// values), over its n keys; its acc zeroed (``acc`` null: left). ``raw_scale`` > 0: the rows hold the sums S whose
+// scores are raw_scale * S (the AMX tiles store them as the unit leaves them); rounding is
+// monotonic, so the largest score is raw_scale times the largest S, and every score has the
+// bits a scaled row would hold.
 static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int group,
-                                const int* n, int d, float* m, float* s, float* acc) {
+                                const int* n, int d, float* m, float* s, float* acc,
+                                float raw_scale = 0.0f) {
+    const bool raw = raw_scale > 0.0f;
     // Every row-head's largest score first: each exp pass waits on its maximum, and these
     // reductions run side by side.
     for (int rh = 0; rh < heads; ++rh) {
@@ -272,7 +286,10 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
         }
         if (j < padded) odd = vmax(odd, load_f32(row + j));
         m[rh] = hmax(vmax(even, odd));
+        if (raw) m[rh] *= raw_scale;
 #else
+        if (raw)  // (only the AMX build's tiles pass sums)
+            for (int j = 0; j < keys; ++j) row[j] *= raw_scale;
         m[rh] = row_max_halves(row, padded);
 #endif
     }
@@ -285,13 +302,21 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
 #if SLOTSERVE_AVX512
         vf total = splat(0.0f);
         int j = 0;
+        if (raw) {
+            for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
+                total = probabilities<4, true>(row + j, m[rh], raw_scale, p + j, total);
+            for (; j < padded; j += kLanes)
+                total = probabilities<1, true>(row + j, m[rh], raw_scale, p + j, total);
+        }
         for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
-            probabilities<4>(row + j, m[rh], p + j, total);
-        for (; j < padded; j += kLanes) probabilities<1>(row + j, m[rh], p + j, total);
+            total = probabilities<4>(row + j, m[rh], 1.0f, p + j, total);
+        for (; j < padded; j += kLanes)
+            total = probabilities<1>(row + j, m[rh], 1.0f, p + j, total);
         s[rh] = hsum(total);
 #else
         s[rh] = probabilities_halves(row, padded, m[rh], p);
 #endif
-        for (int c = 0; c < d; c += kLanes) store_f32(acc + int64_t(rh) * d + c, splat(0.0f));
+        if (acc)
+            for (int c = 0; c < d; c += kLanes) store_f32(acc + int64_t(rh) * d + c, splat(0.0f));
     }
 }
