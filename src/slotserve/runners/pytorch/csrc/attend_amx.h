@@ -86,7 +86,9 @@ static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const 
             return direct(i) ? t.scores + int64_t(rh0 + i * amx::kRows) * kScoreStride + j0
                              : &c[i][0][0];
         };
-        auto stride = [&](int i) -> int64_t { return direct(i) ? kScoreStride * 4 : sizeof(c[0][0]); };
+        auto stride = [&](int i) -> int64_t {
+            return direct(i) ? kScoreStride * 4 : sizeof(c[0][0]);
+        };
         tiles.template store<0>(at(0), stride(0));
         if (count > 1) tiles.template store<1>(at(1), stride(1));
         if (count > 2) tiles.template store<2>(at(2), stride(2));
@@ -96,7 +98,8 @@ static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const 
             const int rh = rh0 + i * amx::kRows;
             if (direct(i)) continue;
             for (int r = 0; r < std::min(amx::kRows, heads - rh); ++r)
-                store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0, load_f32(c[i][r]) * scale);
+                store_f32(t.scores + int64_t(rh + r) * kScoreStride + j0,
+                          load_f32(c[i][r]) * scale);
         }
     }
 }
@@ -194,7 +197,9 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     };
     T tiles;
     AmxPads pads(t, heads, d);
-    const bool raw = t.scale > 0.0f;  // (every model's): the largest score is scale times the largest sum
+    // Sums left unscaled (softmax_rows' raw_scale) where the scale is positive, as every
+    // model's is: only then is the largest score the scale times the largest sum.
+    const bool raw = t.scale > 0.0f;
     for (int j0 = 0; j0 < n_max; j0 += kLanes) {
         const int count = std::min(kLanes, n_max - j0);
         vi* kt = t.ready ? keys_t + j0 / kLanes * pair_chunks * kLanes : keys_t;
@@ -204,7 +209,8 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     }
     if (t.ready) t.ready->keys = std::max(ready, n_max / kLanes * kLanes);
     // amx_values starts acc from zero tiles
-    softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, nullptr, raw ? t.scale : 0.0f);
+    softmax_rows(t.scores, t.probs, heads, t.group, t.n, d, t.m, t.s, nullptr,
+                 raw ? t.scale : 0.0f);
     const int end = (n_max + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
     amx_zero_probs(t, heads, end);
     // The value chunks a tile before built whole (every key real) stay.

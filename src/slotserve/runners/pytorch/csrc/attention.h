@@ -261,10 +261,10 @@ static inline __attribute__((always_inline)) vf probabilities(const float* score
 #endif
 
 // Each row-head's largest score, its bfloat16 probabilities and their sum (from the rounded
-// values), over its n keys; its acc zeroed (``acc`` null: left). ``raw_scale`` > 0: the rows hold the sums S whose
-// scores are raw_scale * S (the AMX tiles store them as the unit leaves them); rounding is
-// monotonic, so the largest score is raw_scale times the largest S, and every score has the
-// bits a scaled row would hold.
+// values), over its n keys; its acc zeroed (``acc`` null: left alone). ``raw_scale`` > 0: the
+// rows hold the sums S whose scores are raw_scale * S (the AMX tiles store them as the unit
+// leaves them); rounding is monotonic, so the largest score is raw_scale times the largest S,
+// and every score has the bits a scaled row would hold.
 static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int group,
                                 const int* n, int d, float* m, float* s, float* acc,
                                 float raw_scale = 0.0f) {
