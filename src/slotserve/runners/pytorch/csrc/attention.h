@@ -307,11 +307,12 @@ static inline void softmax_rows(float* scores, uint16_t* probs, int heads, int g
                 total = probabilities<4, true>(row + j, m[rh], raw_scale, p + j, total);
             for (; j < padded; j += kLanes)
                 total = probabilities<1, true>(row + j, m[rh], raw_scale, p + j, total);
+        } else {
+            for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
+                total = probabilities<4>(row + j, m[rh], 1.0f, p + j, total);
+            for (; j < padded; j += kLanes)
+                total = probabilities<1>(row + j, m[rh], 1.0f, p + j, total);
         }
-        for (; j + 4 * kLanes <= padded; j += 4 * kLanes)
-            total = probabilities<4>(row + j, m[rh], 1.0f, p + j, total);
-        for (; j < padded; j += kLanes)
-            total = probabilities<1>(row + j, m[rh], 1.0f, p + j, total);
         s[rh] = hsum(total);
 #else
         s[rh] = probabilities_halves(row, padded, m[rh], p);

@@ -146,44 +146,31 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 }
 
 // exp(x) in float32: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
-// coefficients, ~1 ulp); 0 below the smallest normal's logarithm. N vectors in place, each step
-// for all of them before the next: the steps form one long dependent chain per vector, so N
-// chains side by side keep the core's schedulers fed.
-template <int N>
-static inline __attribute__((always_inline)) void vexp_n(vf* x) {
+// coefficients, ~1 ulp); 0 below the smallest normal's logarithm.
+static inline __attribute__((always_inline)) vf vexp(vf x) {
     const vf hi = splat(88.0f), lo = splat(-87.3365447504f);
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    vi under[N];
-    vf n[N], r[N], p[N];
-    for (int i = 0; i < N; ++i) under[i] = x[i] < lo;
-    for (int i = 0; i < N; ++i) x[i] = x[i] > hi ? hi : x[i];
-    for (int i = 0; i < N; ++i) x[i] = x[i] < lo ? lo : x[i];
-    for (int i = 0; i < N; ++i) n[i] = (x[i] * 1.44269504088896341f + magic) - magic;
-    for (int i = 0; i < N; ++i) r[i] = x[i] - n[i] * 0.693359375f;
-    for (int i = 0; i < N; ++i) r[i] = r[i] - n[i] * -2.12194440e-4f;
-    for (int i = 0; i < N; ++i) p[i] = splat(1.9875691500e-4f) * r[i] + 1.3981999507e-3f;
-    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 8.3334519073e-3f;
-    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 4.1665795894e-2f;
-    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 1.6666665459e-1f;
-    for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + 5.0000001201e-1f;
-    for (int i = 0; i < N; ++i) p[i] = p[i] * (r[i] * r[i]) + r[i] + 1.0f;
-    for (int i = 0; i < N; ++i) {
+    const vi under = x < lo;
+    x = x > hi ? hi : x;
+    x = x < lo ? lo : x;
+    const vf n = (x * 1.44269504088896341f + magic) - magic;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f) * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
 #if SLOTSERVE_AVX512
-        // p * 2^n in one instruction, zeroed where x was under: n is a whole number in
-        // [-126, 127], so 2^n is the scale below and the one rounding is the product's.
-        const __mmask16 keep =
-            _mm512_cmpeq_epi32_mask((__m512i)under[i], _mm512_setzero_si512());
-        x[i] = (vf)_mm512_maskz_scalef_ps(keep, (__m512)p[i], (__m512)n[i]);
+    // p * 2^n in one instruction, zeroed where x was under: n is a whole number in
+    // [-126, 127], so 2^n is the scale below and the one rounding is the product's.
+    const __mmask16 keep = _mm512_cmpeq_epi32_mask((__m512i)under, _mm512_setzero_si512());
+    return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
 #else
-        const vi scale = (__builtin_convertvector(n[i], vi) + 127) << 23;
-        x[i] = (vf)((vi)(p[i] * (vf)scale) & ~under[i]);
+    const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)scale) & ~under);
 #endif
-    }
-}
-
-static inline __attribute__((always_inline)) vf vexp(vf x) {
-    vexp_n<1>(&x);
-    return x;
 }
 
 static inline __attribute__((always_inline)) float sexp(float x) {
