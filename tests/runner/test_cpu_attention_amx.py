@@ -137,7 +137,8 @@ def test_an_amx_host_serves_attention_on_its_unit_with_the_emulations_bits(
     kernels: CpuKernels,
 ) -> None:
     """Where the unit passes the GEMM's check and gives the emulation's bits on a small
-    attention problem, attention runs on it; then it must give them on a real batch too."""
+    attention problem, attention runs on it; then it must give them on a real batch too, and
+    to lone decode rows (keys read in place as A tiles, a partial last block copied)."""
     if not kernels._m.runs_amx():
         assert kernels.attention == "vector"
         with pytest.raises(RuntimeError, match="does not run attention on amx"):
@@ -151,3 +152,12 @@ def test_an_amx_host_serves_attention_on_its_unit_with_the_emulations_bits(
     real = pool.attend(kernels, q, seqs, positions)
     with attention_arithmetic(kernels, "amx-emulated"):
         assert torch.equal(pool.attend(kernels, q, seqs, positions), real)
+    for heads, kv_heads, dim in ((9, 3, 64), (32, 8, 128)):
+        pool = vector_tests._Pool([1000, 600], seed=6, kv_heads=kv_heads, dim=dim)
+        q = torch.randn(2, heads, dim, generator=gen).bfloat16()
+        real = pool.attend(kernels, q, [0, 1], [999, 583])
+        with attention_arithmetic(kernels, "amx-emulated"):
+            assert torch.equal(pool.attend(kernels, q, [0, 1], [999, 583]), real)
+        with attention_arithmetic(kernels, "vector"):
+            close = pool.attend(kernels, q, [0, 1], [999, 583])
+        torch.testing.assert_close(real.float(), close.float(), atol=8e-3, rtol=8e-3)

@@ -1,8 +1,9 @@
 // A partition of a tile of rows on AMX tiles (amx_tiles.h; the AVX512-BF16 build only). On a
 // host whose unit gives its documented bits, every partition of a model whose head_dim is a
 // multiple of 32 runs in this arithmetic, so that each row has one arithmetic whatever its
-// batch: a tile's here, a lone row's here or (the shapes compiled for it) in the same arithmetic
-// in vector code (attend_amx_row.h); the pool is read in place as attend_tile_t reads it.
+// batch: a tile's here, a lone row's here or (the shapes compiled for it) with its keys as A
+// tiles (attend_amx_unit_row.h; an int8 pool's in vector code, attend_amx_row.h); the pool is
+// read in place as attend_tile_t reads it.
 //
 // The arithmetic of a row (in place of attention.h's lane tree and value pairs):
 //

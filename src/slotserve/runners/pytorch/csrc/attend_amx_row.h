@@ -1,14 +1,11 @@
-// A lone row's partition in the tiles' arithmetic, computed in vector code (included by
-// isa_kernels.h after attend_amx.h and attend_heads.h; the AVX512-BF16 build only).
+// A lone row's partition from an int8 pool in the tiles' arithmetic, computed in vector code
+// (included by isa_kernels.h after attend_amx.h and attend_heads.h; the AVX512-BF16 build only).
 //
 // Where attention runs in the tiles' arithmetic (attend_amx.h), every row of a model must, so
-// that a decode row keeps the bits it would have in a prefill chunk. On the unit a lone row
-// fills one of an A tile's sixteen rows, and its keys are transposed into B tiles in memory
-// before the unit reads them: the unit does sixteen rows' work for one, and a long context
-// streams from memory at a fraction of the rate the vector code reaches. Here a lone row sums
-// the same products in the same order in vector registers, streaming the pool as the vector
-// arithmetic's lone rows do (attend_row_t one KV head, attend_row_heads_t every KV head at
-// once, an int8 pool's rows in place):
+// that a decode row keeps the bits it would have in a prefill chunk. A bfloat16 pool's lone rows
+// run on the unit with the keys as A tiles (attend_amx_unit_row.h); an int8 pool's rows are
+// widened as they are read, so here a lone row sums the unit's products in the same order in
+// vector registers, streaming the pool's rows in place (attend_heads.h's stream_positions):
 //
 //   score_j  sixteen keys at a time, one per lane (their pairs transposed in registers): per
 //            chunk of sixteen pairs, the even products fused in order from zero, the odd ones
@@ -42,8 +39,8 @@ struct QueryFloats {
 };
 
 // The scores of keys j0 .. j0 + count - 1 (at most sixteen; ``offsets`` from j0's, ``keys`` the
-// row's KV head's first) for each of the G query heads. ``Int8``: an int8 pool's rows.
-template <int CH, int G, bool Int8>
+// row's KV head's first row, of an int8 pool) for each of the G query heads.
+template <int CH, int G>
 static inline __attribute__((always_inline)) void amx_row_scores(const Tile& t,
                                                                  const QueryFloats<CH, G>& qf,
                                                                  const uint16_t* keys,
@@ -57,11 +54,9 @@ static inline __attribute__((always_inline)) void amx_row_scores(const Tile& t,
         for (int jj = 0; jj < kLanes; ++jj) {
             if (jj >= count) {
                 kt[jj] = vi{};
-            } else if constexpr (Int8) {
+            } else {
                 const uint8_t* row = reinterpret_cast<const uint8_t*>(keys + offsets[jj]);
                 kt[jj] = int8_pair_chunk(row, c, int8_scale(row, d));
-            } else {
-                kt[jj] = load_pairs(keys + offsets[jj] + c * kAmxDims);
             }
         }
         transpose_16(kt);
@@ -81,33 +76,28 @@ static inline __attribute__((always_inline)) void amx_row_scores(const Tile& t,
         store_f32(t.scores + int64_t(g) * kScoreStride + j0, sums[g] * t.scale);
 }
 
-// The values of keys ``even`` and ``odd`` (null: past the row's end, zero) in float32, one
-// dimension a lane.
-template <int CH, bool Int8>
+// The values of keys ``even`` and ``odd`` (int8 rows; null: past the row's end, zero) in
+// float32, one dimension a lane.
+template <int CH>
 static inline __attribute__((always_inline)) void value_floats(const uint16_t* even,
                                                                const uint16_t* odd, vf (&ve)[CH],
                                                                vf (&vo)[CH]) {
     if (even == nullptr) {
         for (int c = 0; c < CH; ++c) ve[c] = vo[c] = splat(0.0f);
-    } else if constexpr (Int8) {
-        ValuePairOf<CH> v;
-        load_int8_value_pair(reinterpret_cast<const uint8_t*>(even),
-                             reinterpret_cast<const uint8_t*>(odd), CH * kLanes, v);
-        for (int c = 0; c < CH; ++c) {
-            ve[c] = even_halves(v.pairs[c]);
-            vo[c] = odd_halves(v.pairs[c]);
-        }
-    } else {
-        for (int c = 0; c < CH; ++c) {
-            ve[c] = load_bf16(even + c * kLanes);
-            vo[c] = odd ? load_bf16(odd + c * kLanes) : splat(0.0f);
-        }
+        return;
+    }
+    ValuePairOf<CH> v;
+    load_int8_value_pair(reinterpret_cast<const uint8_t*>(even),
+                         reinterpret_cast<const uint8_t*>(odd), CH * kLanes, v);
+    for (int c = 0; c < CH; ++c) {
+        ve[c] = even_halves(v.pairs[c]);
+        vo[c] = odd_halves(v.pairs[c]);
     }
 }
 
 // Every head's acc advanced by the value chunk of keys j0 .. j0 + 31 (of the row's ``n``;
-// ``values`` the row's KV head's first).
-template <int CH, int G, bool Int8>
+// ``values`` the row's KV head's first row, of an int8 pool).
+template <int CH, int G>
 static inline __attribute__((always_inline)) void amx_row_values(const Tile& t,
                                                                  const uint16_t* values,
                                                                  const int64_t* offsets, int j0,
@@ -126,7 +116,7 @@ static inline __attribute__((always_inline)) void amx_row_values(const Tile& t,
         for (int i = 0; i < amx::kPairs; ++i) {
             const int j = j0 + 2 * i;
             vf ve[CH], vo[CH];
-            value_floats<CH, Int8>(j < n ? values + offsets[j] : nullptr,
+            value_floats<CH>(j < n ? values + offsets[j] : nullptr,
                                    j + 1 < n ? values + offsets[j + 1] : nullptr, ve, vo);
             for (int g = 0; g < kHeads; ++g) {
                 const vf pe = broadcast(p[g0 + g] + 2 * i), po = broadcast(p[g0 + g] + 2 * i + 1);
@@ -156,67 +146,20 @@ static inline void amx_row_softmax(const Tile& t) {
                     sizeof(uint16_t) * (end - from));
 }
 
-// One lone row (``t.rows`` == 1) of KV head ``kv_head``: attend_amx's contract.
+// One lone row's partition for every KV head of an int8 pool (attend_heads.h's
+// stream_positions).
 template <int CH, int G>
-static void attend_amx_row_t(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t) {
-    constexpr int d = CH * kLanes;
-    const int n = t.n[0];
-    int64_t offsets[kPartition];
-    key_offsets(kv, kv_head, table, t.start, n, offsets);
-    const RowPrefetch<d * 2> prefetch{kv.keys, kv.values, offsets, n, d * 2};
-    prefetch.start();
-    const QueryFloats<CH, G> qf(t);
-    for (int j0 = 0; j0 < n; j0 += kLanes) {
-        const int count = std::min(kLanes, n - j0);
-        for (int j = j0; j < j0 + count; ++j) prefetch.ahead_of(j);
-        amx_row_scores<CH, G, false>(t, qf, kv.keys, offsets + j0, j0, count);
-    }
-    amx_row_softmax<CH, G>(t);
-    for (int j0 = 0; j0 < n; j0 += kAmxDims)
-        amx_row_values<CH, G, false>(t, kv.values, offsets, j0, n);
-}
-
-// One lone row's partition for every KV head (attend_heads.h's stream_positions).
-template <int CH, int G, bool Int8>
-static void attend_amx_row_heads_t(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
+static void attend_amx_int8_row_heads_t(const PagedKv& kv, const int32_t* table,
+                                        const Tile* tiles) {
     static_assert(kValueKeys == kAmxDims, "the value pass takes whole chunks");
-    constexpr int d = CH * kLanes, row = row_units_of(d, Int8);
+    constexpr int d = CH * kLanes, row = row_units_of(d, true);
     const int n = tiles[0].n[0];
     auto scores = [&](int h, const int64_t* offsets, int j0, int count) {
-        amx_row_scores<CH, G, Int8>(tiles[h], QueryFloats<CH, G>(tiles[h]),
-                                    kv.keys + int64_t(h) * row, offsets + j0, j0, count);
+        amx_row_scores<CH, G>(tiles[h], QueryFloats<CH, G>(tiles[h]), kv.keys + int64_t(h) * row,
+                              offsets + j0, j0, count);
     };
     auto values = [&](int h, const int64_t* offsets, int j0, int) {
-        amx_row_values<CH, G, Int8>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, n);
+        amx_row_values<CH, G>(tiles[h], kv.values + int64_t(h) * row, offsets, j0, n);
     };
     stream_positions<row>(kv, table, tiles, scores, amx_row_softmax<CH, G>, values);
-}
-
-// attend_tile in the tiles' arithmetic, on the unit (or, ``emulated``, its emulation), but a
-// lone row of a shape compiled above in vector code.
-static void attend_amx(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
-                       bool emulated) {
-#define SLOTSERVE_AMX_ROW_CASE(CH, G) \
-    case CH * 100 + G: return attend_amx_row_t<CH, G>(kv, kv_head, table, t);
-    if (t.rows == 1 && !kv.int8) switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, t.group)) {
-            SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_AMX_ROW_CASE)
-            default: break;
-        }
-#undef SLOTSERVE_AMX_ROW_CASE
-    attend_amx_tiles(kv, kv_head, table, t, emulated);
-}
-
-// A lone row's partition for every KV head in the tiles' arithmetic, from a bfloat16 or an int8
-// pool in place; false (nothing done) for a shape not compiled above.
-static bool attend_amx_row_heads(const PagedKv& kv, const int32_t* table, const Tile* tiles) {
-#define SLOTSERVE_AMX_HEADS_CASE(CH, G)                                     \
-    case CH * 100 + G:                                                       \
-        kv.int8 ? attend_amx_row_heads_t<CH, G, true>(kv, table, tiles)     \
-                : attend_amx_row_heads_t<CH, G, false>(kv, table, tiles);   \
-        return true;
-    switch (SLOTSERVE_SHAPE_CODE(kv.head_dim, tiles[0].group)) {
-        SLOTSERVE_ATTENTION_SHAPES(SLOTSERVE_AMX_HEADS_CASE)
-        default: return false;
-    }
-#undef SLOTSERVE_AMX_HEADS_CASE
 }

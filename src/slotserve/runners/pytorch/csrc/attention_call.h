@@ -105,7 +105,7 @@ struct AttentionCall {
     }
 
     // Whether unit u is a lone row that reads its partitions for every KV head at once
-    // (attend_heads.h, or attend_amx_row.h in the tiles' arithmetic for the shapes compiled
+    // (attend_heads.h, or attend_amx_unit_row.h in the tiles' arithmetic for the shapes compiled
     // there; an int8 pool's rows in place): past one partition (a shorter context is spread
     // over the threads by its heads), no window.
     bool whole_positions(int64_t u) const {

@@ -22,6 +22,7 @@ namespace SLOTSERVE_ISA {
 #if SLOTSERVE_BF16
 #include "attend_amx.h"
 #include "attend_amx_row.h"
+#include "attend_amx_unit_row.h"
 #endif
 #include "gemm_vec.h"
 #include "quant_pairs.h"

@@ -78,8 +78,8 @@ constexpr int kKeysBytes = kPartition / 16 * kMaxPairChunks * 16 * 64;
 constexpr int kVectorScratch = kKeysBytes + kPartition * 256 * 2;
 
 // The attention shapes compiled with head_dim (CH vectors of sixteen) and group (G) known, as
-// X(CH, G): attend.h, attend_heads.h and attend_amx_row.h dispatch on it; every other shape runs
-// their generic code (attend.h) or the tiles (attend_amx.h).
+// X(CH, G): attend.h, attend_heads.h and attend_amx_unit_row.h dispatch on it; every other
+// shape runs their generic code (attend.h) or the tiles (attend_amx.h).
 #define SLOTSERVE_ATTENTION_SHAPES(X) \
     X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(4, 5) X(4, 6) X(8, 1) X(8, 2) X(8, 3) X(8, 4) X(16, 1)
 #define SLOTSERVE_SHAPE_CODE(head_dim, group) ((head_dim) / 16 * 100 + (group))
@@ -161,13 +161,14 @@ struct Kernels {
     // attend_row_heads from an int8 pool in place; false (nothing done) for a shape not
     // compiled.
     bool (*attend_int8_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
-    // attend_tile in the tiles' arithmetic (attend_amx.h, attend_amx_row.h), on the unit or
+    // attend_tile in the tiles' arithmetic (attend_amx.h, attend_amx_unit_row.h), on the unit or
     // emulated; null where not compiled.
     void (*attend_amx)(const PagedKv& kv, int kv_head, const int32_t* table, const Tile& t,
                        bool emulated);
-    // attend_row_heads in the tiles' arithmetic, in vector code; false (nothing done) for a
-    // shape not compiled; null where not compiled.
-    bool (*attend_amx_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles);
+    // attend_row_heads in the tiles' arithmetic (on the unit, or ``emulated``); false
+    // (nothing done) for a shape not compiled; null where not compiled.
+    bool (*attend_amx_row_heads)(const PagedKv& kv, const int32_t* table, const Tile* tiles,
+                                 bool emulated);
     void (*merge_partitions)(const float* m, const float* s, const float* acc, int parts,
                              int group, int d, int ms_stride, int part_stride, uint16_t* out);
     void (*gemm_blocks)(const GemmOperands& op, int64_t rows, int64_t b0, int64_t b1);

@@ -148,7 +148,8 @@ private:
         const int32_t* table = table_of(t0);
         const int beyond = pos_[t0] + 1 - start - n[0];
         if (amx_ != AmxAttention::none)  // whole_positions: a shape it has
-            return (void)k_.attend_amx_row_heads(kv_, table, tiles_from(start, beyond));
+            return (void)k_.attend_amx_row_heads(kv_, table, tiles_from(start, beyond),
+                                                 amx_ == AmxAttention::emulated);
         if (!int8_) return k_.attend_row_heads(kv_, table, tiles_from(start, beyond));
         // An int8 pool's rows are read in place where the kernels have the shape; else the
         // partition is read back into the scratch first, where its keys then start.
