@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void amx_row_values(const Tile& t,
             const int j = j0 + 2 * i;
             vf ve[CH], vo[CH];
             value_floats<CH>(j < n ? values + offsets[j] : nullptr,
-                                   j + 1 < n ? values + offsets[j + 1] : nullptr, ve, vo);
+                             j + 1 < n ? values + offsets[j + 1] : nullptr, ve, vo);
             for (int g = 0; g < kHeads; ++g) {
                 const vf pe = broadcast(p[g0 + g] + 2 * i), po = broadcast(p[g0 + g] + 2 * i + 1);
                 for (int c = 0; c < CH; ++c) {
