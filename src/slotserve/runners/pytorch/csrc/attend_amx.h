@@ -105,17 +105,18 @@ static void amx_scores(T& tiles, const Tile& t, int heads, int d, int j0, const 
     }
 }
 
-// The value chunk from key j0 as B tiles: ``vb[oc * 16 + i]`` holds dimensions 16 oc .. of key
-// pair i, (v_j0+2i, v_j0+2i+1) per lane; keys from ``n`` on are zero.
-static void amx_value_tiles(const PagedKv& kv, const int64_t* offsets, int j0, int n, int d,
+// The value chunk from key j0 (rows at ``values`` + ``offsets``) as B tiles: ``vb[oc * 16 + i]``
+// holds dimensions 16 oc .. of key pair i, (v_j0+2i, v_j0+2i+1) per lane; keys from ``n`` on are
+// zero.
+static void amx_value_tiles(const uint16_t* values, const int64_t* offsets, int j0, int n, int d,
                             vi* vb) {
     alignas(64) static const uint16_t zeros[kMaxChunks * kLanes] = {};
     const int chunks = d / kLanes;
     ValuePair pair;
     for (int i = 0; i < kAmxKeyPairs; ++i) {
         const int j = j0 + 2 * i;
-        load_value_pair(j < n ? kv.values + offsets[j] : zeros,
-                        j + 1 < n ? kv.values + offsets[j + 1] : nullptr, chunks, pair);
+        load_value_pair(j < n ? values + offsets[j] : zeros,
+                        j + 1 < n ? values + offsets[j + 1] : nullptr, chunks, pair);
         for (int oc = 0; oc < chunks; ++oc) vb[oc * kAmxKeyPairs + i] = pair.pairs[oc];
     }
 }
@@ -220,7 +221,7 @@ static void attend_amx_t(const PagedKv& kv, int kv_head, const int32_t* table, c
     prefetch(kv.values, built, kAmxKeys);
     for (int j0 = built; j0 < n_max; j0 += kAmxKeys) {
         prefetch(kv.values, j0 + kAmxKeys, kAmxKeys);
-        amx_value_tiles(kv, offsets, j0, n_max, d, vb + int64_t(j0 / kAmxKeys) * d);
+        amx_value_tiles(kv.values, offsets, j0, n_max, d, vb + int64_t(j0 / kAmxKeys) * d);
     }
     if (t.ready) t.ready->values = std::max(built, n_max / kAmxKeys * kAmxKeys);
     amx_values(tiles, t, heads, d, end / kAmxKeys, vb, pads);

@@ -104,15 +104,8 @@ template <int CH, int G, class T>
 static inline void unit_row_values(T& unit, const Tile& t, const uint16_t* values,
                                    const int64_t* offsets, int j0, int n) {
     constexpr int d = CH * kLanes;
-    alignas(64) static const uint16_t zeros[d] = {};
     alignas(64) vi pairs[CH][amx::kPairs];  // B tile oc: pair i's dimensions 16 oc ..
-    ValuePairOf<CH> pair;
-    for (int i = 0; i < amx::kPairs; ++i) {
-        const int j = j0 + 2 * i;
-        load_value_pair(j < n ? values + offsets[j] : zeros,
-                        j + 1 < n ? values + offsets[j + 1] : nullptr, CH, pair);
-        for (int oc = 0; oc < CH; ++oc) pairs[oc][i] = pair.pairs[oc];
-    }
+    amx_value_tiles(values, offsets, j0, n, d, pairs[0]);
     unit.template load<2>(t.probs + j0, (kPartition + 2) * 2);
     alignas(64) float sums[2][G][kLanes];
     for (int oc = 0; oc < CH; oc += 2) {
