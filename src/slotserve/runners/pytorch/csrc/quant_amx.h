@@ -65,9 +65,9 @@ static inline void sum_sub_block(T& t, const Operands& op, const int8_t* x, cons
 // Sub-block u's sums (`sums`, stored from its C tile) scaled into the sixteen rows' running
 // sums (from row m0) as group_tile scales them.
 template <bool MIN, int SUB, int SUPER>
-static inline void scale_sub_block(const Operands& op, const uint8_t* group, int64_t m0,
-                                   int64_t u, const int32_t (&sums)[kTileRows][kLanes],
-                                   Acc (&running)[kTileRows]) {
+static inline __attribute__((always_inline)) void scale_sub_block(
+    const Operands& op, const uint8_t* group, int64_t m0, int64_t u,
+    const int32_t (&sums)[kTileRows][kLanes], Acc (&running)[kTileRows]) {
     constexpr int kSubBlocks = SUPER / SUB;
     const uint8_t* record = group + u / kSubBlocks * op.f.record_bytes();
     const int s = int(u % kSubBlocks);
@@ -75,6 +75,7 @@ static inline void scale_sub_block(const Operands& op, const uint8_t* group, int
     const SubBlockScales w = sub_block_scales<MIN, SUB, SUPER>(record, d, dmin, s);
     const int64_t at = u * SUB / kInputBlock * op.blocks.rows + m0;
     const float *step = op.blocks.step + at, *neg_sum = op.blocks.neg_sum + at;
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
         const Sums sum{_mm512_load_si512((const void*)sums[r])};
         running[r] = scaled_into<MIN>(running[r], sum, w, step[r], neg_sum[r]);
@@ -92,7 +93,11 @@ static void tile_rows(T& t, const Operands& op, const uint8_t* group, const int8
     const int8_t* x = op.xq8 + m0 * op.k;
     alignas(64) int32_t sums[2][kTileRows][kLanes];
     constexpr int64_t kStride = kLanes * sizeof(int32_t);
+    // Each loop over the rows whole, scale_sub_block's too: the running sums then stay in
+    // registers, where a loop's variable index would keep them in memory (a load and a store
+    // per row and sub-block).
     Acc running[kTileRows];
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) running[r] = acc_zero();
     sum_sub_block<0, 4, 6, SUB>(t, op, x, panel, 0);
     if (subs > 1) sum_sub_block<1, 5, 7, SUB>(t, op, x, panel, 1);
@@ -106,6 +111,7 @@ static void tile_rows(T& t, const Operands& op, const uint8_t* group, const int8
         if (u + 2 < subs) t.template store<0>(sums[0], kStride);
         scale_sub_block<MIN, SUB, SUPER>(op, group, m0, u + 1, sums[1], running);
     }
+#pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) acc_store(acc + r * kLanes, running[r]);
 }
 
