@@ -67,8 +67,8 @@ static void group_sums(T& t, const Operands& op, const uint16_t* a, int64_t a_st
     if constexpr (R > 1 && J > 1) t.template store<3>(&c[kRows][kLanes], kStride);
 }
 
-// store_group's steps sixteen outputs at a time (every AMX host has AVX512-BW): the same float
-// sum, the same rounding, the same bits.
+// store_group's steps sixteen outputs at a time (every AMX host runs the AVX-512 build,
+// cpu::runs_avx512): the same float sum, the same rounding, the same bits.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void store_group_avx512(
     const Operands& op, const float (&c)[kGroupRows][kBlockTiles * kLanes], int64_t m, int rows,
     int64_t first, int64_t last) {
@@ -94,8 +94,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void store_group_avx
 static void store_group(const Operands& op, const float (&c)[kGroupRows][kBlockTiles * kLanes],
                         int64_t m, int rows, int64_t b, int blocks) {
     const int64_t first = b * kLanes, last = std::min(op.n, (b + blocks) * kLanes);
-    static const bool wide =
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    static const bool wide = cpu::runs_avx512();
     if (wide) return store_group_avx512(op, c, m, rows, first, last);
     for (int r = 0; r < rows; ++r)
         for (int64_t o = first; o < last; ++o) {
