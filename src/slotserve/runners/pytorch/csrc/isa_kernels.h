@@ -28,6 +28,7 @@ namespace SLOTSERVE_ISA {
 #include "quant_pairs.h"
 #include "quant_byte_pairs.h"
 #include "quant_scales.h"
+#include "quant_inputs.h"
 #include "quant_gemm.h"
 #include "quant_panel.h"
 #include "kv_rows.h"

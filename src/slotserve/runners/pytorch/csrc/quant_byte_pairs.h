@@ -189,13 +189,13 @@ struct BytePairs {
 struct Nibbles {
     __m256i first_lo, last_lo, first_hi, last_hi;  // inputs 0-3's and 4-7's; outputs 0-7, 8-15
 };
-// Nibbles `low` with two high bits from `high` (its bits 4 - SHIFT and up) at bits 4-5 of each
-// byte.
-template <int SHIFT>
-static inline __attribute__((always_inline)) __m256i with_high(__m256i low, __m256i high) {
-    __m256i moved = high;
-    if constexpr (SHIFT > 0) moved = _mm256_slli_epi16(high, SHIFT);
-    if constexpr (SHIFT < 0) moved = _mm256_srli_epi16(high, -SHIFT);
+// Nibbles `low` with two high bits from `high` (its bits 4 - shift and up) at bits 4-5 of each
+// byte; `shift` is a constant once the caller is unrolled.
+static inline __attribute__((always_inline)) __m256i with_high(__m256i low, __m256i high,
+                                                               int shift) {
+    const __m256i moved = shift > 0   ? _mm256_slli_epi16(high, shift)
+                          : shift < 0 ? _mm256_srli_epi16(high, -shift)
+                                      : high;
     return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
 }
 template <int BITS, int OFFSET>
@@ -225,11 +225,11 @@ struct NibblePairs {
             const __m256i h_lo = _mm256_loadu_si256((const __m256i*)high);
             const __m256i h_hi = _mm256_loadu_si256((const __m256i*)(high + 32));
             if (unit % 2 == 0)
-                n = {with_high<0>(n.first_lo, h_lo), with_high<-2>(n.last_lo, h_lo),
-                     with_high<0>(n.first_hi, h_hi), with_high<-2>(n.last_hi, h_hi)};
+                n = {with_high(n.first_lo, h_lo, 0), with_high(n.last_lo, h_lo, -2),
+                     with_high(n.first_hi, h_hi, 0), with_high(n.last_hi, h_hi, -2)};
             else
-                n = {with_high<4>(n.first_lo, h_lo), with_high<2>(n.last_lo, h_lo),
-                     with_high<4>(n.first_hi, h_hi), with_high<2>(n.last_hi, h_hi)};
+                n = {with_high(n.first_lo, h_lo, 4), with_high(n.last_lo, h_lo, 2),
+                     with_high(n.first_hi, h_hi, 4), with_high(n.last_hi, h_hi, 2)};
         }
         return n;
     }
@@ -251,6 +251,34 @@ struct NibblePairs {
     static inline __attribute__((always_inline)) Sums widen(Partial p) {
         const __m256i ones = _mm256_set1_epi16(1);  // a lane's two int16 halves: one output's
         return {_mm256_madd_epi16(p.lo, ones), _mm256_madd_epi16(p.hi, ones)};
+    }
+    // `add` for MR rows at once (rows r's inputs at x + r · stride), one nibble plane after the
+    // other: half an operand in registers beside a tile's partial sums, where a whole one
+    // beside them would spill. The same products in another order: their int16 sums are exact.
+    // Four-bit codes only: a six-bit sub-block's products are widened halfway, and its
+    // running int32 sums beside the partial ones fill the registers whichever way it is added.
+    static constexpr bool kAddsTiles = BITS == 4;
+    template <int SUPER, int MR>
+    static inline __attribute__((always_inline)) void add_tile(Partial* partial,
+                                                               const uint8_t* codes,
+                                                               int64_t pair, const int8_t* x,
+                                                               int64_t stride) {
+        const __m256i* unit = (const __m256i*)(codes + pair * 16);
+        const __m256i nibble = _mm256_set1_epi8(0x0f);
+        for (int plane = 0; plane < 2; ++plane) {
+            const __m256i lo = _mm256_and_si256(
+                _mm256_srli_epi16(_mm256_loadu_si256(unit), 4 * plane), nibble);
+            const __m256i hi = _mm256_and_si256(
+                _mm256_srli_epi16(_mm256_loadu_si256(unit + 1), 4 * plane), nibble);
+            for (int r = 0; r < MR; ++r) {
+                const __m256i in = _mm256_set1_epi32(loaded<int32_t>(x + r * stride + 4 * plane));
+                partial[r].lo = _mm256_add_epi16(partial[r].lo, _mm256_maddubs_epi16(lo, in));
+                partial[r].hi = _mm256_add_epi16(partial[r].hi, _mm256_maddubs_epi16(hi, in));
+                // Each sum in its register here: GCC would otherwise add the two planes'
+                // products first, holding both planes' operands and spilling the sums.
+                asm("" : "+x"(partial[r].lo), "+x"(partial[r].hi));
+            }
+        }
     }
 };
 

@@ -7,7 +7,7 @@
 // d · sc and min = dmin · m per sub-block of 16 or 32 inputs (exact in float32: an fp16 times an
 // 8-bit integer). Each row's inputs are rounded to integers of at most 127 per block of 32,
 // q = rne(x · 127 / a) with a the block's largest |x| (one step a / 127, as llama.cpp's 8-bit
-// activations), Σ q kept per 16 inputs (quantize_row). An output then sums, sub-block by
+// activations), Σ q kept per 16 inputs (quant_inputs.h). An output then sums, sub-block by
 // sub-block from k = 0:
 //
 //   block = Σ v · q over the sub-block, in int32: exact, whatever the order of its terms
@@ -43,9 +43,18 @@ constexpr int kRowsPerTile = 4;
 #endif
 // Whether a sub-block's pairs are unrolled whole: five- and six-bit codes find their high bits
 // at places that are then constants. AVX2's sixteen registers hold a tile's sums and one
-// operand: the four- and eight-bit codes' unrolled operands would be decoded ahead and spilled.
+// operand: the four- and eight-bit codes' unrolled operands would be decoded ahead and spilled
+// (its four-bit codes unroll whole through add_tile, half an operand at a time).
 template <int BITS>
 constexpr bool kUnrollPairs = SLOTSERVE_AVX512 || BITS == 5 || BITS == 6;
+// Whether a tile's running sums wait in memory while its partial sums are formed: AVX2's
+// sixteen registers hold a tile's partial sums and half an operand, not its running sums too.
+constexpr bool kSumsWait = !SLOTSERVE_AVX512;
+// Whether Math adds a whole tile's rows in one call (add_tile), in an order of its own.
+template <class Math, class = void>
+constexpr bool kAddsTiles = false;
+template <class Math>
+constexpr bool kAddsTiles<Math, std::void_t<decltype(Math::kAddsTiles)>> = Math::kAddsTiles;
 constexpr int64_t kRowsPerPass = 64;      // rows whose running sums stay in the level-1 cache
 constexpr int64_t kPrefetchAhead = 2048;  // bytes of the weight stream requested before use
 
@@ -87,11 +96,12 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
     constexpr int kSubBlocks = SUPER / SUB, kPairs = SUB / 2;
     const int64_t supers = op.k / SUPER;
     const int64_t record_bytes = op.f.record_bytes(), header_bytes = op.f.header_bytes();
-    Acc running[MR];  // in registers until the end: a tile's rows are few
+    Acc running[MR];  // in registers until the end, or in `acc` between sub-blocks
     for (int r = 0; r < MR; ++r) running[r] = acc_zero();
+    if constexpr (kSumsWait)
+        for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
     const uint8_t* record = group;
     for (int64_t b = 0; b < supers; ++b, record += record_bytes) {
-        const Acc d = widen_f16(record), dmin = MIN ? widen_f16(record + 32) : acc_zero();
         const uint8_t* codes = record + header_bytes;
         for (int s = 0; s < kSubBlocks; ++s) {
             const int64_t first = b * SUPER + s * SUB;
@@ -113,43 +123,64 @@ static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, flo
             Sums sums[MR];
             typename Math::Partial partial[MR];
             for (int r = 0; r < MR; ++r) partial[r] = Math::zero();
-            constexpr int kUnrolled = kUnrollPairs<BITS> ? kPairs : Math::kPairsPerOperand;
+            constexpr bool kTileAdds = !DECODED && kAddsTiles<Math>;
+            constexpr int kUnrolled =
+                kUnrollPairs<BITS> || kTileAdds ? kPairs : Math::kPairsPerOperand;
+            // Whether the whole sub-block's products fit the partial sums: then they are
+            // widened once, after the loop, and stay in registers from pass to pass.
+            constexpr bool kOneFlush = Math::kFlush >= kPairs;
 #pragma GCC unroll 1
             for (int p0 = 0; p0 < kPairs; p0 += kUnrolled)
 #pragma GCC unroll 16  // whole: each pair's place among the high bits is then a constant
             for (int p = p0; p < p0 + kUnrolled; p += Math::kPairsPerOperand) {
-                typename Math::Operand w;
-                if constexpr (DECODED)
-                    w = decoded[(first / 2 + p) / Math::kPairsPerOperand];
-                else
-                    w = Math::template decode<SUPER>(codes, s * kPairs + p);
-                for (int r = 0; r < MR; ++r)
-                    partial[r] = Math::add(partial[r], w,
-                                           Math::inputs(op) + (m0 + r) * op.k + first + 2 * p);
+                if constexpr (kTileAdds) {
+                    const auto* x = Math::inputs(op) + m0 * op.k + first + 2 * p;
+                    Math::template add_tile<SUPER, MR>(partial, codes, s * kPairs + p, x, op.k);
+                } else {
+                    typename Math::Operand w;
+                    if constexpr (DECODED)
+                        w = decoded[(first / 2 + p) / Math::kPairsPerOperand];
+                    else
+                        w = Math::template decode<SUPER>(codes, s * kPairs + p);
+                    for (int r = 0; r < MR; ++r)
+                        partial[r] = Math::add(
+                            partial[r], w, Math::inputs(op) + (m0 + r) * op.k + first + 2 * p);
+                }
                 // The partial sums widened into the int32 ones before they can overflow (the
                 // first time they are the int32 sums: the word path adds nothing then).
                 const int done = p + Math::kPairsPerOperand;
-                if (done % Math::kFlush == 0 || done == kPairs)
+                if (!kOneFlush && (done % Math::kFlush == 0 || done == kPairs))
                     for (int r = 0; r < MR; ++r) {
                         const Sums widened = Math::widen(partial[r]);
                         sums[r] = done <= Math::kFlush ? widened : sums_plus(sums[r], widened);
                         partial[r] = Math::zero();
                     }
             }
+            if constexpr (kOneFlush)
+                for (int r = 0; r < MR; ++r) sums[r] = Math::widen(partial[r]);
             if constexpr (Math::kCodeOffset != 0) {
                 const int32_t* input_sum = input_sums<SUB>(op, m0, first);
                 for (int r = 0; r < MR; ++r)
                     sums[r] = sums_less(sums[r], Math::kCodeOffset * input_sum[r]);
             }
+            if constexpr (kSumsWait) {
+                // Read back from `acc` only now: GCC would hold them in registers throughout.
+                asm volatile("" ::: "memory");
+                for (int r = 0; r < MR; ++r) running[r] = gemmv::acc_load(acc + r * kLanes);
+            }
+            const Acc d = widen_f16(record), dmin = MIN ? widen_f16(record + 32) : acc_zero();
             const SubBlockScales w = sub_block_scales<MIN, SUB, SUPER>(record, d, dmin, s);
             const int64_t at = first / kInputBlock * op.blocks.rows + m0;  // rows m0, m0 + 1, ...
             const float *step = op.blocks.step + at, *neg_sum = op.blocks.neg_sum + at;
             static_assert(!MIN || SUB == kInputBlock, "a minimum per block of inputs");
             for (int r = 0; r < MR; ++r)
                 running[r] = scaled_into<MIN>(running[r], sums[r], w, step[r], neg_sum[r]);
+            if constexpr (kSumsWait)
+                for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
+    if constexpr (!kSumsWait)
+        for (int r = 0; r < MR; ++r) acc_store(acc + r * kLanes, running[r]);
 }
 
 // Rows from m of [m0, m1) in tiles of MR rows while whole ones fit; returns the first row left.
@@ -249,56 +280,6 @@ static void row_values(const Operands& op, int64_t row, uint16_t* out) {
             out[b * SUPER + 2 * p] = f32_to_bf16(scale * float(words[2 * lane]) - min);
             out[b * SUPER + 2 * p + 1] = f32_to_bf16(scale * float(words[2 * lane + 1]) - min);
         }
-    }
-}
-
-// The sum of v's eight int32 lanes.
-static inline int32_t lanes_summed(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
-
-// Row `row`'s inputs as integers of at most 127 per block of 32 (the module's comment), as int16
-// (q16, the word path's) and int8 (q8, the byte path's): q, and each block's step and sums.
-// AVX2 instructions on every instruction set: the largest |x| is exact in any order, the
-// product rounds once and vcvtps2dq rounds it to nearest even, as std::nearbyint does.
-static void quantize_row(const uint16_t* x, int64_t k, int16_t* q16, int8_t* q8,
-                         const InputBlocks& blocks, int64_t row) {
-    const int64_t rows = blocks.rows;
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i largest_q = _mm256_set1_epi32(kLargestInput);
-    const __m256i smallest_q = _mm256_set1_epi32(-kLargestInput);
-    for (int64_t b = 0; b < k / kInputBlock; ++b) {
-        __m256 v[4], top = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-            const __m128i h = _mm_loadu_si128((const __m128i*)(x + b * kInputBlock + 8 * i));
-            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        const float largest = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
-        const __m256 scale = _mm256_set1_ps(largest > 0.0f ? float(kLargestInput) / largest : 0.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) {
-            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
-            q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], largest_q), smallest_q);
-        }
-        // vpackssdw and vpacksswb interleave the 128-bit halves: vpermq puts them back in order.
-        const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
-        const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
-        _mm256_storeu_si256((__m256i*)(q16 + b * kInputBlock), w01);
-        _mm256_storeu_si256((__m256i*)(q16 + b * kInputBlock + 16), w23);
-        const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8);
-        _mm256_storeu_si256((__m256i*)(q8 + b * kInputBlock), bytes);
-        const int32_t first = lanes_summed(_mm256_add_epi32(q[0], q[1]));
-        const int32_t last = lanes_summed(_mm256_add_epi32(q[2], q[3]));
-        blocks.step[b * rows + row] = largest / float(kLargestInput);
-        blocks.sum16[2 * b * rows + row] = first;
-        blocks.sum16[(2 * b + 1) * rows + row] = last;
-        blocks.sum32[b * rows + row] = first + last;
-        blocks.neg_sum[b * rows + row] = -float(first + last);
     }
 }
 
