@@ -87,8 +87,8 @@ static inline const int32_t* input_sums(const Operands& op, int64_t m0, int64_t 
 // Output group g (its records at `group`) for rows [m0, m0 + MR) over the whole input: each
 // sub-block's input pairs decoded once in registers for the tile's rows (or read from
 // `decoded`, decode_group's), then the sub-block scaled into each row's running sum, kept in
-// registers and stored in `acc` ([rows][16] float32) at the end. Either way the same integers
-// meet in the same order.
+// registers (on AVX2 in `acc` between sub-blocks) and stored in `acc` ([rows][16] float32) at
+// the end. Either way the same integers meet in the same order.
 template <int BITS, int OFFSET, bool MIN, int SUB, int SUPER, int MR, bool DECODED>
 static void group_tile(const Operands& op, const uint8_t* group, int64_t m0, float* acc,
                        const typename PairMath<BITS, OFFSET>::Operand* decoded) {
